@@ -1,0 +1,1 @@
+//! dsv4-kernels
