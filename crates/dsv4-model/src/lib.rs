@@ -1,1 +1,4 @@
-//! dsv4-model
+//! DeepSeek-V4 model: configuration, checkpoint loading, the CPU reference forward pass,
+//! tokenizer and sampling.
+
+pub mod config;
