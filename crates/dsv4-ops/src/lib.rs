@@ -1,1 +1,3 @@
 //! dsv4-ops
+
+pub mod codecs;
