@@ -1,0 +1,116 @@
+// Helpers shared by every kernel family. Numeric conversions are written with integer
+// bit operations rather than cuda_bf16.h / cuda_fp8.h intrinsics: the NVRTC wheel ships no
+// CUDA headers, and the bit patterns must match the CPU codecs in dsv4_ops::codecs exactly
+// (saturation, NaN and signed-zero handling included).
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define DSV4_KERNEL extern "C" __global__
+
+namespace dsv4 {
+
+// ---- bf16 (stored as raw u16) ----
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
+
+// Round to nearest even; NaN keeps its top mantissa bits and becomes quiet (as the `half` crate).
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    const u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x40u);
+    const u32 round_bit = 0x8000u;
+    if ((x & round_bit) != 0u && (x & (3u * round_bit - 1u)) != 0u) return (u16)((x >> 16) + 1u);
+    return (u16)(x >> 16);
+}
+
+// ---- e4m3fn: bias 7, max 448, NaN = 0x7f/0xff, no infinity ----
+
+__device__ __forceinline__ float e4m3_to_f32(u8 b) {
+    const u32 e = (b >> 3) & 0xfu;
+    const u32 m = b & 7u;
+    float mag;
+    if (e == 15u && m == 7u) {
+        mag = __uint_as_float(0x7fc00000u);
+    } else if (e == 0u) {
+        mag = (float)m * (1.0f / 512.0f);
+    } else {
+        mag = __uint_as_float(((e + 120u) << 23) | (m << 20));
+    }
+    return (b & 0x80u) ? -mag : mag;
+}
+
+// Round to nearest even, saturating to +-448; NaN -> 0x7f.
+__device__ __forceinline__ u8 f32_to_e4m3(float x) {
+    const u32 bits = __float_as_uint(x);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fu;
+    const u32 sign = (bits >> 24) & 0x80u;
+    const float a = fabsf(x);
+    u32 mag;
+    if (a < 1.0f / 64.0f) {
+        // Subnormal range, uniform step 2^-9 (the scaling is exact).
+        mag = (u32)rintf(a * 512.0f);
+    } else {
+        const u32 b = __float_as_uint(a);
+        const u32 r = (b + 0x7ffffu + ((b >> 20) & 1u)) >> 20;
+        mag = min(r - (120u << 3), 0x7eu);
+    }
+    return (u8)(sign | mag);
+}
+
+// ---- e2m1: codes 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 = sign ----
+
+__device__ __forceinline__ float e2m1_to_f32(u32 code) {
+    // Magnitude m >= 2 is 2^((m >> 1) - 1) * (1 + (m & 1) / 2); m = 1 is the subnormal 0.5.
+    const u32 m = code & 7u;
+    const u32 mag = m == 0u ? 0u : m == 1u ? 0x3f000000u : (((m >> 1) + 126u) << 23) | ((m & 1u) << 22);
+    return __uint_as_float(mag | ((code & 8u) << 28));
+}
+
+// Round to nearest even onto the grid (ModelOpt bounds), saturating to +-6; NaN -> 0.
+__device__ __forceinline__ u32 f32_to_e2m1(float x) {
+    const u32 bits = __float_as_uint(x);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0u;
+    const float a = fabsf(x);
+    const u32 mag = (u32)(a > 0.25f) + (u32)(a >= 0.75f) + (u32)(a > 1.25f) + (u32)(a >= 1.75f) +
+                    (u32)(a > 2.5f) + (u32)(a >= 3.5f) + (u32)(a > 5.0f);
+    return mag | ((bits >> 28) & 8u);
+}
+
+// ---- e8m0 (ue8m0): value = 2^(byte - 127), 0xff = NaN ----
+
+__device__ __forceinline__ float e8m0_to_f32(u8 b) {
+    if (b == 0u) return __uint_as_float(1u << 22);
+    if (b == 0xffu) return __uint_as_float(0x7fc00000u);
+    return __uint_as_float((u32)b << 23);
+}
+
+__device__ __forceinline__ float pow2_clamped(int e) {
+    return e8m0_to_f32((u8)(max(-127, min(127, e)) + 127));
+}
+
+// Smallest power of two s in [2^-127, 2^127] with amax / s <= max_code (IEEE division, as the
+// CPU codec); zero or non-finite amax gives 1.0 (byte 127).
+__device__ __forceinline__ u8 e8m0_scale_for_amax(float amax, float max_code) {
+    if (!(isfinite(amax) && amax > 0.0f)) return 127u;
+    // Any start converges to the same exponent; log2 only makes the loops short.
+    int e = (int)ceilf(log2f(__fdiv_rn(amax, max_code)));
+    e = max(-127, min(127, e));
+    while (e > -127 && __fdiv_rn(amax, pow2_clamped(e - 1)) <= max_code) e--;
+    while (e < 127 && __fdiv_rn(amax, pow2_clamped(e)) > max_code) e++;
+    return (u8)(e + 127);
+}
+
+// ---- reductions ----
+
+// fmaxf ignores NaN, like f32::max on the CPU side.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+}  // namespace dsv4

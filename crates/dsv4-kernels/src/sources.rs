@@ -1,0 +1,116 @@
+//! The embedded CUDA sources.
+
+/// A header that kernel sources may `#include "<name>"`. NVRTC receives its contents, not a
+/// path, so compilation does not depend on the working directory.
+#[derive(Debug, Clone, Copy)]
+pub struct Header {
+    pub name: &'static str,
+    pub contents: &'static str,
+}
+
+/// One `.cu` file: compiled as one NVRTC program and loaded as one module.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelFamily {
+    pub name: &'static str,
+    pub file: &'static str,
+    pub source: &'static str,
+    /// Entry points declared with `DSV4_KERNEL` (extern "C", so names are unmangled).
+    pub functions: &'static [&'static str],
+}
+
+pub const HEADERS: &[Header] = &[Header {
+    name: "dsv4_common.cuh",
+    contents: include_str!("../kernels/dsv4_common.cuh"),
+}];
+
+pub const FAMILIES: &[KernelFamily] = &[KernelFamily {
+    name: "formats",
+    file: "formats.cu",
+    source: include_str!("../kernels/formats.cu"),
+    functions: &[
+        "nvfp4_act_amax",
+        "nvfp4_act_quantize",
+        "nvfp4_dequant",
+        "mxfp4_dequant",
+        "fp8_block_dequant_e8m0",
+        "fp8_block_dequant_f32",
+        "scale_swizzle_32_4_4",
+        "scale_unswizzle_32_4_4",
+        "kv_fp8_quantize",
+        "kv_fp8_dequant",
+    ],
+}];
+
+pub fn family(name: &str) -> Option<&'static KernelFamily> {
+    FAMILIES.iter().find(|f| f.name == name)
+}
+
+/// Names declared as `DSV4_KERNEL void <name>(` in a source.
+#[cfg(test)]
+pub(crate) fn declared_kernels(source: &str) -> Vec<&str> {
+    source
+        .split("DSV4_KERNEL void ")
+        .skip(1)
+        .filter_map(|rest| rest.split('(').next())
+        .map(str::trim)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn function_lists_match_the_sources() {
+        for f in FAMILIES {
+            let declared: Vec<&str> = declared_kernels(f.source);
+            let listed: Vec<&str> = f.functions.to_vec();
+            let mut d = declared.clone();
+            let mut l = listed.clone();
+            d.sort_unstable();
+            l.sort_unstable();
+            assert_eq!(
+                d, l,
+                "family {} declares {:?} but lists {:?}",
+                f.name, declared, listed
+            );
+        }
+    }
+
+    #[test]
+    fn names_are_unique_across_families() {
+        let mut seen = HashSet::new();
+        for f in FAMILIES {
+            assert!(
+                f.file.ends_with(".cu") && f.file.starts_with(f.name),
+                "{}",
+                f.file
+            );
+            for name in f.functions {
+                assert!(seen.insert(*name), "kernel {name} defined twice");
+            }
+        }
+    }
+
+    #[test]
+    fn includes_resolve_to_embedded_headers() {
+        let known: HashSet<&str> = HEADERS.iter().map(|h| h.name).collect();
+        let sources = FAMILIES
+            .iter()
+            .map(|f| f.source)
+            .chain(HEADERS.iter().map(|h| h.contents));
+        for src in sources {
+            for line in src
+                .lines()
+                .filter(|l| l.trim_start().starts_with("#include"))
+            {
+                let name = line
+                    .split('"')
+                    .nth(1)
+                    .unwrap_or_else(|| panic!("only quoted includes: {line}"));
+                assert!(known.contains(name), "{name} is not an embedded header");
+            }
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! `cargo xtask gpu-test`: build the test binaries that hold GPU tests, here (no GPU needed),
+//! and stage them in `.device-bin/` with a script that runs them on a GPU machine.
+//!
+//! GPU tests are `#[ignore]`d (so a plain `cargo test` reports them as not run) and have
+//! `gpu` in their path; the script runs exactly those with `--ignored gpu`, then again under
+//! compute-sanitizer's memcheck and racecheck. The binaries load the CUDA driver and NVRTC
+//! dynamically, so they run on any x86-64 Linux machine with a driver and CUDA 13 NVRTC.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+const DEFAULT_PACKAGES: &[&str] = &["dsv4-kernels", "dsv4-ops"];
+const OUT_DIR: &str = ".device-bin";
+const SCRIPT: &str = "run-gpu-tests.sh";
+
+pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
+    let mut packages: Vec<String> = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-p" | "--package" => {
+                packages.push(it.next().ok_or("-p needs a package name")?.clone())
+            }
+            other => return Err(format!("gpu-test: unknown argument `{other}`")),
+        }
+    }
+    if packages.is_empty() {
+        packages = DEFAULT_PACKAGES.iter().map(|s| s.to_string()).collect();
+    }
+
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.current_dir(root)
+        .args(["test", "--release", "--no-run", "--message-format=json"])
+        .args(packages.iter().flat_map(|p| ["-p", p.as_str()]))
+        .stderr(Stdio::inherit());
+    let output = cmd.output().map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !output.status.success() {
+        return Err(format!("cargo test --no-run failed ({})", output.status));
+    }
+
+    let out = root.join(OUT_DIR);
+    if out.exists() {
+        std::fs::remove_dir_all(&out)
+            .map_err(|e| format!("cannot clear {}: {e}", out.display()))?;
+    }
+    std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+
+    let mut binaries = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if msg["reason"] != "compiler-artifact" || msg["profile"]["test"] != true {
+            continue;
+        }
+        let Some(exe) = msg["executable"].as_str() else {
+            continue;
+        };
+        let crate_name = msg["package_id"]
+            .as_str()
+            .and_then(package_name)
+            .unwrap_or("unknown");
+        let target = msg["target"]["name"].as_str().unwrap_or("unknown");
+        let kinds = msg["target"]["kind"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        // The library's unit tests get `-lib`; integration tests keep their own name.
+        let name = if kinds.iter().any(|k| k == "lib") {
+            format!("{crate_name}-lib")
+        } else {
+            format!("{crate_name}-{target}")
+        };
+        let dest = out.join(&name);
+        std::fs::copy(exe, &dest).map_err(|e| format!("cannot copy {exe}: {e}"))?;
+        // Debug info is most of the size; symbols stay for backtraces.
+        let stripped = Command::new("strip")
+            .arg("--strip-debug")
+            .arg(&dest)
+            .status();
+        if !matches!(stripped, Ok(s) if s.success()) {
+            eprintln!("warning: could not strip {}; copied as is", dest.display());
+        }
+        binaries.push(name);
+    }
+    if binaries.is_empty() {
+        return Err("cargo produced no test executables".to_string());
+    }
+    binaries.sort();
+
+    let script = out.join(SCRIPT);
+    std::fs::write(&script, run_script(&binaries))
+        .map_err(|e| format!("cannot write {}: {e}", script.display()))?;
+    let total: u64 = binaries
+        .iter()
+        .filter_map(|b| std::fs::metadata(out.join(b)).ok())
+        .map(|m| m.len())
+        .sum();
+
+    println!(
+        "staged in {OUT_DIR}/ ({:.1} MiB):",
+        total as f64 / (1 << 20) as f64
+    );
+    for b in &binaries {
+        println!("  {OUT_DIR}/{b}");
+    }
+    println!();
+    println!("On a GPU machine, from the repository root (logs go to $OUT, else {OUT_DIR}/logs):");
+    println!("  bash {OUT_DIR}/{SCRIPT}");
+    println!("which runs, for each binary B:");
+    println!("  {OUT_DIR}/B --ignored --test-threads=1 gpu");
+    println!("  compute-sanitizer --tool memcheck --error-exitcode 99 {OUT_DIR}/B --ignored --test-threads=1 gpu");
+    println!("  compute-sanitizer --tool racecheck --error-exitcode 99 {OUT_DIR}/B --ignored --test-threads=1 gpu");
+    Ok(())
+}
+
+/// `name` from a package id: `path+file:///.../dsv4-ops#0.1.0` (cargo >= 1.77) or
+/// `dsv4-ops 0.1.0 (path+file://...)` (older).
+fn package_name(id: &str) -> Option<&str> {
+    if let Some((url, fragment)) = id.rsplit_once('#') {
+        // `.../name#version`, or `...#name@version` when the directory differs from the name.
+        match fragment.split_once('@') {
+            Some((name, _)) => Some(name),
+            None => url.rsplit('/').next(),
+        }
+    } else {
+        id.split_whitespace().next()
+    }
+}
+
+fn run_script(binaries: &[String]) -> String {
+    format!(
+        r#"#!/usr/bin/env bash
+# Runs the GPU tests staged by `cargo xtask gpu-test`: each binary normally, then under
+# compute-sanitizer memcheck and racecheck. Usage: bash {OUT_DIR}/{SCRIPT} [LOG_DIR]
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${{1:-${{OUT:-$here/logs}}}}
+mkdir -p "$logs"
+
+# NVRTC (CUDA 13) for the run-time kernel compiler, unless the loader already finds it.
+if ! ldconfig -p | grep -q 'libnvrtc.so.13'; then
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64; do
+    if [ -e "$d/libnvrtc.so.13" ]; then export LD_LIBRARY_PATH="$d${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"; break; fi
+  done
+fi
+# A private kernel cache: the first binary compiles (cold), the sanitizer runs reuse it.
+export DSV4_KERNEL_CACHE=${{DSV4_KERNEL_CACHE:-$(mktemp -d)}}
+
+binaries=({bins})
+status=0
+summary=""
+for b in "${{binaries[@]}}"; do
+  "$here/$b" --ignored --test-threads=1 gpu > "$logs/$b.log" 2>&1
+  rc=$?; cat "$logs/$b.log"; [ $rc -eq 0 ] || status=1
+  summary+="$b: exit $rc"$'\n'
+done
+if command -v compute-sanitizer > /dev/null; then
+  for tool in memcheck racecheck; do
+    for b in "${{binaries[@]}}"; do
+      compute-sanitizer --tool $tool --error-exitcode 99 "$here/$b" --ignored --test-threads=1 gpu > "$logs/$b.$tool.log" 2>&1
+      rc=$?; [ $rc -eq 0 ] || status=1
+      summary+="$b under $tool: exit $rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/$b.$tool.log" | tail -n 1)"$'\n'
+    done
+  done
+else
+  summary+="compute-sanitizer not found: memcheck and racecheck NOT run"$'\n'
+  status=1
+fi
+echo "==== summary ===="
+printf '%s' "$summary"
+exit $status
+"#,
+        bins = binaries.join(" ")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn package_names_from_both_id_formats() {
+        assert_eq!(
+            package_name("path+file:///work/main/crates/dsv4-ops#0.1.0"),
+            Some("dsv4-ops")
+        );
+        assert_eq!(
+            package_name("path+file:///work/main/tests#dsv4-tests@0.1.0"),
+            Some("dsv4-tests")
+        );
+        assert_eq!(
+            package_name("dsv4-ops 0.1.0 (path+file:///work/main/crates/dsv4-ops)"),
+            Some("dsv4-ops")
+        );
+    }
+
+    #[test]
+    fn script_lists_every_binary_and_both_sanitizer_tools() {
+        let s = run_script(&["a-lib".to_string(), "b-lib".to_string()]);
+        assert!(s.contains("binaries=(a-lib b-lib)"));
+        assert!(s.contains("for tool in memcheck racecheck"));
+        assert!(s.contains("--ignored --test-threads=1 gpu"));
+    }
+}
