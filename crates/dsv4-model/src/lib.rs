@@ -2,3 +2,6 @@
 //! tokenizer and sampling.
 
 pub mod config;
+pub mod tokenizer;
+pub mod chat;
+pub mod sampling;
