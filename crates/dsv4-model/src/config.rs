@@ -400,9 +400,10 @@ impl Config {
                 .iter()
                 .map(|r| match r.as_u64() {
                     Some(0) => Ok(LayerKind::Sliding),
-                    // DeepSeek's reference: the overlapping (CSA) compressor is the ratio-4 one.
-                    Some(4) => Ok(LayerKind::Csa { ratio: 4 }),
-                    Some(r) => Ok(LayerKind::Hca { ratio: r as usize }),
+                    // DeepSeek's reference: the overlapping (CSA) compressor is the ratio-4 one. As in
+                    // transformers, an explicit `compress_rates` overrides the rate of each type.
+                    Some(4) => Ok(LayerKind::Csa { ratio: if rates.is_some() { csa_rate } else { 4 } }),
+                    Some(r) => Ok(LayerKind::Hca { ratio: if rates.is_some() { hca_rate } else { r as usize } }),
                     None => Err(field_err("compress_ratios", format!("expected integers, found {r}"))),
                 })
                 .collect::<Result<_, _>>()?

@@ -1,0 +1,271 @@
+//! The float32 CPU reference forward pass. It is the oracle for every GPU kernel and the
+//! default backend without a GPU.
+//!
+//! A call processes a chunk of tokens layer by layer: projections run as one matmul over the
+//! chunk, while the order-dependent parts (window ring, compressors, indexer, attention) walk
+//! the chunk token by token. Every per-token value is computed in the same order whatever the
+//! chunking, so prefill in any chunks followed by 1-token decode reproduces one full forward.
+
+mod attention;
+mod compressor;
+mod mhc;
+mod moe;
+mod ops;
+
+use std::path::Path;
+
+use rayon::prelude::*;
+
+use crate::checkpoint::{Checkpoint, LoadError};
+use crate::config::{Config, LayerKind};
+use crate::rope::Rope;
+use crate::weights::{AttentionWeights, LayerWeights, ModelWeights};
+use attention::{attend, index_scores, top_k, Window};
+use compressor::CompressorState;
+use mhc::{hc_head, hc_post, hc_pre, HcMix, HcParams};
+use ops::{gather_columns, rms_norm, rms_norm_rows};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("token id {token} is outside the vocabulary (vocab_size {vocab})")]
+    TokenOutOfRange { token: u32, vocab: usize },
+    #[error("sequence of {needed} tokens exceeds the context limit of {limit} (max_position_embeddings)")]
+    ContextLimit { needed: usize, limit: usize },
+    #[error("empty input: at least one token is needed")]
+    Empty,
+}
+
+/// Which positions' logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// `[n, vocab]`: every token of the chunk.
+    All,
+    /// `[vocab]`: the chunk's last token (generation).
+    Last,
+}
+
+struct LayerState {
+    window: Window,
+    compressor: Option<CompressorState>,
+    indexer: Option<CompressorState>,
+}
+
+/// Everything decode needs from the tokens seen so far (spec §10).
+pub struct SequenceState {
+    pos: usize,
+    layers: Vec<LayerState>,
+}
+
+impl SequenceState {
+    /// Number of tokens processed.
+    pub fn len(&self) -> usize {
+        self.pos
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pos == 0
+    }
+}
+
+pub struct CpuModel {
+    config: Config,
+    weights: ModelWeights,
+    rope_main: Rope,
+    rope_compress: Rope,
+}
+
+impl CpuModel {
+    /// Opens a checkpoint directory and binds every tensor (weights stay memory-mapped).
+    pub fn load(dir: &Path, on_layer: impl FnMut(usize)) -> Result<CpuModel, LoadError> {
+        let ck = Checkpoint::open(dir)?;
+        let weights = ModelWeights::load(&ck, on_layer)?;
+        Ok(CpuModel::new(ck.config().clone(), weights))
+    }
+
+    pub fn new(config: Config, weights: ModelWeights) -> CpuModel {
+        CpuModel {
+            rope_main: Rope::for_layer(&config, false),
+            rope_compress: Rope::for_layer(&config, true),
+            config,
+            weights,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn new_state(&self) -> SequenceState {
+        let c = &self.config;
+        let layers = self
+            .weights
+            .layers
+            .iter()
+            .map(|l| LayerState {
+                window: Window::new(c.sliding_window, c.head_dim),
+                compressor: l.attn.compressor.as_ref().map(CompressorState::new),
+                indexer: l.attn.indexer.as_ref().map(|i| CompressorState::new(&i.compressor)),
+            })
+            .collect();
+        SequenceState { pos: 0, layers }
+    }
+
+    fn hc_params(&self) -> HcParams {
+        let c = &self.config;
+        HcParams { n: c.hc_mult, sinkhorn_iters: c.hc_sinkhorn_iters, hc_eps: c.hc_eps, norm_eps: c.rms_norm_eps }
+    }
+
+    /// Runs `tokens` after what `state` has seen and returns the requested logits.
+    pub fn forward(&self, state: &mut SequenceState, tokens: &[u32], which: Logits) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(ForwardError::Empty);
+        }
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(ForwardError::TokenOutOfRange { token, vocab: c.vocab_size });
+        }
+        let needed = state.pos + tokens.len();
+        if needed > c.max_position_embeddings {
+            return Err(ForwardError::ContextLimit { needed, limit: c.max_position_embeddings });
+        }
+        let d = c.hidden_size;
+        let n = tokens.len();
+        let hc = c.hc_dim();
+        // mHC state: n identical copies of the embedding per token.
+        let mut streams = vec![0.0f32; n * hc];
+        streams.par_chunks_mut(hc).zip(tokens.par_iter()).for_each(|(x, &t)| {
+            self.weights.embed.dequant_row(t as usize, &mut x[..d]);
+            let (first, rest) = x.split_at_mut(d);
+            rest.chunks_exact_mut(d).for_each(|copy| copy.copy_from_slice(first));
+        });
+        for (lw, ls) in self.weights.layers.iter().zip(state.layers.iter_mut()) {
+            self.layer(lw, ls, &mut streams, tokens, state.pos);
+        }
+        state.pos += n;
+
+        let rows: Vec<&[f32]> = match which {
+            Logits::All => streams.chunks_exact(hc).collect(),
+            Logits::Last => vec![&streams[(n - 1) * hc..]],
+        };
+        let p = self.hc_params();
+        let h: Vec<f32> = rows
+            .par_iter()
+            .flat_map_iter(|x| {
+                let mut y = hc_head(&self.weights.hc_head, x, &p);
+                rms_norm(&mut y, Some(&self.weights.norm), c.rms_norm_eps);
+                y
+            })
+            .collect();
+        let m = rows.len();
+        let mut logits = vec![0.0f32; m * c.vocab_size];
+        self.weights.head.matmul(&h, m, &mut logits);
+        Ok(logits)
+    }
+
+    /// Runs one mHC site: collapse, norm, `sublayer`, expand.
+    fn site(
+        &self,
+        hc_w: &crate::weights::HcWeights,
+        norm: &[f32],
+        streams: &mut [f32],
+        sublayer: impl FnOnce(&[f32]) -> Vec<f32>,
+    ) {
+        let c = &self.config;
+        let (d, hc) = (c.hidden_size, c.hc_dim());
+        let p = self.hc_params();
+        let (mixes, mut x): (Vec<HcMix>, Vec<Vec<f32>>) = streams.par_chunks(hc).map(|s| hc_pre(hc_w, s, &p)).unzip();
+        x.iter_mut().for_each(|row| rms_norm(row, Some(norm), c.rms_norm_eps));
+        let y = sublayer(&x.concat());
+        streams
+            .par_chunks_mut(hc)
+            .zip(y.par_chunks(d))
+            .zip(mixes.par_iter())
+            .for_each(|((s, y), mix)| hc_post(s, y, mix));
+    }
+
+    fn layer(&self, lw: &LayerWeights, ls: &mut LayerState, streams: &mut [f32], tokens: &[u32], pos0: usize) {
+        let c = &self.config;
+        self.site(&lw.hc_attn, &lw.attn_norm, streams, |x| self.attention(lw, ls, x, pos0));
+        self.site(&lw.hc_ffn, &lw.ffn_norm, streams, |h| {
+            moe::moe(&lw.moe, h, tokens, c.experts_per_token, c.routed_scaling_factor, c.swiglu_limit)
+        });
+    }
+
+    /// Attention for a chunk of normalized inputs `x` (`[n, D]`) at positions `pos0..`.
+    fn attention(&self, lw: &LayerWeights, ls: &mut LayerState, x: &[f32], pos0: usize) -> Vec<f32> {
+        let c = &self.config;
+        let w: &AttentionWeights = &lw.attn;
+        let (d, hd, eps) = (c.hidden_size, c.num_heads * c.head_dim, c.rms_norm_eps);
+        let n = x.len() / d;
+        let rope = if lw.kind == LayerKind::Sliding { &self.rope_main } else { &self.rope_compress };
+        let matmul = |lin: &crate::linear::Linear, input: &[f32]| {
+            let mut y = vec![0.0f32; n * lin.rows()];
+            lin.matmul(input, n, &mut y);
+            y
+        };
+
+        let mut q_lat = matmul(&w.wq_a, x);
+        rms_norm_rows(&mut q_lat, c.q_lora_rank, Some(&w.q_norm), eps);
+        let mut q = matmul(&w.wq_b, &q_lat);
+        let mut kv = matmul(&w.wkv, x);
+        rms_norm_rows(&mut kv, c.head_dim, Some(&w.kv_norm), eps);
+        q.par_chunks_mut(hd).zip(kv.par_chunks_mut(c.head_dim)).enumerate().for_each(|(s, (qs, kvs))| {
+            rms_norm_rows(qs, c.head_dim, None, eps);
+            rope.apply_each(qs, c.head_dim, pos0 + s, false);
+            rope.apply(kvs, pos0 + s, false);
+        });
+
+        let comp = w.compressor.as_ref().map(|cw| (matmul(&cw.wkv, x), matmul(&cw.wgate, x)));
+        let index = w.indexer.as_ref().map(|iw| {
+            let ic = c.index_head_dim;
+            let mut iq = matmul(&iw.wq_b, &q_lat);
+            iq.par_chunks_mut(c.index_n_heads * ic)
+                .enumerate()
+                .for_each(|(s, row)| self.rope_compress.apply_each(row, ic, pos0 + s, false));
+            let mut weights = matmul(&iw.weights_proj, x);
+            let scale = 1.0 / (c.index_n_heads as f32).sqrt();
+            weights.iter_mut().for_each(|v| *v *= scale);
+            (iq, weights, matmul(&iw.compressor.wkv, x), matmul(&iw.compressor.wgate, x))
+        });
+
+        let mut out = vec![0.0f32; n * hd];
+        for s in 0..n {
+            let pos = pos0 + s;
+            ls.window.push(pos, &kv[s * c.head_dim..(s + 1) * c.head_dim]);
+            if let (Some(cw), Some(st), Some((ckv, cgate))) = (&w.compressor, &mut ls.compressor, &comp) {
+                let k = ckv.len() / n;
+                st.push(cw, &ckv[s * k..(s + 1) * k], &cgate[s * k..(s + 1) * k], pos, &self.rope_compress, eps);
+            }
+            let mut keys: Vec<&[f32]> = ls.window.visible(pos).collect();
+            let compressed = ls.compressor.as_ref().map_or(&[][..], |st| st.entries());
+            let entries: Vec<&[f32]> = compressed.chunks_exact(c.head_dim).collect();
+            match (&w.indexer, &mut ls.indexer, &index) {
+                (Some(iw), Some(ist), Some((iq, iwts, ikv, igate))) => {
+                    let (ic, k) = (c.index_head_dim, ikv.len() / n);
+                    ist.push(&iw.compressor, &ikv[s * k..(s + 1) * k], &igate[s * k..(s + 1) * k], pos, &self.rope_compress, eps);
+                    let nh = c.index_n_heads;
+                    let scores = index_scores(&iq[s * nh * ic..(s + 1) * nh * ic], &iwts[s * nh..(s + 1) * nh], ist.entries(), ic);
+                    keys.extend(top_k(&scores, c.index_topk).into_iter().map(|e| entries[e]));
+                }
+                _ => keys.extend(entries),
+            }
+            let o = &mut out[s * hd..(s + 1) * hd];
+            attend(&q[s * hd..(s + 1) * hd], &keys, &w.sink, o);
+            rope.apply_each(o, c.head_dim, pos, true);
+        }
+
+        // Grouped output projection: group g maps its heads' outputs through rows g·r..(g+1)·r.
+        let (g, r) = (c.o_groups, c.o_lora_rank);
+        let gw = hd / g;
+        let mut z = vec![0.0f32; n * g * r];
+        for grp in 0..g {
+            let xin = gather_columns(&out, hd, grp * gw, gw);
+            let mut zg = vec![0.0f32; n * r];
+            w.wo_a.matmul_rows(grp * r, r, &xin, n, &mut zg);
+            for (dst, src) in z.chunks_exact_mut(g * r).zip(zg.chunks_exact(r)) {
+                dst[grp * r..(grp + 1) * r].copy_from_slice(src);
+            }
+        }
+        matmul(&w.wo_b, &z)
+    }
+}

@@ -1,0 +1,68 @@
+//! Small f32 primitives shared by the CPU reference layers.
+
+/// `x · rsqrt(mean(x²) + eps)`, times `weight` when given (spec §2).
+pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
+    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let r = 1.0 / (mean_sq + eps).sqrt();
+    match weight {
+        Some(w) => x.iter_mut().zip(w).for_each(|(v, w)| *v = w * (*v * r)),
+        None => x.iter_mut().for_each(|v| *v *= r),
+    }
+}
+
+/// Applies [`rms_norm`] to every `width`-sized row.
+pub fn rms_norm_rows(x: &mut [f32], width: usize, weight: Option<&[f32]>, eps: f32) {
+    x.chunks_exact_mut(width).for_each(|row| rms_norm(row, weight, eps));
+}
+
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// `ln(1 + eˣ)` without overflow.
+pub fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// Copies column block `[start, start + width)` of every row of a `[rows, stride]` matrix.
+pub fn gather_columns(x: &[f32], stride: usize, start: usize, width: usize) -> Vec<f32> {
+    x.chunks_exact(stride).flat_map(|row| &row[start..start + width]).copied().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_unit_rms() {
+        let mut x = vec![3.0, -4.0, 0.0, 5.0];
+        rms_norm(&mut x, None, 0.0);
+        let ms = x.iter().map(|v| v * v).sum::<f32>() / 4.0;
+        assert!((ms - 1.0).abs() < 1e-6);
+        let mut y = vec![1.0, 1.0];
+        rms_norm(&mut y, Some(&[2.0, 0.5]), 0.0);
+        assert_eq!(y, vec![2.0, 0.5]);
+    }
+
+    #[test]
+    fn softplus_is_stable_and_exact() {
+        assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
+        assert_eq!(softplus(200.0), 200.0);
+        assert!(softplus(-200.0) >= 0.0 && softplus(-200.0) < 1e-30);
+        assert!((softplus(1.5) - (1.0f32 + 1.5f32.exp()).ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gather_columns_picks_blocks() {
+        let x: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        assert_eq!(gather_columns(&x, 4, 1, 2), vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
+    }
+}
