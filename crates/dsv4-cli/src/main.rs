@@ -1,1 +1,309 @@
-fn main() {}
+//! `dsv4`: run DeepSeek-V4 checkpoints.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use dsv4_model::chat::{encode_chat, ChatMode, Message};
+use dsv4_model::checkpoint::Checkpoint;
+use dsv4_model::config::Config;
+use dsv4_model::cpu::{CpuModel, Logits};
+use dsv4_model::sampling::Sampler;
+use dsv4_model::synth::{write_synthetic, SynthFormat};
+use dsv4_model::tokenizer::Tokenizer;
+use dsv4_model::weights::ModelWeights;
+
+#[derive(Parser)]
+#[command(name = "dsv4", version, about = "DeepSeek-V4 (Flash / Pro) inference")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming tokens as they are produced.
+    Generate(GenerateArgs),
+    /// Write the logits of every position of a token-id sequence (for parity checks).
+    Logits(LogitsArgs),
+    /// Describe a checkpoint: layer schedule, tensor formats, parameters, bytes per token.
+    Info {
+        /// Checkpoint directory (config.json, safetensors, tokenizer.json).
+        #[arg(long)]
+        model: PathBuf,
+    },
+    /// Write a random-weight checkpoint laid out like the real releases.
+    Synth(SynthArgs),
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// Checkpoint directory (config.json, safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt in the DeepSeek-V4 chat template.
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: let the model think before answering.
+    #[arg(long, requires = "chat")]
+    thinking: bool,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass, in (0, 1].
+    #[arg(long, default_value_t = 1.0, value_parser = parse_top_p)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(clap::Args)]
+struct LogitsArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// Text file of token ids separated by spaces, commas or newlines.
+    #[arg(long)]
+    input_ids: PathBuf,
+    /// Output safetensors file with tensor `logits`, f32 [T, vocab].
+    #[arg(long)]
+    out: PathBuf,
+    /// Prefill chunk lengths (e.g. 19,18); the remaining tokens are decoded one at a time.
+    /// Without it: one full prefill.
+    #[arg(long, value_delimiter = ',')]
+    chunks: Option<Vec<usize>>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Preset {
+    Tiny,
+    Flash,
+    Pro,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Format {
+    /// transformers key names, BF16 everywhere.
+    Bf16,
+    /// DeepSeek release: FP8 128×128 linears, MXFP4 routed experts.
+    Official,
+    /// NVIDIA release: as official, routed experts NVFP4.
+    Nvfp4,
+}
+
+#[derive(clap::Args)]
+struct SynthArgs {
+    #[arg(long, value_enum, default_value = "tiny")]
+    preset: Preset,
+    /// Keep only the first N layers.
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long, value_enum, default_value = "official")]
+    format: Format,
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn parse_top_p(s: &str) -> Result<f32, String> {
+    let p: f32 = s.parse().map_err(|e| format!("{e}"))?;
+    if p > 0.0 && p <= 1.0 {
+        Ok(p)
+    } else {
+        Err(format!("{p} is not in (0, 1]"))
+    }
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Generate(a) => generate(a),
+        Command::Logits(a) => logits(a),
+        Command::Info { model } => info(&model),
+        Command::Synth(a) => synth(a),
+    }
+}
+
+fn load_model(dir: &Path) -> Result<CpuModel> {
+    let config = Config::from_dir(dir)?;
+    let bar = ProgressBar::new(config.num_layers as u64)
+        .with_style(ProgressStyle::with_template("loading {bar:30} {pos}/{len} layers {elapsed}").unwrap());
+    let model = CpuModel::load(dir, |_| bar.inc(1)).with_context(|| format!("loading {}", dir.display()))?;
+    bar.finish_and_clear();
+    Ok(model)
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let tokenizer = Tokenizer::from_dir(&a.model)?;
+    let model = load_model(&a.model)?;
+    let cfg = model.config();
+    let prompt_ids = if a.chat {
+        let mode = if a.thinking { ChatMode::Thinking } else { ChatMode::Chat };
+        // The template starts with BOS itself.
+        tokenizer.encode(&encode_chat(&[Message::user(&a.prompt)], mode), false)?
+    } else {
+        tokenizer.encode(&a.prompt, true)?
+    };
+    let needed = prompt_ids.len() + a.max_new_tokens;
+    if needed > cfg.max_position_embeddings {
+        bail!(
+            "prompt ({} tokens) + --max-new-tokens ({}) exceeds the context limit of {} tokens (max_position_embeddings)",
+            prompt_ids.len(),
+            a.max_new_tokens,
+            cfg.max_position_embeddings
+        );
+    }
+    let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed);
+    let mut state = model.new_state();
+    let mut stream = tokenizer.stream();
+    let mut out = std::io::stdout().lock();
+
+    let t0 = Instant::now();
+    let mut logits = model.forward(&mut state, &prompt_ids, Logits::Last)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut generated = 0;
+    while generated < a.max_new_tokens {
+        let token = sampler.sample(&logits);
+        generated += 1;
+        if cfg.eos_token_ids.contains(&token) {
+            break;
+        }
+        if let Some(text) = stream.push(token)? {
+            out.write_all(text.as_bytes())?;
+            out.flush()?;
+        }
+        if generated == a.max_new_tokens {
+            break;
+        }
+        logits = model.forward(&mut state, &[token], Logits::Last)?;
+    }
+    if let Some(text) = stream.finish()? {
+        out.write_all(text.as_bytes())?;
+    }
+    writeln!(out)?;
+    let decode_s = t1.elapsed().as_secs_f64();
+    eprintln!(
+        "prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.2} tok/s)",
+        prompt_ids.len(),
+        prefill_s,
+        prompt_ids.len() as f64 / prefill_s,
+        generated,
+        decode_s,
+        generated as f64 / decode_s
+    );
+    Ok(())
+}
+
+fn read_ids(path: &Path) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.split(|c: char| c.is_whitespace() || c == ',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<u32>().with_context(|| format!("{}: `{s}` is not a token id", path.display())))
+        .collect()
+}
+
+fn logits(a: LogitsArgs) -> Result<()> {
+    let ids = read_ids(&a.input_ids)?;
+    if ids.is_empty() {
+        bail!("{}: no token ids", a.input_ids.display());
+    }
+    let chunks = a.chunks.unwrap_or_else(|| vec![ids.len()]);
+    let prefill: usize = chunks.iter().sum();
+    if prefill > ids.len() || chunks.contains(&0) {
+        bail!("--chunks {chunks:?} must be positive and sum to at most the {} input tokens", ids.len());
+    }
+    let model = load_model(&a.model)?;
+    let mut state = model.new_state();
+    let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
+    let mut start = 0;
+    for len in chunks.into_iter().chain(std::iter::repeat_n(1, ids.len() - prefill)) {
+        all.extend(model.forward(&mut state, &ids[start..start + len], Logits::All)?);
+        start += len;
+    }
+    let shape = vec![ids.len(), model.config().vocab_size];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, bytemuck::cast_slice(&all))?;
+    safetensors::serialize_to_file([("logits", view)], None, &a.out)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!("wrote logits [{}, {}] to {}", ids.len(), model.config().vocab_size, a.out.display());
+    Ok(())
+}
+
+fn info(dir: &Path) -> Result<()> {
+    let ck = Checkpoint::open(dir)?;
+    let c = ck.config().clone();
+    let weights = ModelWeights::load(&ck, |_| {})?;
+    println!("model: {}", dir.display());
+    println!(
+        "hidden {} · layers {} · heads {}×{} (rope {}) · experts {} (top-{}, inter {}) · vocab {}",
+        c.hidden_size,
+        c.num_layers,
+        c.num_heads,
+        c.head_dim,
+        c.rope_dim,
+        c.n_routed_experts,
+        c.experts_per_token,
+        c.moe_intermediate_size,
+        c.vocab_size
+    );
+    println!("layer schedule:");
+    for (l, kind) in c.layers.iter().enumerate() {
+        let routing = if c.is_hash_layer(l) { "hash" } else { "learned" };
+        let ratio = if kind.ratio() > 0 { format!(" m={}", kind.ratio()) } else { String::new() };
+        println!("  {l:>3}: {}{ratio}, {routing} routing", kind.name());
+    }
+    println!("tensor formats:");
+    let summary = ck.summary();
+    println!("  {:?} key names, {} shard(s), {} MTP tensors skipped", summary.naming, summary.shards, summary.skipped_mtp);
+    for (format, s) in &summary.formats {
+        println!("  {format:<16} {:>7} tensors {:>16} params {:>10.3} GB", s.tensors, s.params, s.bytes as f64 / 1e9);
+    }
+    let p = c.parameter_count();
+    println!(
+        "parameters: {:.3} B total ({:.3} B attention, {:.3} B routed experts, {:.3} B shared experts, {:.3} B other); {:.3} B active per token",
+        p.total() as f64 / 1e9,
+        p.attention as f64 / 1e9,
+        p.routed_experts as f64 / 1e9,
+        p.shared_experts as f64 / 1e9,
+        p.other as f64 / 1e9,
+        (p.attention + p.active_routed_experts + p.shared_experts + p.other - c.vocab_size * c.hidden_size) as f64 / 1e9
+    );
+    let per_token = weights.decode_bytes_per_token(&c);
+    println!("weight bytes read per decoded token: {:.3} GB", per_token as f64 / 1e9);
+    Ok(())
+}
+
+fn synth(a: SynthArgs) -> Result<()> {
+    let mut config = match a.preset {
+        Preset::Tiny => Config::tiny(),
+        Preset::Flash => Config::flash(),
+        Preset::Pro => Config::pro(),
+    };
+    if let Some(n) = a.layers {
+        if n == 0 || n > config.num_layers {
+            bail!("--layers {n} must be in 1..={}", config.num_layers);
+        }
+        config = config.truncated(n);
+    }
+    let format = match a.format {
+        Format::Bf16 => SynthFormat::Bf16,
+        Format::Official => SynthFormat::Official,
+        Format::Nvfp4 => SynthFormat::Nvfp4,
+    };
+    let bar = ProgressBar::new(0)
+        .with_style(ProgressStyle::with_template("writing {bar:30} {bytes}/{total_bytes} {elapsed}").unwrap());
+    let written = write_synthetic(&config, format, &a.out, a.seed, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })?;
+    bar.finish_and_clear();
+    eprintln!("wrote a {:.3} GB synthetic checkpoint to {}", written as f64 / 1e9, a.out.display());
+    Ok(())
+}

@@ -1,0 +1,142 @@
+//! End-to-end checks of the `dsv4` binary.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use dsv4_tests::{fixtures, load_oracle, max_abs_diff};
+use safetensors::SafeTensors;
+
+fn dsv4(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dsv4")).args(args).output().expect("dsv4 runs")
+}
+
+fn write_ids(path: &Path, ids: &[u32]) {
+    let text: Vec<String> = ids.iter().map(u32::to_string).collect();
+    std::fs::write(path, text.join(", ")).unwrap();
+}
+
+#[test]
+fn logits_command_reproduces_every_oracle_fixture() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = fixtures();
+    assert!(dirs.len() >= 3);
+    for dir in dirs {
+        let oracle = load_oracle(&dir);
+        let ids_file = tmp.path().join("ids.txt");
+        write_ids(&ids_file, &oracle.input_ids);
+        for chunks in [None, Some("19,18")] {
+            let out_file = tmp.path().join("logits.safetensors");
+            let mut args = vec!["logits", "--model", dir.to_str().unwrap()];
+            args.extend(["--input-ids", ids_file.to_str().unwrap(), "--out", out_file.to_str().unwrap()]);
+            if let Some(c) = chunks {
+                args.extend(["--chunks", c]);
+            }
+            let out = dsv4(&args);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let bytes = std::fs::read(&out_file).unwrap();
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            let t = st.tensor("logits").unwrap();
+            assert_eq!(t.shape(), &[oracle.input_ids.len(), oracle.vocab]);
+            let got: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            let (diff, scale) = max_abs_diff(&got, &oracle.logits);
+            assert!(diff <= 1e-3 * scale, "{}: chunks {chunks:?}: max|Δ| {diff} vs max|logit| {scale}", dir.display());
+        }
+    }
+}
+
+#[test]
+fn prompt_past_the_context_limit_is_an_error_naming_the_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = &fixtures()[0];
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, model.join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg_path = model.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = 16.into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let ids_file = tmp.path().join("ids.txt");
+    write_ids(&ids_file, &(0..20).collect::<Vec<u32>>());
+    let out_file = tmp.path().join("out.safetensors");
+    let out = dsv4(&[
+        "logits",
+        "--model",
+        model.to_str().unwrap(),
+        "--input-ids",
+        ids_file.to_str().unwrap(),
+        "--out",
+        out_file.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("context limit of 16"), "{err}");
+    assert!(!out_file.exists());
+}
+
+#[test]
+fn bad_inputs_give_errors_not_panics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("nothing-here");
+    let out = dsv4(&["info", "--model", missing.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("config.json") && !err.contains("panicked"), "{err}");
+
+    let ids_file = tmp.path().join("ids.txt");
+    std::fs::write(&ids_file, "1 2 x3").unwrap();
+    let fixture = fixtures()[0].clone();
+    let out = dsv4(&[
+        "logits",
+        "--model",
+        fixture.to_str().unwrap(),
+        "--input-ids",
+        ids_file.to_str().unwrap(),
+        "--out",
+        tmp.path().join("o").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("`x3` is not a token id"), "{err}");
+
+    write_ids(&ids_file, &[1, 2, 100000]);
+    let out = dsv4(&[
+        "logits",
+        "--model",
+        fixture.to_str().unwrap(),
+        "--input-ids",
+        ids_file.to_str().unwrap(),
+        "--out",
+        tmp.path().join("o").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("token id 100000"), "{err}");
+}
+
+#[test]
+fn synth_then_generate_streams_text_and_info_describes_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    for format in ["official", "nvfp4", "bf16"] {
+        let model = tmp.path().join(format);
+        let m = model.to_str().unwrap();
+        let out = dsv4(&["synth", "--preset", "tiny", "--layers", "2", "--format", format, "--out", m]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = dsv4(&["generate", "--model", m, "--prompt", "Hello", "--max-new-tokens", "8", "--temperature", "0.9"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("tok/s"));
+        let out = dsv4(&["generate", "--model", m, "--prompt", "Hi", "--chat", "--max-new-tokens", "4"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = dsv4(&["info", "--model", m]);
+        let info = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(info.contains("layer schedule") && info.contains("csa m=4"), "{info}");
+        let expert_format = match format {
+            "official" => "mxfp4",
+            "nvfp4" => "nvfp4",
+            _ => "bf16",
+        };
+        assert!(info.to_lowercase().contains(expert_format), "{format}: {info}");
+    }
+}
