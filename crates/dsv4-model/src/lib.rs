@@ -5,3 +5,6 @@ pub mod config;
 pub mod tokenizer;
 pub mod chat;
 pub mod sampling;
+pub mod checkpoint;
+pub mod linear;
+pub mod synth;
