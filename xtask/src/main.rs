@@ -1,6 +1,7 @@
 //! Project tasks: `cargo xtask <task>`.
 
 mod check_kernels;
+mod demo;
 mod gpu_test;
 
 use std::path::PathBuf;
@@ -9,6 +10,10 @@ use std::process::ExitCode;
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
+  demo [--model DIR] [--prompt TEXT]
+                                   build dsv4 (release), write the tiny synthetic checkpoint to
+                                   target/demo-tiny unless --model names a real one, and
+                                   generate text from it on the CPU
   check-kernels [--arch ARCH]...   compile every CUDA kernel with NVRTC (default: sm_90a and
                                    sm_100a); fails on any error or warning. Installs NVRTC
                                    into target/nvrtc from PyPI when it is missing.
@@ -27,6 +32,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let root = workspace_root();
     let result = match args.first().map(String::as_str) {
+        Some("demo") => demo::run(&root, &args[1..]),
         Some("check-kernels") => check_kernels::run(&root, &args[1..]),
         Some("gpu-test") => gpu_test::run(&root, &args[1..]),
         Some("-h" | "--help" | "help") => {
