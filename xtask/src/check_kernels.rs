@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use dsv4_kernels::{compile_family, compile_options, nvrtc_version, Arch, FAMILIES};
+use dsv4_kernels::{
+    compile_family, compile_options, nvrtc_version, precompile, Arch, KernelCache, FAMILIES,
+};
 
 const CHILD_FLAG: &str = "--with-nvrtc-on-path";
 const NVRTC_WHEEL: &str = "nvidia-cuda-nvrtc==13.0.*";
@@ -34,7 +36,10 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
         archs = vec![Arch::Sm90a, Arch::Sm100a];
     }
     if child {
-        return check(&archs);
+        return check(
+            &archs,
+            &root.join("target").join("nvrtc").join("check-cache"),
+        );
     }
 
     let lib_dir = nvrtc_lib_dir(root)?;
@@ -130,7 +135,7 @@ fn find_lib(dir: &Path) -> Option<PathBuf> {
     subdirs.iter().find_map(|d| find_lib(d))
 }
 
-fn check(archs: &[Arch]) -> Result<(), String> {
+fn check(archs: &[Arch], cache_dir: &Path) -> Result<(), String> {
     let (major, minor) = nvrtc_version().map_err(|e| e.to_string())?;
     println!("NVRTC {major}.{minor}");
     let mut failures = Vec::new();
@@ -162,6 +167,19 @@ fn check(archs: &[Arch]) -> Result<(), String> {
             FAMILIES.len(),
             archs.len()
         );
+        // The same path as `dsv4 kernels --precompile`: compile into a cache, read it back.
+        let cache = KernelCache::new(cache_dir);
+        for &arch in archs {
+            let report = precompile(arch, &cache).map_err(|e| e.to_string())?;
+            for f in &report.families {
+                println!(
+                    "precompile {arch} {:<10} cold {:>6.1} ms, warm {:>5.2} ms",
+                    f.family,
+                    f.cold.as_secs_f64() * 1e3,
+                    f.warm.as_secs_f64() * 1e3
+                );
+            }
+        }
         Ok(())
     } else {
         Err(format!("kernel check failed:\n  {}", failures.join("\n  ")))

@@ -108,7 +108,7 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     println!("On a GPU machine, from the repository root (logs go to $OUT, else {OUT_DIR}/logs):");
     println!("  bash {OUT_DIR}/{SCRIPT}");
     println!("which runs, for each binary B:");
-    println!("  {OUT_DIR}/B --ignored --test-threads=1 gpu");
+    println!("  {OUT_DIR}/B --ignored --test-threads=1 --nocapture gpu");
     println!("  compute-sanitizer --tool memcheck --error-exitcode 99 {OUT_DIR}/B --ignored --test-threads=1 gpu");
     println!("  compute-sanitizer --tool racecheck --error-exitcode 99 {OUT_DIR}/B --ignored --test-threads=1 gpu");
     Ok(())
@@ -147,11 +147,12 @@ fi
 # A private kernel cache: the first binary compiles (cold), the sanitizer runs reuse it.
 export DSV4_KERNEL_CACHE=${{DSV4_KERNEL_CACHE:-$(mktemp -d)}}
 
+command -v nvidia-smi > /dev/null && nvidia-smi -L
 binaries=({bins})
 status=0
 summary=""
 for b in "${{binaries[@]}}"; do
-  "$here/$b" --ignored --test-threads=1 gpu > "$logs/$b.log" 2>&1
+  "$here/$b" --ignored --test-threads=1 --nocapture gpu > "$logs/$b.log" 2>&1
   rc=$?; cat "$logs/$b.log"; [ $rc -eq 0 ] || status=1
   summary+="$b: exit $rc"$'\n'
 done

@@ -1,3 +1,4 @@
 //! dsv4-ops
 
 pub mod codecs;
+pub mod gpu;

@@ -1,0 +1,72 @@
+//! GPU runtime: a [`Device`] (context, one capturable stream, loaded kernels), typed
+//! [`DeviceTensor`]s, a fixed-address [`BufferPool`], and launchers.
+//!
+//! Adding a kernel family, side by side:
+//! 1. `crates/dsv4-kernels/kernels/<family>.cu`, listed in `dsv4_kernels::FAMILIES`;
+//! 2. `gpu/<family>/mod.rs`: one launcher per kernel, taking `&Device` and tensors, checking
+//!    every dtype and shape (so the kernel can trust its arguments) and returning [`GpuError`];
+//! 3. `gpu/<family>/reference.rs`: the CPU reference of each launcher, on host slices;
+//! 4. `gpu/<family>/tests.rs`: `#[ignore]`d tests named `gpu_*` comparing launcher and
+//!    reference on fresh random inputs of random shapes (see `gpu::testing`), plus CPU-only
+//!    tests of the reference itself.
+
+mod device;
+pub mod formats;
+mod launch;
+mod pool;
+mod tensor;
+#[cfg(test)]
+pub(crate) mod testing;
+
+pub use device::Device;
+pub use pool::{BufferInfo, BufferPool, PoolError, Reservation};
+pub use tensor::{DType, DeviceElem, DeviceTensor};
+
+pub use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig};
+pub use dsv4_kernels::{Arch, KernelCache, KernelError, Kernels};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("no CUDA driver library (libcuda.so) on this machine")]
+    NoDriver,
+    #[error("no CUDA device {ordinal} (the driver reports {count})")]
+    NoDevice { ordinal: usize, count: usize },
+    #[error("CUDA driver error while {what}: {source}")]
+    Driver {
+        what: String,
+        #[source]
+        source: DriverError,
+    },
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    #[error("{what}: dtype {found:?} where {expected:?} is needed")]
+    DType {
+        what: String,
+        expected: DType,
+        found: DType,
+    },
+    #[error("{what}: shape {found:?} where {expected:?} is needed")]
+    Shape {
+        what: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("{what}: {detail}")]
+    Invalid { what: String, detail: String },
+}
+
+impl GpuError {
+    pub(crate) fn driver(what: impl Into<String>) -> impl FnOnce(DriverError) -> GpuError {
+        let what = what.into();
+        move |source| GpuError::Driver { what, source }
+    }
+
+    pub(crate) fn invalid(what: impl Into<String>, detail: impl Into<String>) -> GpuError {
+        GpuError::Invalid {
+            what: what.into(),
+            detail: detail.into(),
+        }
+    }
+}

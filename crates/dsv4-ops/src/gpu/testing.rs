@@ -1,0 +1,101 @@
+//! Shared pieces of the GPU tests.
+
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::Device;
+
+/// The first GPU. GPU tests are `#[ignore]`d, so this only runs when they were asked for
+/// explicitly; without a GPU that request fails loudly rather than passing.
+pub(crate) fn device() -> Device {
+    let count = Device::count().unwrap_or(0);
+    assert!(
+        count > 0,
+        "this GPU test was requested (--ignored) but the machine has no CUDA device"
+    );
+    Device::new(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"))
+}
+
+/// A fresh generator per test; the seed is printed (and `DSV4_TEST_SEED` replays one).
+pub(crate) fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("DSV4_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    println!("{test}: seed {seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+/// Byte used to poison outputs before a launch, so unwritten elements show up.
+pub(crate) const POISON: u8 = 0xa5;
+
+/// Random bf16 values over a wide dynamic range, with exact zeros and (if `specials`)
+/// NaN, infinities and subnormals mixed in.
+pub(crate) fn random_bf16(rng: &mut StdRng, n: usize, specials: bool) -> Vec<bf16> {
+    let range_exp: i32 = rng.random_range(-30..30);
+    (0..n)
+        .map(|_| {
+            let pick: u32 = rng.random_range(0..1000);
+            if specials && pick < 3 {
+                [bf16::NAN, bf16::INFINITY, bf16::NEG_INFINITY][pick as usize]
+            } else if specials && pick < 10 {
+                bf16::from_bits(rng.random_range(1..0x80) | (rng.random::<u16>() & 0x8000))
+            } else if pick < 20 {
+                bf16::ZERO
+            } else {
+                let m: f32 = rng.random_range(-2.0..2.0);
+                bf16::from_f32(m * 2f32.powi(range_exp + rng.random_range(-8..8)))
+            }
+        })
+        .collect()
+}
+
+/// Blocks of `block` consecutive values, some of them all zero.
+pub(crate) fn zero_some_blocks(rng: &mut StdRng, v: &mut [bf16], block: usize) {
+    for chunk in v.chunks_mut(block) {
+        if rng.random_range(0..16) == 0 {
+            chunk.fill(bf16::ZERO);
+        }
+    }
+}
+
+pub(crate) fn random_bytes(rng: &mut StdRng, n: usize) -> Vec<u8> {
+    (0..n).map(|_| rng.random()).collect()
+}
+
+/// Bit-exact comparison, except that any NaN matches any NaN (GPU arithmetic returns the
+/// canonical NaN where the CPU propagates the operand's payload).
+pub(crate) fn assert_bf16_eq(what: &str, got: &[bf16], want: &[bf16]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let bad: Vec<usize> = (0..got.len())
+        .filter(|&i| {
+            got[i].to_bits() != want[i].to_bits() && !(got[i].is_nan() && want[i].is_nan())
+        })
+        .collect();
+    if let Some(&i) = bad.first() {
+        panic!(
+            "{what}: {} of {} elements differ; first at {i}: got {:#06x} ({}), want {:#06x} ({})",
+            bad.len(),
+            got.len(),
+            got[i].to_bits(),
+            got[i],
+            want[i].to_bits(),
+            want[i]
+        );
+    }
+}
+
+pub(crate) fn assert_bytes_eq(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let bad: Vec<usize> = (0..got.len()).filter(|&i| got[i] != want[i]).collect();
+    if let Some(&i) = bad.first() {
+        panic!(
+            "{what}: {} of {} bytes differ; first at {i}: got {:#04x}, want {:#04x}",
+            bad.len(),
+            got.len(),
+            got[i],
+            want[i]
+        );
+    }
+}
