@@ -263,7 +263,7 @@ fn info(dir: &Path) -> Result<()> {
     let summary = ck.summary();
     println!("  {:?} key names, {} shard(s), {} MTP tensors skipped", summary.naming, summary.shards, summary.skipped_mtp);
     for (format, s) in &summary.formats {
-        println!("  {format:<16} {:>7} tensors {:>16} params {:>10.3} GB", s.tensors, s.params, s.bytes as f64 / 1e9);
+        println!("  {format:<26} {:>7} tensors {:>16} params {:>10.3} GB", s.tensors, s.params, s.bytes as f64 / 1e9);
     }
     let p = c.parameter_count();
     println!(
