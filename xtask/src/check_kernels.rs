@@ -4,7 +4,8 @@
 //! cudarc loads libnvrtc with dlopen by name (`libnvrtc.so`, `libnvrtc.so.13`, ...), which only
 //! searches the loader path fixed at process start. So the parent process makes sure a CUDA 13
 //! NVRTC exists (installing the PyPI wheel into `target/nvrtc` if needed) and re-runs itself
-//! with that library directory on `LD_LIBRARY_PATH`; the child does the compiling.
+//! with that library directory on `LD_LIBRARY_PATH`; the child does the compiling. Then the
+//! NVRTC-dependent unit tests of dsv4-kernels run with the same loader path.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -61,13 +62,32 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
                 .iter()
                 .flat_map(|a| ["--arch".to_string(), a.to_string()]),
         )
-        .env("LD_LIBRARY_PATH", ld_path)
+        .env("LD_LIBRARY_PATH", &ld_path)
         .status()
         .map_err(|e| format!("cannot re-run xtask: {e}"))?;
+    if !status.success() {
+        return Err("check-kernels failed".to_string());
+    }
+    // The unit tests that need NVRTC are #[ignore]d in a plain `cargo test`; run them here.
+    let status = Command::new(env!("CARGO"))
+        .current_dir(root)
+        .args([
+            "test",
+            "--quiet",
+            "-p",
+            "dsv4-kernels",
+            "--lib",
+            "--",
+            "--ignored",
+            "nvrtc_",
+        ])
+        .env("LD_LIBRARY_PATH", &ld_path)
+        .status()
+        .map_err(|e| format!("cannot run cargo test: {e}"))?;
     if status.success() {
         Ok(())
     } else {
-        Err("check-kernels failed".to_string())
+        Err("the NVRTC unit tests of dsv4-kernels failed".to_string())
     }
 }
 

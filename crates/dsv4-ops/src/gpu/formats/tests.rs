@@ -24,7 +24,7 @@ fn poisoned<T: crate::gpu::DeviceElem>(
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_device_and_kernels_load() {
     let dev = device();
     println!("{} ({}), arch {}", dev.name(), dev.ordinal(), dev.arch());
@@ -48,7 +48,7 @@ fn gpu_device_and_kernels_load() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_pool_hands_out_fixed_disjoint_buffers_and_refuses_late_reservations() {
     let dev = device();
     let mut pool = BufferPool::new();
@@ -100,7 +100,7 @@ fn gpu_pool_hands_out_fixed_disjoint_buffers_and_refuses_late_reservations() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_nvfp4_act_quantize_matches_reference() {
     let dev = device();
     let mut rng = rng("gpu_nvfp4_act_quantize_matches_reference");
@@ -158,7 +158,7 @@ fn gpu_nvfp4_act_quantize_matches_reference() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_nvfp4_act_quantize_replays_in_a_cuda_graph() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let dev = device();
@@ -214,7 +214,7 @@ fn gpu_nvfp4_act_quantize_replays_in_a_cuda_graph() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_nvfp4_dequant_matches_reference() {
     let dev = device();
     let mut rng = rng("gpu_nvfp4_dequant_matches_reference");
@@ -244,7 +244,7 @@ fn gpu_nvfp4_dequant_matches_reference() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_mxfp4_dequant_matches_reference() {
     let dev = device();
     let mut rng = rng("gpu_mxfp4_dequant_matches_reference");
@@ -276,7 +276,7 @@ fn gpu_mxfp4_dequant_matches_reference() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_fp8_block_dequant_matches_reference() {
     let dev = device();
     let mut rng = rng("gpu_fp8_block_dequant_matches_reference");
@@ -315,7 +315,7 @@ fn gpu_fp8_block_dequant_matches_reference() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_scale_swizzle_matches_reference_and_inverts() {
     let dev = device();
     let mut rng = rng("gpu_scale_swizzle_matches_reference_and_inverts");
@@ -349,7 +349,7 @@ fn gpu_scale_swizzle_matches_reference_and_inverts() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_kv_fp8_records_match_reference() {
     let dev = device();
     let mut rng = rng("gpu_kv_fp8_records_match_reference");
@@ -383,7 +383,7 @@ fn gpu_kv_fp8_records_match_reference() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_launchers_reject_mismatched_tensors() {
     let dev = device();
     let x = dev.alloc::<bf16>(DType::BF16, &[4, 64]).unwrap();
