@@ -38,6 +38,16 @@ enum Command {
     },
     /// Write a random-weight checkpoint laid out like the real releases.
     Synth(SynthArgs),
+    /// Manage the CUDA kernel cache ($DSV4_KERNEL_CACHE or the user cache dir).
+    Kernels {
+        /// Compile every kernel into the cache now (needs NVRTC, no GPU) and report the
+        /// cold-compile and warm-load time of each family.
+        #[arg(long, required = true)]
+        precompile: bool,
+        /// Target architectures (sm_90a, sm_100a, compute_XY).
+        #[arg(long = "arch", default_values = ["sm_90a", "sm_100a"])]
+        archs: Vec<String>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -128,6 +138,7 @@ fn main() -> Result<()> {
         Command::Logits(a) => logits(a),
         Command::Info { model } => info(&model),
         Command::Synth(a) => synth(a),
+        Command::Kernels { precompile: _, archs } => precompile_kernels(&archs),
     }
 }
 
@@ -305,5 +316,29 @@ fn synth(a: SynthArgs) -> Result<()> {
     })?;
     bar.finish_and_clear();
     eprintln!("wrote a {:.3} GB synthetic checkpoint to {}", written as f64 / 1e9, a.out.display());
+    Ok(())
+}
+
+fn precompile_kernels(archs: &[String]) -> Result<()> {
+    let cache = dsv4_kernels::KernelCache::from_env()?;
+    for name in archs {
+        let arch = dsv4_kernels::Arch::parse(name)?;
+        let report = dsv4_kernels::precompile(arch, &cache)?;
+        let (major, minor) = report.nvrtc_version;
+        println!("{arch}: NVRTC {major}.{minor}, cache {}", report.cache_dir.display());
+        let (mut cold, mut warm) = (0.0, 0.0);
+        for f in &report.families {
+            println!(
+                "  {:<16} cold {:>9.2} ms  warm {:>7.3} ms  {:>8} bytes",
+                f.family,
+                f.cold.as_secs_f64() * 1e3,
+                f.warm.as_secs_f64() * 1e3,
+                f.image_bytes
+            );
+            cold += f.cold.as_secs_f64();
+            warm += f.warm.as_secs_f64();
+        }
+        println!("  all families     cold {:>9.2} ms  warm {:>7.3} ms", cold * 1e3, warm * 1e3);
+    }
     Ok(())
 }
