@@ -8,3 +8,6 @@ pub mod sampling;
 pub mod checkpoint;
 pub mod linear;
 pub mod synth;
+pub mod rope;
+pub mod weights;
+pub mod cpu;
