@@ -10,6 +10,14 @@ fn dsv4(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_dsv4")).args(args).output().expect("dsv4 runs")
 }
 
+/// `dsv4 logits --model M --input-ids IDS --out OUT [extra...]`.
+fn logits(model: &Path, ids: &Path, out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--input-ids", ids.to_str().unwrap()];
+    args.extend(["--out", out.to_str().unwrap()]);
+    args.extend(extra);
+    dsv4(&args)
+}
+
 fn write_ids(path: &Path, ids: &[u32]) {
     let text: Vec<String> = ids.iter().map(u32::to_string).collect();
     std::fs::write(path, text.join(", ")).unwrap();
@@ -26,12 +34,8 @@ fn logits_command_reproduces_every_oracle_fixture() {
         write_ids(&ids_file, &oracle.input_ids);
         for chunks in [None, Some("19,18")] {
             let out_file = tmp.path().join("logits.safetensors");
-            let mut args = vec!["logits", "--model", dir.to_str().unwrap()];
-            args.extend(["--input-ids", ids_file.to_str().unwrap(), "--out", out_file.to_str().unwrap()]);
-            if let Some(c) = chunks {
-                args.extend(["--chunks", c]);
-            }
-            let out = dsv4(&args);
+            let extra = chunks.map(|c| vec!["--chunks", c]).unwrap_or_default();
+            let out = logits(&dir, &ids_file, &out_file, &extra);
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
             let bytes = std::fs::read(&out_file).unwrap();
             let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -61,15 +65,7 @@ fn prompt_past_the_context_limit_is_an_error_naming_the_limit() {
     let ids_file = tmp.path().join("ids.txt");
     write_ids(&ids_file, &(0..20).collect::<Vec<u32>>());
     let out_file = tmp.path().join("out.safetensors");
-    let out = dsv4(&[
-        "logits",
-        "--model",
-        model.to_str().unwrap(),
-        "--input-ids",
-        ids_file.to_str().unwrap(),
-        "--out",
-        out_file.to_str().unwrap(),
-    ]);
+    let out = logits(&model, &ids_file, &out_file, &[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("context limit of 16"), "{err}");
@@ -88,28 +84,12 @@ fn bad_inputs_give_errors_not_panics() {
     let ids_file = tmp.path().join("ids.txt");
     std::fs::write(&ids_file, "1 2 x3").unwrap();
     let fixture = fixtures()[0].clone();
-    let out = dsv4(&[
-        "logits",
-        "--model",
-        fixture.to_str().unwrap(),
-        "--input-ids",
-        ids_file.to_str().unwrap(),
-        "--out",
-        tmp.path().join("o").to_str().unwrap(),
-    ]);
+    let out = logits(&fixture, &ids_file, &tmp.path().join("o"), &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("`x3` is not a token id"), "{err}");
 
     write_ids(&ids_file, &[1, 2, 100000]);
-    let out = dsv4(&[
-        "logits",
-        "--model",
-        fixture.to_str().unwrap(),
-        "--input-ids",
-        ids_file.to_str().unwrap(),
-        "--out",
-        tmp.path().join("o").to_str().unwrap(),
-    ]);
+    let out = logits(&fixture, &ids_file, &tmp.path().join("o"), &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("token id 100000"), "{err}");
 }

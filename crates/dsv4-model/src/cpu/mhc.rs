@@ -112,7 +112,7 @@ mod tests {
 
     #[test]
     fn post_uses_transposed_comb() {
-        // Two streams of width 1: X = [1, 10], y = 0, C = [[0, 1], [1, 0]] swaps... use asymmetric C.
+        // Two streams of width 1, X = [1, 10], y = 0, asymmetric C = [[0.25, 0.75], [0.5, 0.5]].
         let mix = HcMix { post: vec![0.0, 0.0], comb: vec![0.25, 0.75, 0.5, 0.5] };
         let mut x = vec![1.0, 10.0];
         hc_post(&mut x, &[0.0], &mix);
