@@ -223,8 +223,9 @@ impl Linear {
     }
 }
 
-/// Dot product with 16 independent f32 accumulators combined in a fixed tree order:
-/// vectorizes well and gives the same result for the same inputs on every call.
+/// Dot product with 16 independent f32 accumulators (lane `k` sums the products at indices
+/// `≡ k mod 16`) combined in a fixed tree order: fast, and the same result for the same inputs
+/// on every call.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
@@ -233,6 +234,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let cb = b.chunks_exact(16);
     let (ta, tb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
+        let x: &[f32; 16] = x.try_into().expect("chunks of 16");
+        let y: &[f32; 16] = y.try_into().expect("chunks of 16");
         for k in 0..16 {
             acc[k] += x[k] * y[k];
         }

@@ -48,17 +48,23 @@ pub fn f32_from_le(bytes: &[u8], out: &mut [f32]) {
 
 /// Encodes f32 values as little-endian bf16 (round to nearest even), appending to `out`.
 pub fn f32_to_bf16_bytes(x: &[f32], out: &mut Vec<u8>) {
-    out.reserve(2 * x.len());
-    for &v in x {
-        out.extend_from_slice(&bf16::from_f32(v).to_le_bytes());
-    }
+    let mut h = vec![bf16::ZERO; x.len()];
+    h.convert_from_f32_slice(x);
+    extend_le(h.reinterpret_cast(), out);
 }
 
 /// Encodes f32 values as little-endian f16 (round to nearest even), appending to `out`.
 pub fn f32_to_f16_bytes(x: &[f32], out: &mut Vec<u8>) {
-    out.reserve(2 * x.len());
-    for &v in x {
-        out.extend_from_slice(&f16::from_f32(v).to_le_bytes());
+    let mut h = vec![f16::ZERO; x.len()];
+    h.convert_from_f32_slice(x);
+    extend_le(h.reinterpret_cast(), out);
+}
+
+fn extend_le(bits: &[u16], out: &mut Vec<u8>) {
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(bits));
+    } else {
+        out.extend(bits.iter().flat_map(|b| b.to_le_bytes()));
     }
 }
 
