@@ -132,10 +132,12 @@ fn read_shard(path: &Path) -> Result<Vec<(String, Entry)>, LoadError> {
     let blob = Blob::from_mmap(map);
     let file: Arc<Path> = Arc::from(path);
     let mut out = Vec::new();
-    for (name, info) in meta.tensors() {
+    // In offset order, so a truncated file reports the first tensor it cuts.
+    for name in meta.offset_keys() {
+        let info = meta.info(&name).expect("offset_keys lists known tensors");
         let (s, e) = info.data_offsets;
-        let end = data_start + e;
-        let Some(tensor_blob) = blob.slice(data_start + s..end) else {
+        let end = data_start.saturating_add(e);
+        let Some(tensor_blob) = blob.slice(data_start.saturating_add(s)..end) else {
             return Err(LoadError::Truncated { tensor: name, file: path.to_path_buf(), end, len });
         };
         out.push((
