@@ -443,7 +443,7 @@ impl Config {
                 return Err(field_err(name, "must be positive"));
             }
         }
-        if self.rope_dim == 0 || self.rope_dim % 2 != 0 || self.rope_dim > self.head_dim {
+        if self.rope_dim == 0 || !self.rope_dim.is_multiple_of(2) || self.rope_dim > self.head_dim {
             return Err(field_err(
                 "qk_rope_head_dim",
                 format!("must be even and in 2..={} (head_dim), found {}", self.head_dim, self.rope_dim),
@@ -452,7 +452,7 @@ impl Config {
         if self.rope_dim > self.index_head_dim {
             return Err(field_err("index_head_dim", format!("must be at least the rope dim {}", self.rope_dim)));
         }
-        if self.num_heads % self.o_groups != 0 {
+        if !self.num_heads.is_multiple_of(self.o_groups) {
             return Err(field_err(
                 "o_groups",
                 format!("must divide num_attention_heads ({}), found {}", self.num_heads, self.o_groups),
@@ -719,7 +719,9 @@ impl Config {
         Value::Object(m)
     }
 
-    /// Parameters of the main model (MTP excluded), counting every routed expert.
+    /// Trainable parameters of the main model (MTP excluded), counting every routed expert.
+    /// The routing tables `tid2eid` and the selection-only router biases are buffers, not
+    /// parameters, and are left out (as in the published totals).
     pub fn parameter_count(&self) -> ParameterCount {
         let d = self.hidden_size;
         let hd = self.num_heads * self.head_dim;

@@ -250,41 +250,9 @@ pub fn scale_swizzle_32_4_4(
     scales: &DeviceTensor<u8>,
     out: &mut DeviceTensor<u8>,
 ) -> Result<(), GpuError> {
-    let (rows, cols) = match scales.shape() {
-        &[r, c] => (r, c),
-        s => {
-            return Err(GpuError::invalid(
-                "swizzle input",
-                format!("expected 2-D, got {s:?}"),
-            ))
-        }
-    };
-    if !matches!(scales.dtype(), DType::E4M3 | DType::E8M0) {
-        return Err(GpuError::invalid(
-            "swizzle input",
-            format!("{:?} is not a scale dtype", scales.dtype()),
-        ));
-    }
+    let (rows, cols) = scale_dims("swizzle input", scales)?;
     out.expect("swizzle output", scales.dtype(), &swizzled_dims(rows, cols))?;
-    let n = out.len() as u64;
-    if n == 0 {
-        return Ok(());
-    }
-    let (r32, c32) = (dim_u32("rows", rows)?, dim_u32("cols", cols)?);
-    let f = dev.function("scale_swizzle_32_4_4")?;
-    let mut o = out.view_mut();
-    // SAFETY: shapes checked above.
-    unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(scales.slice())
-            .arg(&r32)
-            .arg(&c32)
-            .arg(&mut o)
-            .launch(elementwise(n))
-    }
-    .map_err(launch_err("scale_swizzle_32_4_4"))?;
-    Ok(())
+    launch_swizzle(dev, "scale_swizzle_32_4_4", scales, out, rows, cols)
 }
 
 /// Inverse of [`scale_swizzle_32_4_4`]: `swizzled` back to row-major `out [rows, cols]`.
@@ -293,40 +261,49 @@ pub fn scale_unswizzle_32_4_4(
     swizzled: &DeviceTensor<u8>,
     out: &mut DeviceTensor<u8>,
 ) -> Result<(), GpuError> {
-    let (rows, cols) = match out.shape() {
-        &[r, c] => (r, c),
-        s => {
-            return Err(GpuError::invalid(
-                "unswizzle output",
-                format!("expected 2-D, got {s:?}"),
-            ))
-        }
-    };
-    if !matches!(out.dtype(), DType::E4M3 | DType::E8M0) {
-        return Err(GpuError::invalid(
-            "unswizzle output",
-            format!("{:?} is not a scale dtype", out.dtype()),
-        ));
-    }
+    let (rows, cols) = scale_dims("unswizzle output", out)?;
     swizzled.expect("unswizzle input", out.dtype(), &swizzled_dims(rows, cols))?;
+    launch_swizzle(dev, "scale_unswizzle_32_4_4", swizzled, out, rows, cols)
+}
+
+/// `(rows, cols)` of a row-major scale matrix, which must be 2-D E4M3 or E8M0.
+fn scale_dims(what: &str, scales: &DeviceTensor<u8>) -> Result<(usize, usize), GpuError> {
+    let &[rows, cols] = scales.shape() else {
+        return Err(GpuError::invalid(what, format!("expected 2-D, got {:?}", scales.shape())));
+    };
+    if !matches!(scales.dtype(), DType::E4M3 | DType::E8M0) {
+        return Err(GpuError::invalid(what, format!("{:?} is not a scale dtype", scales.dtype())));
+    }
+    Ok((rows, cols))
+}
+
+/// One thread per output byte of a (un)swizzle over a `[rows, cols]` row-major scale matrix.
+fn launch_swizzle(
+    dev: &Device,
+    kernel: &'static str,
+    input: &DeviceTensor<u8>,
+    out: &mut DeviceTensor<u8>,
+    rows: usize,
+    cols: usize,
+) -> Result<(), GpuError> {
     let n = out.len() as u64;
     if n == 0 {
         return Ok(());
     }
     let (r32, c32) = (dim_u32("rows", rows)?, dim_u32("cols", cols)?);
-    let f = dev.function("scale_unswizzle_32_4_4")?;
+    let f = dev.function(kernel)?;
     let mut o = out.view_mut();
-    // SAFETY: shapes checked above.
+    // SAFETY: the callers checked both shapes against [rows, cols].
     unsafe {
         dev.stream()
             .launch_builder(f)
-            .arg(swizzled.slice())
+            .arg(input.slice())
             .arg(&r32)
             .arg(&c32)
             .arg(&mut o)
             .launch(elementwise(n))
     }
-    .map_err(launch_err("scale_unswizzle_32_4_4"))?;
+    .map_err(launch_err(kernel))?;
     Ok(())
 }
 
