@@ -18,28 +18,78 @@ pub struct KernelFamily {
     pub functions: &'static [&'static str],
 }
 
-pub const HEADERS: &[Header] = &[Header {
-    name: "dsv4_common.cuh",
-    contents: include_str!("../kernels/dsv4_common.cuh"),
-}];
+pub const HEADERS: &[Header] = &[
+    Header {
+        name: "dsv4_common.cuh",
+        contents: include_str!("../kernels/dsv4_common.cuh"),
+    },
+    Header {
+        name: "gemv_tile.cu",
+        contents: include_str!("../kernels/gemv_tile.cu"),
+    },
+];
 
-pub const FAMILIES: &[KernelFamily] = &[KernelFamily {
-    name: "formats",
-    file: "formats.cu",
-    source: include_str!("../kernels/formats.cu"),
-    functions: &[
-        "nvfp4_act_amax",
-        "nvfp4_act_quantize",
-        "nvfp4_dequant",
-        "mxfp4_dequant",
-        "fp8_block_dequant_e8m0",
-        "fp8_block_dequant_f32",
-        "scale_swizzle_32_4_4",
-        "scale_unswizzle_32_4_4",
-        "kv_fp8_quantize",
-        "kv_fp8_dequant",
-    ],
-}];
+pub const FAMILIES: &[KernelFamily] = &[
+    KernelFamily {
+        name: "formats",
+        file: "formats.cu",
+        source: include_str!("../kernels/formats.cu"),
+        functions: &[
+            "nvfp4_act_amax",
+            "nvfp4_act_quantize",
+            "nvfp4_dequant",
+            "mxfp4_dequant",
+            "fp8_block_dequant_e8m0",
+            "fp8_block_dequant_f32",
+            "scale_swizzle_32_4_4",
+            "scale_unswizzle_32_4_4",
+            "kv_fp8_quantize",
+            "kv_fp8_dequant",
+        ],
+    },
+    KernelFamily {
+        name: "gemv",
+        file: "gemv.cu",
+        source: include_str!("../kernels/gemv.cu"),
+        functions: &[
+            "gemv_bf16_m8",
+            "gemv_bf16_m16",
+            "gemv_fp8_m8",
+            "gemv_fp8_m16",
+            "gemv_nvfp4_m8",
+            "gemv_nvfp4_m16",
+            "gemv_mxfp4_m8",
+            "gemv_mxfp4_m16",
+            "gemv_swiglu_bf16_m8",
+            "gemv_swiglu_bf16_m16",
+            "gemv_swiglu_fp8_m8",
+            "gemv_swiglu_fp8_m16",
+            "gemv_swiglu_nvfp4_m8",
+            "gemv_swiglu_nvfp4_m16",
+            "gemv_swiglu_mxfp4_m8",
+            "gemv_swiglu_mxfp4_m16",
+        ],
+    },
+    KernelFamily {
+        name: "moe",
+        file: "moe.cu",
+        source: include_str!("../kernels/moe.cu"),
+        functions: &[
+            "moe_gate_up_nvfp4_m8",
+            "moe_gate_up_nvfp4_m16",
+            "moe_gate_up_mxfp4_m8",
+            "moe_gate_up_mxfp4_m16",
+            "moe_down_nvfp4_m8",
+            "moe_down_nvfp4_m16",
+            "moe_down_mxfp4_m8",
+            "moe_down_mxfp4_m16",
+            "moe_down_nvfp4_m8_f32",
+            "moe_down_nvfp4_m16_f32",
+            "moe_down_mxfp4_m8_f32",
+            "moe_down_mxfp4_m16_f32",
+        ],
+    },
+];
 
 pub fn family(name: &str) -> Option<&'static KernelFamily> {
     FAMILIES.iter().find(|f| f.name == name)

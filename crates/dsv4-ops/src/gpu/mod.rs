@@ -11,8 +11,11 @@
 //!    tests of the reference itself.
 
 mod device;
+pub mod bandwidth;
 pub mod formats;
+pub mod gemv;
 mod launch;
+pub mod moe;
 mod pool;
 mod tensor;
 #[cfg(test)]

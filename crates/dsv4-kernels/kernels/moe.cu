@@ -1,0 +1,257 @@
+// Grouped routed-expert MoE for decode, in two launches and without a host round trip:
+//
+//   moe_gate_up_*: one block per (8-row tile of the intermediate, selected (token, slot) pair).
+//     The first pair that selected an expert does the work for every token that selected it
+//     (later duplicates exit), so each selected expert's w1/w3 are read once. Fused gate+up
+//     with the clamped SwiGLU epilogue into h[m, topk, inter] (bf16).
+//   moe_down_*: one block per 16-row tile of the output. Every block walks the distinct
+//     selected experts in ascending id order, a group at a time: its warps interleave over the
+//     group's (expert, K step) items and park each item's partial in shared memory, then warp 0
+//     sums each expert's steps in order and adds it, times the token's routing weight, to the
+//     tokens that chose it. Each token's output is therefore a fixed-order sum over its own
+//     experts, independent of timing and of the other tokens' choices, with no atomics.
+//
+// Expert ids outside [0, experts) select nothing. Both kernels use the tile code of gemv_tile.cu
+// with NVFP4 or MXFP4 weights stacked over experts.
+#include "gemv_tile.cu"
+
+// Kernel arguments (layout mirrored by `MoeArgs` in dsv4_ops::gpu::moe).
+struct MoeArgs {
+    const u16* x;          // [m, d] bf16
+    const int* ids;        // [m, topk]
+    const float* weights;  // [m, topk]
+    const u8* w1;          // [experts, inter, d/2]
+    const u8* w3;          // [experts, inter, d/2]
+    const u8* w2;          // [experts, d, inter/2]
+    const u8* s1;          // w1 scales (NVFP4 e4m3 per 16, MXFP4 e8m0 per 32)
+    const u8* s3;
+    const u8* s2;
+    const float* g1;       // NVFP4 global scales [experts] (null for MXFP4)
+    const float* g3;
+    const float* g2;
+    u16* h;                // [m, topk, inter] bf16
+    void* out;             // [m, d] bf16 or f32
+    u32 m, topk, experts, d, inter;
+    float limit;
+};
+
+namespace moe {
+
+constexpr u32 MAX_PAIRS = 256;
+// Shared-memory floats for the down kernel's item partials (32 KiB).
+constexpr u32 PART_FLOATS = 8192;
+
+__device__ __forceinline__ bool valid_expert(int e, u32 experts) { return e >= 0 && (u32)e < experts; }
+
+// First slot of token t that selected e, or -1.
+__device__ __forceinline__ int slot_of(const int* ids, u32 topk, u32 t, int e) {
+    for (u32 j = 0; j < topk; ++j)
+        if (ids[t * topk + j] == e) return (int)j;
+    return -1;
+}
+
+template <int F>
+__device__ __forceinline__ float post_scale(const float* g, int e) {
+    return F == gemv::NVFP4 ? __fmul_rn(__ldg(g + e), 65536.0f) : 65536.0f;
+}
+
+template <int F>
+__device__ __forceinline__ u64 scale_row_bytes(u32 k) {
+    return F == gemv::NVFP4 ? k / 16u : k / 32u;
+}
+
+template <int F, int MT>
+__device__ __forceinline__ void gate_up(const MoeArgs& a) {
+    using namespace gemv;
+    const u32 tile = blockIdx.x, pair = blockIdx.y;
+    const int e = __ldg(a.ids + pair);
+    if (!valid_expert(e, a.experts)) return;
+    for (u32 p = 0; p < pair; ++p)
+        if (__ldg(a.ids + p) == e) return;
+
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 g = lane >> 2, q = lane & 3u;
+    const u32 r = tile * 8 + g;
+    const u64 rb = a.d / 2, sb = scale_row_bytes<F>(a.d);
+    const u64 row = (u64)e * a.inter + r;
+    Lane L;
+    L.w_lo = r < a.inter ? a.w1 + row * rb : nullptr;
+    L.w_hi = r < a.inter ? a.w3 + row * rb : nullptr;
+    L.s_lo = r < a.inter ? a.s1 + row * sb : nullptr;
+    L.s_hi = r < a.inter ? a.s3 + row * sb : nullptr;
+    L.x_lo = (g < a.m && slot_of(a.ids, a.topk, g, e) >= 0) ? a.x + (u64)g * a.d : nullptr;
+    L.x_hi = (MT == 2 && g + 8 < a.m && slot_of(a.ids, a.topk, g + 8, e) >= 0) ? a.x + (u64)(g + 8) * a.d
+                                                                                 : nullptr;
+    L.chunks = a.d / 32u;
+    L.fp8_bc = 0;
+    L.fp8_f32 = false;
+
+    float acc[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
+    const u32 steps = (L.chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+    for (u32 s = warp; s < steps; s += nw) tile_step<F, MT>(L, s, q, acc);
+    if (!reduce_warps<MT>(acc)) return;
+    if (r >= a.inter) return;
+
+    const float p1 = post_scale<F>(a.g1, e), p3 = post_scale<F>(a.g3, e);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (u32 i = 0; i < 2; ++i) {
+            const u32 m = mt * 8 + 2 * q + i;
+            if (m >= a.m) continue;
+            const u16 v = f32_to_bf16(swiglu(acc[mt][i] * p1, acc[mt][i + 2] * p3, a.limit));
+            // Every slot of the token that chose e (normally exactly one).
+            for (u32 j = 0; j < a.topk; ++j)
+                if (a.ids[m * a.topk + j] == e) a.h[((u64)m * a.topk + j) * a.inter + r] = v;
+        }
+}
+
+template <int F, int MT, bool OUT_F32>
+__device__ __forceinline__ void down(const MoeArgs& a) {
+    using namespace gemv;
+    __shared__ int ids[MAX_PAIRS];
+    __shared__ float wts[MAX_PAIRS];
+    __shared__ unsigned char first[MAX_PAIRS];
+    __shared__ int uniq[MAX_PAIRS];
+    const u32 pairs = a.m * a.topk;
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        ids[i] = __ldg(a.ids + i);
+        wts[i] = __ldg(a.weights + i);
+    }
+    __syncthreads();
+    // Distinct valid experts, sorted: a pair is the representative of its expert if no earlier
+    // pair has it; its rank is the number of smaller representatives.
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        bool f = valid_expert(ids[i], a.experts);
+        for (u32 p = 0; p < i && f; ++p) f = ids[p] != ids[i];
+        first[i] = f;
+    }
+    __syncthreads();
+    u32 distinct = 0;
+    for (u32 p = 0; p < pairs; ++p) distinct += first[p];
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        if (!first[i]) continue;
+        u32 rank = 0;
+        for (u32 p = 0; p < pairs; ++p) rank += (first[p] && ids[p] < ids[i]);
+        uniq[rank] = ids[i];
+    }
+    __syncthreads();
+
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 g = lane >> 2, q = lane & 3u;
+    const u32 tile = blockIdx.x;
+    const u32 r_lo = tile * 16 + g, r_hi = tile * 16 + 8 + g;
+    const u64 rb = a.inter / 2, sb = scale_row_bytes<F>(a.inter);
+    const u32 chunks = a.inter / 32u;
+    const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+
+    // Item partials of one group of experts: [item][MT * 4][lane].
+    __shared__ float part[PART_FLOATS];
+    constexpr u32 PER_ITEM = MT * 4 * 32;
+    const u32 group = max(1u, (PART_FLOATS / PER_ITEM) / steps);
+
+    float acc[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
+
+    for (u32 g0 = 0; g0 < distinct; g0 += group) {
+        const u32 items = min(group, distinct - g0) * steps;
+        for (u32 it = warp; it < items; it += nw) {
+            const int e = uniq[g0 + it / steps];
+            Lane L;
+            L.w_lo = r_lo < a.d ? a.w2 + ((u64)e * a.d + r_lo) * rb : nullptr;
+            L.w_hi = r_hi < a.d ? a.w2 + ((u64)e * a.d + r_hi) * rb : nullptr;
+            L.s_lo = r_lo < a.d ? a.s2 + ((u64)e * a.d + r_lo) * sb : nullptr;
+            L.s_hi = r_hi < a.d ? a.s2 + ((u64)e * a.d + r_hi) * sb : nullptr;
+            L.x_lo = L.x_hi = nullptr;
+            if (g < a.m) {
+                const int j = slot_of(ids, a.topk, g, e);
+                if (j >= 0) L.x_lo = a.h + ((u64)g * a.topk + j) * a.inter;
+            }
+            if (MT == 2 && g + 8 < a.m) {
+                const int j = slot_of(ids, a.topk, g + 8, e);
+                if (j >= 0) L.x_hi = a.h + ((u64)(g + 8) * a.topk + j) * a.inter;
+            }
+            L.chunks = chunks;
+            L.fp8_bc = 0;
+            L.fp8_f32 = false;
+            float t[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) t[m][i] = 0.0f;
+            tile_step<F, MT>(L, it % steps, q, t);
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) part[it * PER_ITEM + (m * 4 + i) * 32 + lane] = t[m][i];
+        }
+        __syncthreads();
+        if (warp == 0) {
+            for (u32 ui = 0; ui < items / steps; ++ui) {
+                const int e = uniq[g0 + ui];
+                const float post = post_scale<F>(a.g2, e);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (u32 i = 0; i < 2; ++i) {
+                        // Accumulator column m = token; its routing weight for e (all slots).
+                        const u32 m = mt * 8 + 2 * q + i;
+                        float w = 0.0f;
+                        if (m < a.m)
+                            for (u32 j = 0; j < a.topk; ++j)
+                                if (ids[m * a.topk + j] == e) w += wts[m * a.topk + j];
+                        if (w == 0.0f) continue;  // tokens without e stay untouched
+                        const float f = w * post;
+#pragma unroll
+                        for (u32 hi = 0; hi < 2; ++hi) {
+                            const u32 idx = mt * 4 + i + 2 * hi;
+                            float tot = 0.0f;
+                            for (u32 st = 0; st < steps; ++st) tot += part[(ui * steps + st) * PER_ITEM + idx * 32 + lane];
+                            acc[mt][i + 2 * hi] = fmaf(f, tot, acc[mt][i + 2 * hi]);
+                        }
+                    }
+            }
+        }
+        __syncthreads();
+    }
+    if (warp != 0) return;
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (u32 i = 0; i < 2; ++i) {
+            const u32 m = mt * 8 + 2 * q + i;
+            if (m >= a.m) continue;
+            if (OUT_F32) {
+                float* o = static_cast<float*>(a.out);
+                if (r_lo < a.d) o[(u64)m * a.d + r_lo] = acc[mt][i];
+                if (r_hi < a.d) o[(u64)m * a.d + r_hi] = acc[mt][i + 2];
+            } else {
+                u16* o = static_cast<u16*>(a.out);
+                if (r_lo < a.d) o[(u64)m * a.d + r_lo] = f32_to_bf16(acc[mt][i]);
+                if (r_hi < a.d) o[(u64)m * a.d + r_hi] = f32_to_bf16(acc[mt][i + 2]);
+            }
+        }
+}
+
+}  // namespace moe
+
+DSV4_KERNEL void moe_gate_up_nvfp4_m8(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 1>(a); }
+DSV4_KERNEL void moe_gate_up_nvfp4_m16(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 2>(a); }
+DSV4_KERNEL void moe_gate_up_mxfp4_m8(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 1>(a); }
+DSV4_KERNEL void moe_gate_up_mxfp4_m16(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 2>(a); }
+DSV4_KERNEL void moe_down_nvfp4_m8(const MoeArgs a) { moe::down<gemv::NVFP4, 1, false>(a); }
+DSV4_KERNEL void moe_down_nvfp4_m16(const MoeArgs a) { moe::down<gemv::NVFP4, 2, false>(a); }
+DSV4_KERNEL void moe_down_mxfp4_m8(const MoeArgs a) { moe::down<gemv::MXFP4, 1, false>(a); }
+DSV4_KERNEL void moe_down_mxfp4_m16(const MoeArgs a) { moe::down<gemv::MXFP4, 2, false>(a); }
+DSV4_KERNEL void moe_down_nvfp4_m8_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 1, true>(a); }
+DSV4_KERNEL void moe_down_nvfp4_m16_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 2, true>(a); }
+DSV4_KERNEL void moe_down_mxfp4_m8_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 1, true>(a); }
+DSV4_KERNEL void moe_down_mxfp4_m16_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 2, true>(a); }

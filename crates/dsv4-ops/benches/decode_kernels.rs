@@ -1,0 +1,589 @@
+//! Decode kernels at M = 1 on DeepSeek-V4 Flash and Pro shapes: every attention projection
+//! (FP8 block), the indexer wq_b, routed-expert gate+up (fused) and down (NVFP4, MXFP4), the
+//! shared expert (FP8), lm_head (BF16) and the six-expert grouped MoE of a Flash layer; next to
+//! cuBLAS BF16 GEMV on a matrix of the same byte size.
+//!
+//! Method: each measurement is a CUDA graph of back-to-back launches, replayed and timed with
+//! CUDA events; the time per launch is the replay time over the launch count. Launches rotate
+//! over enough weight copies that one round touches at least 3x the L2 size, so weights come
+//! from HBM (matrices larger than that use one copy). The MoE rotates over random routings of
+//! a 256-expert layer. Bytes counted: weights and scales, plus activations read and written.
+//! The ceiling is a 1 GiB device-to-device copy timed with events (read + write bytes).
+//!
+//! `cargo bench -p dsv4-ops --bench decode_kernels` (criterion); a markdown table is printed at
+//! the end and written to `$DSV4_BENCH_TABLE` when set.
+
+use std::time::Duration;
+
+use criterion::Criterion;
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::sys::{
+    CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
+use cudarc::driver::CudaGraph;
+use dsv4_ops::codecs::fp8_block::ScaleFormat;
+use dsv4_ops::codecs::mxfp4::Mxfp4Quantized;
+use dsv4_ops::codecs::nvfp4::Nvfp4Quantized;
+use dsv4_ops::gpu::bandwidth::measure_copy_bandwidth;
+use dsv4_ops::gpu::gemv::{self, GemvWeight, GemvWorkspace, HostWeight};
+use dsv4_ops::gpu::moe::{self, MoeExperts, MoeFormat, MoeOut};
+use dsv4_ops::gpu::{DType, Device, DeviceTensor};
+use half::bf16;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// splitmix64: fast, good-enough bytes for weights.
+struct Bits(u64);
+impl Bits {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let mut v = Vec::with_capacity(n + 8);
+        while v.len() < n {
+            v.extend_from_slice(&self.next().to_le_bytes());
+        }
+        v.truncate(n);
+        v
+    }
+    fn in_range(&mut self, n: usize, lo: u8, hi: u8) -> Vec<u8> {
+        self.bytes(n)
+            .into_iter()
+            .map(|b| lo + b % (hi - lo + 1))
+            .collect()
+    }
+    fn bf16s(&mut self, n: usize) -> Vec<bf16> {
+        // |v| in [2^-8, 2^-4): sign, exponent 119..122, random mantissa.
+        (0..n)
+            .map(|_| {
+                let r = self.next();
+                let bits = ((r & 1) << 15) | ((119 + (r >> 1) % 4) << 7) | ((r >> 8) & 0x7f);
+                bf16::from_bits(bits as u16)
+            })
+            .collect()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fmt {
+    Bf16,
+    Fp8,
+    Nvfp4,
+    Mxfp4,
+}
+
+impl Fmt {
+    fn label(self) -> &'static str {
+        match self {
+            Fmt::Bf16 => "BF16",
+            Fmt::Fp8 => "FP8 128x128 e8m0",
+            Fmt::Nvfp4 => "NVFP4",
+            Fmt::Mxfp4 => "MXFP4",
+        }
+    }
+}
+
+/// Host data of one random weight in a format.
+enum Owned {
+    Bf16(Vec<bf16>),
+    Fp8 { weight: Vec<u8>, scale: Vec<u8> },
+    Nvfp4(Nvfp4Quantized),
+    Mxfp4(Mxfp4Quantized),
+}
+
+impl Owned {
+    fn random(bits: &mut Bits, fmt: Fmt, n: usize, k: usize) -> Owned {
+        match fmt {
+            Fmt::Bf16 => Owned::Bf16(bits.bf16s(n * k)),
+            Fmt::Fp8 => {
+                // No NaN codes (0x7f / 0xff).
+                let weight = bits
+                    .bytes(n * k)
+                    .into_iter()
+                    .map(|b| if b & 0x7f == 0x7f { b ^ 1 } else { b })
+                    .collect();
+                let scale = bits.in_range(n.div_ceil(128) * k.div_ceil(128), 115, 125);
+                Owned::Fp8 { weight, scale }
+            }
+            Fmt::Nvfp4 => Owned::Nvfp4(Nvfp4Quantized {
+                weight: bits.bytes(n * k / 2),
+                weight_scale: bits.in_range(n * k / 16, 0x20, 0x58),
+                weight_scale_2: 1.0 / 2688.0,
+            }),
+            Fmt::Mxfp4 => Owned::Mxfp4(Mxfp4Quantized {
+                weight: bits.bytes(n * k / 2),
+                scale: bits.in_range(n * k / 32, 112, 126),
+            }),
+        }
+    }
+
+    fn host(&self) -> HostWeight<'_> {
+        match self {
+            Owned::Bf16(v) => HostWeight::Bf16(v),
+            Owned::Fp8 { weight, scale } => HostWeight::Fp8 {
+                weight,
+                scale,
+                format: ScaleFormat::E8m0,
+                block: (128, 128),
+            },
+            Owned::Nvfp4(q) => HostWeight::Nvfp4(q),
+            Owned::Mxfp4(q) => HostWeight::Mxfp4(q),
+        }
+    }
+}
+
+/// Per-launch seconds of each replay of a graph of `batch` launches from `enqueue(i)`.
+struct Timer {
+    graph: CudaGraph,
+    batch: usize,
+}
+
+impl Timer {
+    fn capture(
+        dev: &Device,
+        batch: usize,
+        mut enqueue: impl FnMut(usize) -> Res<()>,
+    ) -> Res<Timer> {
+        // Eager pass first: module loads and lazy allocations stay out of the capture.
+        for i in 0..batch {
+            enqueue(i)?;
+        }
+        dev.synchronize()?;
+        let stream = dev.stream().clone();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let mut result = Ok(());
+        for i in 0..batch {
+            result = enqueue(i);
+            if result.is_err() {
+                break;
+            }
+        }
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
+        result?;
+        let graph = graph.ok_or("empty capture")?;
+        graph.upload()?;
+        Ok(Timer { graph, batch })
+    }
+
+    fn replay_seconds(&self, dev: &Device, replays: usize) -> Res<Vec<f64>> {
+        let ctx = dev.context();
+        let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        self.graph.launch()?;
+        let mut out = Vec::with_capacity(replays);
+        for _ in 0..replays {
+            start.record(dev.stream())?;
+            self.graph.launch()?;
+            end.record(dev.stream())?;
+            out.push(start.elapsed_ms(&end)? as f64 * 1e-3 / self.batch as f64);
+        }
+        Ok(out)
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+struct Row {
+    model: &'static str,
+    name: String,
+    shape: String,
+    format: &'static str,
+    bytes: usize,
+    seconds: f64,
+    copies: usize,
+    cublas: Option<(String, f64)>,
+}
+
+struct Bench {
+    dev: Device,
+    ws: GemvWorkspace,
+    blas: Option<CudaBlas>,
+    l2: usize,
+    copy_bps: f64,
+    bits: Bits,
+    rows: Vec<Row>,
+    criterion: Criterion,
+}
+
+/// Launches per graph and weight copies for `bytes`-sized weights.
+fn rotation(bytes: usize, l2: usize) -> (usize, usize) {
+    let copies = (3 * l2).div_ceil(bytes).clamp(1, 256);
+    let batch = copies.max(20).div_ceil(copies) * copies;
+    (copies, batch)
+}
+
+impl Bench {
+    fn record(&mut self, id: &str, timer: &Timer) -> Res<f64> {
+        let secs = median(self.timer_samples(timer, 15)?);
+        let dev = &self.dev;
+        self.criterion.bench_function(id, |b| {
+            b.iter_custom(|iters| {
+                let replays = (iters as usize).div_ceil(timer.batch).max(1);
+                let s: f64 = timer
+                    .replay_seconds(dev, replays)
+                    .expect("graph replay")
+                    .iter()
+                    .sum();
+                Duration::from_secs_f64(
+                    s * timer.batch as f64 * iters as f64 / (replays * timer.batch) as f64,
+                )
+            })
+        });
+        Ok(secs)
+    }
+
+    fn timer_samples(&self, timer: &Timer, n: usize) -> Res<Vec<f64>> {
+        timer.replay_seconds(&self.dev, n)
+    }
+
+    /// cuBLAS BF16 GEMV (GemmEx, M = 1) on `[n', k]` with n' chosen for the same byte size.
+    fn cublas_same_bytes(&mut self, bytes: usize, k: usize) -> Res<Option<(String, f64)>> {
+        if self.blas.is_none() {
+            return Ok(None);
+        }
+        let n = bytes.div_ceil(2 * k);
+        let (copies, batch) = rotation(2 * n * k, self.l2);
+        let mut ws: Vec<DeviceTensor<bf16>> = Vec::new();
+        let host = self.bits.bf16s(n * k);
+        for _ in 0..copies {
+            ws.push(self.dev.upload(DType::BF16, &[n, k], &host)?);
+        }
+        let x = self.dev.upload(DType::BF16, &[1, k], &self.bits.bf16s(k))?;
+        let mut y: DeviceTensor<bf16> = self.dev.alloc(DType::BF16, &[1, n])?;
+        let blas = self.blas.as_ref().expect("checked above");
+        // Row-major W [n, k] is column-major [k, n]: y (n x 1) = Wᵀᵀ · x, i.e. op(A) = Aᵀ.
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: n as i32,
+            n: 1,
+            k: k as i32,
+            alpha: bf16::ONE,
+            lda: k as i32,
+            ldb: k as i32,
+            beta: bf16::ZERO,
+            ldc: n as i32,
+        };
+        let timer = Timer::capture(&self.dev, batch, |i| {
+            let mut yv = y.view_mut();
+            // SAFETY: W holds n * k, x k and y n elements, as the config says.
+            unsafe { blas.gemm(cfg, ws[i % copies].slice(), x.slice(), &mut yv) }?;
+            Ok(())
+        });
+        let timer = match timer {
+            Ok(t) => t,
+            Err(e) => {
+                println!("cuBLAS graph capture failed ({e}); cuBLAS column left empty");
+                return Ok(None);
+            }
+        };
+        let secs = median(self.timer_samples(&timer, 15)?);
+        Ok(Some((format!("[{n}, {k}]"), secs)))
+    }
+
+    fn gemv_case(
+        &mut self,
+        model: &'static str,
+        name: &str,
+        fmt: Fmt,
+        n: usize,
+        k: usize,
+        swiglu: bool,
+    ) -> Res<()> {
+        let mats = if swiglu { 2 } else { 1 };
+        let owned: Vec<Owned> = (0..mats)
+            .map(|_| Owned::random(&mut self.bits, fmt, n, k))
+            .collect();
+        let probe = GemvWeight::upload(&self.dev, owned[0].host(), n, k)?;
+        let wbytes = probe.bytes() * mats;
+        let out_n = n;
+        let bytes = wbytes + 2 * k + 2 * out_n;
+        let (copies, batch) = rotation(wbytes, self.l2);
+        let mut weights: Vec<Vec<GemvWeight>> = vec![vec![probe]];
+        if swiglu {
+            weights[0].push(GemvWeight::upload(&self.dev, owned[1].host(), n, k)?);
+        }
+        for _ in 1..copies {
+            weights.push(
+                owned
+                    .iter()
+                    .map(|o| GemvWeight::upload(&self.dev, o.host(), n, k))
+                    .collect::<Result<_, _>>()?,
+            );
+        }
+        let x = self.dev.upload(DType::BF16, &[1, k], &self.bits.bf16s(k))?;
+        let mut y: DeviceTensor<bf16> = self.dev.alloc(DType::BF16, &[1, out_n])?;
+        let (dev, ws) = (&self.dev, &mut self.ws);
+        let timer = Timer::capture(dev, batch, |i| {
+            let w = &weights[i % copies];
+            if swiglu {
+                gemv::gemv_swiglu(dev, &x, &w[0], &w[1], 10.0, &mut y, ws)?;
+            } else {
+                gemv::gemv(dev, &x, &w[0], &mut y, ws)?;
+            }
+            Ok(())
+        })?;
+        let shape = if swiglu {
+            format!("2 x [{n}, {k}]")
+        } else {
+            format!("[{n}, {k}]")
+        };
+        let id = format!("{model}/{name} {shape} {}", fmt.label());
+        let seconds = self.record(&id, &timer)?;
+        drop(timer);
+        drop(weights);
+        let cublas = self.cublas_same_bytes(wbytes, k)?;
+        self.rows.push(Row {
+            model,
+            name: name.to_string(),
+            shape,
+            format: fmt.label(),
+            bytes,
+            seconds,
+            copies,
+            cublas,
+        });
+        Ok(())
+    }
+
+    /// The routed experts of one Flash layer (256 x NVFP4 [2048, 4096] w1/w3 and [4096, 2048]
+    /// w2), six experts per token chosen at random for every launch.
+    fn moe_case(
+        &mut self,
+        model: &'static str,
+        experts: usize,
+        d: usize,
+        inter: usize,
+        topk: usize,
+    ) -> Res<()> {
+        let upload_random = |dev: &Device,
+                             bits: &mut Bits,
+                             dtype: DType,
+                             shape: &[usize],
+                             lo: u8,
+                             hi: u8|
+         -> Res<DeviceTensor<u8>> {
+            let mut t: DeviceTensor<u8> = dev.alloc(dtype, shape)?;
+            let total = t.len();
+            let chunk = 32 << 20;
+            let host = if lo == 0 && hi == 255 {
+                bits.bytes(chunk.min(total))
+            } else {
+                bits.in_range(chunk.min(total), lo, hi)
+            };
+            let mut off = 0;
+            while off < total {
+                let len = chunk.min(total - off);
+                let mut view = t.view_mut();
+                let mut part = view.slice_mut(off..off + len);
+                dev.stream().memcpy_htod(&host[..len], &mut part)?;
+                off += len;
+            }
+            Ok(t)
+        };
+        let dev = &self.dev;
+        let b = &mut self.bits;
+        let w1 = upload_random(dev, b, DType::E2M1x2, &[experts, inter, d / 2], 0, 255)?;
+        let w3 = upload_random(dev, b, DType::E2M1x2, &[experts, inter, d / 2], 0, 255)?;
+        let w2 = upload_random(dev, b, DType::E2M1x2, &[experts, d, inter / 2], 0, 255)?;
+        let s1 = upload_random(dev, b, DType::E4M3, &[experts, inter, d / 16], 0x20, 0x58)?;
+        let s3 = upload_random(dev, b, DType::E4M3, &[experts, inter, d / 16], 0x20, 0x58)?;
+        let s2 = upload_random(dev, b, DType::E4M3, &[experts, d, inter / 16], 0x20, 0x58)?;
+        let g = vec![1.0f32 / 2688.0; experts];
+        let globals = [
+            dev.upload(DType::F32, &[experts], &g)?,
+            dev.upload(DType::F32, &[experts], &g)?,
+            dev.upload(DType::F32, &[experts], &g)?,
+        ];
+        let ex = MoeExperts::from_parts(MoeFormat::Nvfp4, w1, w3, w2, s1, s3, s2, Some(globals))?;
+        let batch = 32;
+        let mut routes = Vec::new();
+        for _ in 0..batch {
+            let mut ids: Vec<i32> = Vec::new();
+            while ids.len() < topk {
+                let e = (self.bits.next() % experts as u64) as i32;
+                if !ids.contains(&e) {
+                    ids.push(e);
+                }
+            }
+            let w: Vec<f32> = (0..topk).map(|i| 0.1 + 0.05 * i as f32).collect();
+            routes.push((
+                self.dev.upload(DType::I32, &[1, topk], &ids)?,
+                self.dev.upload(DType::F32, &[1, topk], &w)?,
+            ));
+        }
+        let x = self.dev.upload(DType::BF16, &[1, d], &self.bits.bf16s(d))?;
+        let mut h: DeviceTensor<bf16> = self.dev.alloc(DType::BF16, &[1, topk, inter])?;
+        let mut out: DeviceTensor<bf16> = self.dev.alloc(DType::BF16, &[1, d])?;
+        let dev = &self.dev;
+        let timer = Timer::capture(dev, batch, |i| {
+            let (ids, w) = &routes[i];
+            moe::moe_decode(dev, &x, ids, w, &ex, 10.0, &mut h, MoeOut::Bf16(&mut out))?;
+            Ok(())
+        })?;
+        // Six distinct experts' weights and scales, x, h written and read, the output.
+        let bytes = topk * ex.expert_bytes() + 2 * d + 2 * 2 * topk * inter + 2 * d;
+        let name = format!("grouped MoE, {topk} of {experts} experts");
+        let shape = format!("{topk} x (2 x [{inter}, {d}] + [{d}, {inter}])");
+        let id = format!("{model}/{name}");
+        let seconds = self.record(&id, &timer)?;
+        self.rows.push(Row {
+            model,
+            name,
+            shape,
+            format: "NVFP4",
+            bytes,
+            seconds,
+            copies: batch,
+            cublas: None,
+        });
+        Ok(())
+    }
+
+    fn table(&self, name: &str) -> String {
+        let bw = self.copy_bps;
+        let mut s = String::new();
+        s.push_str(&format!(
+            "GPU: {name}; copy bandwidth {:.0} GB/s (1 GiB D2D memcpy, read + write bytes); L2 {} MB\n\n",
+            bw / 1e9,
+            self.l2 >> 20
+        ));
+        s.push_str("| model | kernel | shape | format | MB moved | copies | µs | GB/s | % of copy BW | cuBLAS BF16 same bytes | cuBLAS µs | cuBLAS GB/s | ours / cuBLAS time |\n");
+        s.push_str("|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|\n");
+        for r in &self.rows {
+            let gbps = r.bytes as f64 / r.seconds;
+            let (cs, cu, cg, ratio) = match &r.cublas {
+                Some((shape, secs)) => (
+                    shape.clone(),
+                    format!("{:.1}", secs * 1e6),
+                    format!("{:.0}", r.bytes as f64 / secs / 1e9),
+                    format!("{:.2}", r.seconds / secs),
+                ),
+                None => ("-".into(), "-".into(), "-".into(), "-".into()),
+            };
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {:.1} | {} | {:.1} | {:.0} | {:.0}% | {} | {} | {} | {} |\n",
+                r.model,
+                r.name,
+                r.shape,
+                r.format,
+                r.bytes as f64 / 1e6,
+                r.copies,
+                r.seconds * 1e6,
+                gbps / 1e9,
+                100.0 * gbps / bw,
+                cs,
+                cu,
+                cg,
+                ratio
+            ));
+        }
+        s
+    }
+}
+
+fn main() -> Res<()> {
+    if Device::count()? == 0 {
+        println!("decode_kernels: no CUDA device on this machine; nothing measured");
+        return Ok(());
+    }
+    let criterion = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(50))
+        .measurement_time(Duration::from_millis(200))
+        .configure_from_args();
+    let dev = Device::new(0)?;
+    let l2 = dev
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as usize;
+    let copy = measure_copy_bandwidth(&dev, 1 << 30, 10)?;
+    let name = dev.name().to_string();
+    println!(
+        "{name}: copy bandwidth {:.0} GB/s, L2 {} MB",
+        copy.bytes_per_second / 1e9,
+        l2 >> 20
+    );
+    // cuBLAS is loaded dynamically; without it the comparison column stays empty.
+    // SAFETY: only probes for the library.
+    let blas = if unsafe { cudarc::cublas::sys::is_culib_present() } {
+        Some(CudaBlas::new(dev.stream().clone())?)
+    } else {
+        println!("libcublas not found: no cuBLAS comparison");
+        None
+    };
+    let ws = GemvWorkspace::alloc(&dev)?;
+    let mut b = Bench {
+        dev,
+        ws,
+        blas,
+        l2,
+        copy_bps: copy.bytes_per_second,
+        bits: Bits(0x5eed),
+        rows: Vec::new(),
+        criterion,
+    };
+    let filter: Option<String> = std::env::var("DSV4_BENCH_ONLY").ok();
+    let want = |m: &str| filter.as_deref().is_none_or(|f| m.contains(f));
+
+    for (model, d, q_rank, heads, groups, inter, idx_heads) in [
+        ("Flash", 4096, 1024, 64, 8, 2048, 64),
+        ("Pro", 7168, 1536, 128, 16, 3072, 64),
+    ] {
+        if !want(model) {
+            continue;
+        }
+        let hd = 512;
+        b.gemv_case(model, "attn wq_a", Fmt::Fp8, q_rank, d, false)?;
+        b.gemv_case(model, "attn wq_b", Fmt::Fp8, heads * hd, q_rank, false)?;
+        b.gemv_case(model, "attn wkv", Fmt::Fp8, hd, d, false)?;
+        b.gemv_case(
+            model,
+            "attn wo_a (one of the groups)",
+            Fmt::Fp8,
+            1024,
+            heads * hd / groups,
+            false,
+        )?;
+        b.gemv_case(model, "attn wo_b", Fmt::Fp8, d, groups * 1024, false)?;
+        b.gemv_case(
+            model,
+            "indexer wq_b",
+            Fmt::Fp8,
+            idx_heads * 128,
+            q_rank,
+            false,
+        )?;
+        for fmt in [Fmt::Nvfp4, Fmt::Mxfp4] {
+            b.gemv_case(model, "expert w1+w3 (fused SwiGLU)", fmt, inter, d, true)?;
+            b.gemv_case(model, "expert w2", fmt, d, inter, false)?;
+        }
+        b.gemv_case(
+            model,
+            "shared expert w1+w3 (fused SwiGLU)",
+            Fmt::Fp8,
+            inter,
+            d,
+            true,
+        )?;
+        b.gemv_case(model, "shared expert w2", Fmt::Fp8, d, inter, false)?;
+        b.gemv_case(model, "lm_head", Fmt::Bf16, 129280, d, false)?;
+        if model == "Flash" {
+            b.moe_case(model, 256, d, inter, 6)?;
+        }
+    }
+    b.criterion.final_summary();
+    let table = b.table(&name);
+    println!("\n{table}");
+    if let Ok(path) = std::env::var("DSV4_BENCH_TABLE") {
+        std::fs::write(&path, &table)?;
+    }
+    Ok(())
+}

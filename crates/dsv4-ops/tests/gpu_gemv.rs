@@ -1,0 +1,273 @@
+//! GPU tests of the decode GEMV kernels against the f64 CPU references, on fresh random inputs
+//! of random shapes (N and K off the tile sizes), with outputs poisoned before every launch.
+//! `#[ignore]`d like every GPU test: `cargo xtask gpu-test`, then run with `--ignored gpu`.
+
+use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};
+use dsv4_ops::codecs::{mxfp4, nvfp4};
+use dsv4_ops::gpu::gemv::{self, reference, GemvWeight, GemvWorkspace, HostWeight};
+use dsv4_ops::gpu::{DType, Device, DeviceTensor};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const TOL: f64 = 5e-3;
+const POISON: u8 = 0xa5;
+
+fn device() -> Device {
+    let count = Device::count().unwrap_or(0);
+    assert!(
+        count > 0,
+        "this GPU test was requested (--ignored) but the machine has no CUDA device"
+    );
+    Device::new(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"))
+}
+
+fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("DSV4_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    println!("{test}: seed {seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+/// Roughly normal values (sum of uniforms) times `scale`.
+fn gaussian(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let s: f32 = (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum();
+            s * 0.866 * scale
+        })
+        .collect()
+}
+
+fn to_bf16(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+/// Owned host weight data in each format, made by quantizing random f32 weights with the codecs.
+enum Owned {
+    Bf16(Vec<bf16>),
+    Fp8 {
+        weight: Vec<u8>,
+        scale: Vec<u8>,
+        format: ScaleFormat,
+    },
+    Nvfp4(nvfp4::Nvfp4Quantized),
+    Mxfp4(mxfp4::Mxfp4Quantized),
+}
+
+impl Owned {
+    fn host(&self) -> HostWeight<'_> {
+        match self {
+            Owned::Bf16(v) => HostWeight::Bf16(v),
+            Owned::Fp8 {
+                weight,
+                scale,
+                format,
+            } => HostWeight::Fp8 {
+                weight,
+                scale,
+                format: *format,
+                block: (128, 128),
+            },
+            Owned::Nvfp4(q) => HostWeight::Nvfp4(q),
+            Owned::Mxfp4(q) => HostWeight::Mxfp4(q),
+        }
+    }
+}
+
+const FORMATS: [&str; 5] = ["bf16", "fp8-e8m0", "fp8-f32", "nvfp4", "mxfp4"];
+
+fn chunk(format: &str) -> usize {
+    match format {
+        "bf16" => 8,
+        "fp8-e8m0" | "fp8-f32" => 16,
+        _ => 32,
+    }
+}
+
+fn make_weight(rng: &mut StdRng, format: &str, n: usize, k: usize, global: Option<f32>) -> Owned {
+    // Per-row magnitudes spread over a few octaves, as in real checkpoints.
+    let mut w = gaussian(rng, n * k, 0.05);
+    for r in 0..n {
+        let f = 2f32.powi(rng.random_range(-3..3));
+        w[r * k..(r + 1) * k].iter_mut().for_each(|v| *v *= f);
+    }
+    match format {
+        "bf16" => Owned::Bf16(to_bf16(&w)),
+        "fp8-e8m0" | "fp8-f32" => {
+            let f = if format == "fp8-f32" {
+                ScaleFormat::F32
+            } else {
+                ScaleFormat::E8m0
+            };
+            let q = fp8_block::quantize(&w, n, k, f, 128).unwrap();
+            Owned::Fp8 {
+                weight: q.weight,
+                scale: q.scale,
+                format: f,
+            }
+        }
+        "nvfp4" => Owned::Nvfp4(match global {
+            Some(g) => nvfp4::quantize_with_global(&w, n, k, g).unwrap(),
+            None => nvfp4::quantize(&w, n, k).unwrap(),
+        }),
+        "mxfp4" => Owned::Mxfp4(mxfp4::quantize(&w, n, k).unwrap()),
+        _ => unreachable!(),
+    }
+}
+
+fn poisoned(dev: &Device, m: usize, n: usize) -> DeviceTensor<bf16> {
+    let mut t = dev.alloc(DType::BF16, &[m, n]).unwrap();
+    dev.fill_bytes(&mut t, POISON).unwrap();
+    t
+}
+
+fn f64s(v: &[bf16]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+/// Runs one GEMV on the GPU twice (bit-identical) and checks it against the reference.
+fn check_gemv(
+    dev: &Device,
+    ws: &mut GemvWorkspace,
+    rng: &mut StdRng,
+    format: &str,
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    let owned = make_weight(rng, format, n, k, None);
+    let w = GemvWeight::upload(dev, owned.host(), n, k).unwrap();
+    let xh = to_bf16(&gaussian(rng, m * k, 1.0));
+    let x = dev.upload(DType::BF16, &[m, k], &xh).unwrap();
+    let mut y = poisoned(dev, m, n);
+    gemv::gemv(dev, &x, &w, &mut y, ws).unwrap();
+    let got = dev.download(&y).unwrap();
+    let wd = reference::dequantize(owned.host(), n, k).unwrap();
+    let want = reference::gemv(&xh, m, &wd, n, k);
+    let err = reference::relative_error(&f64s(&got), &want);
+    println!("  {format:9} m={m:2} n={n:6} k={k:6}: rel err {err:.2e}");
+    assert!(
+        err <= TOL,
+        "{format} m={m} n={n} k={k}: relative error {err:e} > {TOL:e}"
+    );
+    let mut again = poisoned(dev, m, n);
+    gemv::gemv(dev, &x, &w, &mut again, ws).unwrap();
+    let again = dev.download(&again).unwrap();
+    assert!(
+        got.iter()
+            .zip(&again)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{format} m={m} n={n} k={k}: two launches differ"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gemv_matches_reference_on_random_shapes() {
+    let dev = device();
+    let mut rng = rng("gpu_gemv_matches_reference_on_random_shapes");
+    let mut ws = GemvWorkspace::alloc(&dev).unwrap();
+    for format in FORMATS {
+        let ce = chunk(format);
+        for _ in 0..6 {
+            let m = rng.random_range(1..=16);
+            let n = rng.random_range(1..=700);
+            let k = ce * rng.random_range(1..=96);
+            check_gemv(&dev, &mut ws, &mut rng, format, m, n, k);
+        }
+        // Few rows and long K: split across blocks (workspace reduction path).
+        let n = rng.random_range(1..=48);
+        let k = ce * rng.random_range(256..=512);
+        let m = rng.random_range(1..=3);
+        check_gemv(&dev, &mut ws, &mut rng, format, m, n, k);
+        // Many rows: one block per tile.
+        let n = 8192 + rng.random_range(1..16);
+        check_gemv(&dev, &mut ws, &mut rng, format, 1, n, 4 * 128);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gemv_swiglu_matches_reference_and_clamps() {
+    let dev = device();
+    let mut rng = rng("gpu_gemv_swiglu_matches_reference_and_clamps");
+    let mut ws = GemvWorkspace::alloc(&dev).unwrap();
+    for format in FORMATS {
+        let ce = chunk(format);
+        for case in 0..5 {
+            let m = rng.random_range(1..=16);
+            let n = if case == 4 {
+                rng.random_range(1..=24)
+            } else {
+                rng.random_range(1..=600)
+            };
+            let k = if case == 4 {
+                ce * 400
+            } else {
+                ce * rng.random_range(1..=80)
+            };
+            // w1 and w3 share the NVFP4 global scale, as in ModelOpt exports.
+            let g = Some(0.3 / 2688.0);
+            let o1 = make_weight(&mut rng, format, n, k, g);
+            let o3 = make_weight(&mut rng, format, n, k, g);
+            let w1 = GemvWeight::upload(&dev, o1.host(), n, k).unwrap();
+            let w3 = GemvWeight::upload(&dev, o3.host(), n, k).unwrap();
+            let xh = to_bf16(&gaussian(&mut rng, m * k, 1.0));
+            let x = dev.upload(DType::BF16, &[m, k], &xh).unwrap();
+            let w1d = reference::dequantize(o1.host(), n, k).unwrap();
+            let w3d = reference::dequantize(o3.host(), n, k).unwrap();
+            // A limit near the typical projection size, so both clamps take effect.
+            let g_ref = reference::gemv(&xh, m, &w1d, n, k);
+            let rms = (g_ref.iter().map(|v| v * v).sum::<f64>() / g_ref.len() as f64).sqrt();
+            let limit = (rms * 0.8).max(1e-3) as f32;
+            let want = reference::gemv_swiglu(&xh, m, &w1d, &w3d, n, k, limit as f64);
+            let mut h = poisoned(&dev, m, n);
+            gemv::gemv_swiglu(&dev, &x, &w1, &w3, limit, &mut h, &mut ws).unwrap();
+            let got = dev.download(&h).unwrap();
+            let err = reference::relative_error(&f64s(&got), &want);
+            println!(
+                "  swiglu {format:9} m={m:2} n={n:5} k={k:6} limit={limit:.3}: rel err {err:.2e}"
+            );
+            assert!(
+                err <= TOL,
+                "swiglu {format} m={m} n={n} k={k}: relative error {err:e}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gemv_rejects_bad_shapes() {
+    let dev = device();
+    let mut rng = rng("gpu_gemv_rejects_bad_shapes");
+    let mut ws = GemvWorkspace::alloc(&dev).unwrap();
+    let owned = make_weight(&mut rng, "nvfp4", 64, 128, None);
+    // K not a multiple of 32 for FP4.
+    let bad = nvfp4::quantize(&gaussian(&mut rng, 64 * 48, 1.0), 64, 48).unwrap();
+    assert!(GemvWeight::upload(&dev, HostWeight::Nvfp4(&bad), 64, 48).is_err());
+    // MXFP4 scale above 2^17.
+    let mut mx = mxfp4::quantize(&gaussian(&mut rng, 8 * 64, 1.0), 8, 64).unwrap();
+    mx.scale[3] = 200;
+    assert!(GemvWeight::upload(&dev, HostWeight::Mxfp4(&mx), 8, 64).is_err());
+    let w = GemvWeight::upload(&dev, owned.host(), 64, 128).unwrap();
+    let x = dev
+        .upload(DType::BF16, &[17, 128], &vec![bf16::ONE; 17 * 128])
+        .unwrap();
+    let mut y = poisoned(&dev, 17, 64);
+    assert!(
+        gemv::gemv(&dev, &x, &w, &mut y, &mut ws).is_err(),
+        "M = 17 is refused"
+    );
+    let x = dev
+        .upload(DType::BF16, &[2, 96], &vec![bf16::ONE; 2 * 96])
+        .unwrap();
+    let mut y = poisoned(&dev, 2, 64);
+    assert!(
+        gemv::gemv(&dev, &x, &w, &mut y, &mut ws).is_err(),
+        "K mismatch is refused"
+    );
+}

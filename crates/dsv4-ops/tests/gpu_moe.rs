@@ -1,0 +1,298 @@
+//! GPU tests of the grouped decode MoE against the f64 CPU reference, on fresh random experts,
+//! routings and shapes; outputs poisoned before every launch. `#[ignore]`d like every GPU test.
+
+use dsv4_ops::codecs::{mxfp4, nvfp4};
+use dsv4_ops::gpu::gemv::reference::relative_error;
+use dsv4_ops::gpu::moe::{self, reference, HostExperts, MoeExperts, MoeFormat, MoeOut};
+use dsv4_ops::gpu::{DType, Device, DeviceTensor};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+const TOL: f64 = 5e-3;
+const POISON: u8 = 0xa5;
+
+fn device() -> Device {
+    let count = Device::count().unwrap_or(0);
+    assert!(
+        count > 0,
+        "this GPU test was requested (--ignored) but the machine has no CUDA device"
+    );
+    Device::new(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"))
+}
+
+fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("DSV4_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    println!("{test}: seed {seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+fn gaussian(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 0.866 * scale)
+        .collect()
+}
+
+/// Random experts quantized with the codecs, and their exact dequantized values.
+struct Experts {
+    gpu: MoeExperts,
+    deq: Vec<[Vec<f32>; 3]>,
+}
+
+fn make_experts(
+    dev: &Device,
+    rng: &mut StdRng,
+    format: MoeFormat,
+    e: usize,
+    d: usize,
+    inter: usize,
+) -> Experts {
+    let mats: Vec<[Vec<f32>; 3]> = (0..e)
+        .map(|_| {
+            [
+                gaussian(rng, inter * d, 0.04),
+                gaussian(rng, inter * d, 0.04),
+                gaussian(rng, d * inter, 0.04),
+            ]
+        })
+        .collect();
+    match format {
+        MoeFormat::Nvfp4 => {
+            let mut q = [Vec::new(), Vec::new(), Vec::new()];
+            for m in &mats {
+                // w1 and w3 share one global scale (ModelOpt), w2 has its own.
+                let amax = m[0].iter().chain(&m[1]).fold(0f32, |a, v| a.max(v.abs()));
+                let g13 = nvfp4::global_scale(amax);
+                q[0].push(nvfp4::quantize_with_global(&m[0], inter, d, g13).unwrap());
+                q[1].push(nvfp4::quantize_with_global(&m[1], inter, d, g13).unwrap());
+                q[2].push(nvfp4::quantize(&m[2], d, inter).unwrap());
+            }
+            let deq = (0..e)
+                .map(|i| {
+                    let dq = |x: &nvfp4::Nvfp4Quantized, r, c| {
+                        nvfp4::dequantize(&x.weight, &x.weight_scale, x.weight_scale_2, r, c)
+                            .unwrap()
+                    };
+                    [
+                        dq(&q[0][i], inter, d),
+                        dq(&q[1][i], inter, d),
+                        dq(&q[2][i], d, inter),
+                    ]
+                })
+                .collect();
+            let host = HostExperts::Nvfp4 {
+                w1: &q[0],
+                w3: &q[1],
+                w2: &q[2],
+            };
+            Experts {
+                gpu: MoeExperts::upload(dev, host, d, inter).unwrap(),
+                deq,
+            }
+        }
+        MoeFormat::Mxfp4 => {
+            let mut q = [Vec::new(), Vec::new(), Vec::new()];
+            for m in &mats {
+                q[0].push(mxfp4::quantize(&m[0], inter, d).unwrap());
+                q[1].push(mxfp4::quantize(&m[1], inter, d).unwrap());
+                q[2].push(mxfp4::quantize(&m[2], d, inter).unwrap());
+            }
+            let deq = (0..e)
+                .map(|i| {
+                    let dq = |x: &mxfp4::Mxfp4Quantized, r, c| {
+                        mxfp4::dequantize(&x.weight, &x.scale, r, c).unwrap()
+                    };
+                    [
+                        dq(&q[0][i], inter, d),
+                        dq(&q[1][i], inter, d),
+                        dq(&q[2][i], d, inter),
+                    ]
+                })
+                .collect();
+            let host = HostExperts::Mxfp4 {
+                w1: &q[0],
+                w3: &q[1],
+                w2: &q[2],
+            };
+            Experts {
+                gpu: MoeExperts::upload(dev, host, d, inter).unwrap(),
+                deq,
+            }
+        }
+    }
+}
+
+/// Distinct top-k ids per token (as a router gives), sometimes with an invalid slot.
+fn routing(
+    rng: &mut StdRng,
+    m: usize,
+    topk: usize,
+    e: usize,
+    invalid: bool,
+) -> (Vec<i32>, Vec<f32>) {
+    let mut ids = Vec::with_capacity(m * topk);
+    for _ in 0..m {
+        let mut all: Vec<i32> = (0..e as i32).collect();
+        all.shuffle(rng);
+        ids.extend_from_slice(&all[..topk]);
+    }
+    if invalid {
+        let i = rng.random_range(0..ids.len());
+        ids[i] = if rng.random() { -1 } else { e as i32 + 3 };
+    }
+    let weights = (0..m * topk)
+        .map(|_| rng.random_range(0.05f32..1.5))
+        .collect();
+    (ids, weights)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    dev: &Device,
+    ex: &Experts,
+    x: &[bf16],
+    m: usize,
+    ids: &[i32],
+    wts: &[f32],
+    topk: usize,
+    limit: f32,
+    f32_out: bool,
+) -> Vec<f64> {
+    let (d, inter) = (ex.gpu.d(), ex.gpu.inter());
+    let xd = dev.upload(DType::BF16, &[m, d], x).unwrap();
+    let idd = dev.upload(DType::I32, &[m, topk], ids).unwrap();
+    let wd = dev.upload(DType::F32, &[m, topk], wts).unwrap();
+    let mut h: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[m, topk, inter]).unwrap();
+    dev.fill_bytes(&mut h, POISON).unwrap();
+    if f32_out {
+        let mut out: DeviceTensor<f32> = dev.alloc(DType::F32, &[m, d]).unwrap();
+        dev.fill_bytes(&mut out, POISON).unwrap();
+        moe::moe_decode(
+            dev,
+            &xd,
+            &idd,
+            &wd,
+            &ex.gpu,
+            limit,
+            &mut h,
+            MoeOut::F32(&mut out),
+        )
+        .unwrap();
+        dev.download(&out)
+            .unwrap()
+            .iter()
+            .map(|&v| v as f64)
+            .collect()
+    } else {
+        let mut out: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[m, d]).unwrap();
+        dev.fill_bytes(&mut out, POISON).unwrap();
+        moe::moe_decode(
+            dev,
+            &xd,
+            &idd,
+            &wd,
+            &ex.gpu,
+            limit,
+            &mut h,
+            MoeOut::Bf16(&mut out),
+        )
+        .unwrap();
+        dev.download(&out)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_f64())
+            .collect()
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_moe_matches_reference_on_random_routings() {
+    let dev = device();
+    let mut rng = rng("gpu_moe_matches_reference_on_random_routings");
+    for format in [MoeFormat::Nvfp4, MoeFormat::Mxfp4] {
+        for case in 0..4 {
+            let e = rng.random_range(6..=24);
+            let d = 32 * rng.random_range(2..=24);
+            let inter = 32 * rng.random_range(1..=20);
+            let ex = make_experts(&dev, &mut rng, format, e, d, inter);
+            for _ in 0..3 {
+                let m = rng.random_range(1..=16);
+                let topk = rng.random_range(1..=6.min(e));
+                let (ids, wts) = routing(&mut rng, m, topk, e, case % 2 == 1);
+                let x: Vec<bf16> = gaussian(&mut rng, m * d, 1.0)
+                    .into_iter()
+                    .map(bf16::from_f32)
+                    .collect();
+                let limit = rng.random_range(0.3f32..3.0);
+                let f32_out = rng.random();
+                let got = run(&dev, &ex, &x, m, &ids, &wts, topk, limit, f32_out);
+                let deq: Vec<reference::ExpertF32> = ex
+                    .deq
+                    .iter()
+                    .map(|w| reference::ExpertF32 {
+                        w1: &w[0],
+                        w3: &w[1],
+                        w2: &w[2],
+                    })
+                    .collect();
+                let want = reference::moe(&x, m, d, inter, &ids, &wts, topk, &deq, limit as f64);
+                let err = relative_error(&got, &want);
+                println!(
+                    "  {format:?} E={e:2} D={d:4} I={inter:4} M={m:2} k={topk} f32={f32_out:5}: rel err {err:.2e}"
+                );
+                assert!(
+                    err <= TOL,
+                    "{format:?} E={e} D={d} I={inter} M={m} k={topk}: relative error {err:e}"
+                );
+                let again = run(&dev, &ex, &x, m, &ids, &wts, topk, limit, f32_out);
+                assert!(
+                    got.iter()
+                        .zip(&again)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "two launches differ"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_moe_token_output_does_not_depend_on_the_other_tokens() {
+    let dev = device();
+    let mut rng = rng("gpu_moe_token_output_does_not_depend_on_the_other_tokens");
+    let (e, d, inter, topk) = (12, 256, 128, 4);
+    let ex = make_experts(&dev, &mut rng, MoeFormat::Nvfp4, e, d, inter);
+    let m = 9;
+    let (ids, wts) = routing(&mut rng, m, topk, e, false);
+    let x: Vec<bf16> = gaussian(&mut rng, m * d, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let batch = run(&dev, &ex, &x, m, &ids, &wts, topk, 2.0, true);
+    // Token 4 alone gives bit-identical output: per-token sums run in ascending expert order.
+    let t = 4;
+    let alone = run(
+        &dev,
+        &ex,
+        &x[t * d..(t + 1) * d],
+        1,
+        &ids[t * topk..(t + 1) * topk],
+        &wts[t * topk..(t + 1) * topk],
+        topk,
+        2.0,
+        true,
+    );
+    assert!(
+        batch[t * d..(t + 1) * d]
+            .iter()
+            .zip(&alone)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "token {t} differs alone and in a batch"
+    );
+}
