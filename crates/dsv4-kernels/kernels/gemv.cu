@@ -8,7 +8,9 @@
 // as M = 1. Each lane owns whole 16-byte chunks of two weight rows (g and g + 8) and feeds the
 // MMA from its own chunk only: the k order inside an MMA is a free permutation as long as A and
 // B use the same one, so FP4/FP8 codes are expanded to bf16 pairs in whatever order the bit
-// tricks give and the activations are permuted to match with byte permutes. No weight repack.
+// tricks give and the activations are permuted to match with byte permutes. Weights are
+// repacked once at load into a tile layout (gemv_tile.cu) so that each warp-wide load reads
+// 512 contiguous bytes; codes keep their checkpoint bit encoding.
 //
 // FP4 codes become bf16 by placing the code bits in the bf16 exponent/mantissa field (value =
 // e2m1 * 2^-126, a bf16 subnormal for code +-0.5), then one bf16x2 multiply by the block scale
@@ -16,19 +18,21 @@
 // 2^16 and the NVFP4 global scale are applied in f32 at the end. e4m3 codes likewise become
 // e4m3 * 2^-120 and are renormalised by 2^104; their block scale is applied in f32 per chunk.
 //
-// Work split: a block owns one tile of 16 output rows (8 gate + 8 up rows for SwiGLU) and one
-// K-split; its warps interleave over K steps and are reduced through shared memory in warp
-// order. With several K-splits per tile the blocks write partials to a workspace and the last
-// block to arrive (per-tile counter) sums them in split order, so results are deterministic.
+// Work split: a tile is 16 output rows (8 gate + 8 up rows for SwiGLU). A block holds `tpb`
+// tiles of `wpt` warps each; a tile's warps interleave over its K steps (each warp keeping the
+// next step's loads in flight while it computes the current one) and are summed through shared
+// memory in warp order. Long rows with few tiles also split K across blocks: the blocks write
+// partials to a workspace and the last block to arrive (per-tile counter) sums them in split
+// order. Every reduction has a fixed order, so results never depend on timing.
 #include "gemv_tile.cu"
 
 // Kernel arguments (layout mirrored by `GemvArgs` in dsv4_ops::gpu::gemv).
 struct GemvArgs {
     const u16* x;       // [m, k] bf16
-    const u8* w0;       // plain: the weight; SwiGLU: w1 (gate)
-    const u8* w1;       // plain: the weight again; SwiGLU: w3 (up)
-    const u8* s0;       // scales of w0 (none for BF16)
-    const u8* s1;       // scales of w1
+    const u8* w;        // packed tiles (plain: W; SwiGLU: W1 and W3 interleaved)
+    const u8* s;        // packed NVFP4/MXFP4 scales
+    const u8* fs0;      // FP8 block scales of W (SwiGLU: of W1)
+    const u8* fs1;      // FP8 block scales of W (SwiGLU: of W3)
     u16* y;             // [m, n] bf16
     float* ws;          // split-K partials
     u32* counters;      // split-K arrival counters, one per tile, zero between launches
@@ -36,7 +40,8 @@ struct GemvArgs {
     float post0, post1; // epilogue multipliers of w0 / w1 rows
     float limit;        // SwiGLU clamp
     u32 fp8_br, fp8_bc, fp8_f32;
-    u32 pad;
+    u32 tpb;            // tiles per block
+    u32 wpt;            // warps per tile (they split the tile's K steps)
 };
 
 template <int F, int MT, bool SWIGLU>
@@ -44,28 +49,25 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     using namespace gemv;
     constexpr u32 TR = SWIGLU ? 8 : 16;   // output rows per tile
     constexpr u32 HO = SWIGLU ? 0 : 8;    // row offset of the hi half
-    const u32 tile = blockIdx.x, split = blockIdx.y;
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 tile = blockIdx.x * a.tpb + warp / a.wpt, kpart = warp % a.wpt, split = blockIdx.y;
     const u32 g = lane >> 2, q = lane & 3u;
     const u32 r_lo = tile * TR + g, r_hi = tile * TR + HO + g;
-    const u64 rb = row_bytes<F>(a.k);
+    const u32 chunks = a.k / Format<F>::ELEMS;
+    const bool live = tile * TR < a.n;
 
     Lane L;
-    L.w_lo = r_lo < a.n ? a.w0 + r_lo * rb : nullptr;
-    L.w_hi = r_hi < a.n ? a.w1 + r_hi * rb : nullptr;
-    L.s_lo = L.s_hi = nullptr;
-    if (F == NVFP4 || F == MXFP4) {
-        const u64 sb = a.k / (F == NVFP4 ? 16u : 32u);
-        if (L.w_lo) L.s_lo = a.s0 + r_lo * sb;
-        if (L.w_hi) L.s_hi = a.s1 + r_hi * sb;
-    } else if (F == FP8) {
+    L.w = a.w + (u64)tile * tile_bytes(chunks);
+    L.s = (F == NVFP4 || F == MXFP4) ? a.s + (u64)tile * tile_scale_bytes<F>(chunks) : nullptr;
+    L.fs_lo = L.fs_hi = nullptr;
+    if (F == FP8) {
         const u64 sb = (u64)((a.k + a.fp8_bc - 1) / a.fp8_bc) * (a.fp8_f32 ? 4u : 1u);
-        if (L.w_lo) L.s_lo = a.s0 + (r_lo / a.fp8_br) * sb;
-        if (L.w_hi) L.s_hi = a.s1 + (r_hi / a.fp8_br) * sb;
+        if (r_lo < a.n) L.fs_lo = a.fs0 + (r_lo / a.fp8_br) * sb;
+        if (r_hi < a.n) L.fs_hi = a.fs1 + (r_hi / a.fp8_br) * sb;
     }
     L.x_lo = g < a.m ? a.x + (u64)g * a.k : nullptr;
     L.x_hi = (MT == 2 && g + 8 < a.m) ? a.x + (u64)(g + 8) * a.k : nullptr;
-    L.chunks = a.k / Format<F>::ELEMS;
+    L.chunks = chunks;
     L.fp8_bc = a.fp8_bc;
     L.fp8_f32 = a.fp8_f32 != 0;
 
@@ -75,12 +77,14 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
 
-    const u32 steps = (L.chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+    // Warps of a tile past the last one still take part in the block's reduction.
+    const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
     const u32 s_begin = (u32)((u64)steps * split / a.splits);
     const u32 s_end = (u32)((u64)steps * (split + 1) / a.splits);
-    for (u32 s = s_begin + warp; s < s_end; s += nw) tile_step<F, MT>(L, s, q, acc);
+    run_steps<F, MT>(L, s_begin + kpart, s_end, a.wpt, lane, acc);
 
-    if (!reduce_warps<MT>(acc)) return;
+    if (!reduce_warps<MT>(acc, a.wpt)) return;
+    if (!live) return;
     if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, split, a.splits)) return;
 
 #pragma unroll

@@ -14,7 +14,7 @@ enum Fmt : int { BF16 = 0, FP8 = 1, NVFP4 = 2, MXFP4 = 3 };
 // row (the four lanes of a quad take consecutive chunks).
 constexpr u32 U = 4;
 constexpr u32 STEP_CHUNKS = 4 * U;
-constexpr u32 MAX_WARPS = 8;
+constexpr u32 MAX_WARPS = 16;
 
 template <int F> struct Format;
 template <> struct Format<BF16> { static constexpr u32 ELEMS = 8; };
@@ -94,19 +94,40 @@ __device__ __forceinline__ u32 mxfp4_scale_bf16x2(u32 e) {
 }
 
 // ---- one K step of one 16-row tile ----
+//
+// Weights are stored in a tile layout made once at load time (dsv4_ops::gpu::gemv::pack), so
+// that every warp-wide 16-byte load reads 512 contiguous bytes and a tile streams through one
+// contiguous region. A tile is 16 rows (plain: rows 16t..16t+15; gate+up: w1 rows 8t..8t+7
+// then w3 rows 8t..8t+7) of S = ceil(chunks / 16) steps, rows and K zero-padded. The 16 bytes
+// at ((((t * S + s) * U + u) * 2 + h) * 32 + lane) * 16 are chunk 16s + 4u + lane % 4 of tile
+// row lane / 4 + 8h. NVFP4/MXFP4 scales follow the same order, 2 (e4m3) or 1 (e8m0) bytes per
+// chunk. FP8 block scales stay row-major [ceil(N/br), ceil(K/bc)].
 
-// Where a lane reads: weight rows g (lo) and g + 8 (hi) of the tile, their scale rows, and the
-// activation rows g and g + 8 (null where the row does not exist).
+// What a lane reads: its tile's packed codes and scales, the FP8 block-scale rows of tile rows
+// g and g + 8, and activation rows g and g + 8 (null where the row does not exist).
 struct Lane {
-    const u8* w_lo;
-    const u8* w_hi;
-    const u8* s_lo;  // NVFP4/MXFP4: the row's scales; FP8: the row block's scales
-    const u8* s_hi;
+    const u8* w;      // the tile's packed codes
+    const u8* s;      // the tile's packed NVFP4/MXFP4 scales
+    const u8* fs_lo;  // FP8: block-scale row of tile row g (null past the last row)
+    const u8* fs_hi;
     const u16* x_lo;
     const u16* x_hi;
-    u32 chunks;      // 16-byte chunks per weight row
-    u32 fp8_bc;      // FP8 block width (elements, a multiple of 64)
-    bool fp8_f32;    // FP8 scales are f32 (else e8m0)
+    u32 chunks;       // 16-byte chunks per weight row (unpadded)
+    u32 fp8_bc;       // FP8 block width (elements, a multiple of 64)
+    bool fp8_f32;     // FP8 scales are f32 (else e8m0)
+};
+
+// Bytes of one packed tile: S steps of U x 2 x 512.
+__device__ __forceinline__ u64 tile_bytes(u32 chunks) {
+    return (u64)((chunks + STEP_CHUNKS - 1) / STEP_CHUNKS) * U * 2 * 512;
+}
+
+// One step's loads for one lane: U chunks of rows g and g + 8 and their scales (NVFP4: two
+// e4m3 bytes per chunk, MXFP4: one e8m0 byte, FP8: the quad's block scale times 2^16).
+struct Frag {
+    uint4 wl[U], wh[U];
+    u32 sl[U], sh[U];
+    float fl[U], fh[U];
 };
 
 __device__ __forceinline__ float fp8_scale(const u8* s, u32 kb, bool is_f32) {
@@ -115,35 +136,44 @@ __device__ __forceinline__ float fp8_scale(const u8* s, u32 kb, bool is_f32) {
     return __fmul_rn(v, 65536.0f);
 }
 
-// Adds one step's contribution to acc (FP4/BF16: in units of the epilogue scale; FP8: final).
-template <int F, int MT>
-__device__ __forceinline__ void tile_step(const Lane& L, u32 step, u32 q, float (&acc)[MT][4]) {
-    constexpr u32 E = Format<F>::ELEMS;
-    uint4 wl[U], wh[U];
-    u32 sl[U], sh[U];
-    const u32 c0 = step * STEP_CHUNKS + q;
+template <int F>
+__device__ __forceinline__ void frag_load(const Lane& L, u32 step, u32 lane, Frag& f) {
 #pragma unroll
     for (u32 u = 0; u < U; ++u) {
-        const u32 c = c0 + 4 * u;
-        const bool ok = c < L.chunks;
-        wl[u] = (ok && L.w_lo) ? ld_stream(L.w_lo + 16ull * c) : make_uint4(0, 0, 0, 0);
-        wh[u] = (ok && L.w_hi) ? ld_stream(L.w_hi + 16ull * c) : make_uint4(0, 0, 0, 0);
+        const u64 at = ((u64)step * U + u) * 2 * 32 + lane;  // in 16-byte (code) units
+        f.wl[u] = ld_stream(L.w + 16 * at);
+        f.wh[u] = ld_stream(L.w + 16 * (at + 32));
         if (F == NVFP4) {
-            sl[u] = (ok && L.s_lo) ? __ldg(reinterpret_cast<const u16*>(L.s_lo) + c) : 0u;
-            sh[u] = (ok && L.s_hi) ? __ldg(reinterpret_cast<const u16*>(L.s_hi) + c) : 0u;
+            f.sl[u] = __ldg(reinterpret_cast<const u16*>(L.s) + at);
+            f.sh[u] = __ldg(reinterpret_cast<const u16*>(L.s) + at + 32);
         } else if (F == MXFP4) {
-            sl[u] = (ok && L.s_lo) ? __ldg(L.s_lo + c) : 0u;
-            sh[u] = (ok && L.s_hi) ? __ldg(L.s_hi + c) : 0u;
+            f.sl[u] = __ldg(L.s + at);
+            f.sh[u] = __ldg(L.s + at + 32);
+        } else if (F == FP8) {
+            // One scale for the whole quad (its MMA k's): the quad's 64 elements lie in one
+            // scale block, as fp8_bc is a multiple of 64.
+            const u32 cq = step * STEP_CHUNKS + 4 * u;
+            const bool ok = cq < L.chunks;
+            const u32 kb = ok ? (cq * 16u) / L.fp8_bc : 0u;
+            f.fl[u] = ok ? fp8_scale(L.fs_lo, kb, L.fp8_f32) : 0.0f;
+            f.fh[u] = ok ? fp8_scale(L.fs_hi, kb, L.fp8_f32) : 0.0f;
         }
     }
+}
+
+// Adds one step's contribution to acc (FP4/BF16: in units of the epilogue scale; FP8: final).
+template <int F, int MT>
+__device__ __forceinline__ void frag_compute(const Lane& L, u32 step, u32 lane, const Frag& f, float (&acc)[MT][4]) {
+    constexpr u32 E = Format<F>::ELEMS;
+    const u32 c0 = step * STEP_CHUNKS + (lane & 3u);
 #pragma unroll
     for (u32 u = 0; u < U; ++u) {
         // The quad's chunks are consecutive: skip the MMAs when the whole quad is past the row.
         if (step * STEP_CHUNKS + 4 * u >= L.chunks) break;
         const u32 c = c0 + 4 * u;
         const bool ok = c < L.chunks;
-        const u32 wlo[4] = {wl[u].x, wl[u].y, wl[u].z, wl[u].w};
-        const u32 whi[4] = {wh[u].x, wh[u].y, wh[u].z, wh[u].w};
+        const u32 wlo[4] = {f.wl[u].x, f.wl[u].y, f.wl[u].z, f.wl[u].w};
+        const u32 whi[4] = {f.wh[u].x, f.wh[u].y, f.wh[u].z, f.wh[u].w};
         // Activation chunk(s) for rows g and g + 8: E bf16 values = E / 8 uint4.
         u32 xl[E / 2], xh[E / 2];
 #pragma unroll
@@ -183,16 +213,12 @@ __device__ __forceinline__ void tile_step(const Lane& L, u32 step, u32 q, float 
                     mma(t[1], l02, h02, l13, h13, prmt(xh[2 * j], xh[2 * j + 1], 0x5410u),
                         prmt(xh[2 * j], xh[2 * j + 1], 0x7632u));
             }
-            // The quad's 64 elements lie in one scale block (fp8_bc is a multiple of 64).
-            const u32 kb = (c * 16u) / L.fp8_bc;
-            const float s_lo = fp8_scale(L.s_lo, kb, L.fp8_f32);
-            const float s_hi = fp8_scale(L.s_hi, kb, L.fp8_f32);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                acc[m][0] = fmaf(s_lo, t[m][0], acc[m][0]);
-                acc[m][1] = fmaf(s_lo, t[m][1], acc[m][1]);
-                acc[m][2] = fmaf(s_hi, t[m][2], acc[m][2]);
-                acc[m][3] = fmaf(s_hi, t[m][3], acc[m][3]);
+                acc[m][0] = fmaf(f.fl[u], t[m][0], acc[m][0]);
+                acc[m][1] = fmaf(f.fl[u], t[m][1], acc[m][1]);
+                acc[m][2] = fmaf(f.fh[u], t[m][2], acc[m][2]);
+                acc[m][3] = fmaf(f.fh[u], t[m][3], acc[m][3]);
             }
         } else {
 #pragma unroll
@@ -200,11 +226,11 @@ __device__ __forceinline__ void tile_step(const Lane& L, u32 step, u32 q, float 
                 u32 sclo, schi;
                 if (F == NVFP4) {
                     // Words 0-1 of the chunk use the first 16-block scale, words 2-3 the second.
-                    sclo = nvfp4_scale_bf16x2((sl[u] >> (8 * (i >> 1))) & 0xffu);
-                    schi = nvfp4_scale_bf16x2((sh[u] >> (8 * (i >> 1))) & 0xffu);
+                    sclo = nvfp4_scale_bf16x2((f.sl[u] >> (8 * (i >> 1))) & 0xffu);
+                    schi = nvfp4_scale_bf16x2((f.sh[u] >> (8 * (i >> 1))) & 0xffu);
                 } else {
-                    sclo = mxfp4_scale_bf16x2(sl[u]);
-                    schi = mxfp4_scale_bf16x2(sh[u]);
+                    sclo = mxfp4_scale_bf16x2(f.sl[u]);
+                    schi = mxfp4_scale_bf16x2(f.sh[u]);
                 }
                 u32 pl[4], ph[4];
                 fp4x8_to_bf16(wlo[i], pl);
@@ -228,30 +254,48 @@ __device__ __forceinline__ void tile_step(const Lane& L, u32 step, u32 q, float 
     }
 }
 
-// Bytes of one weight row and of its scale row (FP8: of one row block's scales).
-template <int F>
-__device__ __forceinline__ u64 row_bytes(u32 k) {
-    return F == BF16 ? 2ull * k : F == FP8 ? (u64)k : (u64)k / 2;
+// Steps first, first + stride, ... < end of one tile into acc, with the next step's loads in
+// flight while the current one is computed. One call site of frag_compute per kernel (the loop
+// is not unrolled): the FP4/FP8 step code is large, and a second copy would not fit the
+// instruction cache.
+template <int F, int MT>
+__device__ __forceinline__ void run_steps(const Lane& L, u32 first, u32 end, u32 stride, u32 lane, float (&acc)[MT][4]) {
+    if (first >= end) return;
+    Frag cur, next;
+    frag_load<F>(L, first, lane, cur);
+#pragma unroll 1
+    for (u32 s = first; s < end; s += stride) {
+        if (s + stride < end) frag_load<F>(L, s + stride, lane, next);
+        frag_compute<F, MT>(L, s, lane, cur, acc);
+        cur = next;
+    }
 }
 
-// Sums acc over the block's warps (in warp order) into warp 0. Returns true in warp 0.
+// Bytes of one tile's packed scales (NVFP4: 2 per chunk, MXFP4: 1).
+template <int F>
+__device__ __forceinline__ u64 tile_scale_bytes(u32 chunks) {
+    return tile_bytes(chunks) / 16 * (F == NVFP4 ? 2 : 1);
+}
+
+// Sums acc over the `wpt` consecutive warps that share a tile (in warp order) into the first of
+// them. Every thread of the block must call it. Returns true in each tile's first warp.
 template <int MT>
-__device__ __forceinline__ bool reduce_warps(float (&acc)[MT][4]) {
+__device__ __forceinline__ bool reduce_warps(float (&acc)[MT][4], u32 wpt) {
     __shared__ float red[MAX_WARPS][MT * 4][32];
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    if (nw == 1) return true;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    if (wpt == 1) return true;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i) red[warp][m * 4 + i][lane] = acc[m][i];
     __syncthreads();
-    if (warp != 0) return false;
+    if (warp % wpt != 0) return false;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            float s = red[0][m * 4 + i][lane];
-            for (u32 w = 1; w < nw; ++w) s += red[w][m * 4 + i][lane];
+            float s = red[warp][m * 4 + i][lane];
+            for (u32 w = 1; w < wpt; ++w) s += red[warp + w][m * 4 + i][lane];
             acc[m][i] = s;
         }
     return true;

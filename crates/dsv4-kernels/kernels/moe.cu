@@ -20,11 +20,9 @@ struct MoeArgs {
     const u16* x;          // [m, d] bf16
     const int* ids;        // [m, topk]
     const float* weights;  // [m, topk]
-    const u8* w1;          // [experts, inter, d/2]
-    const u8* w3;          // [experts, inter, d/2]
-    const u8* w2;          // [experts, d, inter/2]
-    const u8* s1;          // w1 scales (NVFP4 e4m3 per 16, MXFP4 e8m0 per 32)
-    const u8* s3;
+    const u8* w13;         // per expert: w1/w3 packed as gate+up tiles (gemv_tile.cu layout)
+    const u8* s13;         // their packed scales (NVFP4 e4m3 per 16, MXFP4 e8m0 per 32)
+    const u8* w2;          // per expert: w2 packed as plain tiles
     const u8* s2;
     const float* g1;       // NVFP4 global scales [experts] (null for MXFP4)
     const float* g3;
@@ -33,6 +31,8 @@ struct MoeArgs {
     void* out;             // [m, d] bf16 or f32
     u32 m, topk, experts, d, inter;
     float limit;
+    u32 tpb;               // gate_up: tiles per block
+    u32 wpt;               // gate_up: warps per tile
 };
 
 namespace moe {
@@ -55,34 +55,30 @@ __device__ __forceinline__ float post_scale(const float* g, int e) {
     return F == gemv::NVFP4 ? __fmul_rn(__ldg(g + e), 65536.0f) : 65536.0f;
 }
 
-template <int F>
-__device__ __forceinline__ u64 scale_row_bytes(u32 k) {
-    return F == gemv::NVFP4 ? k / 16u : k / 32u;
-}
-
 template <int F, int MT>
 __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     using namespace gemv;
-    const u32 tile = blockIdx.x, pair = blockIdx.y;
+    const u32 pair = blockIdx.y;
     const int e = __ldg(a.ids + pair);
     if (!valid_expert(e, a.experts)) return;
     for (u32 p = 0; p < pair; ++p)
         if (__ldg(a.ids + p) == e) return;
 
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 tile = blockIdx.x * a.tpb + warp / a.wpt, kpart = warp % a.wpt;
     const u32 g = lane >> 2, q = lane & 3u;
     const u32 r = tile * 8 + g;
-    const u64 rb = a.d / 2, sb = scale_row_bytes<F>(a.d);
-    const u64 row = (u64)e * a.inter + r;
+    const u32 chunks = a.d / 32u, tiles = (a.inter + 7) / 8;
+    const bool live = tile < tiles;
+    const u64 t = (u64)e * tiles + tile;
     Lane L;
-    L.w_lo = r < a.inter ? a.w1 + row * rb : nullptr;
-    L.w_hi = r < a.inter ? a.w3 + row * rb : nullptr;
-    L.s_lo = r < a.inter ? a.s1 + row * sb : nullptr;
-    L.s_hi = r < a.inter ? a.s3 + row * sb : nullptr;
+    L.w = a.w13 + t * tile_bytes(chunks);
+    L.s = a.s13 + t * tile_scale_bytes<F>(chunks);
+    L.fs_lo = L.fs_hi = nullptr;
     L.x_lo = (g < a.m && slot_of(a.ids, a.topk, g, e) >= 0) ? a.x + (u64)g * a.d : nullptr;
     L.x_hi = (MT == 2 && g + 8 < a.m && slot_of(a.ids, a.topk, g + 8, e) >= 0) ? a.x + (u64)(g + 8) * a.d
                                                                                  : nullptr;
-    L.chunks = a.d / 32u;
+    L.chunks = chunks;
     L.fp8_bc = 0;
     L.fp8_f32 = false;
 
@@ -91,9 +87,10 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
-    const u32 steps = (L.chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
-    for (u32 s = warp; s < steps; s += nw) tile_step<F, MT>(L, s, q, acc);
-    if (!reduce_warps<MT>(acc)) return;
+    // Warps of a tile past the last one still take part in the block's reduction.
+    const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
+    run_steps<F, MT>(L, kpart, steps, a.wpt, lane, acc);
+    if (!reduce_warps<MT>(acc, a.wpt)) return;
     if (r >= a.inter) return;
 
     const float p1 = post_scale<F>(a.g1, e), p3 = post_scale<F>(a.g3, e);
@@ -145,8 +142,7 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     const u32 g = lane >> 2, q = lane & 3u;
     const u32 tile = blockIdx.x;
     const u32 r_lo = tile * 16 + g, r_hi = tile * 16 + 8 + g;
-    const u64 rb = a.inter / 2, sb = scale_row_bytes<F>(a.inter);
-    const u32 chunks = a.inter / 32u;
+    const u32 chunks = a.inter / 32u, tiles = (a.d + 15) / 16;
     const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
 
     // Item partials of one group of experts: [item][MT * 4][lane].
@@ -162,13 +158,13 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
 
     for (u32 g0 = 0; g0 < distinct; g0 += group) {
         const u32 items = min(group, distinct - g0) * steps;
-        for (u32 it = warp; it < items; it += nw) {
+        // The lane's view of item it: expert uniq[g0 + it / steps], K step it % steps.
+        auto item_lane = [&](u32 it, Lane& L) {
             const int e = uniq[g0 + it / steps];
-            Lane L;
-            L.w_lo = r_lo < a.d ? a.w2 + ((u64)e * a.d + r_lo) * rb : nullptr;
-            L.w_hi = r_hi < a.d ? a.w2 + ((u64)e * a.d + r_hi) * rb : nullptr;
-            L.s_lo = r_lo < a.d ? a.s2 + ((u64)e * a.d + r_lo) * sb : nullptr;
-            L.s_hi = r_hi < a.d ? a.s2 + ((u64)e * a.d + r_hi) * sb : nullptr;
+            const u64 t = (u64)e * tiles + tile;
+            L.w = a.w2 + t * tile_bytes(chunks);
+            L.s = a.s2 + t * tile_scale_bytes<F>(chunks);
+            L.fs_lo = L.fs_hi = nullptr;
             L.x_lo = L.x_hi = nullptr;
             if (g < a.m) {
                 const int j = slot_of(ids, a.topk, g, e);
@@ -181,16 +177,36 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             L.chunks = chunks;
             L.fp8_bc = 0;
             L.fp8_f32 = false;
+        };
+        auto item_compute = [&](u32 it, const Lane& L, const Frag& f) {
             float t[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) t[m][i] = 0.0f;
-            tile_step<F, MT>(L, it % steps, q, t);
+            frag_compute<F, MT>(L, it % steps, lane, f, t);
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) part[it * PER_ITEM + (m * 4 + i) * 32 + lane] = t[m][i];
+        };
+        // Two items in flight per warp: the next one's loads overlap this one's math (one
+        // call site of the step code, as in run_steps).
+        Lane lc, ln;
+        Frag fc, fn;
+        if (warp < items) {
+            item_lane(warp, lc);
+            frag_load<F>(lc, warp % steps, lane, fc);
+        }
+#pragma unroll 1
+        for (u32 it = warp; it < items; it += nw) {
+            if (it + nw < items) {
+                item_lane(it + nw, ln);
+                frag_load<F>(ln, (it + nw) % steps, lane, fn);
+            }
+            item_compute(it, lc, fc);
+            lc = ln;
+            fc = fn;
         }
         __syncthreads();
         if (warp == 0) {

@@ -11,7 +11,8 @@
 //! The ceiling is a 1 GiB device-to-device copy timed with events (read + write bytes).
 //!
 //! `cargo bench -p dsv4-ops --bench decode_kernels` (criterion); a markdown table is printed at
-//! the end and written to `$DSV4_BENCH_TABLE` when set.
+//! the end and written to `$DSV4_BENCH_TABLE` when set. `DSV4_BENCH_ONLY=Pro/attn` keeps the
+//! cases whose `model/kernel` contains the text.
 
 use std::time::Duration;
 
@@ -211,6 +212,8 @@ struct Bench {
     bits: Bits,
     rows: Vec<Row>,
     criterion: Criterion,
+    /// Only cases whose `model/kernel` contains this (`DSV4_BENCH_ONLY`).
+    only: Option<String>,
 }
 
 /// Launches per graph and weight copies for `bytes`-sized weights.
@@ -221,6 +224,10 @@ fn rotation(bytes: usize, l2: usize) -> (usize, usize) {
 }
 
 impl Bench {
+    fn skip(&self, model: &str, name: &str) -> bool {
+        self.only.as_deref().is_some_and(|f| !format!("{model}/{name}").contains(f))
+    }
+
     fn record(&mut self, id: &str, timer: &Timer) -> Res<f64> {
         let secs = median(self.timer_samples(timer, 15)?);
         let dev = &self.dev;
@@ -298,26 +305,28 @@ impl Bench {
         k: usize,
         swiglu: bool,
     ) -> Res<()> {
+        if self.skip(model, name) {
+            return Ok(());
+        }
         let mats = if swiglu { 2 } else { 1 };
         let owned: Vec<Owned> = (0..mats)
             .map(|_| Owned::random(&mut self.bits, fmt, n, k))
             .collect();
-        let probe = GemvWeight::upload(&self.dev, owned[0].host(), n, k)?;
-        let wbytes = probe.bytes() * mats;
+        let upload = |dev: &Device| {
+            if swiglu {
+                GemvWeight::upload_gate_up(dev, owned[0].host(), owned[1].host(), n, k)
+            } else {
+                GemvWeight::upload(dev, owned[0].host(), n, k)
+            }
+        };
+        let probe = upload(&self.dev)?;
+        let wbytes = probe.bytes();
         let out_n = n;
         let bytes = wbytes + 2 * k + 2 * out_n;
         let (copies, batch) = rotation(wbytes, self.l2);
-        let mut weights: Vec<Vec<GemvWeight>> = vec![vec![probe]];
-        if swiglu {
-            weights[0].push(GemvWeight::upload(&self.dev, owned[1].host(), n, k)?);
-        }
+        let mut weights = vec![probe];
         for _ in 1..copies {
-            weights.push(
-                owned
-                    .iter()
-                    .map(|o| GemvWeight::upload(&self.dev, o.host(), n, k))
-                    .collect::<Result<_, _>>()?,
-            );
+            weights.push(upload(&self.dev)?);
         }
         let x = self.dev.upload(DType::BF16, &[1, k], &self.bits.bf16s(k))?;
         let mut y: DeviceTensor<bf16> = self.dev.alloc(DType::BF16, &[1, out_n])?;
@@ -325,9 +334,9 @@ impl Bench {
         let timer = Timer::capture(dev, batch, |i| {
             let w = &weights[i % copies];
             if swiglu {
-                gemv::gemv_swiglu(dev, &x, &w[0], &w[1], 10.0, &mut y, ws)?;
+                gemv::gemv_swiglu(dev, &x, w, 10.0, &mut y, ws)?;
             } else {
-                gemv::gemv(dev, &x, &w[0], &mut y, ws)?;
+                gemv::gemv(dev, &x, w, &mut y, ws)?;
             }
             Ok(())
         })?;
@@ -354,8 +363,9 @@ impl Bench {
         Ok(())
     }
 
-    /// The routed experts of one Flash layer (256 x NVFP4 [2048, 4096] w1/w3 and [4096, 2048]
-    /// w2), six experts per token chosen at random for every launch.
+    /// The routed experts of one layer (Flash: 256 x NVFP4 [2048, 4096] w1/w3 and [4096, 2048]
+    /// w2; Pro: 384 x [3072, 7168] and [7168, 3072]), six experts per token chosen at random
+    /// for every launch.
     fn moe_case(
         &mut self,
         model: &'static str,
@@ -364,14 +374,16 @@ impl Bench {
         inter: usize,
         topk: usize,
     ) -> Res<()> {
+        if self.skip(model, "grouped MoE") {
+            return Ok(());
+        }
         let upload_random = |dev: &Device,
                              bits: &mut Bits,
-                             dtype: DType,
                              shape: &[usize],
                              lo: u8,
                              hi: u8|
          -> Res<DeviceTensor<u8>> {
-            let mut t: DeviceTensor<u8> = dev.alloc(dtype, shape)?;
+            let mut t: DeviceTensor<u8> = dev.alloc(DType::U8, shape)?;
             let total = t.len();
             let chunk = 32 << 20;
             let host = if lo == 0 && hi == 255 {
@@ -391,19 +403,20 @@ impl Bench {
         };
         let dev = &self.dev;
         let b = &mut self.bits;
-        let w1 = upload_random(dev, b, DType::E2M1x2, &[experts, inter, d / 2], 0, 255)?;
-        let w3 = upload_random(dev, b, DType::E2M1x2, &[experts, inter, d / 2], 0, 255)?;
-        let w2 = upload_random(dev, b, DType::E2M1x2, &[experts, d, inter / 2], 0, 255)?;
-        let s1 = upload_random(dev, b, DType::E4M3, &[experts, inter, d / 16], 0x20, 0x58)?;
-        let s3 = upload_random(dev, b, DType::E4M3, &[experts, inter, d / 16], 0x20, 0x58)?;
-        let s2 = upload_random(dev, b, DType::E4M3, &[experts, d, inter / 16], 0x20, 0x58)?;
+        // Random codes and valid scales, already in the packed layout.
+        let (up, down) = moe::layouts(d, inter);
+        let w13 = upload_random(dev, b, &[experts, up.slots() * 16], 0, 255)?;
+        let s13 = upload_random(dev, b, &[experts, up.slots() * 2], 0x20, 0x58)?;
+        let w2 = upload_random(dev, b, &[experts, down.slots() * 16], 0, 255)?;
+        let s2 = upload_random(dev, b, &[experts, down.slots() * 2], 0x20, 0x58)?;
         let g = vec![1.0f32 / 2688.0; experts];
         let globals = [
             dev.upload(DType::F32, &[experts], &g)?,
             dev.upload(DType::F32, &[experts], &g)?,
             dev.upload(DType::F32, &[experts], &g)?,
         ];
-        let ex = MoeExperts::from_parts(MoeFormat::Nvfp4, w1, w3, w2, s1, s3, s2, Some(globals))?;
+        let ex =
+            MoeExperts::from_parts(MoeFormat::Nvfp4, d, inter, w13, s13, w2, s2, Some(globals))?;
         let batch = 32;
         let mut routes = Vec::new();
         for _ in 0..batch {
@@ -529,17 +542,13 @@ fn main() -> Res<()> {
         bits: Bits(0x5eed),
         rows: Vec::new(),
         criterion,
+        only: std::env::var("DSV4_BENCH_ONLY").ok(),
     };
-    let filter: Option<String> = std::env::var("DSV4_BENCH_ONLY").ok();
-    let want = |m: &str| filter.as_deref().is_none_or(|f| m.contains(f));
 
     for (model, d, q_rank, heads, groups, inter, idx_heads) in [
         ("Flash", 4096, 1024, 64, 8, 2048, 64),
         ("Pro", 7168, 1536, 128, 16, 3072, 64),
     ] {
-        if !want(model) {
-            continue;
-        }
         let hd = 512;
         b.gemv_case(model, "attn wq_a", Fmt::Fp8, q_rank, d, false)?;
         b.gemv_case(model, "attn wq_b", Fmt::Fp8, heads * hd, q_rank, false)?;
@@ -575,9 +584,7 @@ fn main() -> Res<()> {
         )?;
         b.gemv_case(model, "shared expert w2", Fmt::Fp8, d, inter, false)?;
         b.gemv_case(model, "lm_head", Fmt::Bf16, 129280, d, false)?;
-        if model == "Flash" {
-            b.moe_case(model, 256, d, inter, 6)?;
-        }
+        b.moe_case(model, if model == "Flash" { 256 } else { 384 }, d, inter, 6)?;
     }
     b.criterion.final_summary();
     let table = b.table(&name);

@@ -180,7 +180,7 @@ fn gpu_gemv_matches_reference_on_random_shapes() {
         }
         // Few rows and long K: split across blocks (workspace reduction path).
         let n = rng.random_range(1..=48);
-        let k = ce * rng.random_range(256..=512);
+        let k = ce * 16 * rng.random_range(64..=96);
         let m = rng.random_range(1..=3);
         check_gemv(&dev, &mut ws, &mut rng, format, m, n, k);
         // Many rows: one block per tile.
@@ -213,8 +213,7 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
             let g = Some(0.3 / 2688.0);
             let o1 = make_weight(&mut rng, format, n, k, g);
             let o3 = make_weight(&mut rng, format, n, k, g);
-            let w1 = GemvWeight::upload(&dev, o1.host(), n, k).unwrap();
-            let w3 = GemvWeight::upload(&dev, o3.host(), n, k).unwrap();
+            let w13 = GemvWeight::upload_gate_up(&dev, o1.host(), o3.host(), n, k).unwrap();
             let xh = to_bf16(&gaussian(&mut rng, m * k, 1.0));
             let x = dev.upload(DType::BF16, &[m, k], &xh).unwrap();
             let w1d = reference::dequantize(o1.host(), n, k).unwrap();
@@ -225,7 +224,7 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
             let limit = (rms * 0.8).max(1e-3) as f32;
             let want = reference::gemv_swiglu(&xh, m, &w1d, &w3d, n, k, limit as f64);
             let mut h = poisoned(&dev, m, n);
-            gemv::gemv_swiglu(&dev, &x, &w1, &w3, limit, &mut h, &mut ws).unwrap();
+            gemv::gemv_swiglu(&dev, &x, &w13, limit, &mut h, &mut ws).unwrap();
             let got = dev.download(&h).unwrap();
             let err = reference::relative_error(&f64s(&got), &want);
             println!(
@@ -254,6 +253,23 @@ fn gpu_gemv_rejects_bad_shapes() {
     mx.scale[3] = 200;
     assert!(GemvWeight::upload(&dev, HostWeight::Mxfp4(&mx), 8, 64).is_err());
     let w = GemvWeight::upload(&dev, owned.host(), 64, 128).unwrap();
+    let w13 = GemvWeight::upload_gate_up(&dev, owned.host(), owned.host(), 64, 128).unwrap();
+    let mut h = poisoned(&dev, 1, 64);
+    let x1 = dev
+        .upload(DType::BF16, &[1, 128], &vec![bf16::ONE; 128])
+        .unwrap();
+    assert!(
+        gemv::gemv(&dev, &x1, &w13, &mut h, &mut ws).is_err(),
+        "gate+up weights need gemv_swiglu"
+    );
+    assert!(
+        gemv::gemv_swiglu(&dev, &x1, &w, 1.0, &mut h, &mut ws).is_err(),
+        "plain weights need gemv"
+    );
+    assert!(
+        gemv::gemv_swiglu(&dev, &x1, &w13, 0.0, &mut h, &mut ws).is_err(),
+        "the limit must be positive"
+    );
     let x = dev
         .upload(DType::BF16, &[17, 128], &vec![bf16::ONE; 17 * 128])
         .unwrap();

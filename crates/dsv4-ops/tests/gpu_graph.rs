@@ -1,6 +1,7 @@
 //! A decode slice captured as one CUDA graph on a sealed pool: NVFP4 activation quantize →
-//! FP8 GEMV → split-K BF16 GEMV → grouped NVFP4 MoE. Replays with fresh inputs copied into the
-//! fixed input buffers must be bit-identical to eager launches on the same inputs.
+//! FP8 GEMV → BF16 GEMV → grouped NVFP4 MoE, plus a long-K BF16 GEMV that splits K across
+//! blocks (workspace counters must be reset between replays). Replays with fresh inputs copied
+//! into the fixed input buffers must be bit-identical to eager launches on the same inputs.
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};
@@ -35,10 +36,14 @@ const INTER: usize = 256;
 const EXPERTS: usize = 16;
 const TOPK: usize = 6;
 const ROUTER: usize = 64;
+const WIDE_K: usize = 16384;
+const WIDE_N: usize = 32;
 const LIMIT: f32 = 1.5;
 
 struct Bufs {
     x: DeviceTensor<bf16>,
+    xw: DeviceTensor<bf16>,
+    wide: DeviceTensor<bf16>,
     ids: DeviceTensor<i32>,
     weights: DeviceTensor<f32>,
     act: Nvfp4Act,
@@ -50,6 +55,7 @@ struct Bufs {
 }
 
 struct Model {
+    wide: GemvWeight,
     proj: GemvWeight,
     router: GemvWeight,
     experts: MoeExperts,
@@ -59,6 +65,7 @@ fn step(dev: &Device, m: &Model, b: &mut Bufs) -> Result<(), GpuError> {
     nvfp4_quantize_act(dev, &b.x, &mut b.act)?;
     gemv::gemv(dev, &b.x, &m.proj, &mut b.y, &mut b.ws)?;
     gemv::gemv(dev, &b.y, &m.router, &mut b.logits, &mut b.ws)?;
+    gemv::gemv(dev, &b.xw, &m.wide, &mut b.wide, &mut b.ws)?;
     moe::moe_decode(
         dev,
         &b.y,
@@ -149,7 +156,13 @@ fn gpu_graph_replays_quantize_gemv_moe_bit_identically() {
         INTER,
     )
     .unwrap();
+    let ww: Vec<bf16> = gaussian(&mut rng, WIDE_N * WIDE_K, 0.01)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let wide = GemvWeight::upload(&dev, HostWeight::Bf16(&ww), WIDE_N, WIDE_K).unwrap();
     let model = Model {
+        wide,
         proj,
         router,
         experts,
@@ -157,6 +170,12 @@ fn gpu_graph_replays_quantize_gemv_moe_bit_identically() {
 
     let mut pool = BufferPool::new();
     let rx = pool.reserve::<bf16>("x", DType::BF16, &[M, D]).unwrap();
+    let rxw = pool
+        .reserve::<bf16>("xw", DType::BF16, &[M, WIDE_K])
+        .unwrap();
+    let rwide = pool
+        .reserve::<bf16>("wide", DType::BF16, &[M, WIDE_N])
+        .unwrap();
     let rids = pool.reserve::<i32>("ids", DType::I32, &[M, TOPK]).unwrap();
     let rwts = pool
         .reserve::<f32>("weights", DType::F32, &[M, TOPK])
@@ -178,6 +197,8 @@ fn gpu_graph_replays_quantize_gemv_moe_bit_identically() {
     pool.seal(&dev).unwrap();
     let mut b = Bufs {
         x: pool.take(rx).unwrap(),
+        xw: pool.take(rxw).unwrap(),
+        wide: pool.take(rwide).unwrap(),
         ids: pool.take(rids).unwrap(),
         weights: pool.take(rwts).unwrap(),
         act: Nvfp4Act {
@@ -208,6 +229,11 @@ fn gpu_graph_replays_quantize_gemv_moe_bit_identically() {
             .map(|_| rng.random_range(0.05f32..1.0))
             .collect();
         dev.write(&mut b.x, &x).unwrap();
+        let xw: Vec<bf16> = gaussian(rng, M * WIDE_K, 1.0)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        dev.write(&mut b.xw, &xw).unwrap();
         dev.write(&mut b.ids, &ids).unwrap();
         dev.write(&mut b.weights, &wts).unwrap();
     };

@@ -2,12 +2,14 @@
 //! for `M <= 16` bf16 activation rows, with weights in BF16, FP8 e4m3 with block scales,
 //! NVFP4 or MXFP4, dequantized in registers (W4A16 / W8A16 on tensor cores). The fused
 //! [`gemv_swiglu`] computes `silu(min(x·W1ᵀ, L)) · clamp(x·W3ᵀ, −L, L)` in one pass.
+//! Weights are repacked once, at upload, into the kernels' tile layout ([`pack`], with its CPU
+//! inverse [`pack::unpack`]).
 //!
 //! Launchers check every shape and enqueue on the device stream without synchronizing or
-//! reading back, so they can be captured into CUDA graphs. Small-N problems split K across
+//! reading back, so they can be captured into CUDA graphs. Few long rows split K across
 //! blocks through a [`GemvWorkspace`] (reserve it in the [`BufferPool`]); the split partials
 //! are summed in a fixed order, so results never depend on timing. CPU references:
-//! [`reference`].
+//! [`mod@reference`].
 
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -26,12 +28,10 @@ pub const MAX_M: usize = 16;
 /// bf16 operand the kernel builds (scale · 2^110); no real weight comes near it.
 pub const MXFP4_MAX_SCALE_BYTE: u8 = 144;
 
-/// Warps per block: they split a tile's K range and are reduced in shared memory.
-const WARPS: u32 = 4;
-/// 16-byte chunks one K step covers per weight row (4 lanes x 4 chunks, see gemv_tile.cu).
-const STEP_CHUNKS: usize = 16;
-/// Blocks per multiprocessor the split-K planner aims for.
-const TARGET_BLOCKS_PER_SM: usize = 4;
+/// Warps a multiprocessor holds at the kernels' register use (about 128 per thread).
+const RESIDENT_WARPS_PER_SM: usize = 16;
+/// Most warps sharing one tile's K steps: 256 threads fit any of the kernels' register use.
+const MAX_WARPS_PER_TILE: usize = 8;
 
 /// A weight's number format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,29 +88,153 @@ enum Fp8Scale {
     F32(DeviceTensor<f32>),
 }
 
-enum Storage {
-    Bf16(DeviceTensor<bf16>),
-    Fp8 {
-        weight: DeviceTensor<u8>,
-        scale: Fp8Scale,
-    },
-    Nvfp4 {
-        weight: DeviceTensor<u8>,
-        scale: DeviceTensor<u8>,
-        global: f32,
-    },
-    Mxfp4 {
-        weight: DeviceTensor<u8>,
-        scale: DeviceTensor<u8>,
-    },
+impl Fp8Scale {
+    fn address(&self) -> u64 {
+        match self {
+            Fp8Scale::E8m0(s) => s.device_address(),
+            Fp8Scale::F32(s) => s.device_address(),
+        }
+    }
 }
 
-/// A device-resident weight `W [n, k]` for [`gemv`] / [`gemv_swiglu`], in checkpoint layout.
+/// The tile layout the kernels read (see `kernels/gemv_tile.cu`): a tile is 16 weight rows
+/// (plain: rows 16t..16t+15; gate+up: W1 rows 8t..8t+7, then W3 rows 8t..8t+7), split into K
+/// steps of 16 chunks of 16 bytes; slot `((((t * S + s) * 4 + u) * 2 + h) * 32 + l)` holds chunk
+/// `16s + 4u + l % 4` of tile row `l / 4 + 8h`. Rows and K are zero-padded to whole tiles and
+/// steps. NVFP4/MXFP4 scales are packed slot for slot (2 or 1 bytes per chunk), so every
+/// warp-wide load of codes reads 512 contiguous bytes and a tile is one contiguous region.
+pub mod pack {
+    use crate::gpu::GpuError;
+
+    /// Chunks one lane takes per row in a step.
+    pub const U: usize = 4;
+    /// Chunks per row in a step (4 lanes x U).
+    pub const STEP_CHUNKS: usize = 4 * U;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Layout {
+        /// Rows of the source matrix (of each of W1 and W3 for gate+up).
+        pub rows: usize,
+        /// 16-byte chunks per source row.
+        pub chunks: usize,
+        /// Interleave W1 (tile rows 0-7) and W3 (tile rows 8-15).
+        pub gate_up: bool,
+    }
+
+    impl Layout {
+        pub fn tiles(&self) -> usize {
+            self.rows.div_ceil(if self.gate_up { 8 } else { 16 })
+        }
+
+        pub fn steps(&self) -> usize {
+            self.chunks.div_ceil(STEP_CHUNKS)
+        }
+
+        /// Chunk slots of the packed tensor (its bytes are `slots * unit`): 16 rows x 16
+        /// chunks per tile and step.
+        pub fn slots(&self) -> usize {
+            self.tiles() * self.steps() * STEP_CHUNKS * 16
+        }
+
+        /// `(matrix, row, chunk)` that slot `i` holds (matrix 1 = W3), or None for padding.
+        pub fn source(&self, i: usize) -> Option<(usize, usize, usize)> {
+            let l = i % 32;
+            let h = (i / 32) % 2;
+            let u = (i / 64) % U;
+            let s = (i / (64 * U)) % self.steps();
+            let t = i / (64 * U * self.steps());
+            let c = STEP_CHUNKS * s + 4 * u + l % 4;
+            let (m, r) = if self.gate_up {
+                (h, 8 * t + l / 4)
+            } else {
+                (0, 16 * t + 8 * h + l / 4)
+            };
+            (r < self.rows && c < self.chunks).then_some((m, r, c))
+        }
+    }
+
+    fn check(layout: &Layout, unit: usize, what: &str, len: usize) -> Result<(), GpuError> {
+        let want = layout.rows * layout.chunks * unit;
+        if len == want {
+            Ok(())
+        } else {
+            Err(GpuError::invalid(
+                what,
+                format!(
+                    "{len} bytes where [{}, {}] x {unit} needs {want}",
+                    layout.rows, layout.chunks
+                ),
+            ))
+        }
+    }
+
+    /// Packs row-major sources (`unit` bytes per 16-byte chunk: 16 for codes, 2 for NVFP4 and 1
+    /// for MXFP4 scales). `w3` is the up projection of a gate+up layout and must be empty
+    /// otherwise.
+    pub fn pack(layout: &Layout, unit: usize, w: &[u8], w3: &[u8]) -> Result<Vec<u8>, GpuError> {
+        check(layout, unit, "pack: w", w.len())?;
+        if layout.gate_up {
+            check(layout, unit, "pack: w3", w3.len())?;
+        } else if !w3.is_empty() {
+            return Err(GpuError::invalid("pack", "a plain layout takes one matrix"));
+        }
+        let row = layout.chunks * unit;
+        let mut out = vec![0u8; layout.slots() * unit];
+        for (i, dst) in out.chunks_exact_mut(unit).enumerate() {
+            if let Some((m, r, c)) = layout.source(i) {
+                let src = if m == 0 { w } else { w3 };
+                dst.copy_from_slice(&src[r * row + c * unit..][..unit]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The inverse of [`pack`]: `(w, w3)` row-major (`w3` empty for a plain layout).
+    pub fn unpack(
+        layout: &Layout,
+        unit: usize,
+        packed: &[u8],
+    ) -> Result<(Vec<u8>, Vec<u8>), GpuError> {
+        if packed.len() != layout.slots() * unit {
+            return Err(GpuError::invalid(
+                "unpack",
+                format!(
+                    "{} bytes where {} are packed",
+                    packed.len(),
+                    layout.slots() * unit
+                ),
+            ));
+        }
+        let row = layout.chunks * unit;
+        let n = layout.rows * row;
+        let mut w = vec![0u8; n];
+        let mut w3 = vec![0u8; if layout.gate_up { n } else { 0 }];
+        for (i, src) in packed.chunks_exact(unit).enumerate() {
+            if let Some((m, r, c)) = layout.source(i) {
+                let dst = if m == 0 { &mut w } else { &mut w3 };
+                dst[r * row + c * unit..][..unit].copy_from_slice(src);
+            }
+        }
+        Ok((w, w3))
+    }
+}
+
+/// A device-resident weight for [`gemv`] (`W [n, k]`) or [`gemv_swiglu`] (`W1, W3 [n, k]`),
+/// repacked into the kernels' tile layout ([`pack`]) when uploaded.
 pub struct GemvWeight {
     format: GemvFormat,
     n: usize,
     k: usize,
-    storage: Storage,
+    gate_up: bool,
+    codes: DeviceTensor<u8>,
+    /// NVFP4/MXFP4 packed scales.
+    scales: Option<DeviceTensor<u8>>,
+    /// FP8 block scales of W (W1) and, for gate+up, W3.
+    fp8: Option<(Fp8Scale, Option<Fp8Scale>)>,
+    /// Epilogue multipliers of W (W1) and W3 rows.
+    post: (f32, f32),
+    /// Checkpoint bytes: codes and scales, unpadded.
+    bytes: usize,
 }
 
 fn invalid(what: &str, detail: impl Into<String>) -> GpuError {
@@ -128,110 +252,228 @@ fn check_len(what: &str, expected: usize, found: usize) -> Result<(), GpuError> 
     }
 }
 
+/// One matrix, validated: its format, row-major code bytes, scale bytes per chunk (NVFP4 2,
+/// MXFP4 1) and FP8 block scales, and its epilogue multiplier.
+struct Parts<'a> {
+    format: GemvFormat,
+    codes: std::borrow::Cow<'a, [u8]>,
+    scales: Option<(&'a [u8], usize)>,
+    fp8: Option<(&'a [u8], ScaleFormat, (usize, usize))>,
+    post: f32,
+    bytes: usize,
+}
+
+fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuError> {
+    let format = match w {
+        HostWeight::Bf16(_) => GemvFormat::Bf16,
+        HostWeight::Fp8 { format, block, .. } => GemvFormat::Fp8 {
+            scale: format,
+            block,
+        },
+        HostWeight::Nvfp4(_) => GemvFormat::Nvfp4,
+        HostWeight::Mxfp4(_) => GemvFormat::Mxfp4,
+    };
+    let what = format!("{} weight [{n}, {k}]", format.name());
+    let ce = format.chunk_elems();
+    if n == 0 || k == 0 || !k.is_multiple_of(ce) {
+        return Err(invalid(
+            &what,
+            format!("n and k must be positive and k a multiple of {ce}"),
+        ));
+    }
+    dim_u32(&what, n)?;
+    dim_u32(&what, k)?;
+    Ok(match w {
+        HostWeight::Bf16(data) => {
+            check_len(&what, n * k, data.len())?;
+            let codes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            Parts {
+                format,
+                codes: codes.into(),
+                scales: None,
+                fp8: None,
+                post: 1.0,
+                bytes: 2 * n * k,
+            }
+        }
+        HostWeight::Fp8 {
+            weight,
+            scale,
+            format: sf,
+            block,
+        } => {
+            if block.0 == 0 || block.0 % 16 != 0 || block.1 == 0 || block.1 % 64 != 0 {
+                return Err(invalid(
+                    &what,
+                    format!("FP8 block {block:?}: rows must be a multiple of 16 and columns of 64"),
+                ));
+            }
+            check_len(&what, n * k, weight.len())?;
+            let sn = n.div_ceil(block.0) * k.div_ceil(block.1) * sf.bytes();
+            check_len(&format!("{what} scale"), sn, scale.len())?;
+            // The kernel applies the block scales (times 2^16) itself.
+            Parts {
+                format,
+                codes: weight.into(),
+                scales: None,
+                fp8: Some((scale, sf, block)),
+                post: 1.0,
+                bytes: n * k + sn,
+            }
+        }
+        HostWeight::Nvfp4(q) => {
+            check_len(&what, n * k / 2, q.weight.len())?;
+            check_len(
+                &format!("{what} weight_scale"),
+                n * k / 16,
+                q.weight_scale.len(),
+            )?;
+            if !q.weight_scale_2.is_finite() {
+                return Err(invalid(
+                    &what,
+                    format!("weight_scale_2 {} is not finite", q.weight_scale_2),
+                ));
+            }
+            // Codes enter the MMA as value * 2^-16 (see gemv.cu).
+            Parts {
+                format,
+                codes: q.weight.as_slice().into(),
+                scales: Some((&q.weight_scale, 2)),
+                fp8: None,
+                post: q.weight_scale_2 * 65536.0,
+                bytes: n * k / 2 + n * k / 16,
+            }
+        }
+        HostWeight::Mxfp4(q) => {
+            check_len(&what, n * k / 2, q.weight.len())?;
+            check_len(&format!("{what} scale"), n * k / 32, q.scale.len())?;
+            check_mxfp4_scales(&what, &q.scale)?;
+            Parts {
+                format,
+                codes: q.weight.as_slice().into(),
+                scales: Some((&q.scale, 1)),
+                fp8: None,
+                post: 65536.0,
+                bytes: n * k / 2 + n * k / 32,
+            }
+        }
+    })
+}
+
+fn upload_fp8_scale(
+    dev: &Device,
+    raw: &[u8],
+    sf: ScaleFormat,
+    n: usize,
+    k: usize,
+    block: (usize, usize),
+) -> Result<Fp8Scale, GpuError> {
+    let shape = [n.div_ceil(block.0), k.div_ceil(block.1)];
+    Ok(match sf {
+        ScaleFormat::E8m0 => Fp8Scale::E8m0(dev.upload(DType::E8M0, &shape, raw)?),
+        ScaleFormat::F32 => {
+            let v: Vec<f32> = raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            Fp8Scale::F32(dev.upload(DType::F32, &shape, &v)?)
+        }
+    })
+}
+
 impl GemvWeight {
-    /// Validates `w` as an `[n, k]` weight and copies it to the device.
+    /// Validates `w` as an `[n, k]` weight, repacks it into tiles and copies it to the device.
     ///
-    /// Requirements: `k` a positive multiple of 8 (BF16), 16 (FP8) or 32 (NVFP4, MXFP4), so every
-    /// row starts 16-byte aligned; FP8 blocks with `block.1 % 64 == 0` and `block.0 % 16 == 0`;
-    /// MXFP4 scale bytes at most [`MXFP4_MAX_SCALE_BYTE`]; a finite NVFP4 global scale.
+    /// Requirements: `k` a positive multiple of 8 (BF16), 16 (FP8) or 32 (NVFP4, MXFP4); FP8
+    /// blocks with `block.1 % 64 == 0` and `block.0 % 16 == 0`; MXFP4 scale bytes at most
+    /// [`MXFP4_MAX_SCALE_BYTE`]; a finite NVFP4 global scale.
     pub fn upload(
         dev: &Device,
         w: HostWeight<'_>,
         n: usize,
         k: usize,
     ) -> Result<GemvWeight, GpuError> {
-        let format = match w {
-            HostWeight::Bf16(_) => GemvFormat::Bf16,
-            HostWeight::Fp8 { format, block, .. } => GemvFormat::Fp8 {
-                scale: format,
-                block,
-            },
-            HostWeight::Nvfp4(_) => GemvFormat::Nvfp4,
-            HostWeight::Mxfp4(_) => GemvFormat::Mxfp4,
+        let p = parts(w, n, k)?;
+        let layout = pack::Layout {
+            rows: n,
+            chunks: k / p.format.chunk_elems(),
+            gate_up: false,
         };
-        let what = format!("{} weight [{n}, {k}]", format.name());
-        let ce = format.chunk_elems();
-        if n == 0 || k == 0 || !k.is_multiple_of(ce) {
-            return Err(invalid(
-                &what,
-                format!("n and k must be positive and k a multiple of {ce}"),
-            ));
-        }
-        dim_u32(&what, n)?;
-        dim_u32(&what, k)?;
-        let storage = match w {
-            HostWeight::Bf16(data) => {
-                check_len(&what, n * k, data.len())?;
-                Storage::Bf16(dev.upload(DType::BF16, &[n, k], data)?)
-            }
-            HostWeight::Fp8 {
-                weight,
-                scale,
-                format: sf,
-                block,
-            } => {
-                if block.0 == 0 || block.0 % 16 != 0 || block.1 == 0 || block.1 % 64 != 0 {
-                    return Err(invalid(
-                        &what,
-                        format!(
-                            "FP8 block {block:?}: rows must be a multiple of 16 and columns of 64"
-                        ),
-                    ));
-                }
-                check_len(&what, n * k, weight.len())?;
-                let shape = [n.div_ceil(block.0), k.div_ceil(block.1)];
-                check_len(
-                    &format!("{what} scale"),
-                    shape[0] * shape[1] * sf.bytes(),
-                    scale.len(),
-                )?;
-                let weight = dev.upload(DType::E4M3, &[n, k], weight)?;
-                let scale = match sf {
-                    ScaleFormat::E8m0 => Fp8Scale::E8m0(dev.upload(DType::E8M0, &shape, scale)?),
-                    ScaleFormat::F32 => {
-                        let v: Vec<f32> = scale
-                            .chunks_exact(4)
-                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                            .collect();
-                        Fp8Scale::F32(dev.upload(DType::F32, &shape, &v)?)
-                    }
-                };
-                Storage::Fp8 { weight, scale }
-            }
-            HostWeight::Nvfp4(q) => {
-                check_len(&what, n * k / 2, q.weight.len())?;
-                check_len(
-                    &format!("{what} weight_scale"),
-                    n * k / 16,
-                    q.weight_scale.len(),
-                )?;
-                if !q.weight_scale_2.is_finite() {
-                    return Err(invalid(
-                        &what,
-                        format!("weight_scale_2 {} is not finite", q.weight_scale_2),
-                    ));
-                }
-                Storage::Nvfp4 {
-                    weight: dev.upload(DType::E2M1x2, &[n, k / 2], &q.weight)?,
-                    scale: dev.upload(DType::E4M3, &[n, k / 16], &q.weight_scale)?,
-                    global: q.weight_scale_2,
-                }
-            }
-            HostWeight::Mxfp4(q) => {
-                check_len(&what, n * k / 2, q.weight.len())?;
-                check_len(&format!("{what} scale"), n * k / 32, q.scale.len())?;
-                check_mxfp4_scales(&what, &q.scale)?;
-                Storage::Mxfp4 {
-                    weight: dev.upload(DType::E2M1x2, &[n, k / 2], &q.weight)?,
-                    scale: dev.upload(DType::E8M0, &[n, k / 32], &q.scale)?,
-                }
-            }
+        let codes = pack::pack(&layout, 16, &p.codes, &[])?;
+        let scales = match p.scales {
+            Some((s, unit)) => Some(dev.upload(
+                DType::U8,
+                &[layout.slots() * unit],
+                &pack::pack(&layout, unit, s, &[])?,
+            )?),
+            None => None,
+        };
+        let fp8 = match p.fp8 {
+            Some((raw, sf, block)) => Some((upload_fp8_scale(dev, raw, sf, n, k, block)?, None)),
+            None => None,
         };
         Ok(GemvWeight {
-            format,
+            format: p.format,
             n,
             k,
-            storage,
+            gate_up: false,
+            codes: dev.upload(DType::U8, &[codes.len()], &codes)?,
+            scales,
+            fp8,
+            post: (p.post, p.post),
+            bytes: p.bytes,
+        })
+    }
+
+    /// The gate (`w1`) and up (`w3`) projections of a SwiGLU block, both `[n, k]` in one
+    /// format, interleaved tile by tile for [`gemv_swiglu`]. Same requirements as
+    /// [`Self::upload`]; FP8 block rows must also be a multiple of 8. NVFP4 global scales may
+    /// differ between the two.
+    pub fn upload_gate_up(
+        dev: &Device,
+        w1: HostWeight<'_>,
+        w3: HostWeight<'_>,
+        n: usize,
+        k: usize,
+    ) -> Result<GemvWeight, GpuError> {
+        let (p1, p3) = (parts(w1, n, k)?, parts(w3, n, k)?);
+        if p1.format != p3.format {
+            return Err(invalid(
+                "gate+up weight",
+                format!("w1 is {:?} but w3 is {:?}", p1.format, p3.format),
+            ));
+        }
+        let layout = pack::Layout {
+            rows: n,
+            chunks: k / p1.format.chunk_elems(),
+            gate_up: true,
+        };
+        let codes = pack::pack(&layout, 16, &p1.codes, &p3.codes)?;
+        let scales = match (p1.scales, p3.scales) {
+            (Some((s1, unit)), Some((s3, _))) => Some(dev.upload(
+                DType::U8,
+                &[layout.slots() * unit],
+                &pack::pack(&layout, unit, s1, s3)?,
+            )?),
+            _ => None,
+        };
+        let fp8 = match (p1.fp8, p3.fp8) {
+            (Some((r1, sf1, b1)), Some((r3, sf3, b3))) => Some((
+                upload_fp8_scale(dev, r1, sf1, n, k, b1)?,
+                Some(upload_fp8_scale(dev, r3, sf3, n, k, b3)?),
+            )),
+            _ => None,
+        };
+        Ok(GemvWeight {
+            format: p1.format,
+            n,
+            k,
+            gate_up: true,
+            codes: dev.upload(DType::U8, &[codes.len()], &codes)?,
+            scales,
+            fp8,
+            post: (p1.post, p3.post),
+            bytes: p1.bytes + p3.bytes,
         })
     }
 
@@ -239,59 +481,25 @@ impl GemvWeight {
         self.format
     }
 
-    /// Output features (rows of W).
+    /// Output features (rows of W, or of each of W1 and W3).
     pub fn n(&self) -> usize {
         self.n
     }
 
-    /// Input features (columns of W).
+    /// Input features.
     pub fn k(&self) -> usize {
         self.k
     }
 
-    /// Bytes a GEMV must read for this weight: the codes plus every scale.
-    pub fn bytes(&self) -> usize {
-        match &self.storage {
-            Storage::Bf16(w) => w.num_bytes(),
-            Storage::Fp8 { weight, scale } => {
-                weight.num_bytes()
-                    + match scale {
-                        Fp8Scale::E8m0(s) => s.num_bytes(),
-                        Fp8Scale::F32(s) => s.num_bytes(),
-                    }
-            }
-            Storage::Nvfp4 { weight, scale, .. } | Storage::Mxfp4 { weight, scale } => {
-                weight.num_bytes() + scale.num_bytes()
-            }
-        }
+    /// Whether this is an interleaved gate+up pair for [`gemv_swiglu`].
+    pub fn is_gate_up(&self) -> bool {
+        self.gate_up
     }
 
-    /// (weight address, scale address, epilogue multiplier).
-    fn kernel_view(&self) -> (u64, u64, f32) {
-        match &self.storage {
-            Storage::Bf16(w) => (w.device_address(), 0, 1.0),
-            Storage::Fp8 { weight, scale } => {
-                let s = match scale {
-                    Fp8Scale::E8m0(s) => s.device_address(),
-                    Fp8Scale::F32(s) => s.device_address(),
-                };
-                // The kernel applies the block scales (times 2^16) itself.
-                (weight.device_address(), s, 1.0)
-            }
-            // Codes enter the MMA as value * 2^-16 (see gemv.cu).
-            Storage::Nvfp4 {
-                weight,
-                scale,
-                global,
-            } => (
-                weight.device_address(),
-                scale.device_address(),
-                global * 65536.0,
-            ),
-            Storage::Mxfp4 { weight, scale } => {
-                (weight.device_address(), scale.device_address(), 65536.0)
-            }
-        }
+    /// Bytes a GEMV must read for this weight: the checkpoint's codes plus every scale
+    /// (without the tile padding).
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 }
 
@@ -368,10 +576,10 @@ impl GemvWorkspace {
 #[derive(Debug, Clone, Copy)]
 struct GemvArgs {
     x: u64,
-    w0: u64,
-    w1: u64,
-    s0: u64,
-    s1: u64,
+    w: u64,
+    s: u64,
+    fs0: u64,
+    fs1: u64,
     y: u64,
     ws: u64,
     counters: u64,
@@ -385,7 +593,8 @@ struct GemvArgs {
     fp8_br: u32,
     fp8_bc: u32,
     fp8_f32: u32,
-    pad: u32,
+    tpb: u32,
+    wpt: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -400,17 +609,49 @@ pub(crate) fn sm_count(dev: &Device) -> Result<usize, GpuError> {
     Ok(n.max(1) as usize)
 }
 
-/// K splits for `tiles` output tiles of `steps` K steps each: enough blocks to keep every
-/// multiprocessor busy, at least one step per warp, within the workspace.
-pub(crate) fn plan_splits(tiles: usize, steps: usize, sms: usize) -> usize {
-    let target = TARGET_BLOCKS_PER_SM * sms;
-    if tiles >= target || tiles > GemvWorkspace::COUNTERS {
-        return 1;
+/// How a launch spreads `tiles` tiles of `steps` K steps over the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// Tiles per block.
+    pub tpb: usize,
+    /// Warps per tile (splitting its K steps, reduced in shared memory).
+    pub wpt: usize,
+    /// K splits across blocks (reduced through the workspace).
+    pub splits: usize,
+}
+
+impl Plan {
+    pub(crate) fn threads(&self) -> u32 {
+        (self.tpb * self.wpt * 32) as u32
     }
-    let by_occupancy = target.div_ceil(tiles);
-    let by_work = (steps / WARPS as usize).max(1);
-    let by_space = (GemvWorkspace::PARTIALS / tiles).max(1);
-    by_occupancy.min(by_work).min(by_space).max(1)
+}
+
+/// Enough warps to fill every multiprocessor once. With tiles to spare, one warp per tile
+/// streams the whole tile (no reduction). Otherwise up to 8 warps share a tile through the
+/// block's shared memory. Only a few long rows also split K across blocks (the workspace
+/// reduction costs a few L2 round trips, so each warp keeps at least 4 steps).
+/// `splittable` is false where no workspace exists (the MoE kernels).
+pub(crate) fn plan(tiles: usize, steps: usize, sms: usize, splittable: bool) -> Plan {
+    let resident = RESIDENT_WARPS_PER_SM * sms;
+    if 2 * tiles >= resident {
+        return Plan {
+            tpb: 4,
+            wpt: 1,
+            splits: 1,
+        };
+    }
+    let wpt = (resident / tiles)
+        .clamp(1, MAX_WARPS_PER_TILE)
+        .min(steps.max(1));
+    let tpb = (4 / wpt).max(1);
+    let mut splits = 1;
+    if splittable && tiles <= GemvWorkspace::COUNTERS && 4 * tiles * wpt < resident {
+        splits = (resident / (tiles * wpt))
+            .min(steps / (4 * wpt))
+            .min(GemvWorkspace::PARTIALS / tiles)
+            .max(1);
+    }
+    Plan { tpb, wpt, splits }
 }
 
 fn check_x(x: &DeviceTensor<bf16>, k: usize) -> Result<usize, GpuError> {
@@ -437,54 +678,61 @@ fn launch(
     kernel: &str,
     x: &DeviceTensor<bf16>,
     m: usize,
-    w0: &GemvWeight,
-    w1: &GemvWeight,
-    n: usize,
-    tile_rows: usize,
+    w: &GemvWeight,
     limit: f32,
     y: &mut DeviceTensor<bf16>,
     ws: &mut GemvWorkspace,
 ) -> Result<(), GpuError> {
-    let k = w0.k;
-    let tiles = n.div_ceil(tile_rows);
-    let steps = (k / w0.format.chunk_elems()).div_ceil(STEP_CHUNKS);
-    let splits = plan_splits(tiles, steps, sm_count(dev)?);
-    let (a0, s0, post0) = w0.kernel_view();
-    let (a1, s1, post1) = w1.kernel_view();
-    let (br, bc, f32_scales) = match w0.format {
+    let layout = pack::Layout {
+        rows: w.n,
+        chunks: w.k / w.format.chunk_elems(),
+        gate_up: w.gate_up,
+    };
+    let tiles = layout.tiles();
+    let p = plan(tiles, layout.steps(), sm_count(dev)?, true);
+    let (br, bc, f32_scales) = match w.format {
         GemvFormat::Fp8 { scale, block } => (block.0, block.1, scale == ScaleFormat::F32),
         _ => (1, 1, false),
     };
+    let (fs0, fs1) = match &w.fp8 {
+        Some((s0, s1)) => (s0.address(), s1.as_ref().unwrap_or(s0).address()),
+        None => (0, 0),
+    };
     let args = GemvArgs {
         x: x.device_address(),
-        w0: a0,
-        w1: a1,
-        s0,
-        s1,
+        w: w.codes.device_address(),
+        s: w.scales.as_ref().map_or(0, |s| s.device_address()),
+        fs0,
+        fs1,
         y: y.device_address(),
         ws: ws.partials.device_address(),
         counters: ws.counters.device_address(),
         m: m as u32,
-        n: dim_u32("gemv n", n)?,
-        k: dim_u32("gemv k", k)?,
-        splits: splits as u32,
-        post0,
-        post1,
+        n: dim_u32("gemv n", w.n)?,
+        k: dim_u32("gemv k", w.k)?,
+        splits: p.splits as u32,
+        post0: w.post.0,
+        post1: w.post.1,
         limit,
         fp8_br: br as u32,
         fp8_bc: bc as u32,
         fp8_f32: f32_scales as u32,
-        pad: 0,
+        tpb: p.tpb as u32,
+        wpt: p.wpt as u32,
     };
     let cfg = LaunchConfig {
-        grid_dim: (dim_u32("gemv tiles", tiles)?, splits as u32, 1),
-        block_dim: (WARPS * 32, 1, 1),
+        grid_dim: (
+            dim_u32("gemv tiles", tiles.div_ceil(p.tpb))?,
+            p.splits as u32,
+            1,
+        ),
+        block_dim: (p.threads(), 1, 1),
         shared_mem_bytes: 0,
     };
     let f = dev.function(kernel)?;
-    // SAFETY: the launchers checked every shape against n, k and m; the kernel reads
-    // [m, k] activations, [n, k] weights with their scales, writes [m, n] outputs, and uses at
-    // most splits * tiles workspace partials and tiles counters (plan_splits bounds both).
+    // SAFETY: the launchers checked x and y against the weight's (n, k); the weight's tensors
+    // hold whole packed tiles; the kernel uses at most splits * tiles workspace partials and
+    // tiles counters (plan bounds both).
     unsafe { dev.stream().launch_builder(f).arg(&args).launch(cfg) }.map_err(|e| {
         GpuError::Driver {
             what: format!("launching {kernel}"),
@@ -510,39 +758,30 @@ pub fn gemv(
     y: &mut DeviceTensor<bf16>,
     ws: &mut GemvWorkspace,
 ) -> Result<(), GpuError> {
+    if w.gate_up {
+        return Err(invalid("gemv", "a gate+up weight goes to gemv_swiglu"));
+    }
     let m = check_x(x, w.k)?;
     y.expect("gemv output y", DType::BF16, &[m, w.n])?;
-    let kernel = kernel_name("gemv_", w.format, m);
-    launch(dev, &kernel, x, m, w, w, w.n, 16, 0.0, y, ws)
+    launch(dev, &kernel_name("gemv_", w.format, m), x, m, w, 0.0, y, ws)
 }
 
 /// Fused gate and up projections of a SwiGLU block: `h [M, I] = silu(min(x·W1ᵀ, L)) ·
-/// clamp(x·W3ᵀ, −L, L)` with `W1, W3 [I, K]` of the same format, `L = limit` (swiglu_limit).
+/// clamp(x·W3ᵀ, −L, L)`, with `w13` from [`GemvWeight::upload_gate_up`] and `L = limit`
+/// (swiglu_limit).
 pub fn gemv_swiglu(
     dev: &Device,
     x: &DeviceTensor<bf16>,
-    w1: &GemvWeight,
-    w3: &GemvWeight,
+    w13: &GemvWeight,
     limit: f32,
     h: &mut DeviceTensor<bf16>,
     ws: &mut GemvWorkspace,
 ) -> Result<(), GpuError> {
-    if w1.format != w3.format || w1.n != w3.n || w1.k != w3.k {
+    if !w13.gate_up {
         return Err(invalid(
             "gemv_swiglu",
-            format!(
-                "w1 is {:?} [{}, {}] but w3 is {:?} [{}, {}]",
-                w1.format, w1.n, w1.k, w3.format, w3.n, w3.k
-            ),
+            "needs a gate+up weight (GemvWeight::upload_gate_up)",
         ));
-    }
-    if let GemvFormat::Fp8 { block, .. } = w1.format {
-        if block.0 % 8 != 0 {
-            return Err(invalid(
-                "gemv_swiglu",
-                format!("FP8 block rows {} not a multiple of 8", block.0),
-            ));
-        }
     }
     if limit.is_nan() || limit <= 0.0 {
         return Err(invalid(
@@ -550,10 +789,18 @@ pub fn gemv_swiglu(
             format!("swiglu limit {limit} must be positive"),
         ));
     }
-    let m = check_x(x, w1.k)?;
-    h.expect("gemv_swiglu output h", DType::BF16, &[m, w1.n])?;
-    let kernel = kernel_name("gemv_swiglu_", w1.format, m);
-    launch(dev, &kernel, x, m, w1, w3, w1.n, 8, limit, h, ws)
+    let m = check_x(x, w13.k)?;
+    h.expect("gemv_swiglu output h", DType::BF16, &[m, w13.n])?;
+    launch(
+        dev,
+        &kernel_name("gemv_swiglu_", w13.format, m),
+        x,
+        m,
+        w13,
+        limit,
+        h,
+        ws,
+    )
 }
 
 /// f64 CPU references on [`crate::codecs`] dequantization.
@@ -644,26 +891,118 @@ mod tests {
     }
 
     #[test]
-    fn split_plan_fills_the_gpu_within_bounds() {
-        // Plenty of tiles: no split.
-        assert_eq!(plan_splits(2048, 4, 132), 1);
-        // wkv [512, 4096] fp8: 32 tiles of 16 steps -> 4 splits (one per warp's worth).
-        assert_eq!(plan_splits(32, 16, 132), 4);
-        // Long rows: limited by occupancy, 17 splits of 32 tiles make 544 >= 528 blocks.
-        assert_eq!(plan_splits(32, 512, 132), 17);
-        // Short rows never split below one step per warp.
-        assert_eq!(plan_splits(8, 3, 132), 1);
+    fn plans_fill_the_gpu_within_bounds() {
+        let one = |tpb, wpt, splits| Plan { tpb, wpt, splits };
+        // lm_head, wq_b: a warp per tile.
+        assert_eq!(plan(8080, 32, 132, true), one(4, 1, 1));
+        assert_eq!(plan(2048, 4, 132, true), one(4, 1, 1));
+        // Flash wo_b [4096, 8192] fp8: 256 tiles of 32 steps -> 8 warps a tile.
+        assert_eq!(plan(256, 32, 132, true), one(1, 8, 1));
+        // wkv [512, 4096] fp8: 32 tiles of 16 steps -> 8 warps, no split.
+        assert_eq!(plan(32, 16, 132, true), one(1, 8, 1));
+        // Expert w2 [4096, 2048] nvfp4: 4 steps -> 4 warps.
+        assert_eq!(plan(256, 4, 132, true), one(1, 4, 1));
+        // A router-like [32, 16384] bf16: 2 tiles of 128 steps -> 8 warps and 4 splits.
+        assert_eq!(plan(2, 128, 132, true), one(1, 8, 4));
+        // Without a workspace, never split; short rows make small blocks of several tiles.
+        assert_eq!(plan(2, 128, 132, false), one(1, 8, 1));
+        assert_eq!(plan(600, 2, 132, true), one(2, 2, 1));
         for tiles in 1..3000 {
             for steps in [1, 5, 64, 4096] {
-                let s = plan_splits(tiles, steps, 132);
+                let p = plan(tiles, steps, 132, true);
+                assert!(p.threads() <= 256 && p.wpt <= MAX_WARPS_PER_TILE && p.splits >= 1);
                 assert!(
-                    s >= 1
-                        && (s == 1
-                            || (tiles * s <= GemvWorkspace::PARTIALS
-                                && tiles <= GemvWorkspace::COUNTERS))
+                    p.splits == 1
+                        || (tiles * p.splits <= GemvWorkspace::PARTIALS
+                            && tiles <= GemvWorkspace::COUNTERS)
                 );
+                assert!(p.splits * p.wpt <= steps.max(p.wpt));
             }
         }
+    }
+
+    #[test]
+    fn pack_round_trips_and_pads_with_zeros() {
+        let cases = [
+            (1, 1, false, 16),
+            (17, 3, false, 16),
+            (33, 17, true, 2),
+            (8, 40, true, 1),
+            (300, 35, false, 2),
+        ];
+        for (rows, chunks, gate_up, unit) in cases {
+            let layout = pack::Layout {
+                rows,
+                chunks,
+                gate_up,
+            };
+            let n = rows * chunks * unit;
+            let w: Vec<u8> = (0..n).map(|i| (i * 7 + 1) as u8 | 1).collect();
+            let w3: Vec<u8> = if gate_up {
+                (0..n).map(|i| (i * 13 + 5) as u8 | 1).collect()
+            } else {
+                vec![]
+            };
+            let packed = pack::pack(&layout, unit, &w, &w3).unwrap();
+            assert_eq!(packed.len(), layout.slots() * unit);
+            let (a, b) = pack::unpack(&layout, unit, &packed).unwrap();
+            assert_eq!((a, b), (w, w3));
+            // Exactly the padding slots are zero (every source byte is odd).
+            let zeros = packed
+                .chunks(unit)
+                .filter(|c| c.iter().all(|&x| x == 0))
+                .count();
+            let sources = rows * chunks * if gate_up { 2 } else { 1 };
+            assert_eq!(zeros, layout.slots() - sources);
+        }
+        // One whole tile and step: no padding at all.
+        assert_eq!(
+            pack::Layout {
+                rows: 16,
+                chunks: 16,
+                gate_up: false
+            }
+            .slots(),
+            256
+        );
+        assert_eq!(
+            pack::Layout {
+                rows: 8,
+                chunks: 16,
+                gate_up: true
+            }
+            .slots(),
+            256
+        );
+        assert_eq!(
+            pack::Layout {
+                rows: 17,
+                chunks: 17,
+                gate_up: false
+            }
+            .slots(),
+            4 * 256
+        );
+        // Tile 1, step 0, u 2, lower-half rows 8-15, lane 13: row 16 + 8 + 3, chunk 8 + 1.
+        let l = pack::Layout {
+            rows: 40,
+            chunks: 20,
+            gate_up: false,
+        };
+        assert_eq!(
+            l.source(((((2) * 4 + 2) * 2 + 1) * 32) + 13),
+            Some((0, 27, 9))
+        );
+        // Gate+up tile 1, u 1, W3 half, lane 4: W3 row 9, chunk 4; lane 5 is past K.
+        let g = pack::Layout {
+            rows: 12,
+            chunks: 5,
+            gate_up: true,
+        };
+        assert_eq!(g.source((((4 + 1) * 2 + 1) * 32) + 4), Some((1, 9, 4)));
+        assert_eq!(g.source((((4 + 1) * 2 + 1) * 32) + 5), None);
+        assert!(pack::pack(&l, 16, &[0; 3], &[]).is_err());
+        assert!(pack::unpack(&g, 2, &[0; 5]).is_err());
     }
 
     #[test]

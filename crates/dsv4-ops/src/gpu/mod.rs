@@ -10,8 +10,8 @@
 //!    reference on fresh random inputs of random shapes (see `gpu::testing`), plus CPU-only
 //!    tests of the reference itself.
 
-mod device;
 pub mod bandwidth;
+mod device;
 pub mod formats;
 pub mod gemv;
 mod launch;

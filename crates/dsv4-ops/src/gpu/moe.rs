@@ -8,12 +8,13 @@
 //! 2. down projections of all selected experts and the weighted sum into `out [M, D]`, each
 //!    token's sum taken in ascending expert order in a fixed order (no atomics).
 //!
-//! Expert ids outside `[0, experts)` select nothing. CPU reference: [`reference`].
+//! Expert ids outside `[0, experts)` select nothing. CPU reference: [`mod@reference`].
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::gemv::check_mxfp4_scales;
+use super::gemv::pack::{pack, Layout};
+use super::gemv::{check_mxfp4_scales, plan, sm_count};
 use super::launch::dim_u32;
 use super::{DType, Device, DeviceTensor, GpuError};
 use crate::codecs::mxfp4::Mxfp4Quantized;
@@ -27,7 +28,6 @@ pub const MAX_PAIRS: usize = 256;
 /// shared-memory partials (32 steps of 512 FP4 values).
 pub const MAX_INTER: usize = 16384;
 
-const GATE_UP_WARPS: u32 = 4;
 const DOWN_WARPS: u32 = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,18 +44,16 @@ impl MoeFormat {
         }
     }
 
-    fn scale_dtype(self) -> DType {
-        match self {
-            MoeFormat::Nvfp4 => DType::E4M3,
-            MoeFormat::Mxfp4 => DType::E8M0,
-        }
-    }
-
     fn scale_block(self) -> usize {
         match self {
             MoeFormat::Nvfp4 => 16,
             MoeFormat::Mxfp4 => 32,
         }
+    }
+
+    /// Scale bytes per 16-byte chunk of codes.
+    fn scale_unit(self) -> usize {
+        32 / self.scale_block()
     }
 }
 
@@ -75,18 +73,17 @@ pub enum HostExperts<'a> {
     },
 }
 
-/// One layer's routed experts, stacked: codes `[E, rows, cols/2]`, scales `[E, rows,
-/// cols/block]`, NVFP4 global scales `[E]`.
+/// One layer's routed experts, each repacked into the GEMV tile layout
+/// ([`super::gemv::pack`]) and stacked: `w13` (w1 and w3 as gate+up tiles, K = D), `w2`
+/// (plain tiles, K = I), their packed scales, and for NVFP4 the global scales of w1, w3, w2.
 pub struct MoeExperts {
     format: MoeFormat,
     experts: usize,
     d: usize,
     inter: usize,
-    w1: DeviceTensor<u8>,
-    w3: DeviceTensor<u8>,
+    w13: DeviceTensor<u8>,
+    s13: DeviceTensor<u8>,
     w2: DeviceTensor<u8>,
-    s1: DeviceTensor<u8>,
-    s3: DeviceTensor<u8>,
     s2: DeviceTensor<u8>,
     globals: Option<[DeviceTensor<f32>; 3]>,
 }
@@ -96,7 +93,13 @@ fn invalid(what: &str, detail: impl Into<String>) -> GpuError {
 }
 
 fn check_dims(what: &str, experts: usize, d: usize, inter: usize) -> Result<(), GpuError> {
-    if experts == 0 || d == 0 || inter == 0 || !d.is_multiple_of(32) || !inter.is_multiple_of(32) || inter > MAX_INTER {
+    if experts == 0
+        || d == 0
+        || inter == 0
+        || !d.is_multiple_of(32)
+        || !inter.is_multiple_of(32)
+        || inter > MAX_INTER
+    {
         return Err(invalid(
             what,
             format!(
@@ -111,51 +114,116 @@ fn check_dims(what: &str, experts: usize, d: usize, inter: usize) -> Result<(), 
     Ok(())
 }
 
+/// Tile layouts of one expert's gate+up (`[I, D]` twice) and down (`[D, I]`) weights.
+pub fn layouts(d: usize, inter: usize) -> (Layout, Layout) {
+    (
+        Layout {
+            rows: inter,
+            chunks: d / 32,
+            gate_up: true,
+        },
+        Layout {
+            rows: d,
+            chunks: inter / 32,
+            gate_up: false,
+        },
+    )
+}
+
+/// Packed per-expert shapes `[w13, s13, w2, s2]` in bytes.
+fn packed_bytes(format: MoeFormat, d: usize, inter: usize) -> [usize; 4] {
+    let (up, down) = layouts(d, inter);
+    let unit = format.scale_unit();
+    [
+        up.slots() * 16,
+        up.slots() * unit,
+        down.slots() * 16,
+        down.slots() * unit,
+    ]
+}
+
 impl MoeExperts {
-    /// Validates and stacks the experts' weights on the device. `D` and `I` must be multiples
-    /// of 32; MXFP4 scale bytes at most [`super::gemv::MXFP4_MAX_SCALE_BYTE`].
+    /// Validates, repacks and stacks the experts' weights on the device. `D` and `I` must be
+    /// multiples of 32 and `I` at most [`MAX_INTER`]; MXFP4 scale bytes at most
+    /// [`super::gemv::MXFP4_MAX_SCALE_BYTE`].
     pub fn upload(
         dev: &Device,
         host: HostExperts<'_>,
         d: usize,
         inter: usize,
     ) -> Result<MoeExperts, GpuError> {
-        fn stack<'a>(
-            parts: impl Iterator<Item = &'a [u8]>,
-            each: usize,
-            what: &str,
-        ) -> Result<Vec<u8>, GpuError> {
-            let mut out = Vec::new();
-            for (e, p) in parts.enumerate() {
-                if p.len() != each {
+        // (codes, scales) of one matrix.
+        type Mat<'a> = (&'a [u8], &'a [u8]);
+        let (format, mats): (MoeFormat, Vec<[Mat<'_>; 3]>) = match host {
+            HostExperts::Nvfp4 { w1, w3, w2 } => {
+                if w1.len() != w3.len() || w1.len() != w2.len() {
                     return Err(invalid(
-                        what,
-                        format!("expert {e}: {} bytes where {each} are needed", p.len()),
+                        "nvfp4 experts",
+                        format!(
+                            "{} / {} / {} experts in w1 / w3 / w2",
+                            w1.len(),
+                            w3.len(),
+                            w2.len()
+                        ),
                     ));
                 }
-                out.extend_from_slice(p);
+                let m = (0..w1.len())
+                    .map(|e| {
+                        [&w1[e], &w3[e], &w2[e]].map(|q: &Nvfp4Quantized| {
+                            (q.weight.as_slice(), q.weight_scale.as_slice())
+                        })
+                    })
+                    .collect();
+                (MoeFormat::Nvfp4, m)
             }
-            Ok(out)
-        }
-        let (format, experts) = match host {
-            HostExperts::Nvfp4 { w1, w3, w2 } => (MoeFormat::Nvfp4, (w1.len(), w3.len(), w2.len())),
-            HostExperts::Mxfp4 { w1, w3, w2 } => (MoeFormat::Mxfp4, (w1.len(), w3.len(), w2.len())),
+            HostExperts::Mxfp4 { w1, w3, w2 } => {
+                if w1.len() != w3.len() || w1.len() != w2.len() {
+                    return Err(invalid(
+                        "mxfp4 experts",
+                        format!(
+                            "{} / {} / {} experts in w1 / w3 / w2",
+                            w1.len(),
+                            w3.len(),
+                            w2.len()
+                        ),
+                    ));
+                }
+                let m = (0..w1.len())
+                    .map(|e| {
+                        [&w1[e], &w3[e], &w2[e]]
+                            .map(|q: &Mxfp4Quantized| (q.weight.as_slice(), q.scale.as_slice()))
+                    })
+                    .collect();
+                (MoeFormat::Mxfp4, m)
+            }
         };
         let what = format!("{} experts", format.name());
-        if experts.0 != experts.1 || experts.0 != experts.2 {
-            return Err(invalid(&what, format!("{experts:?} experts in w1, w3, w2")));
-        }
-        let e = experts.0;
+        let e = mats.len();
         check_dims(&what, e, d, inter)?;
-        let blk = format.scale_block();
-        let (up_codes, up_scales) = (inter * d / 2, inter * d / blk);
-        let (dn_codes, dn_scales) = (d * inter / 2, d * inter / blk);
-        let sd = format.scale_dtype();
-        let up = [e, inter, d / 2];
-        let up_s = [e, inter, d / blk];
-        let dn = [e, d, inter / 2];
-        let dn_s = [e, d, inter / blk];
-        let (w1, w3, w2, s1, s3, s2, globals) = match host {
+        let (up, down) = layouts(d, inter);
+        let unit = format.scale_unit();
+        let sizes = packed_bytes(format, d, inter);
+        let mut stacked: [Vec<u8>; 4] = sizes.map(|b| Vec::with_capacity(b * e));
+        for (i, [(c1, s1), (c3, s3), (c2, s2)]) in mats.iter().enumerate() {
+            let ctx = |m: &str| format!("{what}: expert {i} {m}");
+            if format == MoeFormat::Mxfp4 {
+                for sc in [s1, s3, s2] {
+                    check_mxfp4_scales(&ctx("scales"), sc)?;
+                }
+            }
+            let packed = [
+                pack(&up, 16, c1, c3).map_err(|err| invalid(&ctx("w1/w3"), err.to_string()))?,
+                pack(&up, unit, s1, s3)
+                    .map_err(|err| invalid(&ctx("w1/w3 scales"), err.to_string()))?,
+                pack(&down, 16, c2, &[]).map_err(|err| invalid(&ctx("w2"), err.to_string()))?,
+                pack(&down, unit, s2, &[])
+                    .map_err(|err| invalid(&ctx("w2 scales"), err.to_string()))?,
+            ];
+            for (dst, src) in stacked.iter_mut().zip(packed) {
+                dst.extend_from_slice(&src);
+            }
+        }
+        let globals = match host {
             HostExperts::Nvfp4 { w1, w3, w2 } => {
                 let g: Vec<Vec<f32>> = [w1, w3, w2]
                     .iter()
@@ -167,96 +235,54 @@ impl MoeExperts {
                         format!("weight_scale_2 {bad} is not finite"),
                     ));
                 }
-                let globals = [
+                Some([
                     dev.upload(DType::F32, &[e], &g[0])?,
                     dev.upload(DType::F32, &[e], &g[1])?,
                     dev.upload(DType::F32, &[e], &g[2])?,
-                ];
-                (
-                    stack(w1.iter().map(|q| &q.weight[..]), up_codes, "w1")?,
-                    stack(w3.iter().map(|q| &q.weight[..]), up_codes, "w3")?,
-                    stack(w2.iter().map(|q| &q.weight[..]), dn_codes, "w2")?,
-                    stack(
-                        w1.iter().map(|q| &q.weight_scale[..]),
-                        up_scales,
-                        "w1 scales",
-                    )?,
-                    stack(
-                        w3.iter().map(|q| &q.weight_scale[..]),
-                        up_scales,
-                        "w3 scales",
-                    )?,
-                    stack(
-                        w2.iter().map(|q| &q.weight_scale[..]),
-                        dn_scales,
-                        "w2 scales",
-                    )?,
-                    Some(globals),
-                )
+                ])
             }
-            HostExperts::Mxfp4 { w1, w3, w2 } => {
-                let s1 = stack(w1.iter().map(|q| &q.scale[..]), up_scales, "w1 scales")?;
-                let s3 = stack(w3.iter().map(|q| &q.scale[..]), up_scales, "w3 scales")?;
-                let s2 = stack(w2.iter().map(|q| &q.scale[..]), dn_scales, "w2 scales")?;
-                for s in [&s1, &s3, &s2] {
-                    check_mxfp4_scales(&what, s)?;
-                }
-                (
-                    stack(w1.iter().map(|q| &q.weight[..]), up_codes, "w1")?,
-                    stack(w3.iter().map(|q| &q.weight[..]), up_codes, "w3")?,
-                    stack(w2.iter().map(|q| &q.weight[..]), dn_codes, "w2")?,
-                    s1,
-                    s3,
-                    s2,
-                    None,
-                )
-            }
+            HostExperts::Mxfp4 { .. } => None,
         };
+        let [w13, s13, w2, s2] = stacked;
         Ok(MoeExperts {
             format,
             experts: e,
             d,
             inter,
-            w1: dev.upload(DType::E2M1x2, &up, &w1)?,
-            w3: dev.upload(DType::E2M1x2, &up, &w3)?,
-            w2: dev.upload(DType::E2M1x2, &dn, &w2)?,
-            s1: dev.upload(sd, &up_s, &s1)?,
-            s3: dev.upload(sd, &up_s, &s3)?,
-            s2: dev.upload(sd, &dn_s, &s2)?,
+            w13: dev.upload(DType::U8, &[e, sizes[0]], &w13)?,
+            s13: dev.upload(DType::U8, &[e, sizes[1]], &s13)?,
+            w2: dev.upload(DType::U8, &[e, sizes[2]], &w2)?,
+            s2: dev.upload(DType::U8, &[e, sizes[3]], &s2)?,
             globals,
         })
     }
 
-    /// Experts from stacked device tensors (the loader's path): `w1`, `w3` E2M1x2
-    /// `[E, I, D/2]`, `w2` `[E, D, I/2]`, scales E4M3 (NVFP4, per 16) or E8M0 (MXFP4, per 32)
-    /// with matching shapes, and for NVFP4 the global scales `[w1, w3, w2]`, each F32 `[E]`.
-    /// MXFP4 scale bytes are not read back here; bytes above
-    /// [`super::gemv::MXFP4_MAX_SCALE_BYTE`] give non-finite outputs.
+    /// Experts from already packed, stacked device tensors (U8 `[E, bytes]`, as
+    /// [`Self::upload`] makes them with [`layouts`]): `w13` and `s13` for gate+up, `w2` and
+    /// `s2` for down, and for NVFP4 the global scales `[w1, w3, w2]`, each F32 `[E]`. MXFP4
+    /// scale bytes are not read back here; bytes above [`super::gemv::MXFP4_MAX_SCALE_BYTE`]
+    /// give non-finite outputs.
     #[allow(clippy::too_many_arguments)]
     pub fn from_parts(
         format: MoeFormat,
-        w1: DeviceTensor<u8>,
-        w3: DeviceTensor<u8>,
+        d: usize,
+        inter: usize,
+        w13: DeviceTensor<u8>,
+        s13: DeviceTensor<u8>,
         w2: DeviceTensor<u8>,
-        s1: DeviceTensor<u8>,
-        s3: DeviceTensor<u8>,
         s2: DeviceTensor<u8>,
         globals: Option<[DeviceTensor<f32>; 3]>,
     ) -> Result<MoeExperts, GpuError> {
         let what = format!("{} experts", format.name());
-        let (e, inter, d) = match w1.shape() {
-            &[e, i, half_d] => (e, i, 2 * half_d),
-            s => return Err(invalid(&what, format!("w1 shape {s:?} is not [E, I, D/2]"))),
-        };
+        let e = w13.shape().first().copied().unwrap_or(0);
         check_dims(&what, e, d, inter)?;
-        let blk = format.scale_block();
-        let sd = format.scale_dtype();
-        w1.expect("w1", DType::E2M1x2, &[e, inter, d / 2])?;
-        w3.expect("w3", DType::E2M1x2, &[e, inter, d / 2])?;
-        w2.expect("w2", DType::E2M1x2, &[e, d, inter / 2])?;
-        s1.expect("w1 scales", sd, &[e, inter, d / blk])?;
-        s3.expect("w3 scales", sd, &[e, inter, d / blk])?;
-        s2.expect("w2 scales", sd, &[e, d, inter / blk])?;
+        let sizes = packed_bytes(format, d, inter);
+        for ((t, name), bytes) in [(&w13, "w13"), (&s13, "s13"), (&w2, "w2"), (&s2, "s2")]
+            .into_iter()
+            .zip(sizes)
+        {
+            t.expect(name, DType::U8, &[e, bytes])?;
+        }
         match (&globals, format) {
             (Some(g), MoeFormat::Nvfp4) => {
                 for t in g {
@@ -276,11 +302,9 @@ impl MoeExperts {
             experts: e,
             d,
             inter,
-            w1,
-            w3,
+            w13,
+            s13,
             w2,
-            s1,
-            s3,
             s2,
             globals,
         })
@@ -304,16 +328,10 @@ impl MoeExperts {
         self.inter
     }
 
-    /// Bytes of one expert's weights and scales (w1 + w3 + w2).
+    /// Checkpoint bytes of one expert (w1 + w3 + w2 codes and scales, without tile padding).
     pub fn expert_bytes(&self) -> usize {
-        let per = |t: &DeviceTensor<u8>| t.num_bytes() / self.experts;
-        per(&self.w1)
-            + per(&self.w3)
-            + per(&self.w2)
-            + per(&self.s1)
-            + per(&self.s3)
-            + per(&self.s2)
-            + if self.globals.is_some() { 12 } else { 0 }
+        let per_matrix = self.d * self.inter / 2 + self.d * self.inter / self.format.scale_block();
+        3 * per_matrix + if self.globals.is_some() { 12 } else { 0 }
     }
 }
 
@@ -330,11 +348,9 @@ struct MoeArgs {
     x: u64,
     ids: u64,
     weights: u64,
-    w1: u64,
-    w3: u64,
+    w13: u64,
+    s13: u64,
     w2: u64,
-    s1: u64,
-    s3: u64,
     s2: u64,
     g1: u64,
     g3: u64,
@@ -347,6 +363,8 @@ struct MoeArgs {
     d: u32,
     inter: u32,
     limit: f32,
+    tpb: u32,
+    wpt: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -354,7 +372,7 @@ unsafe impl DeviceRepr for MoeArgs {}
 
 /// Routed experts for `x [M, D]`: `ids` I32 `[M, top_k]` and `weights` F32 `[M, top_k]` (the
 /// router's choices, on the device), `h` BF16 `[M, top_k, I]` scratch (reserve it in the
-/// pool), `out [M, D]` = Σⱼ weights[t, j] · expert_{ids[t, j]}(x[t]) with the clamped SwiGLU
+/// pool), `out [M, D] = Σⱼ weights[t, j] · expert(ids[t, j], x[t])` with the clamped SwiGLU
 /// (`limit` = swiglu_limit). Two launches; nothing is read back.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_decode(
@@ -407,15 +425,21 @@ pub fn moe_decode(
             .as_ref()
             .map_or(0, |g| g[i].device_address())
     };
+    // Gate+up tiles of 8 intermediate rows, one set per (token, slot) pair.
+    let up_tiles = experts.inter.div_ceil(8);
+    let up = plan(
+        up_tiles * m * topk,
+        (d / 32).div_ceil(16),
+        sm_count(dev)?,
+        false,
+    );
     let args = MoeArgs {
         x: x.device_address(),
         ids: ids.device_address(),
         weights: weights.device_address(),
-        w1: experts.w1.device_address(),
-        w3: experts.w3.device_address(),
+        w13: experts.w13.device_address(),
+        s13: experts.s13.device_address(),
         w2: experts.w2.device_address(),
-        s1: experts.s1.device_address(),
-        s3: experts.s3.device_address(),
         s2: experts.s2.device_address(),
         g1: g(0),
         g3: g(1),
@@ -428,6 +452,8 @@ pub fn moe_decode(
         d: d as u32,
         inter: experts.inter as u32,
         limit,
+        tpb: up.tpb as u32,
+        wpt: up.wpt as u32,
     };
     let mt = if m <= 8 { "m8" } else { "m16" };
     let fmt = experts.format.name();
@@ -438,11 +464,11 @@ pub fn moe_decode(
             gate_up,
             LaunchConfig {
                 grid_dim: (
-                    dim_u32("moe tiles", experts.inter.div_ceil(8))?,
+                    dim_u32("moe tiles", up_tiles.div_ceil(up.tpb))?,
                     (m * topk) as u32,
                     1,
                 ),
-                block_dim: (GATE_UP_WARPS * 32, 1, 1),
+                block_dim: (up.threads(), 1, 1),
                 shared_mem_bytes: 0,
             },
         ),
@@ -530,8 +556,8 @@ mod tests {
 
     #[test]
     fn args_layout_matches_the_cuda_struct() {
-        // 14 pointers, 5 u32 and one f32.
-        assert_eq!(std::mem::size_of::<MoeArgs>(), 136);
+        // 12 pointers, 5 u32, one f32 and 2 u32.
+        assert_eq!(std::mem::size_of::<MoeArgs>(), 128);
     }
 
     #[test]
