@@ -33,18 +33,34 @@ pub fn load_oracle(dir: &Path) -> Oracle {
     let st = SafeTensors::deserialize(&bytes).expect("oracle.safetensors valid");
     let ids = st.tensor("input_ids").expect("input_ids present");
     assert_eq!(ids.dtype(), Dtype::I64);
-    let input_ids = ids.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect();
+    let input_ids = ids
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect();
     let logits = st.tensor("logits").expect("logits present");
     assert_eq!(logits.dtype(), Dtype::F32);
     let vocab = logits.shape()[1];
-    let logits = logits.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-    Oracle { input_ids, logits, vocab }
+    let logits = logits
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    Oracle {
+        input_ids,
+        logits,
+        vocab,
+    }
 }
 
 /// `(max |a − b|, max |b|)`.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
     assert_eq!(a.len(), b.len(), "logit count differs");
-    let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     let scale = b.iter().map(|y| y.abs()).fold(0.0f32, f32::max);
     (diff, scale)
 }

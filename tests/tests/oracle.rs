@@ -12,7 +12,11 @@ fn run_chunks(model: &CpuModel, ids: &[u32], chunks: &[usize]) -> Vec<f32> {
     let mut out = Vec::new();
     let mut start = 0;
     for &len in chunks {
-        out.extend(model.forward(&mut state, &ids[start..start + len], Logits::All).unwrap());
+        out.extend(
+            model
+                .forward(&mut state, &ids[start..start + len], Logits::All)
+                .unwrap(),
+        );
         start += len;
     }
     assert_eq!(start, ids.len());
@@ -22,14 +26,24 @@ fn run_chunks(model: &CpuModel, ids: &[u32], chunks: &[usize]) -> Vec<f32> {
 
 fn check(name: &str, what: &str, got: &[f32], oracle: &Oracle) -> f32 {
     let (diff, scale) = max_abs_diff(got, &oracle.logits);
-    println!("{name} {what}: max|Δ| = {diff:.3e}, max|logit| = {scale:.3}, ratio {:.3e}", diff / scale);
-    assert!(diff <= REL_TOL * scale, "{name} {what}: max|Δ| {diff} > {REL_TOL} · {scale}");
+    println!(
+        "{name} {what}: max|Δ| = {diff:.3e}, max|logit| = {scale:.3}, ratio {:.3e}",
+        diff / scale
+    );
+    assert!(
+        diff <= REL_TOL * scale,
+        "{name} {what}: max|Δ| {diff} > {REL_TOL} · {scale}"
+    );
     diff
 }
 
 fn for_each_fixture(mut f: impl FnMut(&str, &CpuModel, &Oracle)) {
     let dirs = fixtures();
-    assert!(dirs.len() >= 3, "expected the generated oracle fixtures, found {}", dirs.len());
+    assert!(
+        dirs.len() >= 3,
+        "expected the generated oracle fixtures, found {}",
+        dirs.len()
+    );
     for dir in dirs {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
         let model = CpuModel::load(&dir, |_| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -65,7 +79,10 @@ fn uneven_prefill_chunks_match_transformers() {
         let got = run_chunks(model, &oracle.input_ids, &chunks);
         check(name, &format!("chunks {chunks:?}"), &got, oracle);
         let full = run_chunks(model, &oracle.input_ids, &[t]);
-        assert_eq!(got, full, "{name}: chunked prefill is not bit-identical to one full prefill");
+        assert_eq!(
+            got, full,
+            "{name}: chunked prefill is not bit-identical to one full prefill"
+        );
     });
 }
 
@@ -84,13 +101,18 @@ fn prefill_then_decode_matches_transformers() {
         let t = oracle.input_ids.len();
         let prefill = 13.min(t - 1);
         let mut state = model.new_state();
-        model.forward(&mut state, &oracle.input_ids[..prefill], Logits::Last).unwrap();
+        model
+            .forward(&mut state, &oracle.input_ids[..prefill], Logits::Last)
+            .unwrap();
         let v = oracle.vocab;
         for (i, &id) in oracle.input_ids.iter().enumerate().skip(prefill) {
             let got = model.forward(&mut state, &[id], Logits::Last).unwrap();
             let want = &oracle.logits[i * v..(i + 1) * v];
             let (diff, scale) = max_abs_diff(&got, want);
-            assert!(diff <= REL_TOL * scale, "{name} position {i}: max|Δ| {diff} > {REL_TOL} · {scale}");
+            assert!(
+                diff <= REL_TOL * scale,
+                "{name} position {i}: max|Δ| {diff} > {REL_TOL} · {scale}"
+            );
         }
     });
 }

@@ -138,15 +138,20 @@ fn main() -> Result<()> {
         Command::Logits(a) => logits(a),
         Command::Info { model } => info(&model),
         Command::Synth(a) => synth(a),
-        Command::Kernels { precompile: _, archs } => precompile_kernels(&archs),
+        Command::Kernels {
+            precompile: _,
+            archs,
+        } => precompile_kernels(&archs),
     }
 }
 
 fn load_model(dir: &Path) -> Result<CpuModel> {
     let config = Config::from_dir(dir)?;
-    let bar = ProgressBar::new(config.num_layers as u64)
-        .with_style(ProgressStyle::with_template("loading {bar:30} {pos}/{len} layers {elapsed}").unwrap());
-    let model = CpuModel::load(dir, |_| bar.inc(1)).with_context(|| format!("loading {}", dir.display()))?;
+    let bar = ProgressBar::new(config.num_layers as u64).with_style(
+        ProgressStyle::with_template("loading {bar:30} {pos}/{len} layers {elapsed}").unwrap(),
+    );
+    let model = CpuModel::load(dir, |_| bar.inc(1))
+        .with_context(|| format!("loading {}", dir.display()))?;
     bar.finish_and_clear();
     Ok(model)
 }
@@ -156,7 +161,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let model = load_model(&a.model)?;
     let cfg = model.config();
     let prompt_ids = if a.chat {
-        let mode = if a.thinking { ChatMode::Thinking } else { ChatMode::Chat };
+        let mode = if a.thinking {
+            ChatMode::Thinking
+        } else {
+            ChatMode::Chat
+        };
         // The template starts with BOS itself.
         tokenizer.encode(&encode_chat(&[Message::user(&a.prompt)], mode), false)?
     } else {
@@ -214,10 +223,14 @@ fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn read_ids(path: &Path) -> Result<Vec<u32>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     text.split(|c: char| c.is_whitespace() || c == ',')
         .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<u32>().with_context(|| format!("{}: `{s}` is not a token id", path.display())))
+        .map(|s| {
+            s.parse::<u32>()
+                .with_context(|| format!("{}: `{s}` is not a token id", path.display()))
+        })
         .collect()
 }
 
@@ -229,21 +242,36 @@ fn logits(a: LogitsArgs) -> Result<()> {
     let chunks = a.chunks.unwrap_or_else(|| vec![ids.len()]);
     let prefill: usize = chunks.iter().sum();
     if prefill > ids.len() || chunks.contains(&0) {
-        bail!("--chunks {chunks:?} must be positive and sum to at most the {} input tokens", ids.len());
+        bail!(
+            "--chunks {chunks:?} must be positive and sum to at most the {} input tokens",
+            ids.len()
+        );
     }
     let model = load_model(&a.model)?;
     let mut state = model.new_state();
     let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
     let mut start = 0;
-    for len in chunks.into_iter().chain(std::iter::repeat_n(1, ids.len() - prefill)) {
+    for len in chunks
+        .into_iter()
+        .chain(std::iter::repeat_n(1, ids.len() - prefill))
+    {
         all.extend(model.forward(&mut state, &ids[start..start + len], Logits::All)?);
         start += len;
     }
     let shape = vec![ids.len(), model.config().vocab_size];
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, bytemuck::cast_slice(&all))?;
+    let view = safetensors::tensor::TensorView::new(
+        safetensors::Dtype::F32,
+        shape,
+        bytemuck::cast_slice(&all),
+    )?;
     safetensors::serialize_to_file([("logits", view)], None, &a.out)
         .with_context(|| format!("writing {}", a.out.display()))?;
-    eprintln!("wrote logits [{}, {}] to {}", ids.len(), model.config().vocab_size, a.out.display());
+    eprintln!(
+        "wrote logits [{}, {}] to {}",
+        ids.len(),
+        model.config().vocab_size,
+        a.out.display()
+    );
     Ok(())
 }
 
@@ -266,15 +294,31 @@ fn info(dir: &Path) -> Result<()> {
     );
     println!("layer schedule:");
     for (l, kind) in c.layers.iter().enumerate() {
-        let routing = if c.is_hash_layer(l) { "hash" } else { "learned" };
-        let ratio = if kind.ratio() > 0 { format!(" m={}", kind.ratio()) } else { String::new() };
+        let routing = if c.is_hash_layer(l) {
+            "hash"
+        } else {
+            "learned"
+        };
+        let ratio = if kind.ratio() > 0 {
+            format!(" m={}", kind.ratio())
+        } else {
+            String::new()
+        };
         println!("  {l:>3}: {}{ratio}, {routing} routing", kind.name());
     }
     println!("tensor formats:");
     let summary = ck.summary();
-    println!("  {:?} key names, {} shard(s), {} MTP tensors skipped", summary.naming, summary.shards, summary.skipped_mtp);
+    println!(
+        "  {:?} key names, {} shard(s), {} MTP tensors skipped",
+        summary.naming, summary.shards, summary.skipped_mtp
+    );
     for (format, s) in &summary.formats {
-        println!("  {format:<26} {:>7} tensors {:>16} params {:>10.3} GB", s.tensors, s.params, s.bytes as f64 / 1e9);
+        println!(
+            "  {format:<26} {:>7} tensors {:>16} params {:>10.3} GB",
+            s.tensors,
+            s.params,
+            s.bytes as f64 / 1e9
+        );
     }
     let p = c.parameter_count();
     println!(
@@ -287,7 +331,10 @@ fn info(dir: &Path) -> Result<()> {
         (p.attention + p.active_routed_experts + p.shared_experts + p.other - c.vocab_size * c.hidden_size) as f64 / 1e9
     );
     let per_token = weights.decode_bytes_per_token(&c);
-    println!("weight bytes read per decoded token: {:.3} GB", per_token as f64 / 1e9);
+    println!(
+        "weight bytes read per decoded token: {:.3} GB",
+        per_token as f64 / 1e9
+    );
     Ok(())
 }
 
@@ -308,14 +355,19 @@ fn synth(a: SynthArgs) -> Result<()> {
         Format::Official => SynthFormat::Official,
         Format::Nvfp4 => SynthFormat::Nvfp4,
     };
-    let bar = ProgressBar::new(0)
-        .with_style(ProgressStyle::with_template("writing {bar:30} {bytes}/{total_bytes} {elapsed}").unwrap());
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("writing {bar:30} {bytes}/{total_bytes} {elapsed}").unwrap(),
+    );
     let written = write_synthetic(&config, format, &a.out, a.seed, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })?;
     bar.finish_and_clear();
-    eprintln!("wrote a {:.3} GB synthetic checkpoint to {}", written as f64 / 1e9, a.out.display());
+    eprintln!(
+        "wrote a {:.3} GB synthetic checkpoint to {}",
+        written as f64 / 1e9,
+        a.out.display()
+    );
     Ok(())
 }
 
@@ -325,7 +377,10 @@ fn precompile_kernels(archs: &[String]) -> Result<()> {
         let arch = dsv4_kernels::Arch::parse(name)?;
         let report = dsv4_kernels::precompile(arch, &cache)?;
         let (major, minor) = report.nvrtc_version;
-        println!("{arch}: NVRTC {major}.{minor}, cache {}", report.cache_dir.display());
+        println!(
+            "{arch}: NVRTC {major}.{minor}, cache {}",
+            report.cache_dir.display()
+        );
         let (mut cold, mut warm) = (0.0, 0.0);
         for f in &report.families {
             println!(
@@ -338,7 +393,11 @@ fn precompile_kernels(archs: &[String]) -> Result<()> {
             cold += f.cold.as_secs_f64();
             warm += f.warm.as_secs_f64();
         }
-        println!("  all families     cold {:>9.2} ms  warm {:>7.3} ms", cold * 1e3, warm * 1e3);
+        println!(
+            "  all families     cold {:>9.2} ms  warm {:>7.3} ms",
+            cold * 1e3,
+            warm * 1e3
+        );
     }
     Ok(())
 }

@@ -7,12 +7,21 @@ use dsv4_tests::{fixtures, load_oracle, max_abs_diff};
 use safetensors::SafeTensors;
 
 fn dsv4(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dsv4")).args(args).output().expect("dsv4 runs")
+    Command::new(env!("CARGO_BIN_EXE_dsv4"))
+        .args(args)
+        .output()
+        .expect("dsv4 runs")
 }
 
 /// `dsv4 logits --model M --input-ids IDS --out OUT [extra...]`.
 fn logits(model: &Path, ids: &Path, out: &Path, extra: &[&str]) -> Output {
-    let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--input-ids", ids.to_str().unwrap()];
+    let mut args = vec![
+        "logits",
+        "--model",
+        model.to_str().unwrap(),
+        "--input-ids",
+        ids.to_str().unwrap(),
+    ];
     args.extend(["--out", out.to_str().unwrap()]);
     args.extend(extra);
     dsv4(&args)
@@ -36,14 +45,26 @@ fn logits_command_reproduces_every_oracle_fixture() {
             let out_file = tmp.path().join("logits.safetensors");
             let extra = chunks.map(|c| vec!["--chunks", c]).unwrap_or_default();
             let out = logits(&dir, &ids_file, &out_file, &extra);
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
             let bytes = std::fs::read(&out_file).unwrap();
             let st = SafeTensors::deserialize(&bytes).unwrap();
             let t = st.tensor("logits").unwrap();
             assert_eq!(t.shape(), &[oracle.input_ids.len(), oracle.vocab]);
-            let got: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            let got: Vec<f32> = t
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
             let (diff, scale) = max_abs_diff(&got, &oracle.logits);
-            assert!(diff <= 1e-3 * scale, "{}: chunks {chunks:?}: max|Δ| {diff} vs max|logit| {scale}", dir.display());
+            assert!(
+                diff <= 1e-3 * scale,
+                "{}: chunks {chunks:?}: max|Δ| {diff} vs max|logit| {scale}",
+                dir.display()
+            );
         }
     }
 }
@@ -59,7 +80,8 @@ fn prompt_past_the_context_limit_is_an_error_naming_the_limit() {
         std::fs::copy(&p, model.join(p.file_name().unwrap())).unwrap();
     }
     let cfg_path = model.join("config.json");
-    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
     cfg["max_position_embeddings"] = 16.into();
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     let ids_file = tmp.path().join("ids.txt");
@@ -79,19 +101,28 @@ fn bad_inputs_give_errors_not_panics() {
     let out = dsv4(&["info", "--model", missing.to_str().unwrap()]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("config.json") && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("config.json") && !err.contains("panicked"),
+        "{err}"
+    );
 
     let ids_file = tmp.path().join("ids.txt");
     std::fs::write(&ids_file, "1 2 x3").unwrap();
     let fixture = fixtures()[0].clone();
     let out = logits(&fixture, &ids_file, &tmp.path().join("o"), &[]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("`x3` is not a token id"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("`x3` is not a token id"),
+        "{err}"
+    );
 
     write_ids(&ids_file, &[1, 2, 100000]);
     let out = logits(&fixture, &ids_file, &tmp.path().join("o"), &[]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("token id 100000"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("token id 100000"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -100,23 +131,66 @@ fn synth_then_generate_streams_text_and_info_describes_it() {
     for format in ["official", "nvfp4", "bf16"] {
         let model = tmp.path().join(format);
         let m = model.to_str().unwrap();
-        let out = dsv4(&["synth", "--preset", "tiny", "--layers", "2", "--format", format, "--out", m]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let out = dsv4(&["generate", "--model", m, "--prompt", "Hello", "--max-new-tokens", "8", "--temperature", "0.9"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = dsv4(&[
+            "synth", "--preset", "tiny", "--layers", "2", "--format", format, "--out", m,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = dsv4(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0.9",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty());
         assert!(String::from_utf8_lossy(&out.stderr).contains("tok/s"));
-        let out = dsv4(&["generate", "--model", m, "--prompt", "Hi", "--chat", "--max-new-tokens", "4"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = dsv4(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "Hi",
+            "--chat",
+            "--max-new-tokens",
+            "4",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let out = dsv4(&["info", "--model", m]);
         let info = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        assert!(info.contains("layer schedule") && info.contains("csa m=4"), "{info}");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            info.contains("layer schedule") && info.contains("csa m=4"),
+            "{info}"
+        );
         let expert_format = match format {
             "official" => "mxfp4",
             "nvfp4" => "nvfp4",
             _ => "bf16",
         };
-        assert!(info.to_lowercase().contains(expert_format), "{format}: {info}");
+        assert!(
+            info.to_lowercase().contains(expert_format),
+            "{format}: {info}"
+        );
     }
 }

@@ -9,15 +9,24 @@ use serde_json::{json, Map, Value};
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("config {path} is not valid JSON: {source}")]
-    Json { path: String, source: serde_json::Error },
+    Json {
+        path: String,
+        source: serde_json::Error,
+    },
     #[error("config field `{field}`: {reason}")]
     Field { field: String, reason: String },
 }
 
 fn field_err(field: &str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Field { field: field.to_string(), reason: reason.into() }
+    ConfigError::Field {
+        field: field.to_string(),
+        reason: reason.into(),
+    }
 }
 
 /// Attention flavour of one layer (spec §1.2).
@@ -122,7 +131,12 @@ struct Fields<'a>(&'a Map<String, Value>);
 
 impl<'a> Fields<'a> {
     fn get(&self, names: &[&str]) -> Option<(&'a str, &'a Value)> {
-        names.iter().find_map(|n| self.0.get_key_value(*n).filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.as_str(), v)))
+        names.iter().find_map(|n| {
+            self.0
+                .get_key_value(*n)
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.as_str(), v))
+        })
     }
 
     fn usize_opt(&self, names: &[&str]) -> Result<Option<usize>, ConfigError> {
@@ -136,15 +150,18 @@ impl<'a> Fields<'a> {
     }
 
     fn usize(&self, names: &[&str], default: Option<usize>) -> Result<usize, ConfigError> {
-        self.usize_opt(names)?.or(default).ok_or_else(|| field_err(names[0], "missing"))
+        self.usize_opt(names)?
+            .or(default)
+            .ok_or_else(|| field_err(names[0], "missing"))
     }
 
     fn f64_opt(&self, names: &[&str]) -> Result<Option<f64>, ConfigError> {
         match self.get(names) {
             None => Ok(None),
-            Some((k, v)) => {
-                v.as_f64().map(Some).ok_or_else(|| field_err(k, format!("expected a number, found {v}")))
-            }
+            Some((k, v)) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| field_err(k, format!("expected a number, found {v}"))),
         }
     }
 
@@ -155,7 +172,10 @@ impl<'a> Fields<'a> {
     fn str_opt(&self, names: &[&str]) -> Result<Option<&'a str>, ConfigError> {
         match self.get(names) {
             None => Ok(None),
-            Some((k, v)) => v.as_str().map(Some).ok_or_else(|| field_err(k, format!("expected a string, found {v}"))),
+            Some((k, v)) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| field_err(k, format!("expected a string, found {v}"))),
         }
     }
 }
@@ -166,15 +186,24 @@ fn parse_yarn(field: &str, obj: &Map<String, Value>) -> Result<Option<Yarn>, Con
     match kind {
         "default" => Ok(None),
         "yarn" => {
-            let factor = f.f64_opt(&["factor"])?.ok_or_else(|| field_err(&format!("{field}.factor"), "missing"))?;
+            let factor = f
+                .f64_opt(&["factor"])?
+                .ok_or_else(|| field_err(&format!("{field}.factor"), "missing"))?;
             let original = f
                 .f64_opt(&["original_max_position_embeddings", "original_seq_len"])?
-                .ok_or_else(|| field_err(&format!("{field}.original_max_position_embeddings"), "missing"))?;
+                .ok_or_else(|| {
+                    field_err(
+                        &format!("{field}.original_max_position_embeddings"),
+                        "missing",
+                    )
+                })?;
             if let Some(af) = f.f64_opt(&["attention_factor"])? {
                 if af != 1.0 {
                     return Err(field_err(
                         &format!("{field}.attention_factor"),
-                        format!("DeepSeek-V4 uses no YaRN magnitude scaling; expected 1.0, found {af}"),
+                        format!(
+                            "DeepSeek-V4 uses no YaRN magnitude scaling; expected 1.0, found {af}"
+                        ),
                     ));
                 }
             }
@@ -185,11 +214,17 @@ fn parse_yarn(field: &str, obj: &Map<String, Value>) -> Result<Option<Yarn>, Con
                 beta_slow: f.f64(&["beta_slow"], 1.0)?,
             };
             if !(yarn.factor > 0.0 && yarn.original_max_position > 0.0) {
-                return Err(field_err(field, "YaRN factor and original_max_position_embeddings must be positive"));
+                return Err(field_err(
+                    field,
+                    "YaRN factor and original_max_position_embeddings must be positive",
+                ));
             }
             Ok(Some(yarn))
         }
-        other => Err(field_err(&format!("{field}.rope_type"), format!("unsupported rope type `{other}`"))),
+        other => Err(field_err(
+            &format!("{field}.rope_type"),
+            format!("unsupported rope type `{other}`"),
+        )),
     }
 }
 
@@ -197,18 +232,27 @@ impl Config {
     /// Reads and validates `<dir>/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Config, ConfigError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
         Config::from_json_str(&text).map_err(|e| match e {
-            ConfigError::Json { source, .. } => ConfigError::Json { path: path.display().to_string(), source },
+            ConfigError::Json { source, .. } => ConfigError::Json {
+                path: path.display().to_string(),
+                source,
+            },
             other => other,
         })
     }
 
     pub fn from_json_str(text: &str) -> Result<Config, ConfigError> {
-        let value: Value =
-            serde_json::from_str(text).map_err(|source| ConfigError::Json { path: "<string>".into(), source })?;
-        let obj = value.as_object().ok_or_else(|| field_err("<root>", "expected a JSON object"))?;
+        let value: Value = serde_json::from_str(text).map_err(|source| ConfigError::Json {
+            path: "<string>".into(),
+            source,
+        })?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| field_err("<root>", "expected a JSON object"))?;
         Config::from_json(obj)
     }
 
@@ -220,25 +264,39 @@ impl Config {
 
         if let Some(kv_heads) = f.usize_opt(&["num_key_value_heads"])? {
             if kv_heads != 1 {
-                return Err(field_err("num_key_value_heads", format!("DeepSeek-V4 shares one K=V head; found {kv_heads}")));
+                return Err(field_err(
+                    "num_key_value_heads",
+                    format!("DeepSeek-V4 shares one K=V head; found {kv_heads}"),
+                ));
             }
         }
         if let Some(scoring) = f.str_opt(&["scoring_func", "score_func"])? {
             if scoring != "sqrtsoftplus" {
-                return Err(field_err("scoring_func", format!("only `sqrtsoftplus` is supported, found `{scoring}`")));
+                return Err(field_err(
+                    "scoring_func",
+                    format!("only `sqrtsoftplus` is supported, found `{scoring}`"),
+                ));
             }
         }
         if let Some(shared) = f.usize_opt(&["n_shared_experts"])? {
             if shared != 1 {
-                return Err(field_err("n_shared_experts", format!("expected 1 shared expert, found {shared}")));
+                return Err(field_err(
+                    "n_shared_experts",
+                    format!("expected 1 shared expert, found {shared}"),
+                ));
             }
         }
 
         let rope_params = obj.get("rope_parameters").and_then(Value::as_object);
         let nested = rope_params.filter(|p| p.get("main").is_some_and(Value::is_object));
-        let prf = match nested.and_then(|p| p["main"].get("partial_rotary_factor")).or(obj.get("partial_rotary_factor"))
+        let prf = match nested
+            .and_then(|p| p["main"].get("partial_rotary_factor"))
+            .or(obj.get("partial_rotary_factor"))
         {
-            Some(v) if !v.is_null() => Some(v.as_f64().ok_or_else(|| field_err("partial_rotary_factor", "expected a number"))?),
+            Some(v) if !v.is_null() => Some(
+                v.as_f64()
+                    .ok_or_else(|| field_err("partial_rotary_factor", "expected a number"))?,
+            ),
             _ => None,
         };
         let rope_dim = match (f.usize_opt(&["qk_rope_head_dim", "rope_head_dim"])?, prf) {
@@ -255,10 +313,15 @@ impl Config {
                     .and_then(Value::as_object)
                     .ok_or_else(|| field_err("rope_parameters.compress", "missing"))?;
                 let theta = |o: &Map<String, Value>, name: &str| {
-                    Fields(o).f64_opt(&["rope_theta"])?.ok_or_else(|| field_err(&format!("{name}.rope_theta"), "missing"))
+                    Fields(o)
+                        .f64_opt(&["rope_theta"])?
+                        .ok_or_else(|| field_err(&format!("{name}.rope_theta"), "missing"))
                 };
                 (
-                    RopeConfig { theta: theta(main, "rope_parameters.main")?, yarn: parse_yarn("rope_parameters.main", main)? },
+                    RopeConfig {
+                        theta: theta(main, "rope_parameters.main")?,
+                        yarn: parse_yarn("rope_parameters.main", main)?,
+                    },
                     RopeConfig {
                         theta: theta(compress, "rope_parameters.compress")?,
                         yarn: parse_yarn("rope_parameters.compress", compress)?,
@@ -266,17 +329,27 @@ impl Config {
                 )
             }
             None => {
-                let scaling = obj.get("rope_scaling").filter(|v| !v.is_null()).or(rope_params.map(|_| &obj["rope_parameters"]));
+                let scaling = obj
+                    .get("rope_scaling")
+                    .filter(|v| !v.is_null())
+                    .or(rope_params.map(|_| &obj["rope_parameters"]));
                 let yarn = match scaling {
                     Some(v) => parse_yarn(
                         "rope_scaling",
-                        v.as_object().ok_or_else(|| field_err("rope_scaling", "expected an object"))?,
+                        v.as_object()
+                            .ok_or_else(|| field_err("rope_scaling", "expected an object"))?,
                     )?,
                     None => None,
                 };
                 (
-                    RopeConfig { theta: f.f64(&["rope_theta"], 10000.0)?, yarn: None },
-                    RopeConfig { theta: f.f64(&["compress_rope_theta"], 160000.0)?, yarn },
+                    RopeConfig {
+                        theta: f.f64(&["rope_theta"], 10000.0)?,
+                        yarn: None,
+                    },
+                    RopeConfig {
+                        theta: f.f64(&["compress_rope_theta"], 160000.0)?,
+                        yarn,
+                    },
                 )
             }
         };
@@ -284,11 +357,16 @@ impl Config {
         let layers = Self::parse_layers(obj, num_layers)?;
         let num_hash_layers = match obj.get("mlp_layer_types").filter(|v| !v.is_null()) {
             Some(v) => {
-                let types = v.as_array().ok_or_else(|| field_err("mlp_layer_types", "expected a list"))?;
+                let types = v
+                    .as_array()
+                    .ok_or_else(|| field_err("mlp_layer_types", "expected a list"))?;
                 if types.len() < num_layers {
                     return Err(field_err(
                         "mlp_layer_types",
-                        format!("has {} entries, num_hidden_layers is {num_layers}", types.len()),
+                        format!(
+                            "has {} entries, num_hidden_layers is {num_layers}",
+                            types.len()
+                        ),
                     ));
                 }
                 let mut n_hash = 0;
@@ -297,33 +375,57 @@ impl Config {
                         Some("hash_moe") if i == n_hash => n_hash += 1,
                         Some("moe") => {}
                         Some("hash_moe") => {
-                            return Err(field_err("mlp_layer_types", "hash_moe layers must come first"));
+                            return Err(field_err(
+                                "mlp_layer_types",
+                                "hash_moe layers must come first",
+                            ));
                         }
-                        _ => return Err(field_err("mlp_layer_types", format!("unknown entry {t}"))),
+                        _ => {
+                            return Err(field_err("mlp_layer_types", format!("unknown entry {t}")))
+                        }
                     }
                 }
                 n_hash
             }
-            None => f.usize(&["num_hash_layers", "n_hash_layers"], Some(3))?.min(num_layers),
+            None => f
+                .usize(&["num_hash_layers", "n_hash_layers"], Some(3))?
+                .min(num_layers),
         };
 
         let eos_token_ids = match obj.get("eos_token_id") {
             None | Some(Value::Null) => vec![1],
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|v| v.as_u64().map(|x| x as u32).ok_or_else(|| field_err("eos_token_id", "expected integers")))
+                .map(|v| {
+                    v.as_u64()
+                        .map(|x| x as u32)
+                        .ok_or_else(|| field_err("eos_token_id", "expected integers"))
+                })
                 .collect::<Result<_, _>>()?,
-            Some(v) => vec![v.as_u64().ok_or_else(|| field_err("eos_token_id", "expected an integer"))? as u32],
+            Some(v) => vec![v
+                .as_u64()
+                .ok_or_else(|| field_err("eos_token_id", "expected an integer"))?
+                as u32],
         };
 
         let quant = obj.get("quantization_config").and_then(Value::as_object);
-        let moe_quant = quant.and_then(|q| q.get("moe_quant_algo")).and_then(Value::as_str).or(f.str_opt(&["moe_quant_algo"])?);
+        let moe_quant = quant
+            .and_then(|q| q.get("moe_quant_algo"))
+            .and_then(Value::as_str)
+            .or(f.str_opt(&["moe_quant_algo"])?);
         let expert_format = match (moe_quant, f.str_opt(&["expert_dtype"])?, quant.is_some()) {
             (Some("NVFP4"), _, _) => ExpertFormat::Nvfp4,
-            (Some(other), _, _) => return Err(field_err("moe_quant_algo", format!("unsupported `{other}`"))),
+            (Some(other), _, _) => {
+                return Err(field_err(
+                    "moe_quant_algo",
+                    format!("unsupported `{other}`"),
+                ))
+            }
             (None, Some("fp4"), _) => ExpertFormat::Mxfp4,
             (None, Some("fp8"), _) => ExpertFormat::Fp8,
-            (None, Some(other), _) => return Err(field_err("expert_dtype", format!("unsupported `{other}`"))),
+            (None, Some(other), _) => {
+                return Err(field_err("expert_dtype", format!("unsupported `{other}`")))
+            }
             // Official releases without the field ship MXFP4 experts (vLLM's default as well).
             (None, None, true) => ExpertFormat::Mxfp4,
             (None, None, false) => ExpertFormat::Bf16,
@@ -365,7 +467,10 @@ impl Config {
         Ok(cfg)
     }
 
-    fn parse_layers(obj: &Map<String, Value>, num_layers: usize) -> Result<Vec<LayerKind>, ConfigError> {
+    fn parse_layers(
+        obj: &Map<String, Value>,
+        num_layers: usize,
+    ) -> Result<Vec<LayerKind>, ConfigError> {
         let f = Fields(obj);
         let rates = obj.get("compress_rates").filter(|v| !v.is_null());
         let rate = |name: &str, default: usize| -> Result<usize, ConfigError> {
@@ -373,18 +478,27 @@ impl Config {
                 None => Ok(default),
                 Some(r) => match r.get(name) {
                     None => Ok(default),
-                    Some(v) => v
-                        .as_u64()
-                        .map(|x| x as usize)
-                        .ok_or_else(|| field_err(&format!("compress_rates.{name}"), "expected an integer")),
+                    Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
+                        field_err(&format!("compress_rates.{name}"), "expected an integer")
+                    }),
                 },
             }
         };
-        let csa_rate = rate("compressed_sparse_attention", f.usize(&["compress_rate_csa"], Some(4))?)?;
-        let hca_rate = rate("heavily_compressed_attention", f.usize(&["compress_rate_hca"], Some(128))?)?;
+        let csa_rate = rate(
+            "compressed_sparse_attention",
+            f.usize(&["compress_rate_csa"], Some(4))?,
+        )?;
+        let hca_rate = rate(
+            "heavily_compressed_attention",
+            f.usize(&["compress_rate_hca"], Some(128))?,
+        )?;
 
-        let layers: Vec<LayerKind> = if let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) {
-            let types = types.as_array().ok_or_else(|| field_err("layer_types", "expected a list"))?;
+        let layers: Vec<LayerKind> = if let Some(types) =
+            obj.get("layer_types").filter(|v| !v.is_null())
+        {
+            let types = types
+                .as_array()
+                .ok_or_else(|| field_err("layer_types", "expected a list"))?;
             types
                 .iter()
                 .map(|t| match t.as_str() {
@@ -395,24 +509,50 @@ impl Config {
                 })
                 .collect::<Result<_, _>>()?
         } else if let Some(ratios) = obj.get("compress_ratios").filter(|v| !v.is_null()) {
-            let ratios = ratios.as_array().ok_or_else(|| field_err("compress_ratios", "expected a list"))?;
+            let ratios = ratios
+                .as_array()
+                .ok_or_else(|| field_err("compress_ratios", "expected a list"))?;
             ratios
                 .iter()
                 .map(|r| match r.as_u64() {
                     Some(0) => Ok(LayerKind::Sliding),
                     // DeepSeek's reference: the overlapping (CSA) compressor is the ratio-4 one. As in
                     // transformers, an explicit `compress_rates` overrides the rate of each type.
-                    Some(4) => Ok(LayerKind::Csa { ratio: if rates.is_some() { csa_rate } else { 4 } }),
-                    Some(r) => Ok(LayerKind::Hca { ratio: if rates.is_some() { hca_rate } else { r as usize } }),
-                    None => Err(field_err("compress_ratios", format!("expected integers, found {r}"))),
+                    Some(4) => Ok(LayerKind::Csa {
+                        ratio: if rates.is_some() { csa_rate } else { 4 },
+                    }),
+                    Some(r) => Ok(LayerKind::Hca {
+                        ratio: if rates.is_some() {
+                            hca_rate
+                        } else {
+                            r as usize
+                        },
+                    }),
+                    None => Err(field_err(
+                        "compress_ratios",
+                        format!("expected integers, found {r}"),
+                    )),
                 })
                 .collect::<Result<_, _>>()?
         } else {
-            return Err(field_err("compress_ratios", "missing (neither `compress_ratios` nor `layer_types` given)"));
+            return Err(field_err(
+                "compress_ratios",
+                "missing (neither `compress_ratios` nor `layer_types` given)",
+            ));
         };
-        let field = if obj.get("layer_types").is_some_and(|v| !v.is_null()) { "layer_types" } else { "compress_ratios" };
+        let field = if obj.get("layer_types").is_some_and(|v| !v.is_null()) {
+            "layer_types"
+        } else {
+            "compress_ratios"
+        };
         if layers.len() < num_layers {
-            return Err(field_err(field, format!("has {} entries, num_hidden_layers is {num_layers}", layers.len())));
+            return Err(field_err(
+                field,
+                format!(
+                    "has {} entries, num_hidden_layers is {num_layers}",
+                    layers.len()
+                ),
+            ));
         }
         Ok(layers[..num_layers].to_vec())
     }
@@ -446,33 +586,56 @@ impl Config {
         if self.rope_dim == 0 || !self.rope_dim.is_multiple_of(2) || self.rope_dim > self.head_dim {
             return Err(field_err(
                 "qk_rope_head_dim",
-                format!("must be even and in 2..={} (head_dim), found {}", self.head_dim, self.rope_dim),
+                format!(
+                    "must be even and in 2..={} (head_dim), found {}",
+                    self.head_dim, self.rope_dim
+                ),
             ));
         }
         if self.rope_dim > self.index_head_dim {
-            return Err(field_err("index_head_dim", format!("must be at least the rope dim {}", self.rope_dim)));
+            return Err(field_err(
+                "index_head_dim",
+                format!("must be at least the rope dim {}", self.rope_dim),
+            ));
         }
         if !self.num_heads.is_multiple_of(self.o_groups) {
             return Err(field_err(
                 "o_groups",
-                format!("must divide num_attention_heads ({}), found {}", self.num_heads, self.o_groups),
+                format!(
+                    "must divide num_attention_heads ({}), found {}",
+                    self.num_heads, self.o_groups
+                ),
             ));
         }
         if self.experts_per_token > self.n_routed_experts {
             return Err(field_err(
                 "num_experts_per_tok",
-                format!("{} exceeds n_routed_experts {}", self.experts_per_token, self.n_routed_experts),
+                format!(
+                    "{} exceeds n_routed_experts {}",
+                    self.experts_per_token, self.n_routed_experts
+                ),
             ));
         }
         for (l, kind) in self.layers.iter().enumerate() {
             if let LayerKind::Csa { ratio } | LayerKind::Hca { ratio } = kind {
                 if *ratio < 2 {
-                    return Err(field_err("compress_ratios", format!("layer {l}: ratio {ratio} must be at least 2")));
+                    return Err(field_err(
+                        "compress_ratios",
+                        format!("layer {l}: ratio {ratio} must be at least 2"),
+                    ));
                 }
             }
         }
-        if self.eos_token_ids.iter().chain([&self.bos_token_id]).any(|&t| t as usize >= self.vocab_size) {
-            return Err(field_err("eos_token_id", "bos/eos ids must be below vocab_size"));
+        if self
+            .eos_token_ids
+            .iter()
+            .chain([&self.bos_token_id])
+            .any(|&t| t as usize >= self.vocab_size)
+        {
+            return Err(field_err(
+                "eos_token_id",
+                "bos/eos ids must be below vocab_size",
+            ));
         }
         Ok(())
     }
@@ -536,10 +699,18 @@ impl Config {
             hc_sinkhorn_iters: 20,
             hc_eps: 1e-6,
             rms_norm_eps: 1e-6,
-            rope_main: RopeConfig { theta: 10000.0, yarn: None },
+            rope_main: RopeConfig {
+                theta: 10000.0,
+                yarn: None,
+            },
             rope_compress: RopeConfig {
                 theta: 160000.0,
-                yarn: Some(Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 }),
+                yarn: Some(Yarn {
+                    factor: 16.0,
+                    original_max_position: 65536.0,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                }),
             },
             max_position_embeddings: 1 << 20,
             bos_token_id: 0,
@@ -654,7 +825,10 @@ impl Config {
         m.insert("window_size".into(), json!(self.sliding_window));
         m.insert("route_scale".into(), json!(self.routed_scaling_factor));
         m.insert("rope_theta".into(), json!(self.rope_main.theta));
-        m.insert("compress_rope_theta".into(), json!(self.rope_compress.theta));
+        m.insert(
+            "compress_rope_theta".into(),
+            json!(self.rope_compress.theta),
+        );
         m.insert("num_nextn_predict_layers".into(), json!(1));
         if let Some(y) = &self.rope_compress.yarn {
             m.insert("rope_scaling".into(), Self::yarn_json(y));
@@ -682,10 +856,21 @@ impl Config {
     pub fn to_transformers_json(&self) -> Value {
         let mut m = self.common_json();
         let types: Vec<&str> = self.layers.iter().map(|k| k.transformers_name()).collect();
-        let mlp: Vec<&str> =
-            (0..self.num_layers).map(|l| if self.is_hash_layer(l) { "hash_moe" } else { "moe" }).collect();
+        let mlp: Vec<&str> = (0..self.num_layers)
+            .map(|l| {
+                if self.is_hash_layer(l) {
+                    "hash_moe"
+                } else {
+                    "moe"
+                }
+            })
+            .collect();
         let rate_of = |want: fn(&LayerKind) -> bool, default: usize| {
-            self.layers.iter().find(|k| want(k)).map(|k| k.ratio()).unwrap_or(default)
+            self.layers
+                .iter()
+                .find(|k| want(k))
+                .map(|k| k.ratio())
+                .unwrap_or(default)
         };
         m.insert("layer_types".into(), json!(types));
         m.insert("mlp_layer_types".into(), json!(mlp));
@@ -699,7 +884,10 @@ impl Config {
         let prf = self.rope_dim as f64 / self.head_dim as f64;
         m.insert("partial_rotary_factor".into(), json!(prf));
         m.insert("sliding_window".into(), json!(self.sliding_window));
-        m.insert("routed_scaling_factor".into(), json!(self.routed_scaling_factor));
+        m.insert(
+            "routed_scaling_factor".into(),
+            json!(self.routed_scaling_factor),
+        );
         let rope = |r: &RopeConfig| {
             let mut v = match &r.yarn {
                 Some(y) => {
@@ -715,7 +903,10 @@ impl Config {
             v["partial_rotary_factor"] = json!(prf);
             v
         };
-        m.insert("rope_parameters".into(), json!({"main": rope(&self.rope_main), "compress": rope(&self.rope_compress)}));
+        m.insert(
+            "rope_parameters".into(),
+            json!({"main": rope(&self.rope_main), "compress": rope(&self.rope_compress)}),
+        );
         Value::Object(m)
     }
 
@@ -728,9 +919,13 @@ impl Config {
         let i = self.moe_intermediate_size;
         let expert = 3 * d * i;
         let mut attention = 0;
-        let mut other = 2 * self.vocab_size * d + d + self.hc_mult * self.hc_dim() + self.hc_mult + 1;
+        let mut other =
+            2 * self.vocab_size * d + d + self.hc_mult * self.hc_dim() + self.hc_mult + 1;
         for l in 0..self.num_layers {
-            attention += d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * hd + self.head_dim * d
+            attention += d * self.q_lora_rank
+                + self.q_lora_rank
+                + self.q_lora_rank * hd
+                + self.head_dim * d
                 + self.head_dim
                 + hd / self.o_groups * self.o_groups * self.o_lora_rank
                 + self.o_groups * self.o_lora_rank * d
@@ -741,7 +936,9 @@ impl Config {
                 LayerKind::Hca { ratio } => 2 * c * d + ratio * c + c,
                 LayerKind::Csa { ratio } => {
                     let ic = self.index_head_dim;
-                    2 * 2 * c * d + ratio * 2 * c + c
+                    2 * 2 * c * d
+                        + ratio * 2 * c
+                        + c
                         + self.index_n_heads * ic * self.q_lora_rank
                         + self.index_n_heads * d
                         + 2 * 2 * ic * d
@@ -749,7 +946,9 @@ impl Config {
                         + ic
                 }
             };
-            other += 2 * d + 2 * (self.hc_mix() * self.hc_dim() + self.hc_mix() + 3) + self.n_routed_experts * d;
+            other += 2 * d
+                + 2 * (self.hc_mix() * self.hc_dim() + self.hc_mix() + 3)
+                + self.n_routed_experts * d;
         }
         ParameterCount {
             attention,
@@ -801,7 +1000,11 @@ mod tests {
         assert_eq!(c.layer_kind(2), LayerKind::Csa { ratio: 4 });
         assert_eq!(c.layer_kind(3), LayerKind::Hca { ratio: 128 });
         assert_eq!(c.layer_kind(42), LayerKind::Csa { ratio: 4 });
-        let csa = c.layers.iter().filter(|k| matches!(k, LayerKind::Csa { .. })).count();
+        let csa = c
+            .layers
+            .iter()
+            .filter(|k| matches!(k, LayerKind::Csa { .. }))
+            .count();
         assert_eq!(csa, 21);
     }
 
@@ -811,7 +1014,13 @@ mod tests {
         assert_eq!(c.layers.len(), 61);
         assert_eq!(c.layer_kind(0), LayerKind::Hca { ratio: 128 });
         assert_eq!(c.layer_kind(2), LayerKind::Csa { ratio: 4 });
-        assert_eq!(c.layers.iter().filter(|k| matches!(k, LayerKind::Hca { .. })).count(), 31);
+        assert_eq!(
+            c.layers
+                .iter()
+                .filter(|k| matches!(k, LayerKind::Hca { .. }))
+                .count(),
+            31
+        );
     }
 
     #[test]
@@ -858,7 +1067,13 @@ mod tests {
                                     "moe_quant_algo": "NVFP4"}
         }"#;
         let c = Config::from_json_str(text).unwrap();
-        assert_eq!(c, Config { expert_format: ExpertFormat::Nvfp4, ..Config::flash() });
+        assert_eq!(
+            c,
+            Config {
+                expert_format: ExpertFormat::Nvfp4,
+                ..Config::flash()
+            }
+        );
     }
 
     #[test]
@@ -873,7 +1088,11 @@ mod tests {
             ("qk_rope_head_dim", json!(7), "qk_rope_head_dim"),
             ("num_experts_per_tok", json!(99), "num_experts_per_tok"),
             ("vocab_size", json!("big"), "vocab_size"),
-            ("rope_scaling", json!({"type": "longrope"}), "rope_scaling.rope_type"),
+            (
+                "rope_scaling",
+                json!({"type": "longrope"}),
+                "rope_scaling.rope_type",
+            ),
         ];
         for (key, value, field) in cases {
             let mut v = base.clone();
@@ -883,14 +1102,22 @@ mod tests {
                 v[key] = value;
             }
             let err = Config::from_json_str(&v.to_string()).unwrap_err();
-            assert!(err.to_string().contains(&format!("`{field}`")), "{key}: {err}");
+            assert!(
+                err.to_string().contains(&format!("`{field}`")),
+                "{key}: {err}"
+            );
         }
-        assert!(matches!(Config::from_json_str("{"), Err(ConfigError::Json { .. })));
+        assert!(matches!(
+            Config::from_json_str("{"),
+            Err(ConfigError::Json { .. })
+        ));
     }
 
     #[test]
     fn missing_config_file_names_path() {
         let err = Config::from_dir(Path::new("/nonexistent-dsv4-dir")).unwrap_err();
-        assert!(err.to_string().contains("/nonexistent-dsv4-dir/config.json"));
+        assert!(err
+            .to_string()
+            .contains("/nonexistent-dsv4-dir/config.json"));
     }
 }

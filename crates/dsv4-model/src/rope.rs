@@ -14,12 +14,17 @@ impl Rope {
     pub fn new(cfg: &RopeConfig, rope_dim: usize) -> Rope {
         let dim = rope_dim as f64;
         let half = rope_dim / 2;
-        let base: Vec<f64> = (0..half).map(|i| cfg.theta.powf(-(2.0 * i as f64) / dim)).collect();
+        let base: Vec<f64> = (0..half)
+            .map(|i| cfg.theta.powf(-(2.0 * i as f64) / dim))
+            .collect();
         let inv_freq = match &cfg.yarn {
             None => base.iter().map(|&w| w as f32).collect(),
             Some(y) => {
                 // Correction range in pair units, truncated as transformers does (`truncate=True`).
-                let corr = |rot: f64| dim * (y.original_max_position / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * cfg.theta.ln());
+                let corr = |rot: f64| {
+                    dim * (y.original_max_position / (rot * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * cfg.theta.ln())
+                };
                 let lo = corr(y.beta_fast).floor().max(0.0);
                 let mut hi = corr(y.beta_slow).ceil().min(dim - 1.0);
                 if lo == hi {
@@ -39,7 +44,11 @@ impl Rope {
 
     /// The table a layer uses: "main" for sliding-only layers, "compress" otherwise.
     pub fn for_layer(config: &Config, compressed: bool) -> Rope {
-        let cfg = if compressed { &config.rope_compress } else { &config.rope_main };
+        let cfg = if compressed {
+            &config.rope_compress
+        } else {
+            &config.rope_main
+        };
         Rope::new(cfg, config.rope_dim)
     }
 
@@ -100,7 +109,9 @@ mod tests {
     #[test]
     fn inverse_undoes_rotation_and_leaves_nope_channels() {
         let rope = Rope::for_layer(&Config::flash(), true);
-        let orig: Vec<f32> = (0..512).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let orig: Vec<f32> = (0..512)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
         let mut x = orig.clone();
         rope.apply(&mut x, 12345, false);
         assert_eq!(&x[..448], &orig[..448]);

@@ -85,7 +85,13 @@ pub struct ModelWeights {
     pub layers: Vec<LayerWeights>,
 }
 
-fn load_hc(ck: &Checkpoint, prefix: &str, mix: usize, hc_dim: usize, scales: usize) -> Result<HcWeights, LoadError> {
+fn load_hc(
+    ck: &Checkpoint,
+    prefix: &str,
+    mix: usize,
+    hc_dim: usize,
+    scales: usize,
+) -> Result<HcWeights, LoadError> {
     Ok(HcWeights {
         fn_: ck.vector_f32(&format!("{prefix}_fn"), &[mix, hc_dim])?,
         base: ck.vector_f32(&format!("{prefix}_base"), &[mix])?,
@@ -113,7 +119,12 @@ fn load_compressor(
     })
 }
 
-fn load_expert(ck: &Checkpoint, prefix: &str, d: usize, inter: usize) -> Result<ExpertWeights, LoadError> {
+fn load_expert(
+    ck: &Checkpoint,
+    prefix: &str,
+    d: usize,
+    inter: usize,
+) -> Result<ExpertWeights, LoadError> {
     Ok(ExpertWeights {
         w1: ck.linear(&format!("{prefix}.w1"), inter, d)?,
         w2: ck.linear(&format!("{prefix}.w2"), d, inter)?,
@@ -128,14 +139,43 @@ fn load_layer(ck: &Checkpoint, c: &Config, l: usize) -> Result<LayerWeights, Loa
     let kind = c.layer_kind(l);
     let compressor = match kind {
         LayerKind::Sliding => None,
-        LayerKind::Csa { ratio } => Some(load_compressor(ck, &format!("{p}.attn.compressor"), d, c.head_dim, ratio, true)?),
-        LayerKind::Hca { ratio } => Some(load_compressor(ck, &format!("{p}.attn.compressor"), d, c.head_dim, ratio, false)?),
+        LayerKind::Csa { ratio } => Some(load_compressor(
+            ck,
+            &format!("{p}.attn.compressor"),
+            d,
+            c.head_dim,
+            ratio,
+            true,
+        )?),
+        LayerKind::Hca { ratio } => Some(load_compressor(
+            ck,
+            &format!("{p}.attn.compressor"),
+            d,
+            c.head_dim,
+            ratio,
+            false,
+        )?),
     };
     let indexer = match kind {
         LayerKind::Csa { ratio } => Some(IndexerWeights {
-            wq_b: ck.linear(&format!("{p}.attn.indexer.wq_b"), c.index_n_heads * c.index_head_dim, c.q_lora_rank)?,
-            weights_proj: ck.linear(&format!("{p}.attn.indexer.weights_proj"), c.index_n_heads, d)?,
-            compressor: load_compressor(ck, &format!("{p}.attn.indexer.compressor"), d, c.index_head_dim, ratio, true)?,
+            wq_b: ck.linear(
+                &format!("{p}.attn.indexer.wq_b"),
+                c.index_n_heads * c.index_head_dim,
+                c.q_lora_rank,
+            )?,
+            weights_proj: ck.linear(
+                &format!("{p}.attn.indexer.weights_proj"),
+                c.index_n_heads,
+                d,
+            )?,
+            compressor: load_compressor(
+                ck,
+                &format!("{p}.attn.indexer.compressor"),
+                d,
+                c.index_head_dim,
+                ratio,
+                true,
+            )?,
         }),
         _ => None,
     };
@@ -145,7 +185,11 @@ fn load_layer(ck: &Checkpoint, c: &Config, l: usize) -> Result<LayerWeights, Loa
         wq_b: ck.linear(&format!("{p}.attn.wq_b"), hd, c.q_lora_rank)?,
         wkv: ck.linear(&format!("{p}.attn.wkv"), c.head_dim, d)?,
         kv_norm: ck.vector_f32(&format!("{p}.attn.kv_norm.weight"), &[c.head_dim])?,
-        wo_a: ck.linear(&format!("{p}.attn.wo_a"), c.o_groups * c.o_lora_rank, hd / c.o_groups)?,
+        wo_a: ck.linear(
+            &format!("{p}.attn.wo_a"),
+            c.o_groups * c.o_lora_rank,
+            hd / c.o_groups,
+        )?,
         wo_b: ck.linear(&format!("{p}.attn.wo_b"), d, c.o_groups * c.o_lora_rank)?,
         sink: ck.vector_f32(&format!("{p}.attn.attn_sink"), &[c.num_heads])?,
         compressor,
@@ -153,7 +197,11 @@ fn load_layer(ck: &Checkpoint, c: &Config, l: usize) -> Result<LayerWeights, Loa
     };
     let e = c.n_routed_experts;
     let routing = if c.is_hash_layer(l) {
-        let tid2eid = ck.index_table(&format!("{p}.ffn.gate.tid2eid"), c.vocab_size, c.experts_per_token)?;
+        let tid2eid = ck.index_table(
+            &format!("{p}.ffn.gate.tid2eid"),
+            c.vocab_size,
+            c.experts_per_token,
+        )?;
         if let Some(bad) = tid2eid.iter().find(|&&x| x as usize >= e) {
             return Err(LoadError::BadValue {
                 tensor: format!("{p}.ffn.gate.tid2eid"),
@@ -162,15 +210,29 @@ fn load_layer(ck: &Checkpoint, c: &Config, l: usize) -> Result<LayerWeights, Loa
         }
         Routing::Hash { tid2eid }
     } else {
-        Routing::Learned { bias: ck.vector_f32(&format!("{p}.ffn.gate.bias"), &[e])? }
+        Routing::Learned {
+            bias: ck.vector_f32(&format!("{p}.ffn.gate.bias"), &[e])?,
+        }
     };
     let moe = MoeWeights {
         gate: ck.linear(&format!("{p}.ffn.gate"), e, d)?,
         routing,
         experts: (0..e)
-            .map(|x| load_expert(ck, &format!("{p}.ffn.experts.{x}"), d, c.moe_intermediate_size))
+            .map(|x| {
+                load_expert(
+                    ck,
+                    &format!("{p}.ffn.experts.{x}"),
+                    d,
+                    c.moe_intermediate_size,
+                )
+            })
             .collect::<Result<_, _>>()?,
-        shared: load_expert(ck, &format!("{p}.ffn.shared_experts"), d, c.moe_intermediate_size)?,
+        shared: load_expert(
+            ck,
+            &format!("{p}.ffn.shared_experts"),
+            d,
+            c.moe_intermediate_size,
+        )?,
     };
     Ok(LayerWeights {
         kind,
@@ -185,7 +247,10 @@ fn load_layer(ck: &Checkpoint, c: &Config, l: usize) -> Result<LayerWeights, Loa
 
 impl ModelWeights {
     /// Binds every tensor the config requires; `on_layer` reports progress.
-    pub fn load(ck: &Checkpoint, mut on_layer: impl FnMut(usize)) -> Result<ModelWeights, LoadError> {
+    pub fn load(
+        ck: &Checkpoint,
+        mut on_layer: impl FnMut(usize),
+    ) -> Result<ModelWeights, LoadError> {
         let c = ck.config();
         let d = c.hidden_size;
         let layers = (0..c.num_layers)
@@ -226,11 +291,20 @@ impl ModelWeights {
             .iter()
             .map(|l| {
                 let a = &l.attn;
-                let dense = [&a.wq_a, &a.wq_b, &a.wkv, &a.wo_a, &a.wo_b, &l.moe.gate].iter().map(|x| x.bytes()).sum::<usize>();
+                let dense = [&a.wq_a, &a.wq_b, &a.wkv, &a.wo_a, &a.wo_b, &l.moe.gate]
+                    .iter()
+                    .map(|x| x.bytes())
+                    .sum::<usize>();
                 let comp = a.compressor.as_ref().map_or(0, CompressorWeights::bytes);
-                let idx = a.indexer.as_ref().map_or(0, |i| i.wq_b.bytes() + i.weights_proj.bytes() + i.compressor.bytes());
+                let idx = a.indexer.as_ref().map_or(0, |i| {
+                    i.wq_b.bytes() + i.weights_proj.bytes() + i.compressor.bytes()
+                });
                 let routed: usize = l.moe.experts.iter().map(ExpertWeights::bytes).sum();
-                dense + comp + idx + l.moe.shared.bytes() + routed * c.experts_per_token / l.moe.experts.len()
+                dense
+                    + comp
+                    + idx
+                    + l.moe.shared.bytes()
+                    + routed * c.experts_per_token / l.moe.experts.len()
             })
             .sum();
         layers + self.head.bytes() + self.embed.bytes() / c.vocab_size

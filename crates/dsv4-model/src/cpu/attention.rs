@@ -14,7 +14,11 @@ pub struct Window {
 
 impl Window {
     pub fn new(size: usize, width: usize) -> Window {
-        Window { size, width, data: vec![0.0; size * width] }
+        Window {
+            size,
+            width,
+            data: vec![0.0; size * width],
+        }
     }
 
     pub fn push(&mut self, pos: usize, kv: &[f32]) {
@@ -36,24 +40,32 @@ impl Window {
 pub fn attend(q: &[f32], keys: &[&[f32]], sink: &[f32], out: &mut [f32]) {
     let d = keys.first().map_or(out.len() / sink.len(), |k| k.len());
     let scale = 1.0 / (d as f32).sqrt();
-    out.par_chunks_mut(d).zip(q.par_chunks(d)).zip(sink.par_iter()).for_each(|((o, qh), &s)| {
-        let scores: Vec<f32> = keys.iter().map(|k| dot(qh, k) * scale).collect();
-        let mx = scores.iter().copied().fold(s, f32::max);
-        let probs: Vec<f32> = scores.iter().map(|x| (x - mx).exp()).collect();
-        let denom = probs.iter().sum::<f32>() + (s - mx).exp();
-        o.fill(0.0);
-        for (p, k) in probs.iter().zip(keys) {
-            let p = p / denom;
-            o.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
-        }
-    });
+    out.par_chunks_mut(d)
+        .zip(q.par_chunks(d))
+        .zip(sink.par_iter())
+        .for_each(|((o, qh), &s)| {
+            let scores: Vec<f32> = keys.iter().map(|k| dot(qh, k) * scale).collect();
+            let mx = scores.iter().copied().fold(s, f32::max);
+            let probs: Vec<f32> = scores.iter().map(|x| (x - mx).exp()).collect();
+            let denom = probs.iter().sum::<f32>() + (s - mx).exp();
+            o.fill(0.0);
+            for (p, k) in probs.iter().zip(keys) {
+                let p = p / denom;
+                o.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
+            }
+        });
 }
 
 /// Indexer scores `I_w = Σ_h ω_h · ReLU(q_h · K_w) / sqrt(c)` over all `keys` (`[n, c]`).
 pub fn index_scores(q: &[f32], weights: &[f32], keys: &[f32], c: usize) -> Vec<f32> {
     let scale = 1.0 / (c as f32).sqrt();
     keys.par_chunks(c)
-        .map(|k| q.chunks_exact(c).zip(weights).map(|(qh, w)| dot(qh, k).max(0.0) * scale * w).sum())
+        .map(|k| {
+            q.chunks_exact(c)
+                .zip(weights)
+                .map(|(qh, w)| dot(qh, k).max(0.0) * scale * w)
+                .sum()
+        })
         .collect()
 }
 

@@ -40,12 +40,24 @@ impl CompressorState {
 
     /// Adds token `pos`'s projections; closes the window (emitting an entry) when `pos` is its
     /// last token, so the entry is visible to that token's own attention (spec §6.5).
-    pub fn push(&mut self, w: &CompressorWeights, kv: &[f32], gate: &[f32], pos: usize, rope: &Rope, eps: f32) {
+    pub fn push(
+        &mut self,
+        w: &CompressorWeights,
+        kv: &[f32],
+        gate: &[f32],
+        pos: usize,
+        rope: &Rope,
+        eps: f32,
+    ) {
         let row_w = kv.len();
         let r = pos % self.ratio;
         self.kv[r * row_w..(r + 1) * row_w].copy_from_slice(kv);
         let ape = &w.ape[r * row_w..(r + 1) * row_w];
-        for ((dst, g), a) in self.gate[r * row_w..(r + 1) * row_w].iter_mut().zip(gate).zip(ape) {
+        for ((dst, g), a) in self.gate[r * row_w..(r + 1) * row_w]
+            .iter_mut()
+            .zip(gate)
+            .zip(ape)
+        {
             *dst = g + a;
         }
         if r + 1 == self.ratio {
@@ -76,13 +88,22 @@ impl CompressorState {
             }
             let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let sum: f32 = logits.iter().map(|z| (z - mx).exp()).sum();
-            *out = logits.iter().zip(&values).map(|(z, v)| v * ((z - mx).exp() / sum)).sum();
+            *out = logits
+                .iter()
+                .zip(&values)
+                .map(|(z, v)| v * ((z - mx).exp() / sum))
+                .sum();
         }
         rms_norm(&mut entry, Some(&w.norm), eps);
         rope.apply(&mut entry, first_pos, false);
         self.entries.extend_from_slice(&entry);
         if self.overlap {
-            let a_half = |buf: &[f32]| buf.chunks_exact(row_w).flat_map(|row| &row[..c]).copied().collect::<Vec<_>>();
+            let a_half = |buf: &[f32]| {
+                buf.chunks_exact(row_w)
+                    .flat_map(|row| &row[..c])
+                    .copied()
+                    .collect::<Vec<_>>()
+            };
             self.prev = Some((a_half(&self.kv), a_half(&self.gate)));
         }
     }
@@ -98,7 +119,8 @@ mod tests {
     fn weights(ratio: usize, width: usize, overlap: bool) -> CompressorWeights {
         let out = if overlap { 2 * width } else { width };
         // The projections are not used by `push`; the state only sees their outputs.
-        let zero = || Linear::new(out, 1, LinearData::F32(Blob::from_vec(vec![0; out * 4]))).unwrap();
+        let zero =
+            || Linear::new(out, 1, LinearData::F32(Blob::from_vec(vec![0; out * 4]))).unwrap();
         CompressorWeights {
             wkv: zero(),
             wgate: zero(),
@@ -114,7 +136,11 @@ mod tests {
     fn pool(logits: &[f32], values: &[f32]) -> f32 {
         let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let s: f32 = logits.iter().map(|z| (z - m).exp()).sum();
-        logits.iter().zip(values).map(|(z, v)| v * (z - m).exp() / s).sum()
+        logits
+            .iter()
+            .zip(values)
+            .map(|(z, v)| v * (z - m).exp() / s)
+            .sum()
     }
 
     fn normalized(mut v: Vec<f32>) -> Vec<f32> {
@@ -124,7 +150,9 @@ mod tests {
 
     /// Deterministic per-token projections: `[kv | gate]` rows of width `row`.
     fn token(pos: usize, row: usize) -> (Vec<f32>, Vec<f32>) {
-        let kv = (0..row).map(|j| ((pos * 7 + j * 3) % 11) as f32 - 5.0).collect();
+        let kv = (0..row)
+            .map(|j| ((pos * 7 + j * 3) % 11) as f32 - 5.0)
+            .collect();
         let gate = (0..row).map(|j| ((pos * 5 + j) % 7) as f32 * 0.3).collect();
         (kv, gate)
     }
@@ -133,17 +161,29 @@ mod tests {
     fn hca_pools_each_window_once_when_it_closes() {
         let (m, c) = (3, 2);
         let w = weights(m, c, false);
-        let rope = Rope::new(&RopeConfig { theta: 10000.0, yarn: None }, 2);
+        let rope = Rope::new(
+            &RopeConfig {
+                theta: 10000.0,
+                yarn: None,
+            },
+            2,
+        );
         let mut st = CompressorState::new(&w);
         for pos in 0..7 {
             let (kv, gate) = token(pos, c);
             st.push(&w, &kv, &gate, pos, &rope, 1e-6);
-            assert_eq!(st.entries().len() / c, (pos + 1) / m, "entries after token {pos}");
+            assert_eq!(
+                st.entries().len() / c,
+                (pos + 1) / m,
+                "entries after token {pos}"
+            );
         }
         // Entry 1 pools tokens 3..6 (rope at position 3 rotates the only pair).
         let mut want = Vec::new();
         for j in 0..c {
-            let logits: Vec<f32> = (3..6).map(|p| token(p, c).1[j] + w.ape[(p % m) * c + j]).collect();
+            let logits: Vec<f32> = (3..6)
+                .map(|p| token(p, c).1[j] + w.ape[(p % m) * c + j])
+                .collect();
             let values: Vec<f32> = (3..6).map(|p| token(p, c).0[j]).collect();
             want.push(pool(&logits, &values));
         }
@@ -158,7 +198,13 @@ mod tests {
     fn csa_entry_pools_previous_a_half_and_current_b_half() {
         let (m, c) = (2, 2);
         let w2 = weights(m, c, true);
-        let rope = Rope::new(&RopeConfig { theta: 10000.0, yarn: None }, 2);
+        let rope = Rope::new(
+            &RopeConfig {
+                theta: 10000.0,
+                yarn: None,
+            },
+            2,
+        );
         let mut st = CompressorState::new(&w2);
         for pos in 0..4 {
             let (kv, gate) = token(pos, 2 * c);

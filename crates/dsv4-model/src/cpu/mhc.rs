@@ -23,7 +23,9 @@ pub struct HcParams {
 fn mix_logits(fn_: &[f32], streams: &[f32], norm_eps: f32) -> Vec<f32> {
     let mut flat = streams.to_vec();
     rms_norm(&mut flat, None, norm_eps);
-    fn_.chunks_exact(flat.len()).map(|row| dot(row, &flat)).collect()
+    fn_.chunks_exact(flat.len())
+        .map(|row| dot(row, &flat))
+        .collect()
 }
 
 fn collapse(streams: &[f32], pre: &[f32]) -> Vec<f32> {
@@ -64,9 +66,15 @@ pub fn sinkhorn(logits: &mut [f32], n: usize, iters: usize, eps: f32) {
 pub fn hc_pre(w: &HcWeights, streams: &[f32], p: &HcParams) -> (HcMix, Vec<f32>) {
     let n = p.n;
     let mu = mix_logits(&w.fn_, streams, p.norm_eps);
-    let pre: Vec<f32> = (0..n).map(|i| sigmoid(w.scale[0] * mu[i] + w.base[i]) + p.hc_eps).collect();
-    let post: Vec<f32> = (n..2 * n).map(|i| 2.0 * sigmoid(w.scale[1] * mu[i] + w.base[i])).collect();
-    let mut comb: Vec<f32> = (2 * n..(2 + n) * n).map(|i| w.scale[2] * mu[i] + w.base[i]).collect();
+    let pre: Vec<f32> = (0..n)
+        .map(|i| sigmoid(w.scale[0] * mu[i] + w.base[i]) + p.hc_eps)
+        .collect();
+    let post: Vec<f32> = (n..2 * n)
+        .map(|i| 2.0 * sigmoid(w.scale[1] * mu[i] + w.base[i]))
+        .collect();
+    let mut comb: Vec<f32> = (2 * n..(2 + n) * n)
+        .map(|i| w.scale[2] * mu[i] + w.base[i])
+        .collect();
     sinkhorn(&mut comb, n, p.sinkhorn_iters, p.hc_eps);
     (HcMix { post, comb }, collapse(streams, &pre))
 }
@@ -90,7 +98,9 @@ pub fn hc_post(streams: &mut [f32], y: &[f32], mix: &HcMix) {
 /// Final collapse before the output norm (pre weights only).
 pub fn hc_head(w: &HcWeights, streams: &[f32], p: &HcParams) -> Vec<f32> {
     let mu = mix_logits(&w.fn_, streams, p.norm_eps);
-    let pre: Vec<f32> = (0..p.n).map(|i| sigmoid(w.scale[0] * mu[i] + w.base[i]) + p.hc_eps).collect();
+    let pre: Vec<f32> = (0..p.n)
+        .map(|i| sigmoid(w.scale[0] * mu[i] + w.base[i]) + p.hc_eps)
+        .collect();
     collapse(streams, &pre)
 }
 
@@ -105,7 +115,10 @@ mod tests {
         for i in 0..4 {
             let row: f32 = c[i * 4..i * 4 + 4].iter().sum();
             let col: f32 = (0..4).map(|r| c[r * 4 + i]).sum();
-            assert!((row - 1.0).abs() < 1e-3 && (col - 1.0).abs() < 1e-5, "row {row} col {col}");
+            assert!(
+                (row - 1.0).abs() < 1e-3 && (col - 1.0).abs() < 1e-5,
+                "row {row} col {col}"
+            );
         }
         assert!((c[1] - c[4]).abs() > 1e-3);
     }
@@ -113,7 +126,10 @@ mod tests {
     #[test]
     fn post_uses_transposed_comb() {
         // Two streams of width 1, X = [1, 10], y = 0, asymmetric C = [[0.25, 0.75], [0.5, 0.5]].
-        let mix = HcMix { post: vec![0.0, 0.0], comb: vec![0.25, 0.75, 0.5, 0.5] };
+        let mix = HcMix {
+            post: vec![0.0, 0.0],
+            comb: vec![0.25, 0.75, 0.5, 0.5],
+        };
         let mut x = vec![1.0, 10.0];
         hc_post(&mut x, &[0.0], &mix);
         // X'_0 = C00·X0 + C10·X1 = 0.25 + 5 ; X'_1 = C01·X0 + C11·X1 = 0.75 + 5

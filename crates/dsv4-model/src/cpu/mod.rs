@@ -104,7 +104,11 @@ impl CpuModel {
             .map(|l| LayerState {
                 window: Window::new(c.sliding_window, c.head_dim),
                 compressor: l.attn.compressor.as_ref().map(CompressorState::new),
-                indexer: l.attn.indexer.as_ref().map(|i| CompressorState::new(&i.compressor)),
+                indexer: l
+                    .attn
+                    .indexer
+                    .as_ref()
+                    .map(|i| CompressorState::new(&i.compressor)),
             })
             .collect();
         SequenceState { pos: 0, layers }
@@ -112,32 +116,52 @@ impl CpuModel {
 
     fn hc_params(&self) -> HcParams {
         let c = &self.config;
-        HcParams { n: c.hc_mult, sinkhorn_iters: c.hc_sinkhorn_iters, hc_eps: c.hc_eps, norm_eps: c.rms_norm_eps }
+        HcParams {
+            n: c.hc_mult,
+            sinkhorn_iters: c.hc_sinkhorn_iters,
+            hc_eps: c.hc_eps,
+            norm_eps: c.rms_norm_eps,
+        }
     }
 
     /// Runs `tokens` after what `state` has seen and returns the requested logits.
-    pub fn forward(&self, state: &mut SequenceState, tokens: &[u32], which: Logits) -> Result<Vec<f32>, ForwardError> {
+    pub fn forward(
+        &self,
+        state: &mut SequenceState,
+        tokens: &[u32],
+        which: Logits,
+    ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         if tokens.is_empty() {
             return Err(ForwardError::Empty);
         }
         if let Some(&token) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(ForwardError::TokenOutOfRange { token, vocab: c.vocab_size });
+            return Err(ForwardError::TokenOutOfRange {
+                token,
+                vocab: c.vocab_size,
+            });
         }
         let needed = state.pos + tokens.len();
         if needed > c.max_position_embeddings {
-            return Err(ForwardError::ContextLimit { needed, limit: c.max_position_embeddings });
+            return Err(ForwardError::ContextLimit {
+                needed,
+                limit: c.max_position_embeddings,
+            });
         }
         let d = c.hidden_size;
         let n = tokens.len();
         let hc = c.hc_dim();
         // mHC state: n identical copies of the embedding per token.
         let mut streams = vec![0.0f32; n * hc];
-        streams.par_chunks_mut(hc).zip(tokens.par_iter()).for_each(|(x, &t)| {
-            self.weights.embed.dequant_row(t as usize, &mut x[..d]);
-            let (first, rest) = x.split_at_mut(d);
-            rest.chunks_exact_mut(d).for_each(|copy| copy.copy_from_slice(first));
-        });
+        streams
+            .par_chunks_mut(hc)
+            .zip(tokens.par_iter())
+            .for_each(|(x, &t)| {
+                self.weights.embed.dequant_row(t as usize, &mut x[..d]);
+                let (first, rest) = x.split_at_mut(d);
+                rest.chunks_exact_mut(d)
+                    .for_each(|copy| copy.copy_from_slice(first));
+            });
         for (lw, ls) in self.weights.layers.iter().zip(state.layers.iter_mut()) {
             self.layer(lw, ls, &mut streams, tokens, state.pos);
         }
@@ -173,8 +197,10 @@ impl CpuModel {
         let c = &self.config;
         let (d, hc) = (c.hidden_size, c.hc_dim());
         let p = self.hc_params();
-        let (mixes, mut x): (Vec<HcMix>, Vec<Vec<f32>>) = streams.par_chunks(hc).map(|s| hc_pre(hc_w, s, &p)).unzip();
-        x.iter_mut().for_each(|row| rms_norm(row, Some(norm), c.rms_norm_eps));
+        let (mixes, mut x): (Vec<HcMix>, Vec<Vec<f32>>) =
+            streams.par_chunks(hc).map(|s| hc_pre(hc_w, s, &p)).unzip();
+        x.iter_mut()
+            .for_each(|row| rms_norm(row, Some(norm), c.rms_norm_eps));
         let y = sublayer(&x.concat());
         streams
             .par_chunks_mut(hc)
@@ -183,21 +209,47 @@ impl CpuModel {
             .for_each(|((s, y), mix)| hc_post(s, y, mix));
     }
 
-    fn layer(&self, lw: &LayerWeights, ls: &mut LayerState, streams: &mut [f32], tokens: &[u32], pos0: usize) {
+    fn layer(
+        &self,
+        lw: &LayerWeights,
+        ls: &mut LayerState,
+        streams: &mut [f32],
+        tokens: &[u32],
+        pos0: usize,
+    ) {
         let c = &self.config;
-        self.site(&lw.hc_attn, &lw.attn_norm, streams, |x| self.attention(lw, ls, x, pos0));
+        self.site(&lw.hc_attn, &lw.attn_norm, streams, |x| {
+            self.attention(lw, ls, x, pos0)
+        });
         self.site(&lw.hc_ffn, &lw.ffn_norm, streams, |h| {
-            moe::moe(&lw.moe, h, tokens, c.experts_per_token, c.routed_scaling_factor, c.swiglu_limit)
+            moe::moe(
+                &lw.moe,
+                h,
+                tokens,
+                c.experts_per_token,
+                c.routed_scaling_factor,
+                c.swiglu_limit,
+            )
         });
     }
 
     /// Attention for a chunk of normalized inputs `x` (`[n, D]`) at positions `pos0..`.
-    fn attention(&self, lw: &LayerWeights, ls: &mut LayerState, x: &[f32], pos0: usize) -> Vec<f32> {
+    fn attention(
+        &self,
+        lw: &LayerWeights,
+        ls: &mut LayerState,
+        x: &[f32],
+        pos0: usize,
+    ) -> Vec<f32> {
         let c = &self.config;
         let w: &AttentionWeights = &lw.attn;
         let (d, hd, eps) = (c.hidden_size, c.num_heads * c.head_dim, c.rms_norm_eps);
         let n = x.len() / d;
-        let rope = if lw.kind == LayerKind::Sliding { &self.rope_main } else { &self.rope_compress };
+        let rope = if lw.kind == LayerKind::Sliding {
+            &self.rope_main
+        } else {
+            &self.rope_compress
+        };
         let matmul = |lin: &crate::linear::Linear, input: &[f32]| {
             let mut y = vec![0.0f32; n * lin.rows()];
             lin.matmul(input, n, &mut y);
@@ -209,13 +261,19 @@ impl CpuModel {
         let mut q = matmul(&w.wq_b, &q_lat);
         let mut kv = matmul(&w.wkv, x);
         rms_norm_rows(&mut kv, c.head_dim, Some(&w.kv_norm), eps);
-        q.par_chunks_mut(hd).zip(kv.par_chunks_mut(c.head_dim)).enumerate().for_each(|(s, (qs, kvs))| {
-            rms_norm_rows(qs, c.head_dim, None, eps);
-            rope.apply_each(qs, c.head_dim, pos0 + s, false);
-            rope.apply(kvs, pos0 + s, false);
-        });
+        q.par_chunks_mut(hd)
+            .zip(kv.par_chunks_mut(c.head_dim))
+            .enumerate()
+            .for_each(|(s, (qs, kvs))| {
+                rms_norm_rows(qs, c.head_dim, None, eps);
+                rope.apply_each(qs, c.head_dim, pos0 + s, false);
+                rope.apply(kvs, pos0 + s, false);
+            });
 
-        let comp = w.compressor.as_ref().map(|cw| (matmul(&cw.wkv, x), matmul(&cw.wgate, x)));
+        let comp = w
+            .compressor
+            .as_ref()
+            .map(|cw| (matmul(&cw.wkv, x), matmul(&cw.wgate, x)));
         let index = w.indexer.as_ref().map(|iw| {
             let ic = c.index_head_dim;
             let mut iq = matmul(&iw.wq_b, &q_lat);
@@ -225,16 +283,31 @@ impl CpuModel {
             let mut weights = matmul(&iw.weights_proj, x);
             let scale = 1.0 / (c.index_n_heads as f32).sqrt();
             weights.iter_mut().for_each(|v| *v *= scale);
-            (iq, weights, matmul(&iw.compressor.wkv, x), matmul(&iw.compressor.wgate, x))
+            (
+                iq,
+                weights,
+                matmul(&iw.compressor.wkv, x),
+                matmul(&iw.compressor.wgate, x),
+            )
         });
 
         let mut out = vec![0.0f32; n * hd];
         for s in 0..n {
             let pos = pos0 + s;
-            ls.window.push(pos, &kv[s * c.head_dim..(s + 1) * c.head_dim]);
-            if let (Some(cw), Some(st), Some((ckv, cgate))) = (&w.compressor, &mut ls.compressor, &comp) {
+            ls.window
+                .push(pos, &kv[s * c.head_dim..(s + 1) * c.head_dim]);
+            if let (Some(cw), Some(st), Some((ckv, cgate))) =
+                (&w.compressor, &mut ls.compressor, &comp)
+            {
                 let k = ckv.len() / n;
-                st.push(cw, &ckv[s * k..(s + 1) * k], &cgate[s * k..(s + 1) * k], pos, &self.rope_compress, eps);
+                st.push(
+                    cw,
+                    &ckv[s * k..(s + 1) * k],
+                    &cgate[s * k..(s + 1) * k],
+                    pos,
+                    &self.rope_compress,
+                    eps,
+                );
             }
             let mut keys: Vec<&[f32]> = ls.window.visible(pos).collect();
             let compressed = ls.compressor.as_ref().map_or(&[][..], |st| st.entries());
@@ -242,9 +315,21 @@ impl CpuModel {
             match (&w.indexer, &mut ls.indexer, &index) {
                 (Some(iw), Some(ist), Some((iq, iwts, ikv, igate))) => {
                     let (ic, k) = (c.index_head_dim, ikv.len() / n);
-                    ist.push(&iw.compressor, &ikv[s * k..(s + 1) * k], &igate[s * k..(s + 1) * k], pos, &self.rope_compress, eps);
+                    ist.push(
+                        &iw.compressor,
+                        &ikv[s * k..(s + 1) * k],
+                        &igate[s * k..(s + 1) * k],
+                        pos,
+                        &self.rope_compress,
+                        eps,
+                    );
                     let nh = c.index_n_heads;
-                    let scores = index_scores(&iq[s * nh * ic..(s + 1) * nh * ic], &iwts[s * nh..(s + 1) * nh], ist.entries(), ic);
+                    let scores = index_scores(
+                        &iq[s * nh * ic..(s + 1) * nh * ic],
+                        &iwts[s * nh..(s + 1) * nh],
+                        ist.entries(),
+                        ic,
+                    );
                     keys.extend(top_k(&scores, c.index_topk).into_iter().map(|e| entries[e]));
                 }
                 _ => keys.extend(entries),

@@ -6,12 +6,21 @@ use super::ops::{silu, softplus};
 use crate::weights::{ExpertWeights, MoeWeights, Routing};
 
 /// Selected experts and their combine weights for one token.
-pub fn route(w: &MoeWeights, logits: &[f32], token: u32, k: usize, scaling: f32) -> Vec<(usize, f32)> {
+pub fn route(
+    w: &MoeWeights,
+    logits: &[f32],
+    token: u32,
+    k: usize,
+    scaling: f32,
+) -> Vec<(usize, f32)> {
     let scores: Vec<f32> = logits.iter().map(|&z| softplus(z).sqrt()).collect();
     let chosen: Vec<usize> = match &w.routing {
         Routing::Hash { tid2eid } => {
             let t = token as usize;
-            tid2eid[t * k..(t + 1) * k].iter().map(|&e| e as usize).collect()
+            tid2eid[t * k..(t + 1) * k]
+                .iter()
+                .map(|&e| e as usize)
+                .collect()
         }
         Routing::Learned { bias } => {
             let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
@@ -19,7 +28,10 @@ pub fn route(w: &MoeWeights, logits: &[f32], token: u32, k: usize, scaling: f32)
         }
     };
     let total: f32 = chosen.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
-    chosen.into_iter().map(|e| (e, scores[e] / total * scaling)).collect()
+    chosen
+        .into_iter()
+        .map(|e| (e, scores[e] / total * scaling))
+        .collect()
 }
 
 /// Runs one expert on `n` rows of `x`: `W2 (silu(min(W1 x, L)) ⊙ clamp(W3 x, −L, L))`.
@@ -39,29 +51,50 @@ pub fn expert(w: &ExpertWeights, x: &[f32], n: usize, limit: f32) -> Vec<f32> {
 
 /// MoE output for `n` tokens (`h` = `[n, D]`). Each token sums its experts in ascending expert
 /// order, so the result does not depend on which other tokens share the call.
-pub fn moe(w: &MoeWeights, h: &[f32], tokens: &[u32], k: usize, scaling: f32, limit: f32) -> Vec<f32> {
+pub fn moe(
+    w: &MoeWeights,
+    h: &[f32],
+    tokens: &[u32],
+    k: usize,
+    scaling: f32,
+    limit: f32,
+) -> Vec<f32> {
     let n = tokens.len();
     let d = h.len() / n;
     let e = w.gate.rows();
     let mut logits = vec![0.0f32; n * e];
     w.gate.matmul(h, n, &mut logits);
-    let routes: Vec<Vec<(usize, f32)>> =
-        tokens.iter().zip(logits.chunks_exact(e)).map(|(&t, l)| route(w, l, t, k, scaling)).collect();
+    let routes: Vec<Vec<(usize, f32)>> = tokens
+        .iter()
+        .zip(logits.chunks_exact(e))
+        .map(|(&t, l)| route(w, l, t, k, scaling))
+        .collect();
 
     let mut out = vec![0.0f32; n * d];
     for (ex, weights) in w.experts.iter().enumerate() {
         let users: Vec<(usize, f32)> = routes
             .iter()
             .enumerate()
-            .flat_map(|(i, r)| r.iter().filter(move |(x, _)| *x == ex).map(move |&(_, wt)| (i, wt)))
+            .flat_map(|(i, r)| {
+                r.iter()
+                    .filter(move |(x, _)| *x == ex)
+                    .map(move |&(_, wt)| (i, wt))
+            })
             .collect();
         if users.is_empty() {
             continue;
         }
-        let x: Vec<f32> = users.iter().flat_map(|&(i, _)| &h[i * d..(i + 1) * d]).copied().collect();
+        let x: Vec<f32> = users
+            .iter()
+            .flat_map(|&(i, _)| &h[i * d..(i + 1) * d])
+            .copied()
+            .collect();
         let y = expert(weights, &x, users.len(), limit);
         for (&(i, wt), yr) in users.iter().zip(y.chunks_exact(d)) {
-            out[i * d..(i + 1) * d].iter_mut().zip(yr).for_each(|(o, v)| *o += wt * v);
+            out[i * d..(i + 1) * d]
+                .iter_mut()
+                .zip(yr)
+                .for_each(|(o, v)| *o += wt * v);
         }
     }
     let shared = expert(&w.shared, h, n, limit);
@@ -76,14 +109,27 @@ mod tests {
     use crate::linear::{Linear, LinearData};
 
     fn moe_weights(routing: Routing) -> MoeWeights {
-        let lin = |r: usize, c: usize| Linear::new(r, c, LinearData::F32(Blob::from_vec(vec![0; r * c * 4]))).unwrap();
-        let expert = || ExpertWeights { w1: lin(1, 1), w2: lin(1, 1), w3: lin(1, 1) };
-        MoeWeights { gate: lin(4, 1), routing, experts: (0..4).map(|_| expert()).collect(), shared: expert() }
+        let lin = |r: usize, c: usize| {
+            Linear::new(r, c, LinearData::F32(Blob::from_vec(vec![0; r * c * 4]))).unwrap()
+        };
+        let expert = || ExpertWeights {
+            w1: lin(1, 1),
+            w2: lin(1, 1),
+            w3: lin(1, 1),
+        };
+        MoeWeights {
+            gate: lin(4, 1),
+            routing,
+            experts: (0..4).map(|_| expert()).collect(),
+            shared: expert(),
+        }
     }
 
     #[test]
     fn learned_routing_selects_with_bias_but_weights_without() {
-        let w = moe_weights(Routing::Learned { bias: vec![0.0, 10.0, 0.0, 0.0] });
+        let w = moe_weights(Routing::Learned {
+            bias: vec![0.0, 10.0, 0.0, 0.0],
+        });
         let logits = [3.0, -2.0, 1.0, 0.5];
         let got = route(&w, &logits, 0, 2, 1.5);
         // The bias lifts expert 1 into the top 2; its weight still uses the unbiased score.
@@ -96,7 +142,9 @@ mod tests {
 
     #[test]
     fn hash_routing_uses_the_token_row() {
-        let w = moe_weights(Routing::Hash { tid2eid: vec![0, 1, 3, 2] });
+        let w = moe_weights(Routing::Hash {
+            tid2eid: vec![0, 1, 3, 2],
+        });
         let got = route(&w, &[0.0, 0.0, 1.0, 2.0], 1, 2, 1.0);
         assert_eq!(got.iter().map(|e| e.0).collect::<Vec<_>>(), vec![3, 2]);
         let sum: f32 = got.iter().map(|e| e.1).sum();

@@ -12,7 +12,8 @@ pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
 
 /// Applies [`rms_norm`] to every `width`-sized row.
 pub fn rms_norm_rows(x: &mut [f32], width: usize, weight: Option<&[f32]>, eps: f32) {
-    x.chunks_exact_mut(width).for_each(|row| rms_norm(row, weight, eps));
+    x.chunks_exact_mut(width)
+        .for_each(|row| rms_norm(row, weight, eps));
 }
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -34,7 +35,10 @@ pub fn softplus(x: f32) -> f32 {
 
 /// Copies column block `[start, start + width)` of every row of a `[rows, stride]` matrix.
 pub fn gather_columns(x: &[f32], stride: usize, start: usize, width: usize) -> Vec<f32> {
-    x.chunks_exact(stride).flat_map(|row| &row[start..start + width]).copied().collect()
+    x.chunks_exact(stride)
+        .flat_map(|row| &row[start..start + width])
+        .copied()
+        .collect()
 }
 
 #[cfg(test)]
@@ -63,6 +67,9 @@ mod tests {
     #[test]
     fn gather_columns_picks_blocks() {
         let x: Vec<f32> = (0..12).map(|v| v as f32).collect();
-        assert_eq!(gather_columns(&x, 4, 1, 2), vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
+        assert_eq!(
+            gather_columns(&x, 4, 1, 2),
+            vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]
+        );
     }
 }
