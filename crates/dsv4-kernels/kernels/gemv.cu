@@ -18,12 +18,12 @@
 // 2^16 and the NVFP4 global scale are applied in f32 at the end. e4m3 codes likewise become
 // e4m3 * 2^-120 and are renormalised by 2^104; their block scale is applied in f32 per chunk.
 //
-// Work split: a tile is 16 output rows (8 gate + 8 up rows for SwiGLU). A block holds `tpb`
-// tiles of `wpt` warps each; a tile's warps interleave over its K steps (each warp keeping the
-// next step's loads in flight while it computes the current one) and are summed through shared
-// memory in warp order. Long rows with few tiles also split K across blocks: the blocks write
-// partials to a workspace and the last block to arrive (per-tile counter) sums them in split
-// order. Every reduction has a fixed order, so results never depend on timing.
+// Work split: a tile is 16 output rows (8 gate + 8 up rows for SwiGLU); its K steps are split
+// into `splits` contiguous ranges, and each (tile, range) item is one warp of a 4-warp block.
+// Warps never wait for each other: with one range a warp writes its rows; otherwise every
+// warp stores its partial in the workspace and the last one to arrive (per-tile counter) sums
+// them in range order and writes the rows. Every reduction has a fixed order, so results
+// never depend on timing.
 #include "gemv_tile.cu"
 
 // Kernel arguments (layout mirrored by `GemvArgs` in dsv4_ops::gpu::gemv).
@@ -31,61 +31,61 @@ struct GemvArgs {
     const u16* x;       // [m, k] bf16
     const u8* w;        // packed tiles (plain: W; SwiGLU: W1 and W3 interleaved)
     const u8* s;        // packed NVFP4/MXFP4 scales
-    const u8* fs0;      // FP8 block scales of W (SwiGLU: of W1)
-    const u8* fs1;      // FP8 block scales of W (SwiGLU: of W3)
+    const float* fs0;   // FP8 scales of W (SwiGLU: of W1), f32 [ceil(n / br), ceil(k / 64)]
+    const float* fs1;   // FP8 scales of W (SwiGLU: of W3)
     u16* y;             // [m, n] bf16
     float* ws;          // split-K partials
     u32* counters;      // split-K arrival counters, one per tile, zero between launches
     u32 m, n, k, splits;
     float post0, post1; // epilogue multipliers of w0 / w1 rows
     float limit;        // SwiGLU clamp
-    u32 fp8_br, fp8_bc, fp8_f32;
-    u32 tpb;            // tiles per block
-    u32 wpt;            // warps per tile (they split the tile's K steps)
+    u32 fp8_br;         // FP8 scale block rows
+    u32 tiles;
+    u32 pad0, pad1;
 };
+
+constexpr u32 GEMV_WARPS = 4;
 
 template <int F, int MT, bool SWIGLU>
 __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     using namespace gemv;
     constexpr u32 TR = SWIGLU ? 8 : 16;   // output rows per tile
     constexpr u32 HO = SWIGLU ? 0 : 8;    // row offset of the hi half
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 tile = blockIdx.x * a.tpb + warp / a.wpt, kpart = warp % a.wpt, split = blockIdx.y;
+    const u32 lane = threadIdx.x & 31u;
+    const u32 item = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (item >= a.tiles * a.splits) return;
+    const u32 tile = item / a.splits, split = item % a.splits;
     const u32 g = lane >> 2, q = lane & 3u;
     const u32 r_lo = tile * TR + g, r_hi = tile * TR + HO + g;
     const u32 chunks = a.k / Format<F>::ELEMS;
-    const bool live = tile * TR < a.n;
 
     Lane L;
-    L.w = a.w + (u64)tile * tile_bytes(chunks);
-    L.s = (F == NVFP4 || F == MXFP4) ? a.s + (u64)tile * tile_scale_bytes<F>(chunks) : nullptr;
-    L.fs_lo = L.fs_hi = nullptr;
+    lane_init<F>(L, a.w + (u64)tile * tile_bytes(chunks),
+                 (F == NVFP4 || F == MXFP4) ? a.s + (u64)tile * tile_scale_bytes<F>(chunks) : nullptr, chunks,
+                 a.x + (u64)min(g, a.m - 1) * a.k, a.x + (u64)min(g + 8, a.m - 1) * a.k, lane);
     if (F == FP8) {
-        const u64 sb = (u64)((a.k + a.fp8_bc - 1) / a.fp8_bc) * (a.fp8_f32 ? 4u : 1u);
-        if (r_lo < a.n) L.fs_lo = a.fs0 + (r_lo / a.fp8_br) * sb;
-        if (r_hi < a.n) L.fs_hi = a.fs1 + (r_hi / a.fp8_br) * sb;
+        // Scales expanded at upload to one per 64 columns; rows past N read the last row's
+        // scales (their sums are dropped).
+        const u32 groups = (a.k + 63) / 64;
+        L.fs_lo = a.fs0 + (u64)(min(r_lo, a.n - 1) / a.fp8_br) * groups;
+        L.fs_hi = a.fs1 + (u64)(min(r_hi, a.n - 1) / a.fp8_br) * groups;
     }
-    L.x_lo = g < a.m ? a.x + (u64)g * a.k : nullptr;
-    L.x_hi = (MT == 2 && g + 8 < a.m) ? a.x + (u64)(g + 8) * a.k : nullptr;
-    L.chunks = chunks;
-    L.fp8_bc = a.fp8_bc;
-    L.fp8_f32 = a.fp8_f32 != 0;
+
+    const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+    const u32 s_begin = (u32)((u64)steps * split / a.splits);
+    const u32 s_end = (u32)((u64)steps * (split + 1) / a.splits);
+    Ring ring;
+    ring_load<F>(L, s_begin, ring);
+    pdl_wait();
+    pdl_launch_dependents();
 
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
-
-    // Warps of a tile past the last one still take part in the block's reduction.
-    const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
-    const u32 s_begin = (u32)((u64)steps * split / a.splits);
-    const u32 s_end = (u32)((u64)steps * (split + 1) / a.splits);
-    run_steps<F, MT>(L, s_begin + kpart, s_end, a.wpt, lane, acc);
-
-    if (!reduce_warps<MT>(acc, a.wpt)) return;
-    if (!live) return;
-    if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, split, a.splits)) return;
+    run_steps<F, MT>(L, s_begin, s_end, ring, acc);
+    if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, split, a.splits, a.m)) return;
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)

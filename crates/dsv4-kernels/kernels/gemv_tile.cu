@@ -14,7 +14,6 @@ enum Fmt : int { BF16 = 0, FP8 = 1, NVFP4 = 2, MXFP4 = 3 };
 // row (the four lanes of a quad take consecutive chunks).
 constexpr u32 U = 4;
 constexpr u32 STEP_CHUNKS = 4 * U;
-constexpr u32 MAX_WARPS = 16;
 
 template <int F> struct Format;
 template <> struct Format<BF16> { static constexpr u32 ELEMS = 8; };
@@ -33,11 +32,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
     return v;
 }
 
-// Activations are re-read by every warp of the SM: through L1.
-__device__ __forceinline__ uint4 ld_act(const void* p) {
-    return __ldg(reinterpret_cast<const uint4*>(p));
-}
-
 // ---- bf16 pair arithmetic ----
 
 __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
@@ -54,36 +48,46 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Eight e2m1 codes (nibble k = element k) to four bf16 pairs p[k] = (code k, code k + 4), each
-// worth e2m1 * 2^-126.
-__device__ __forceinline__ void fp4x8_to_bf16(u32 q, u32 (&p)[4]) {
-    p[0] = ((q << 12) & 0x80008000u) | ((q << 6) & 0x01c001c0u);
-    p[1] = ((q << 8) & 0x80008000u) | ((q << 2) & 0x01c001c0u);
-    p[2] = ((q << 4) & 0x80008000u) | ((q >> 2) & 0x01c001c0u);
-    p[3] = (q & 0x80008000u) | ((q >> 6) & 0x01c001c0u);
+// Eight e2m1 codes to four bf16 pairs p[k] = (element 2k, element 2k + 1), each worth
+// e2m1 * 2^-126 (code bits in the bf16 exponent/mantissa field). The packer stores the codes
+// bit-permuted inside each 32-bit word (dsv4_ops::gpu::gemv::pack::encode_codes) so that three
+// pairs are one rotate and one mask each and the fourth two masks around a rotate.
+constexpr u32 FP4_PAIR = 0x81c081c0u;
+__device__ __forceinline__ void fp4x8_to_bf16(u32 w, u32 (&p)[4]) {
+    p[0] = __funnelshift_r(w, w, 2) & FP4_PAIR;
+    p[1] = __funnelshift_r(w, w, 6) & FP4_PAIR;
+    p[2] = __funnelshift_r(w, w, 12) & FP4_PAIR;
+    p[3] = (w & 0x80c080c0u) | (__funnelshift_r(w, w, 8) & 0x01000100u);
 }
 
-// Four e4m3 codes to bf16 pairs (code 0, code 2) and (code 1, code 3), each worth e4m3 * 2^-120.
-__device__ __forceinline__ void fp8x4_to_bf16(u32 q, u32& p02, u32& p13) {
-    p02 = ((q << 8) & 0x80008000u) | ((q << 4) & 0x07f007f0u);
-    p13 = (q & 0x80008000u) | ((q >> 4) & 0x07f007f0u);
+// Four e4m3 codes, stored as elements (0, 2, 1, 3) in the word's bytes, to bf16 pairs
+// (element 0, element 1) and (element 2, element 3), each worth e4m3 * 2^-120.
+__device__ __forceinline__ void fp8x4_to_bf16(u32 q, u32& p01, u32& p23) {
+    p01 = ((q << 8) & 0x80008000u) | ((q << 4) & 0x07f007f0u);
+    p23 = (q & 0x80008000u) | ((q >> 4) & 0x07f007f0u);
 }
 
 // bf16 pair (2^104, 2^104): e4m3 * 2^-120 -> e4m3 * 2^-16, normal for every code.
 constexpr u32 FP8_RENORM = 0x73807380u;
 
-// NVFP4 block scale (e4m3 byte) as a bf16 pair worth scale * 2^110 (exact: 4 significant bits).
-__device__ __forceinline__ u32 nvfp4_scale_bf16x2(u32 b) {
-    float f = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));  // e4m3 * 2^-120
-    f = __fmul_rn(__fmul_rn(f, 0x1p115f), 0x1p115f);
-    return prmt(__float_as_uint(f), 0u, 0x3232u);
+// The two NVFP4 block scales of a chunk (e4m3 bytes 0 and 1) as bf16 pairs worth
+// scale * 2^110 (exact: 4 significant bits; the hardware e4m3 conversion handles subnormals).
+__device__ __forceinline__ void nvfp4_scales_bf16x2(u32 two, u32& s0, u32& s1) {
+    u32 h;
+    asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(two));
+    float f0, f1;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }"
+        : "=f"(f0), "=f"(f1)
+        : "r"(h));
+    s0 = prmt(__float_as_uint(__fmul_rn(f0, 0x1p110f)), 0u, 0x3232u);
+    s1 = prmt(__float_as_uint(__fmul_rn(f1, 0x1p110f)), 0u, 0x3232u);
 }
 
 // MXFP4 block scale (e8m0 byte e <= 144, checked when the weight is created) as a bf16 pair
@@ -93,7 +97,20 @@ __device__ __forceinline__ u32 mxfp4_scale_bf16x2(u32 e) {
     return h | (h << 16);
 }
 
-// ---- one K step of one 16-row tile ----
+// ---- programmatic dependent launch ----
+//
+// Launchers set the programmatic-serialization attribute, so a kernel may start while its
+// predecessor in the stream still runs. Weights and their scales are constant, so they are
+// loaded before `pdl_wait`; activations, routing tables and every output only after it. Each
+// kernel lets its successor launch once its own wait has returned, so at most two are resident.
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// ---- one 16-row tile, streamed in 1 KB sub-steps ----
 //
 // Weights are stored in a tile layout made once at load time (dsv4_ops::gpu::gemv::pack), so
 // that every warp-wide 16-byte load reads 512 contiguous bytes and a tile streams through one
@@ -102,173 +119,30 @@ __device__ __forceinline__ u32 mxfp4_scale_bf16x2(u32 e) {
 // at ((((t * S + s) * U + u) * 2 + h) * 32 + lane) * 16 are chunk 16s + 4u + lane % 4 of tile
 // row lane / 4 + 8h. NVFP4/MXFP4 scales follow the same order, 2 (e4m3) or 1 (e8m0) bytes per
 // chunk. FP8 block scales stay row-major [ceil(N/br), ceil(K/bc)].
+//
+// Sub-step j = 4s + u of a tile is the 1 KB at j * 1024: chunks 4j..4j+3 of all 16 rows. A
+// warp keeps the U sub-steps of one step in registers (a ring, 8-10 registers each) and
+// refills each slot with the next step's sub-step as soon as it has used it, so about 4 KB
+// per warp are always in flight at a modest register count.
 
-// What a lane reads: its tile's packed codes and scales, the FP8 block-scale rows of tile rows
-// g and g + 8, and activation rows g and g + 8 (null where the row does not exist).
+// What a lane reads, with its own offsets applied: its column of the tile's packed codes and
+// scales, the FP8 scale rows of tile rows g and g + 8 (clamped to the last row) and the
+// activations of its chunk in rows g and g + 8 (clamped to the last row: columns past M are
+// computed and dropped).
 struct Lane {
-    const u8* w;      // the tile's packed codes
-    const u8* s;      // the tile's packed NVFP4/MXFP4 scales
-    const u8* fs_lo;  // FP8: block-scale row of tile row g (null past the last row)
-    const u8* fs_hi;
-    const u16* x_lo;
+    const u8* w;          // the tile's packed codes + 16 * lane
+    const u8* s;          // the tile's packed NVFP4/MXFP4 scales + unit * lane
+    const float* fs_lo;   // FP8: scales of tile row g, one per 64 columns
+    const float* fs_hi;
+    const u16* x_lo;      // activations + chunk (lane % 4)
     const u16* x_hi;
-    u32 chunks;       // 16-byte chunks per weight row (unpadded)
-    u32 fp8_bc;       // FP8 block width (elements, a multiple of 64)
-    bool fp8_f32;     // FP8 scales are f32 (else e8m0)
+    u32 subs;             // sub-steps of the tile (the last step may be partly padding)
+    u32 lane_subs;        // sub-steps whose chunk of this lane is inside K
 };
 
 // Bytes of one packed tile: S steps of U x 2 x 512.
 __device__ __forceinline__ u64 tile_bytes(u32 chunks) {
     return (u64)((chunks + STEP_CHUNKS - 1) / STEP_CHUNKS) * U * 2 * 512;
-}
-
-// One step's loads for one lane: U chunks of rows g and g + 8 and their scales (NVFP4: two
-// e4m3 bytes per chunk, MXFP4: one e8m0 byte, FP8: the quad's block scale times 2^16).
-struct Frag {
-    uint4 wl[U], wh[U];
-    u32 sl[U], sh[U];
-    float fl[U], fh[U];
-};
-
-__device__ __forceinline__ float fp8_scale(const u8* s, u32 kb, bool is_f32) {
-    if (s == nullptr) return 0.0f;
-    const float v = is_f32 ? __ldg(reinterpret_cast<const float*>(s) + kb) : e8m0_to_f32(__ldg(s + kb));
-    return __fmul_rn(v, 65536.0f);
-}
-
-template <int F>
-__device__ __forceinline__ void frag_load(const Lane& L, u32 step, u32 lane, Frag& f) {
-#pragma unroll
-    for (u32 u = 0; u < U; ++u) {
-        const u64 at = ((u64)step * U + u) * 2 * 32 + lane;  // in 16-byte (code) units
-        f.wl[u] = ld_stream(L.w + 16 * at);
-        f.wh[u] = ld_stream(L.w + 16 * (at + 32));
-        if (F == NVFP4) {
-            f.sl[u] = __ldg(reinterpret_cast<const u16*>(L.s) + at);
-            f.sh[u] = __ldg(reinterpret_cast<const u16*>(L.s) + at + 32);
-        } else if (F == MXFP4) {
-            f.sl[u] = __ldg(L.s + at);
-            f.sh[u] = __ldg(L.s + at + 32);
-        } else if (F == FP8) {
-            // One scale for the whole quad (its MMA k's): the quad's 64 elements lie in one
-            // scale block, as fp8_bc is a multiple of 64.
-            const u32 cq = step * STEP_CHUNKS + 4 * u;
-            const bool ok = cq < L.chunks;
-            const u32 kb = ok ? (cq * 16u) / L.fp8_bc : 0u;
-            f.fl[u] = ok ? fp8_scale(L.fs_lo, kb, L.fp8_f32) : 0.0f;
-            f.fh[u] = ok ? fp8_scale(L.fs_hi, kb, L.fp8_f32) : 0.0f;
-        }
-    }
-}
-
-// Adds one step's contribution to acc (FP4/BF16: in units of the epilogue scale; FP8: final).
-template <int F, int MT>
-__device__ __forceinline__ void frag_compute(const Lane& L, u32 step, u32 lane, const Frag& f, float (&acc)[MT][4]) {
-    constexpr u32 E = Format<F>::ELEMS;
-    const u32 c0 = step * STEP_CHUNKS + (lane & 3u);
-#pragma unroll
-    for (u32 u = 0; u < U; ++u) {
-        // The quad's chunks are consecutive: skip the MMAs when the whole quad is past the row.
-        if (step * STEP_CHUNKS + 4 * u >= L.chunks) break;
-        const u32 c = c0 + 4 * u;
-        const bool ok = c < L.chunks;
-        const u32 wlo[4] = {f.wl[u].x, f.wl[u].y, f.wl[u].z, f.wl[u].w};
-        const u32 whi[4] = {f.wh[u].x, f.wh[u].y, f.wh[u].z, f.wh[u].w};
-        // Activation chunk(s) for rows g and g + 8: E bf16 values = E / 8 uint4.
-        u32 xl[E / 2], xh[E / 2];
-#pragma unroll
-        for (u32 v = 0; v < E / 8; ++v) {
-            const uint4 a = (ok && L.x_lo) ? ld_act(L.x_lo + (u64)c * E + 8 * v) : make_uint4(0, 0, 0, 0);
-            xl[4 * v] = a.x; xl[4 * v + 1] = a.y; xl[4 * v + 2] = a.z; xl[4 * v + 3] = a.w;
-            if (MT == 2) {
-                const uint4 b = (ok && L.x_hi) ? ld_act(L.x_hi + (u64)c * E + 8 * v) : make_uint4(0, 0, 0, 0);
-                xh[4 * v] = b.x; xh[4 * v + 1] = b.y; xh[4 * v + 2] = b.z; xh[4 * v + 3] = b.w;
-            }
-        }
-        if (F == BF16) {
-#pragma unroll
-            for (u32 j = 0; j < 2; ++j) {
-                mma(acc[0], wlo[2 * j], whi[2 * j], wlo[2 * j + 1], whi[2 * j + 1], xl[2 * j], xl[2 * j + 1]);
-                if (MT == 2)
-                    mma(acc[1], wlo[2 * j], whi[2 * j], wlo[2 * j + 1], whi[2 * j + 1], xh[2 * j], xh[2 * j + 1]);
-            }
-        } else if (F == FP8) {
-            float t[MT][4];
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) t[m][i] = 0.0f;
-#pragma unroll
-            for (u32 j = 0; j < 4; ++j) {
-                u32 l02, l13, h02, h13;
-                fp8x4_to_bf16(wlo[j], l02, l13);
-                fp8x4_to_bf16(whi[j], h02, h13);
-                l02 = bf16x2_mul(l02, FP8_RENORM);
-                l13 = bf16x2_mul(l13, FP8_RENORM);
-                h02 = bf16x2_mul(h02, FP8_RENORM);
-                h13 = bf16x2_mul(h13, FP8_RENORM);
-                mma(t[0], l02, h02, l13, h13, prmt(xl[2 * j], xl[2 * j + 1], 0x5410u),
-                    prmt(xl[2 * j], xl[2 * j + 1], 0x7632u));
-                if (MT == 2)
-                    mma(t[1], l02, h02, l13, h13, prmt(xh[2 * j], xh[2 * j + 1], 0x5410u),
-                        prmt(xh[2 * j], xh[2 * j + 1], 0x7632u));
-            }
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                acc[m][0] = fmaf(f.fl[u], t[m][0], acc[m][0]);
-                acc[m][1] = fmaf(f.fl[u], t[m][1], acc[m][1]);
-                acc[m][2] = fmaf(f.fh[u], t[m][2], acc[m][2]);
-                acc[m][3] = fmaf(f.fh[u], t[m][3], acc[m][3]);
-            }
-        } else {
-#pragma unroll
-            for (u32 i = 0; i < 4; ++i) {
-                u32 sclo, schi;
-                if (F == NVFP4) {
-                    // Words 0-1 of the chunk use the first 16-block scale, words 2-3 the second.
-                    sclo = nvfp4_scale_bf16x2((f.sl[u] >> (8 * (i >> 1))) & 0xffu);
-                    schi = nvfp4_scale_bf16x2((f.sh[u] >> (8 * (i >> 1))) & 0xffu);
-                } else {
-                    sclo = mxfp4_scale_bf16x2(f.sl[u]);
-                    schi = mxfp4_scale_bf16x2(f.sh[u]);
-                }
-                u32 pl[4], ph[4];
-                fp4x8_to_bf16(wlo[i], pl);
-                fp4x8_to_bf16(whi[i], ph);
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    pl[k] = bf16x2_mul(pl[k], sclo);
-                    ph[k] = bf16x2_mul(ph[k], schi);
-                }
-                // Activations of word i: elements 8i..8i+7 as (0,1) (2,3) (4,5) (6,7) pairs.
-                const u32 x01 = xl[4 * i], x23 = xl[4 * i + 1], x45 = xl[4 * i + 2], x67 = xl[4 * i + 3];
-                mma(acc[0], pl[0], ph[0], pl[1], ph[1], prmt(x01, x45, 0x5410u), prmt(x01, x45, 0x7632u));
-                mma(acc[0], pl[2], ph[2], pl[3], ph[3], prmt(x23, x67, 0x5410u), prmt(x23, x67, 0x7632u));
-                if (MT == 2) {
-                    const u32 y01 = xh[4 * i], y23 = xh[4 * i + 1], y45 = xh[4 * i + 2], y67 = xh[4 * i + 3];
-                    mma(acc[1], pl[0], ph[0], pl[1], ph[1], prmt(y01, y45, 0x5410u), prmt(y01, y45, 0x7632u));
-                    mma(acc[1], pl[2], ph[2], pl[3], ph[3], prmt(y23, y67, 0x5410u), prmt(y23, y67, 0x7632u));
-                }
-            }
-        }
-    }
-}
-
-// Steps first, first + stride, ... < end of one tile into acc, with the next step's loads in
-// flight while the current one is computed. One call site of frag_compute per kernel (the loop
-// is not unrolled): the FP4/FP8 step code is large, and a second copy would not fit the
-// instruction cache.
-template <int F, int MT>
-__device__ __forceinline__ void run_steps(const Lane& L, u32 first, u32 end, u32 stride, u32 lane, float (&acc)[MT][4]) {
-    if (first >= end) return;
-    Frag cur, next;
-    frag_load<F>(L, first, lane, cur);
-#pragma unroll 1
-    for (u32 s = first; s < end; s += stride) {
-        if (s + stride < end) frag_load<F>(L, s + stride, lane, next);
-        frag_compute<F, MT>(L, s, lane, cur, acc);
-        cur = next;
-    }
 }
 
 // Bytes of one tile's packed scales (NVFP4: 2 per chunk, MXFP4: 1).
@@ -277,43 +151,187 @@ __device__ __forceinline__ u64 tile_scale_bytes(u32 chunks) {
     return tile_bytes(chunks) / 16 * (F == NVFP4 ? 2 : 1);
 }
 
-// Sums acc over the `wpt` consecutive warps that share a tile (in warp order) into the first of
-// them. Every thread of the block must call it. Returns true in each tile's first warp.
-template <int MT>
-__device__ __forceinline__ bool reduce_warps(float (&acc)[MT][4], u32 wpt) {
-    __shared__ float red[MAX_WARPS][MT * 4][32];
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    if (wpt == 1) return true;
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][m * 4 + i][lane] = acc[m][i];
-    __syncthreads();
-    if (warp % wpt != 0) return false;
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float s = red[warp][m * 4 + i][lane];
-            for (u32 w = 1; w < wpt; ++w) s += red[warp + w][m * 4 + i][lane];
-            acc[m][i] = s;
-        }
-    return true;
+// A lane's view of one tile: codes and scales at `w` and `s`, `chunks` chunks per row,
+// activation rows x_lo and x_hi (FP8 scale rows are set by the caller).
+template <int F>
+__device__ __forceinline__ void lane_init(Lane& L, const u8* w, const u8* s, u32 chunks, const u16* x_lo,
+                                          const u16* x_hi, u32 lane) {
+    constexpr u32 E = Format<F>::ELEMS;
+    const u32 q = lane & 3u;
+    L.w = w + 16 * lane;
+    L.s = (F == NVFP4) ? s + 2 * lane : (F == MXFP4) ? s + lane : s;
+    L.x_lo = x_lo + q * E;
+    L.x_hi = x_hi + q * E;
+    L.subs = (chunks + 3) / 4;
+    L.lane_subs = chunks > q ? (chunks - q + 3) / 4 : 0u;
 }
 
-// Cross-block split-K: every split stores its tile partial; the last block to arrive sums all
-// splits in order. Called by warp 0 only. Returns true in the block that must write the output.
+// One sub-step's loads for one lane: a chunk of rows g and g + 8 and their scales (NVFP4: two
+// e4m3 bytes, MXFP4: one e8m0 byte, FP8: the f32 block scale).
+struct Sub {
+    uint4 wl, wh;
+    u32 sl, sh;
+};
+
+template <int F>
+__device__ __forceinline__ void sub_load(const Lane& L, u32 j, Sub& f) {
+    const u8* w = L.w + (size_t)(j * 1024u);
+    f.wl = ld_stream(w);
+    f.wh = ld_stream(w + 512);
+    if (F == NVFP4) {
+        const u16* s = reinterpret_cast<const u16*>(L.s + (size_t)(j * 128u));
+        f.sl = __ldg(s);
+        f.sh = __ldg(s + 32);
+    } else if (F == MXFP4) {
+        const u8* s = L.s + (size_t)(j * 64u);
+        f.sl = __ldg(s);
+        f.sh = __ldg(s + 32);
+    } else if (F == FP8) {
+        // One scale for the whole quad: its 64 elements lie in one scale block.
+        f.sl = __float_as_uint(__ldg(L.fs_lo + j));
+        f.sh = __float_as_uint(__ldg(L.fs_hi + j));
+    }
+}
+
+// Activations: written by the previous kernel, so plain coherent loads (after pdl_wait).
+__device__ __forceinline__ uint4 ld_act(const u16* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// Adds sub-step j to acc (FP4/BF16: in units of the epilogue scale; FP8: final).
+template <int F, int MT>
+__device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, float (&acc)[MT][4]) {
+    constexpr u32 E = Format<F>::ELEMS;
+    const size_t c = (size_t)(j * 4u * E);
+    // Lanes past K hold zero padding; their activations must not be read (0 * inf).
+    const bool ok = j < L.lane_subs;
+    const u32 wlo[4] = {f.wl.x, f.wl.y, f.wl.z, f.wl.w};
+    const u32 whi[4] = {f.wh.x, f.wh.y, f.wh.z, f.wh.w};
+    // Activation chunk(s) for rows g and g + 8: E bf16 values = E / 8 uint4.
+    u32 xl[E / 2], xh[E / 2];
+#pragma unroll
+    for (u32 v = 0; v < E / 8; ++v) {
+        const uint4 a = ok ? ld_act(L.x_lo + c + 8 * v) : make_uint4(0, 0, 0, 0);
+        xl[4 * v] = a.x; xl[4 * v + 1] = a.y; xl[4 * v + 2] = a.z; xl[4 * v + 3] = a.w;
+        if (MT == 2) {
+            const uint4 b = ok ? ld_act(L.x_hi + c + 8 * v) : make_uint4(0, 0, 0, 0);
+            xh[4 * v] = b.x; xh[4 * v + 1] = b.y; xh[4 * v + 2] = b.z; xh[4 * v + 3] = b.w;
+        }
+    }
+    if (F == BF16) {
+#pragma unroll
+        for (u32 i = 0; i < 2; ++i) {
+            mma(acc[0], wlo[2 * i], whi[2 * i], wlo[2 * i + 1], whi[2 * i + 1], xl[2 * i], xl[2 * i + 1]);
+            if (MT == 2)
+                mma(acc[1], wlo[2 * i], whi[2 * i], wlo[2 * i + 1], whi[2 * i + 1], xh[2 * i], xh[2 * i + 1]);
+        }
+    } else if (F == FP8) {
+        float t[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) t[m][i] = 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) {
+            // Pairs (elements 0, 1) and (2, 3) of word i: activations in natural order.
+            u32 l02, l13, h02, h13;
+            fp8x4_to_bf16(wlo[i], l02, l13);
+            fp8x4_to_bf16(whi[i], h02, h13);
+            l02 = bf16x2_mul(l02, FP8_RENORM);
+            l13 = bf16x2_mul(l13, FP8_RENORM);
+            h02 = bf16x2_mul(h02, FP8_RENORM);
+            h13 = bf16x2_mul(h13, FP8_RENORM);
+            mma(t[0], l02, h02, l13, h13, xl[2 * i], xl[2 * i + 1]);
+            if (MT == 2) mma(t[1], l02, h02, l13, h13, xh[2 * i], xh[2 * i + 1]);
+        }
+        // Block scales (f32, e8m0 ones converted at upload) times 2^16: the codes entered the
+        // MMA as value * 2^-16.
+        const float fl = __fmul_rn(__uint_as_float(f.sl), 65536.0f);
+        const float fh = __fmul_rn(__uint_as_float(f.sh), 65536.0f);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            acc[m][0] = fmaf(fl, t[m][0], acc[m][0]);
+            acc[m][1] = fmaf(fl, t[m][1], acc[m][1]);
+            acc[m][2] = fmaf(fh, t[m][2], acc[m][2]);
+            acc[m][3] = fmaf(fh, t[m][3], acc[m][3]);
+        }
+    } else {
+        u32 sl[2], sh[2];
+        if (F == NVFP4) {
+            // Words 0-1 of the chunk use the first 16-block scale, words 2-3 the second.
+            nvfp4_scales_bf16x2(f.sl, sl[0], sl[1]);
+            nvfp4_scales_bf16x2(f.sh, sh[0], sh[1]);
+        } else {
+            sl[0] = sl[1] = mxfp4_scale_bf16x2(f.sl);
+            sh[0] = sh[1] = mxfp4_scale_bf16x2(f.sh);
+        }
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) {
+            u32 pl[4], ph[4];
+            fp4x8_to_bf16(wlo[i], pl);
+            fp4x8_to_bf16(whi[i], ph);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                pl[k] = bf16x2_mul(pl[k], sl[i >> 1]);
+                ph[k] = bf16x2_mul(ph[k], sh[i >> 1]);
+            }
+            // Pairs (2k, 2k + 1) of word i against activations 8i.. in natural order.
+            mma(acc[0], pl[0], ph[0], pl[1], ph[1], xl[4 * i], xl[4 * i + 1]);
+            mma(acc[0], pl[2], ph[2], pl[3], ph[3], xl[4 * i + 2], xl[4 * i + 3]);
+            if (MT == 2) {
+                mma(acc[1], pl[0], ph[0], pl[1], ph[1], xh[4 * i], xh[4 * i + 1]);
+                mma(acc[1], pl[2], ph[2], pl[3], ph[3], xh[4 * i + 2], xh[4 * i + 3]);
+            }
+        }
+    }
+}
+
+// The ring of one step's sub-steps.
+struct Ring {
+    Sub r[U];
+};
+
+// Loads step s of L's tile into the ring (sub-steps past the data are skipped).
+template <int F>
+__device__ __forceinline__ void ring_load(const Lane& L, u32 s, Ring& ring) {
+#pragma unroll
+    for (u32 u = 0; u < U; ++u)
+        if (U * s + u < L.subs) sub_load<F>(L, U * s + u, ring.r[u]);
+}
+
+// Computes step s of L's tile from the ring, refilling each slot with step s_next of tile
+// L_next as soon as it is used (no refill when s_next is past that tile's data).
+template <int F, int MT>
+__device__ __forceinline__ void ring_step(const Lane& L, u32 s, const Lane& L_next, u32 s_next, Ring& ring,
+                                          float (&acc)[MT][4]) {
+#pragma unroll
+    for (u32 u = 0; u < U; ++u) {
+        if (U * s + u < L.subs) sub_compute<F, MT>(L, U * s + u, ring.r[u], acc);
+        if (U * s_next + u < L_next.subs) sub_load<F>(L_next, U * s_next + u, ring.r[u]);
+    }
+}
+
+// No step: U * NO_STEP is past every tile.
+constexpr u32 NO_STEP = 0xffffffffu / U;
+
+// Steps [first, end) of one tile into acc, the ring already holding step `first`.
+template <int F, int MT>
+__device__ __forceinline__ void run_steps(const Lane& L, u32 first, u32 end, Ring& ring, float (&acc)[MT][4]) {
+#pragma unroll 1
+    for (u32 s = first; s < end; ++s) ring_step<F, MT>(L, s, L, s + 1 < end ? s + 1 : NO_STEP, ring, acc);
+}
+
+// Cross-warp split-K: every split stores its tile partial; the last warp to arrive sums all
+// splits in order. Only lanes holding real columns (m of the MMA columns) store and load.
+// Returns true in the warp that must write the output.
 template <int MT>
 __device__ __forceinline__ bool reduce_splits(float (&acc)[MT][4], float* ws, u32* counters, u32 tile,
-                                              u32 split, u32 splits) {
+                                              u32 split, u32 splits, u32 m) {
     if (splits == 1) return true;
-    const u32 lane = threadIdx.x & 31u;
+    const u32 lane = threadIdx.x & 31u, q = lane & 3u;
     constexpr u32 PER = MT * 4 * 32;
-    float* mine = ws + ((u64)tile * splits + split) * PER;
+    float4* mine = reinterpret_cast<float4*>(ws + ((u64)tile * splits + split) * PER);
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) mine[(m * 4 + i) * 32 + lane] = acc[m][i];
+    for (int mt = 0; mt < MT; ++mt)
+        if (mt * 8 + 2 * q < m) mine[mt * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
     __threadfence();
     __syncwarp();
     u32 arrived = 0;
@@ -321,15 +339,18 @@ __device__ __forceinline__ bool reduce_splits(float (&acc)[MT][4], float* ws, u3
     arrived = __shfl_sync(0xffffffffu, arrived, 0);
     if (arrived != splits - 1) return false;
     __threadfence();
-    const float* all = ws + (u64)tile * splits * PER;
+    const float4* all = reinterpret_cast<const float4*>(ws + (u64)tile * splits * PER);
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float s = 0.0f;
-            for (u32 p = 0; p < splits; ++p) s += __ldcg(all + p * PER + (m * 4 + i) * 32 + lane);
-            acc[m][i] = s;
+    for (int mt = 0; mt < MT; ++mt) {
+        if (mt * 8 + 2 * q >= m) continue;
+        float4 s = __ldcg(all + mt * 32 + lane);
+#pragma unroll 4
+        for (u32 p = 1; p < splits; ++p) {
+            const float4 v = __ldcg(all + (u64)p * (PER / 4) + mt * 32 + lane);
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
         }
+        acc[mt][0] = s.x; acc[mt][1] = s.y; acc[mt][2] = s.z; acc[mt][3] = s.w;
+    }
     // Ready for the next launch (graph replays included).
     if (lane == 0) counters[tile] = 0u;
     return true;

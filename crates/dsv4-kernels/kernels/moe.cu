@@ -1,18 +1,22 @@
 // Grouped routed-expert MoE for decode, in two launches and without a host round trip:
 //
-//   moe_gate_up_*: one block per (8-row tile of the intermediate, selected (token, slot) pair).
-//     The first pair that selected an expert does the work for every token that selected it
-//     (later duplicates exit), so each selected expert's w1/w3 are read once. Fused gate+up
-//     with the clamped SwiGLU epilogue into h[m, topk, inter] (bf16).
+//   moe_gate_up_*: one warp per (8-row tile of the intermediate, selected (token, slot) pair),
+//     four tiles a block. The first pair that selected an expert does the work for every token
+//     that selected it (later duplicates exit), so each selected expert's w1/w3 are read once.
+//     Fused gate+up with the clamped SwiGLU epilogue into h[m, topk, inter] (bf16).
 //   moe_down_*: one block per 16-row tile of the output. Every block walks the distinct
-//     selected experts in ascending id order, a group at a time: its warps interleave over the
-//     group's (expert, K step) items and park each item's partial in shared memory, then warp 0
+//     selected experts in ascending id order, a group at a time: its warps take the group's
+//     (expert, K step) items in turn and park each item's partial in shared memory, then warp 0
 //     sums each expert's steps in order and adds it, times the token's routing weight, to the
 //     tokens that chose it. Each token's output is therefore a fixed-order sum over its own
-//     experts, independent of timing and of the other tokens' choices, with no atomics.
+//     experts, independent of timing and of the other tokens' choices, with no atomics. At
+//     decode sizes all selected experts form one group: one barrier per block.
 //
-// Expert ids outside [0, experts) select nothing. Both kernels use the tile code of gemv_tile.cu
-// with NVFP4 or MXFP4 weights stacked over experts.
+// Both kernels stream weights with the ring of gemv_tile.cu. The routing table is written by
+// the router, which completed before gate_up's pdl_wait returned; gate_up lets down launch
+// only after that wait, so down reads the table and prefetches its first w2 step before its
+// own wait (which covers h). Expert ids outside [0, experts) select nothing. NVFP4 or MXFP4
+// weights stacked over experts.
 #include "gemv_tile.cu"
 
 // Kernel arguments (layout mirrored by `MoeArgs` in dsv4_ops::gpu::moe).
@@ -31,8 +35,7 @@ struct MoeArgs {
     void* out;             // [m, d] bf16 or f32
     u32 m, topk, experts, d, inter;
     float limit;
-    u32 tpb;               // gate_up: tiles per block
-    u32 wpt;               // gate_up: warps per tile
+    u32 pad0, pad1;
 };
 
 namespace moe {
@@ -55,42 +58,38 @@ __device__ __forceinline__ float post_scale(const float* g, int e) {
     return F == gemv::NVFP4 ? __fmul_rn(__ldg(g + e), 65536.0f) : 65536.0f;
 }
 
+constexpr u32 UP_WARPS = 4;
+
 template <int F, int MT>
 __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     using namespace gemv;
+    pdl_wait();
+    pdl_launch_dependents();
     const u32 pair = blockIdx.y;
-    const int e = __ldg(a.ids + pair);
+    const int e = a.ids[pair];
     if (!valid_expert(e, a.experts)) return;
     for (u32 p = 0; p < pair; ++p)
-        if (__ldg(a.ids + p) == e) return;
+        if (a.ids[p] == e) return;
 
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 tile = blockIdx.x * a.tpb + warp / a.wpt, kpart = warp % a.wpt;
+    const u32 lane = threadIdx.x & 31u;
+    const u32 tile = blockIdx.x * UP_WARPS + (threadIdx.x >> 5);
+    const u32 chunks = a.d / 32u, tiles = (a.inter + 7) / 8;
+    if (tile >= tiles) return;
     const u32 g = lane >> 2, q = lane & 3u;
     const u32 r = tile * 8 + g;
-    const u32 chunks = a.d / 32u, tiles = (a.inter + 7) / 8;
-    const bool live = tile < tiles;
     const u64 t = (u64)e * tiles + tile;
+    // Rows of tokens that did not choose e are computed and dropped.
     Lane L;
-    L.w = a.w13 + t * tile_bytes(chunks);
-    L.s = a.s13 + t * tile_scale_bytes<F>(chunks);
-    L.fs_lo = L.fs_hi = nullptr;
-    L.x_lo = (g < a.m && slot_of(a.ids, a.topk, g, e) >= 0) ? a.x + (u64)g * a.d : nullptr;
-    L.x_hi = (MT == 2 && g + 8 < a.m && slot_of(a.ids, a.topk, g + 8, e) >= 0) ? a.x + (u64)(g + 8) * a.d
-                                                                                 : nullptr;
-    L.chunks = chunks;
-    L.fp8_bc = 0;
-    L.fp8_f32 = false;
-
+    lane_init<F>(L, a.w13 + t * tile_bytes(chunks), a.s13 + t * tile_scale_bytes<F>(chunks), chunks,
+                 a.x + (u64)min(g, a.m - 1) * a.d, a.x + (u64)min(g + 8, a.m - 1) * a.d, lane);
+    Ring ring;
+    ring_load<F>(L, 0, ring);
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
-    // Warps of a tile past the last one still take part in the block's reduction.
-    const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
-    run_steps<F, MT>(L, kpart, steps, a.wpt, lane, acc);
-    if (!reduce_warps<MT>(acc, a.wpt)) return;
+    run_steps<F, MT>(L, 0, (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS, ring, acc);
     if (r >= a.inter) return;
 
     const float p1 = post_scale<F>(a.g1, e), p3 = post_scale<F>(a.g3, e);
@@ -111,14 +110,10 @@ template <int F, int MT, bool OUT_F32>
 __device__ __forceinline__ void down(const MoeArgs& a) {
     using namespace gemv;
     __shared__ int ids[MAX_PAIRS];
-    __shared__ float wts[MAX_PAIRS];
     __shared__ unsigned char first[MAX_PAIRS];
     __shared__ int uniq[MAX_PAIRS];
     const u32 pairs = a.m * a.topk;
-    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
-        ids[i] = __ldg(a.ids + i);
-        wts[i] = __ldg(a.weights + i);
-    }
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) ids[i] = a.ids[i];
     __syncthreads();
     // Distinct valid experts, sorted: a pair is the representative of its expert if no earlier
     // pair has it; its rank is the number of smaller representatives.
@@ -150,63 +145,54 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     constexpr u32 PER_ITEM = MT * 4 * 32;
     const u32 group = max(1u, (PART_FLOATS / PER_ITEM) / steps);
 
+    // The lane's view of item it of the group at g0: expert uniq[g0 + it / steps]. Tokens
+    // that did not choose the expert read another token's h; those columns are dropped.
+    auto item_lane = [&](u32 g0, u32 it, Lane& L) {
+        const int e = uniq[g0 + it / steps];
+        const u64 t = (u64)e * tiles + tile;
+        const int jl = slot_of(ids, a.topk, min(g, a.m - 1), e);
+        const int jh = slot_of(ids, a.topk, min(g + 8, a.m - 1), e);
+        const u16* h_lo = a.h + ((u64)min(g, a.m - 1) * a.topk + max(jl, 0)) * a.inter;
+        const u16* h_hi = a.h + ((u64)min(g + 8, a.m - 1) * a.topk + max(jh, 0)) * a.inter;
+        lane_init<F>(L, a.w2 + t * tile_bytes(chunks), a.s2 + t * tile_scale_bytes<F>(chunks), chunks, h_lo,
+                     h_hi, lane);
+    };
+
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
 
+    Ring ring;
+    Lane lc, ln;
     for (u32 g0 = 0; g0 < distinct; g0 += group) {
         const u32 items = min(group, distinct - g0) * steps;
-        // The lane's view of item it: expert uniq[g0 + it / steps], K step it % steps.
-        auto item_lane = [&](u32 it, Lane& L) {
-            const int e = uniq[g0 + it / steps];
-            const u64 t = (u64)e * tiles + tile;
-            L.w = a.w2 + t * tile_bytes(chunks);
-            L.s = a.s2 + t * tile_scale_bytes<F>(chunks);
-            L.fs_lo = L.fs_hi = nullptr;
-            L.x_lo = L.x_hi = nullptr;
-            if (g < a.m) {
-                const int j = slot_of(ids, a.topk, g, e);
-                if (j >= 0) L.x_lo = a.h + ((u64)g * a.topk + j) * a.inter;
-            }
-            if (MT == 2 && g + 8 < a.m) {
-                const int j = slot_of(ids, a.topk, g + 8, e);
-                if (j >= 0) L.x_hi = a.h + ((u64)(g + 8) * a.topk + j) * a.inter;
-            }
-            L.chunks = chunks;
-            L.fp8_bc = 0;
-            L.fp8_f32 = false;
-        };
-        auto item_compute = [&](u32 it, const Lane& L, const Frag& f) {
+        if (warp < items) {
+            item_lane(g0, warp, lc);
+            ring_load<F>(lc, warp % steps, ring);
+        }
+        if (g0 == 0) {
+            pdl_wait();
+            pdl_launch_dependents();
+        }
+        // Each item's loads are issued while the previous item is computed (the ring).
+#pragma unroll 1
+        for (u32 it = warp; it < items; it += nw) {
+            const bool more = it + nw < items;
+            if (more) item_lane(g0, it + nw, ln);
+            else ln = lc;
             float t[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) t[m][i] = 0.0f;
-            frag_compute<F, MT>(L, it % steps, lane, f, t);
+            ring_step<F, MT>(lc, it % steps, ln, more ? (it + nw) % steps : NO_STEP, ring, t);
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) part[it * PER_ITEM + (m * 4 + i) * 32 + lane] = t[m][i];
-        };
-        // Two items in flight per warp: the next one's loads overlap this one's math (one
-        // call site of the step code, as in run_steps).
-        Lane lc, ln;
-        Frag fc, fn;
-        if (warp < items) {
-            item_lane(warp, lc);
-            frag_load<F>(lc, warp % steps, lane, fc);
-        }
-#pragma unroll 1
-        for (u32 it = warp; it < items; it += nw) {
-            if (it + nw < items) {
-                item_lane(it + nw, ln);
-                frag_load<F>(ln, (it + nw) % steps, lane, fn);
-            }
-            item_compute(it, lc, fc);
             lc = ln;
-            fc = fn;
         }
         __syncthreads();
         if (warp == 0) {
@@ -222,7 +208,7 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
                         float w = 0.0f;
                         if (m < a.m)
                             for (u32 j = 0; j < a.topk; ++j)
-                                if (ids[m * a.topk + j] == e) w += wts[m * a.topk + j];
+                                if (ids[m * a.topk + j] == e) w += a.weights[m * a.topk + j];
                         if (w == 0.0f) continue;  // tokens without e stay untouched
                         const float f = w * post;
 #pragma unroll
@@ -236,6 +222,10 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             }
         }
         __syncthreads();
+    }
+    if (distinct == 0) {
+        pdl_wait();
+        pdl_launch_dependents();
     }
     if (warp != 0) return;
 

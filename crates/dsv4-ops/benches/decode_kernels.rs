@@ -10,9 +10,13 @@
 //! a 256-expert layer. Bytes counted: weights and scales, plus activations read and written.
 //! The ceiling is a 1 GiB device-to-device copy timed with events (read + write bytes).
 //!
-//! `cargo bench -p dsv4-ops --bench decode_kernels` (criterion); a markdown table is printed at
-//! the end and written to `$DSV4_BENCH_TABLE` when set. `DSV4_BENCH_ONLY=Pro/attn` keeps the
-//! cases whose `model/kernel` contains the text.
+//! Kernels launch with programmatic dependent launch (each launch streams its first weights
+//! while the previous one finishes), as in the engine's decode graph; the table also gives each
+//! case without it. A second table times a few cases at other grid sizes (warps per SM).
+//!
+//! `cargo bench -p dsv4-ops --bench decode_kernels` (criterion); the tables are printed at the
+//! end and written to `$DSV4_BENCH_TABLE` when set. `DSV4_BENCH_ONLY=Pro/attn` keeps the cases
+//! whose `model/kernel` contains the text.
 
 use std::time::Duration;
 
@@ -27,7 +31,7 @@ use dsv4_ops::codecs::fp8_block::ScaleFormat;
 use dsv4_ops::codecs::mxfp4::Mxfp4Quantized;
 use dsv4_ops::codecs::nvfp4::Nvfp4Quantized;
 use dsv4_ops::gpu::bandwidth::measure_copy_bandwidth;
-use dsv4_ops::gpu::gemv::{self, GemvWeight, GemvWorkspace, HostWeight};
+use dsv4_ops::gpu::gemv::{self, tuning, GemvWeight, GemvWorkspace, HostWeight};
 use dsv4_ops::gpu::moe::{self, MoeExperts, MoeFormat, MoeOut};
 use dsv4_ops::gpu::{DType, Device, DeviceTensor};
 use half::bf16;
@@ -199,18 +203,33 @@ struct Row {
     format: &'static str,
     bytes: usize,
     seconds: f64,
+    /// The same launches without programmatic dependent launch.
+    seconds_no_pdl: f64,
     copies: usize,
     cublas: Option<(String, f64)>,
 }
 
+/// Grid sizes (GEMV warps per SM) timed for the sweep table.
+const SWEEP_WARPS: [usize; 4] = [8, 12, 24, 32];
+/// Cases of the sweep table.
+const SWEEP_CASES: [&str; 6] = [
+    "Flash/attn wq_a",
+    "Flash/attn wq_b",
+    "Flash/shared expert w1+w3",
+    "Flash/expert w1+w3 (fused SwiGLU) 2 x [2048, 4096] NVFP4",
+    "Pro/attn wo_b",
+    "Pro/expert w1+w3 (fused SwiGLU) 2 x [3072, 7168] NVFP4",
+];
+
 struct Bench {
     dev: Device,
-    ws: GemvWorkspace,
     blas: Option<CudaBlas>,
     l2: usize,
     copy_bps: f64,
     bits: Bits,
     rows: Vec<Row>,
+    /// (case, warps per SM, seconds).
+    sweep: Vec<(String, usize, f64)>,
     criterion: Criterion,
     /// Only cases whose `model/kernel` contains this (`DSV4_BENCH_ONLY`).
     only: Option<String>,
@@ -228,10 +247,10 @@ impl Bench {
         self.only.as_deref().is_some_and(|f| !format!("{model}/{name}").contains(f))
     }
 
-    fn record(&mut self, id: &str, timer: &Timer) -> Res<f64> {
-        let secs = median(self.timer_samples(timer, 15)?);
-        let dev = &self.dev;
-        self.criterion.bench_function(id, |b| {
+    /// Median per-launch time of `timer` (15 replays), also reported to criterion as `id`.
+    fn record(dev: &Device, criterion: &mut Criterion, id: &str, timer: &Timer) -> Res<f64> {
+        let secs = median(timer.replay_seconds(dev, 15)?);
+        criterion.bench_function(id, |b| {
             b.iter_custom(|iters| {
                 let replays = (iters as usize).div_ceil(timer.batch).max(1);
                 let s: f64 = timer
@@ -249,6 +268,12 @@ impl Bench {
 
     fn timer_samples(&self, timer: &Timer, n: usize) -> Res<Vec<f64>> {
         timer.replay_seconds(&self.dev, n)
+    }
+
+    /// Median per-launch time of a fresh capture, under the current tuning.
+    fn quick(&self, batch: usize, enqueue: impl FnMut(usize) -> Res<()>) -> Res<f64> {
+        let timer = Timer::capture(&self.dev, batch, enqueue)?;
+        Ok(median(self.timer_samples(&timer, 15)?))
     }
 
     /// cuBLAS BF16 GEMV (GemmEx, M = 1) on `[n', k]` with n' chosen for the same byte size.
@@ -329,25 +354,40 @@ impl Bench {
             weights.push(upload(&self.dev)?);
         }
         let x = self.dev.upload(DType::BF16, &[1, k], &self.bits.bf16s(k))?;
-        let mut y: DeviceTensor<bf16> = self.dev.alloc(DType::BF16, &[1, out_n])?;
-        let (dev, ws) = (&self.dev, &mut self.ws);
-        let timer = Timer::capture(dev, batch, |i| {
+        let y = std::cell::RefCell::new(self.dev.alloc::<bf16>(DType::BF16, &[1, out_n])?);
+        let ws = std::cell::RefCell::new(GemvWorkspace::alloc(&self.dev)?);
+        let dev = &self.dev;
+        let enqueue = |i: usize| -> Res<()> {
             let w = &weights[i % copies];
+            let (mut y, mut ws) = (y.borrow_mut(), ws.borrow_mut());
             if swiglu {
-                gemv::gemv_swiglu(dev, &x, w, 10.0, &mut y, ws)?;
+                gemv::gemv_swiglu(dev, &x, w, 10.0, &mut y, &mut ws)?;
             } else {
-                gemv::gemv(dev, &x, w, &mut y, ws)?;
+                gemv::gemv(dev, &x, w, &mut y, &mut ws)?;
             }
             Ok(())
-        })?;
+        };
+        let timer = Timer::capture(dev, batch, enqueue)?;
         let shape = if swiglu {
             format!("2 x [{n}, {k}]")
         } else {
             format!("[{n}, {k}]")
         };
         let id = format!("{model}/{name} {shape} {}", fmt.label());
-        let seconds = self.record(&id, &timer)?;
+        let seconds = Self::record(dev, &mut self.criterion, &id, &timer)?;
         drop(timer);
+        tuning::set_programmatic_launch(false);
+        let seconds_no_pdl = self.quick(batch, enqueue);
+        tuning::set_programmatic_launch(true);
+        let seconds_no_pdl = seconds_no_pdl?;
+        if SWEEP_CASES.iter().any(|c| id.starts_with(c)) {
+            for wps in SWEEP_WARPS {
+                tuning::set_warps_per_sm(wps);
+                let t = self.quick(batch, enqueue);
+                tuning::set_warps_per_sm(gemv::DEFAULT_WARPS_PER_SM);
+                self.sweep.push((id.clone(), wps, t?));
+            }
+        }
         drop(weights);
         let cublas = self.cublas_same_bytes(wbytes, k)?;
         self.rows.push(Row {
@@ -357,6 +397,7 @@ impl Bench {
             format: fmt.label(),
             bytes,
             seconds,
+            seconds_no_pdl,
             copies,
             cublas,
         });
@@ -434,20 +475,27 @@ impl Bench {
             ));
         }
         let x = self.dev.upload(DType::BF16, &[1, d], &self.bits.bf16s(d))?;
-        let mut h: DeviceTensor<bf16> = self.dev.alloc(DType::BF16, &[1, topk, inter])?;
-        let mut out: DeviceTensor<bf16> = self.dev.alloc(DType::BF16, &[1, d])?;
+        let h = std::cell::RefCell::new(self.dev.alloc::<bf16>(DType::BF16, &[1, topk, inter])?);
+        let out = std::cell::RefCell::new(self.dev.alloc::<bf16>(DType::BF16, &[1, d])?);
         let dev = &self.dev;
-        let timer = Timer::capture(dev, batch, |i| {
+        let enqueue = |i: usize| -> Res<()> {
             let (ids, w) = &routes[i];
+            let (mut h, mut out) = (h.borrow_mut(), out.borrow_mut());
             moe::moe_decode(dev, &x, ids, w, &ex, 10.0, &mut h, MoeOut::Bf16(&mut out))?;
             Ok(())
-        })?;
+        };
+        let timer = Timer::capture(dev, batch, enqueue)?;
         // Six distinct experts' weights and scales, x, h written and read, the output.
         let bytes = topk * ex.expert_bytes() + 2 * d + 2 * 2 * topk * inter + 2 * d;
         let name = format!("grouped MoE, {topk} of {experts} experts");
         let shape = format!("{topk} x (2 x [{inter}, {d}] + [{d}, {inter}])");
         let id = format!("{model}/{name}");
-        let seconds = self.record(&id, &timer)?;
+        let seconds = Self::record(dev, &mut self.criterion, &id, &timer)?;
+        drop(timer);
+        tuning::set_programmatic_launch(false);
+        let seconds_no_pdl = self.quick(batch, enqueue);
+        tuning::set_programmatic_launch(true);
+        let seconds_no_pdl = seconds_no_pdl?;
         self.rows.push(Row {
             model,
             name,
@@ -455,6 +503,7 @@ impl Bench {
             format: "NVFP4",
             bytes,
             seconds,
+            seconds_no_pdl,
             copies: batch,
             cublas: None,
         });
@@ -469,8 +518,8 @@ impl Bench {
             bw / 1e9,
             self.l2 >> 20
         ));
-        s.push_str("| model | kernel | shape | format | MB moved | copies | µs | GB/s | % of copy BW | cuBLAS BF16 same bytes | cuBLAS µs | cuBLAS GB/s | ours / cuBLAS time |\n");
-        s.push_str("|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|\n");
+        s.push_str("| model | kernel | shape | format | MB moved | copies | µs | GB/s | % of copy BW | µs without PDL | % without PDL | cuBLAS BF16 same bytes | cuBLAS µs | cuBLAS GB/s | ours / cuBLAS time |\n");
+        s.push_str("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|\n");
         for r in &self.rows {
             let gbps = r.bytes as f64 / r.seconds;
             let (cs, cu, cg, ratio) = match &r.cublas {
@@ -483,7 +532,7 @@ impl Bench {
                 None => ("-".into(), "-".into(), "-".into(), "-".into()),
             };
             s.push_str(&format!(
-                "| {} | {} | {} | {} | {:.1} | {} | {:.1} | {:.0} | {:.0}% | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {:.1} | {} | {:.1} | {:.0} | {:.0}% | {:.1} | {:.0}% | {} | {} | {} | {} |\n",
                 r.model,
                 r.name,
                 r.shape,
@@ -493,11 +542,22 @@ impl Bench {
                 r.seconds * 1e6,
                 gbps / 1e9,
                 100.0 * gbps / bw,
+                r.seconds_no_pdl * 1e6,
+                100.0 * r.bytes as f64 / r.seconds_no_pdl / bw,
                 cs,
                 cu,
                 cg,
                 ratio
             ));
+        }
+        if !self.sweep.is_empty() {
+            s.push_str(&format!(
+                "\nGrid size sweep (GEMV warps per SM; default {}), with PDL:\n\n| case | warps/SM | µs |\n|---|---:|---:|\n",
+                gemv::DEFAULT_WARPS_PER_SM
+            ));
+            for (case, wps, secs) in &self.sweep {
+                s.push_str(&format!("| {case} | {wps} | {:.1} |\n", secs * 1e6));
+            }
         }
         s
     }
@@ -532,15 +592,14 @@ fn main() -> Res<()> {
         println!("libcublas not found: no cuBLAS comparison");
         None
     };
-    let ws = GemvWorkspace::alloc(&dev)?;
     let mut b = Bench {
         dev,
-        ws,
         blas,
         l2,
         copy_bps: copy.bytes_per_second,
         bits: Bits(0x5eed),
         rows: Vec::new(),
+        sweep: Vec::new(),
         criterion,
         only: std::env::var("DSV4_BENCH_ONLY").ok(),
     };

@@ -287,3 +287,67 @@ fn gpu_gemv_rejects_bad_shapes() {
         "K mismatch is refused"
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gemv_chain_waits_for_each_input() {
+    // y1 = W1 x, y2 = W2 y1, y3 = W3 y2 enqueued back to back: each launch may start while the
+    // previous one runs (programmatic dependent launch) and must read its input only once it is
+    // complete. Each output must equal, bit for bit, the same GEMV run alone on the
+    // downloaded input. Outputs start as NaN, so an early read cannot pass.
+    let dev = device();
+    let mut rng = rng("gpu_gemv_chain_waits_for_each_input");
+    let mut ws = GemvWorkspace::alloc(&dev).unwrap();
+    for format in ["fp8-e8m0", "nvfp4", "mxfp4"] {
+        let m = rng.random_range(1..=4);
+        // Large first and third stages (many blocks, several splits), a small middle one.
+        let dims = [4096, 2048, 1024, 6144];
+        let ws_: Vec<(Owned, GemvWeight)> = (0..3)
+            .map(|i| {
+                let (n, k) = (dims[i + 1], dims[i]);
+                let o = make_weight(&mut rng, format, n, k, None);
+                let w = GemvWeight::upload(&dev, o.host(), n, k).unwrap();
+                (o, w)
+            })
+            .collect();
+        let x = dev
+            .upload(DType::BF16, &[m, dims[0]], &to_bf16(&gaussian(&mut rng, m * dims[0], 1.0)))
+            .unwrap();
+        let mut ys: Vec<DeviceTensor<bf16>> = (1..4)
+            .map(|i| {
+                let mut t = dev.alloc(DType::BF16, &[m, dims[i]]).unwrap();
+                dev.fill_bytes(&mut t, 0xff).unwrap();
+                t
+            })
+            .collect();
+        for rep in 0..3 {
+            {
+                let (y1, rest) = ys.split_at_mut(1);
+                let (y2, y3) = rest.split_at_mut(1);
+                gemv::gemv(&dev, &x, &ws_[0].1, &mut y1[0], &mut ws).unwrap();
+                gemv::gemv(&dev, &y1[0], &ws_[1].1, &mut y2[0], &mut ws).unwrap();
+                gemv::gemv(&dev, &y2[0], &ws_[2].1, &mut y3[0], &mut ws).unwrap();
+            }
+            let mut input = dev.download(&x).unwrap();
+            for (i, y) in ys.iter().enumerate() {
+                let got = dev.download(y).unwrap();
+                let xi = dev.upload(DType::BF16, &[m, dims[i]], &input).unwrap();
+                let mut alone = poisoned(&dev, m, dims[i + 1]);
+                gemv::gemv(&dev, &xi, &ws_[i].1, &mut alone, &mut ws).unwrap();
+                let alone = dev.download(&alone).unwrap();
+                assert!(
+                    got.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{format} m={m} stage {i} (round {rep}) differs from the same GEMV run alone"
+                );
+                if rep == 0 {
+                    let wd = reference::dequantize(ws_[i].0.host(), dims[i + 1], dims[i]).unwrap();
+                    let want = reference::gemv(&input, m, &wd, dims[i + 1], dims[i]);
+                    let err = reference::relative_error(&f64s(&got), &want);
+                    println!("  chain {format:9} m={m} stage {i}: rel err {err:.2e}");
+                    assert!(err <= TOL, "{format} stage {i}: relative error {err:e}");
+                }
+                input = got;
+            }
+        }
+    }
+}

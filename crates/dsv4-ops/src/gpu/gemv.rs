@@ -6,13 +6,17 @@
 //! inverse [`pack::unpack`]).
 //!
 //! Launchers check every shape and enqueue on the device stream without synchronizing or
-//! reading back, so they can be captured into CUDA graphs. Few long rows split K across
-//! blocks through a [`GemvWorkspace`] (reserve it in the [`BufferPool`]); the split partials
-//! are summed in a fixed order, so results never depend on timing. CPU references:
+//! reading back, so they can be captured into CUDA graphs. They launch with programmatic
+//! dependent launch: a kernel starts while its predecessor finishes and streams its first
+//! weights before it waits for that predecessor's outputs. Matrices with few rows split K
+//! across warps through a [`GemvWorkspace`] (reserve it in the [`BufferPool`]); the split
+//! partials are summed in a fixed order, so results never depend on timing. CPU references:
 //! [`mod@reference`].
 
-use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use cudarc::driver::sys::{self as cu, CUdevice_attribute};
+use cudarc::driver::DeviceRepr;
 use half::bf16;
 
 use super::launch::dim_u32;
@@ -28,10 +32,38 @@ pub const MAX_M: usize = 16;
 /// bf16 operand the kernel builds (scale · 2^110); no real weight comes near it.
 pub const MXFP4_MAX_SCALE_BYTE: u8 = 144;
 
-/// Warps a multiprocessor holds at the kernels' register use (about 128 per thread).
-const RESIDENT_WARPS_PER_SM: usize = 16;
-/// Most warps sharing one tile's K steps: 256 threads fit any of the kernels' register use.
-const MAX_WARPS_PER_TILE: usize = 8;
+/// Warps of a GEMV block (one (tile, K range) item each).
+pub(crate) const GEMV_WARPS: usize = 4;
+/// Warps per multiprocessor a launch aims for: the kernels use at most 100 registers, so 24
+/// warps fit, and the rest leaves room for the next kernel's early blocks.
+pub const DEFAULT_WARPS_PER_SM: usize = 16;
+
+/// Launch settings, process-wide. The defaults are the engine's; the decode benchmark varies
+/// them to compare configurations within one run.
+pub mod tuning {
+    use super::*;
+
+    static WARPS_PER_SM: AtomicUsize = AtomicUsize::new(DEFAULT_WARPS_PER_SM);
+    static PDL: AtomicBool = AtomicBool::new(true);
+
+    /// Warps per multiprocessor that a GEMV grid (with its K splits) aims for.
+    pub fn set_warps_per_sm(warps: usize) {
+        WARPS_PER_SM.store(warps.max(1), Ordering::Relaxed);
+    }
+
+    pub fn warps_per_sm() -> usize {
+        WARPS_PER_SM.load(Ordering::Relaxed)
+    }
+
+    /// Whether GEMV and MoE kernels launch with programmatic stream serialization.
+    pub fn set_programmatic_launch(on: bool) {
+        PDL.store(on, Ordering::Relaxed);
+    }
+
+    pub fn programmatic_launch() -> bool {
+        PDL.load(Ordering::Relaxed)
+    }
+}
 
 /// A weight's number format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +85,14 @@ impl GemvFormat {
             GemvFormat::Fp8 { .. } => "fp8",
             GemvFormat::Nvfp4 => "nvfp4",
             GemvFormat::Mxfp4 => "mxfp4",
+        }
+    }
+
+    fn code_order(self) -> pack::CodeOrder {
+        match self {
+            GemvFormat::Bf16 => pack::CodeOrder::Plain,
+            GemvFormat::Fp8 { .. } => pack::CodeOrder::Fp8,
+            GemvFormat::Nvfp4 | GemvFormat::Mxfp4 => pack::CodeOrder::Fp4,
         }
     }
 
@@ -81,20 +121,6 @@ pub enum HostWeight<'a> {
     },
     Nvfp4(&'a Nvfp4Quantized),
     Mxfp4(&'a Mxfp4Quantized),
-}
-
-enum Fp8Scale {
-    E8m0(DeviceTensor<u8>),
-    F32(DeviceTensor<f32>),
-}
-
-impl Fp8Scale {
-    fn address(&self) -> u64 {
-        match self {
-            Fp8Scale::E8m0(s) => s.device_address(),
-            Fp8Scale::F32(s) => s.device_address(),
-        }
-    }
 }
 
 /// The tile layout the kernels read (see `kernels/gemv_tile.cu`): a tile is 16 weight rows
@@ -189,6 +215,96 @@ pub mod pack {
         Ok(out)
     }
 
+    /// How codes are ordered inside each 32-bit word of a packed tile, so that the kernel turns
+    /// a word into bf16 pairs of consecutive elements (matching activations in natural order)
+    /// with few instructions.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum CodeOrder {
+        /// As in the checkpoint (BF16).
+        Plain,
+        /// e4m3 bytes stored as elements (0, 2, 1, 3).
+        Fp8,
+        /// e2m1 codes bit-permuted: see [`fp4_source_bit`].
+        Fp4,
+    }
+
+    /// Where bit `b` of a packed FP4 word comes from: `(element, code bit)` of the checkpoint
+    /// word (element `e` is nibble `e`; code bit 3 is the sign). The kernel forms pair `k`
+    /// (elements 2k, 2k + 1) as bf16 bits `(s, e1 e0 m)` at 15, 8..6 and 31, 24..22 by
+    /// `rotr(w, 2) & M`, `rotr(w, 6) & M`, `rotr(w, 12) & M` for k = 0, 1, 2 (M = 0x81c081c0)
+    /// and `(w & 0x80c080c0) | (rotr(w, 8) & 0x01000100)` for k = 3.
+    pub fn fp4_source_bit(b: u32) -> (u32, u32) {
+        // Target bit of a pair (position in the bf16x2 word) -> (half, code bit).
+        let target = |t: u32| -> Option<(u32, u32)> {
+            match t {
+                6 => Some((0, 0)),
+                7 => Some((0, 1)),
+                8 => Some((0, 2)),
+                15 => Some((0, 3)),
+                22 => Some((1, 0)),
+                23 => Some((1, 1)),
+                24 => Some((1, 2)),
+                31 => Some((1, 3)),
+                _ => None,
+            }
+        };
+        // Pairs 0-2: packed bit b lands on target (b - shift) mod 32.
+        for (k, shift) in [(0u32, 2u32), (1, 6), (2, 12)] {
+            if let Some((half, bit)) = target((b + 32 - shift) % 32) {
+                return (2 * k + half, bit);
+            }
+        }
+        // Pair 3: in place, except targets 8 and 24, which come from bits 16 and 0.
+        let t = match b {
+            16 => 8,
+            0 => 24,
+            _ => b,
+        };
+        let (half, bit) = target(t).expect("the four pairs cover every bit");
+        (6 + half, bit)
+    }
+
+    fn encode_word(order: CodeOrder, w: u32) -> u32 {
+        match order {
+            CodeOrder::Plain => w,
+            CodeOrder::Fp8 => (w & 0xff00_00ff) | ((w >> 8) & 0x0000_ff00) | ((w << 8) & 0x00ff_0000),
+            CodeOrder::Fp4 => (0..32).fold(0, |acc, b| {
+                let (e, bit) = fp4_source_bit(b);
+                acc | (((w >> (4 * e + bit)) & 1) << b)
+            }),
+        }
+    }
+
+    fn decode_word(order: CodeOrder, w: u32) -> u32 {
+        match order {
+            CodeOrder::Plain | CodeOrder::Fp8 => encode_word(order, w),
+            CodeOrder::Fp4 => (0..32).fold(0, |acc, b| {
+                let (e, bit) = fp4_source_bit(b);
+                acc | (((w >> b) & 1) << (4 * e + bit))
+            }),
+        }
+    }
+
+    fn map_words(order: CodeOrder, bytes: &mut [u8], f: fn(CodeOrder, u32) -> u32) {
+        if order == CodeOrder::Plain {
+            return;
+        }
+        for c in bytes.chunks_exact_mut(4) {
+            let w = f(order, u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            c.copy_from_slice(&w.to_le_bytes());
+        }
+    }
+
+    /// Reorders the codes inside every 32-bit word of packed code bytes (a multiple of 16).
+    pub fn encode_codes(order: CodeOrder, packed: &mut [u8]) {
+        map_words(order, packed, encode_word);
+    }
+
+    /// The inverse of [`encode_codes`].
+    pub fn decode_codes(order: CodeOrder, packed: &mut [u8]) {
+        map_words(order, packed, decode_word);
+    }
+
     /// The inverse of [`pack`]: `(w, w3)` row-major (`w3` empty for a plain layout).
     pub fn unpack(
         layout: &Layout,
@@ -229,8 +345,9 @@ pub struct GemvWeight {
     codes: DeviceTensor<u8>,
     /// NVFP4/MXFP4 packed scales.
     scales: Option<DeviceTensor<u8>>,
-    /// FP8 block scales of W (W1) and, for gate+up, W3.
-    fp8: Option<(Fp8Scale, Option<Fp8Scale>)>,
+    /// FP8 scales of W (W1) and, for gate+up, W3: f32, one per 64 columns
+    /// (`[ceil(n / block.0), ceil(k / 64)]`).
+    fp8: Option<(DeviceTensor<f32>, Option<DeviceTensor<f32>>)>,
     /// Epilogue multipliers of W (W1) and W3 rows.
     post: (f32, f32),
     /// Checkpoint bytes: codes and scales, unpadded.
@@ -360,6 +477,8 @@ fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuErro
     })
 }
 
+/// FP8 block scales as f32, repeated to one per 64 columns (the span of one lane quad in the
+/// kernel), so the kernel indexes them without a division and never decodes e8m0.
 fn upload_fp8_scale(
     dev: &Device,
     raw: &[u8],
@@ -367,18 +486,12 @@ fn upload_fp8_scale(
     n: usize,
     k: usize,
     block: (usize, usize),
-) -> Result<Fp8Scale, GpuError> {
-    let shape = [n.div_ceil(block.0), k.div_ceil(block.1)];
-    Ok(match sf {
-        ScaleFormat::E8m0 => Fp8Scale::E8m0(dev.upload(DType::E8M0, &shape, raw)?),
-        ScaleFormat::F32 => {
-            let v: Vec<f32> = raw
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            Fp8Scale::F32(dev.upload(DType::F32, &shape, &v)?)
-        }
-    })
+) -> Result<DeviceTensor<f32>, GpuError> {
+    let (rows, cols, groups) = (n.div_ceil(block.0), k.div_ceil(block.1), k.div_ceil(64));
+    let v: Vec<f32> = (0..rows * groups)
+        .map(|i| sf.get(raw, (i / groups) * cols + (i % groups) * 64 / block.1))
+        .collect();
+    dev.upload(DType::F32, &[rows, groups], &v)
 }
 
 impl GemvWeight {
@@ -399,7 +512,8 @@ impl GemvWeight {
             chunks: k / p.format.chunk_elems(),
             gate_up: false,
         };
-        let codes = pack::pack(&layout, 16, &p.codes, &[])?;
+        let mut codes = pack::pack(&layout, 16, &p.codes, &[])?;
+        pack::encode_codes(p.format.code_order(), &mut codes);
         let scales = match p.scales {
             Some((s, unit)) => Some(dev.upload(
                 DType::U8,
@@ -448,7 +562,8 @@ impl GemvWeight {
             chunks: k / p1.format.chunk_elems(),
             gate_up: true,
         };
-        let codes = pack::pack(&layout, 16, &p1.codes, &p3.codes)?;
+        let mut codes = pack::pack(&layout, 16, &p1.codes, &p3.codes)?;
+        pack::encode_codes(p1.format.code_order(), &mut codes);
         let scales = match (p1.scales, p3.scales) {
             (Some((s1, unit)), Some((s3, _))) => Some(dev.upload(
                 DType::U8,
@@ -591,10 +706,9 @@ struct GemvArgs {
     post1: f32,
     limit: f32,
     fp8_br: u32,
-    fp8_bc: u32,
-    fp8_f32: u32,
-    tpb: u32,
-    wpt: u32,
+    tiles: u32,
+    pad0: u32,
+    pad1: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -609,49 +723,74 @@ pub(crate) fn sm_count(dev: &Device) -> Result<usize, GpuError> {
     Ok(n.max(1) as usize)
 }
 
-/// How a launch spreads `tiles` tiles of `steps` K steps over the GPU.
+/// How a GEMV launch spreads `tiles` tiles of `steps` K steps over the GPU: each tile's steps
+/// are split into `splits` contiguous ranges, one warp each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Plan {
-    /// Tiles per block.
-    pub tpb: usize,
-    /// Warps per tile (splitting its K steps, reduced in shared memory).
-    pub wpt: usize,
-    /// K splits across blocks (reduced through the workspace).
     pub splits: usize,
 }
 
-impl Plan {
-    pub(crate) fn threads(&self) -> u32 {
-        (self.tpb * self.wpt * 32) as u32
+/// About `warps_per_sm` warps per multiprocessor: tiles alone when there are enough, else K
+/// splits of about equal length (at least one step each) within the workspace's capacity.
+pub(crate) fn plan(tiles: usize, steps: usize, sms: usize, warps_per_sm: usize) -> Plan {
+    let target = warps_per_sm * sms;
+    if 2 * tiles > target || tiles > GemvWorkspace::COUNTERS {
+        return Plan { splits: 1 };
+    }
+    let want = (target / tiles)
+        .min(steps.max(1))
+        .min(GemvWorkspace::PARTIALS / tiles)
+        .max(1);
+    // Equal ranges: the fewest splits with the same longest range.
+    let per = steps.max(1).div_ceil(want);
+    Plan {
+        splits: steps.max(1).div_ceil(per),
     }
 }
 
-/// Enough warps to fill every multiprocessor once. With tiles to spare, one warp per tile
-/// streams the whole tile (no reduction). Otherwise up to 8 warps share a tile through the
-/// block's shared memory. Only a few long rows also split K across blocks (the workspace
-/// reduction costs a few L2 round trips, so each warp keeps at least 4 steps).
-/// `splittable` is false where no workspace exists (the MoE kernels).
-pub(crate) fn plan(tiles: usize, steps: usize, sms: usize, splittable: bool) -> Plan {
-    let resident = RESIDENT_WARPS_PER_SM * sms;
-    if 2 * tiles >= resident {
-        return Plan {
-            tpb: 4,
-            wpt: 1,
-            splits: 1,
-        };
-    }
-    let wpt = (resident / tiles)
-        .clamp(1, MAX_WARPS_PER_TILE)
-        .min(steps.max(1));
-    let tpb = (4 / wpt).max(1);
-    let mut splits = 1;
-    if splittable && tiles <= GemvWorkspace::COUNTERS && 4 * tiles * wpt < resident {
-        splits = (resident / (tiles * wpt))
-            .min(steps / (4 * wpt))
-            .min(GemvWorkspace::PARTIALS / tiles)
-            .max(1);
-    }
-    Plan { tpb, wpt, splits }
+/// Launches `kernel` on the device stream with programmatic stream serialization (unless
+/// turned off in [`tuning`]): it may start before the previous kernel in the stream ends, and
+/// waits for it in-kernel (`griddepcontrol.wait`) before touching its outputs.
+///
+/// # Safety
+/// `args` must be the `#[repr(C)]` mirror of the kernel's single by-value argument, and every
+/// address in it valid for what the kernel reads and writes with that grid.
+pub(crate) unsafe fn launch_pdl<A: DeviceRepr>(
+    dev: &Device,
+    kernel: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    args: &A,
+) -> Result<(), GpuError> {
+    let f = dev.function(kernel)?;
+    let stream = dev.stream();
+    let err = |e| GpuError::Driver {
+        what: format!("launching {kernel}"),
+        source: e,
+    };
+    stream.context().bind_to_thread().map_err(err)?;
+    // SAFETY: a zeroed attribute is a valid C union; the id selects the field set below.
+    let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = cu::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: u32::from(tuning::programmatic_launch()),
+    };
+    let mut params = [args as *const A as *mut std::ffi::c_void];
+    // SAFETY: the caller vouches for the kernel and its argument; cfg and attr outlive the
+    // call.
+    unsafe { cu::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+        .result()
+        .map_err(err)
 }
 
 fn check_x(x: &DeviceTensor<bf16>, k: usize) -> Result<usize, GpuError> {
@@ -689,13 +828,16 @@ fn launch(
         gate_up: w.gate_up,
     };
     let tiles = layout.tiles();
-    let p = plan(tiles, layout.steps(), sm_count(dev)?, true);
-    let (br, bc, f32_scales) = match w.format {
-        GemvFormat::Fp8 { scale, block } => (block.0, block.1, scale == ScaleFormat::F32),
-        _ => (1, 1, false),
+    let p = plan(tiles, layout.steps(), sm_count(dev)?, tuning::warps_per_sm());
+    let br = match w.format {
+        GemvFormat::Fp8 { block, .. } => block.0,
+        _ => 1,
     };
     let (fs0, fs1) = match &w.fp8 {
-        Some((s0, s1)) => (s0.address(), s1.as_ref().unwrap_or(s0).address()),
+        Some((s0, s1)) => (
+            s0.device_address(),
+            s1.as_ref().unwrap_or(s0).device_address(),
+        ),
         None => (0, 0),
     };
     let args = GemvArgs {
@@ -715,31 +857,15 @@ fn launch(
         post1: w.post.1,
         limit,
         fp8_br: br as u32,
-        fp8_bc: bc as u32,
-        fp8_f32: f32_scales as u32,
-        tpb: p.tpb as u32,
-        wpt: p.wpt as u32,
+        tiles: dim_u32("gemv tiles", tiles)?,
+        pad0: 0,
+        pad1: 0,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (
-            dim_u32("gemv tiles", tiles.div_ceil(p.tpb))?,
-            p.splits as u32,
-            1,
-        ),
-        block_dim: (p.threads(), 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let f = dev.function(kernel)?;
-    // SAFETY: the launchers checked x and y against the weight's (n, k); the weight's tensors
-    // hold whole packed tiles; the kernel uses at most splits * tiles workspace partials and
-    // tiles counters (plan bounds both).
-    unsafe { dev.stream().launch_builder(f).arg(&args).launch(cfg) }.map_err(|e| {
-        GpuError::Driver {
-            what: format!("launching {kernel}"),
-            source: e,
-        }
-    })?;
-    Ok(())
+    let blocks = dim_u32("gemv blocks", (tiles * p.splits).div_ceil(GEMV_WARPS))?;
+    // SAFETY: GemvArgs mirrors the kernels' argument; the weight's tensors hold whole packed
+    // tiles; x and y were checked against (n, k); the kernel uses at most splits * tiles
+    // workspace partials and tiles counters (plan bounds both).
+    unsafe { launch_pdl(dev, kernel, (blocks, 1, 1), (GEMV_WARPS * 32) as u32, &args) }
 }
 
 fn kernel_name(prefix: &str, format: GemvFormat, m: usize) -> String {
@@ -892,32 +1018,92 @@ mod tests {
 
     #[test]
     fn plans_fill_the_gpu_within_bounds() {
-        let one = |tpb, wpt, splits| Plan { tpb, wpt, splits };
-        // lm_head, wq_b: a warp per tile.
-        assert_eq!(plan(8080, 32, 132, true), one(4, 1, 1));
-        assert_eq!(plan(2048, 4, 132, true), one(4, 1, 1));
-        // Flash wo_b [4096, 8192] fp8: 256 tiles of 32 steps -> 8 warps a tile.
-        assert_eq!(plan(256, 32, 132, true), one(1, 8, 1));
-        // wkv [512, 4096] fp8: 32 tiles of 16 steps -> 8 warps, no split.
-        assert_eq!(plan(32, 16, 132, true), one(1, 8, 1));
-        // Expert w2 [4096, 2048] nvfp4: 4 steps -> 4 warps.
-        assert_eq!(plan(256, 4, 132, true), one(1, 4, 1));
-        // A router-like [32, 16384] bf16: 2 tiles of 128 steps -> 8 warps and 4 splits.
-        assert_eq!(plan(2, 128, 132, true), one(1, 8, 4));
-        // Without a workspace, never split; short rows make small blocks of several tiles.
-        assert_eq!(plan(2, 128, 132, false), one(1, 8, 1));
-        assert_eq!(plan(600, 2, 132, true), one(2, 2, 1));
+        let one = |splits| Plan { splits };
+        // lm_head, wq_b: enough tiles, no split.
+        assert_eq!(plan(8080, 32, 132, 16), one(1));
+        assert_eq!(plan(2048, 4, 132, 16), one(1));
+        // Flash wo_b [4096, 8192] fp8: 256 tiles of 32 steps -> 8 ranges of 4 steps.
+        assert_eq!(plan(256, 32, 132, 16), one(8));
+        // wkv [512, 4096] fp8: 32 tiles of 16 steps -> a step per warp.
+        assert_eq!(plan(32, 16, 132, 16), one(16));
+        // Pro expert w1+w3: 384 tiles of 14 steps -> 5 ranges of 3 steps (the last 2).
+        assert_eq!(plan(384, 14, 132, 16), one(5));
+        // A router-like [32, 16384] bf16: 2 tiles of 128 steps -> 128 ranges of one step.
+        assert_eq!(plan(2, 128, 132, 16), one(128));
         for tiles in 1..3000 {
             for steps in [1, 5, 64, 4096] {
-                let p = plan(tiles, steps, 132, true);
-                assert!(p.threads() <= 256 && p.wpt <= MAX_WARPS_PER_TILE && p.splits >= 1);
-                assert!(
-                    p.splits == 1
-                        || (tiles * p.splits <= GemvWorkspace::PARTIALS
-                            && tiles <= GemvWorkspace::COUNTERS)
-                );
-                assert!(p.splits * p.wpt <= steps.max(p.wpt));
+                for wps in [4, 16, 24] {
+                    let p = plan(tiles, steps, 132, wps);
+                    assert!(p.splits >= 1 && p.splits <= steps);
+                    assert!(
+                        p.splits == 1
+                            || (tiles * p.splits <= GemvWorkspace::PARTIALS
+                                && tiles <= GemvWorkspace::COUNTERS)
+                    );
+                    // Splits only to reach the target, never past it.
+                    assert!(p.splits == 1 || tiles * p.splits <= wps * 132);
+                }
             }
+        }
+    }
+
+    /// The kernel's word-to-pairs expansion (gemv_tile.cu `fp4x8_to_bf16`, `fp8x4_to_bf16`),
+    /// emulated on encoded words.
+    fn fp4_pairs(w: u32) -> [u32; 4] {
+        const M: u32 = 0x81c0_81c0;
+        [
+            w.rotate_right(2) & M,
+            w.rotate_right(6) & M,
+            w.rotate_right(12) & M,
+            (w & 0x80c0_80c0) | (w.rotate_right(8) & 0x0100_0100),
+        ]
+    }
+
+    fn fp8_pairs(q: u32) -> [u32; 2] {
+        [
+            ((q << 8) & 0x8000_8000) | ((q << 4) & 0x07f0_07f0),
+            (q & 0x8000_8000) | ((q >> 4) & 0x07f0_07f0),
+        ]
+    }
+
+    #[test]
+    fn encoded_codes_expand_to_pairs_of_consecutive_elements() {
+        let mut bits = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            bits ^= bits << 13;
+            bits ^= bits >> 7;
+            bits ^= bits << 17;
+            bits as u32
+        };
+        for _ in 0..2000 {
+            let w = next();
+            // e2m1 code c as bf16 bits worth e2m1 * 2^-126: sign at 15, magnitude at 8..6.
+            let fp4 = |c: u32| ((c & 8) << 12) | ((c & 7) << 6);
+            let mut v = w.to_le_bytes().to_vec();
+            pack::encode_codes(pack::CodeOrder::Fp4, &mut v);
+            let enc = u32::from_le_bytes([v[0], v[1], v[2], v[3]]);
+            for (k, p) in fp4_pairs(enc).into_iter().enumerate() {
+                let (lo, hi) = ((w >> (8 * k)) & 0xf, (w >> (8 * k + 4)) & 0xf);
+                assert_eq!(p, fp4(lo) | (fp4(hi) << 16), "fp4 word {w:#x} pair {k}");
+            }
+            pack::decode_codes(pack::CodeOrder::Fp4, &mut v);
+            assert_eq!(v, w.to_le_bytes());
+            // e4m3 byte b as bf16 bits worth e4m3 * 2^-120: sign at 15, the rest at 10..4.
+            let fp8 = |b: u32| ((b & 0x80) << 8) | ((b & 0x7f) << 4);
+            let mut v = w.to_le_bytes().to_vec();
+            pack::encode_codes(pack::CodeOrder::Fp8, &mut v);
+            let enc = u32::from_le_bytes([v[0], v[1], v[2], v[3]]);
+            for (k, p) in fp8_pairs(enc).into_iter().enumerate() {
+                let (lo, hi) = ((w >> (16 * k)) & 0xff, (w >> (16 * k + 8)) & 0xff);
+                assert_eq!(p, fp8(lo) | (fp8(hi) << 16), "fp8 word {w:#x} pair {k}");
+            }
+            pack::decode_codes(pack::CodeOrder::Fp8, &mut v);
+            assert_eq!(v, w.to_le_bytes());
+        }
+        // Every packed FP4 bit has exactly one source.
+        let mut seen = std::collections::HashSet::new();
+        for b in 0..32 {
+            assert!(seen.insert(pack::fp4_source_bit(b)));
         }
     }
 

@@ -10,11 +10,11 @@
 //!
 //! Expert ids outside `[0, experts)` select nothing. CPU reference: [`mod@reference`].
 
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::DeviceRepr;
 use half::bf16;
 
-use super::gemv::pack::{pack, Layout};
-use super::gemv::{check_mxfp4_scales, plan, sm_count};
+use super::gemv::pack::{encode_codes, pack, CodeOrder, Layout};
+use super::gemv::{check_mxfp4_scales, launch_pdl, sm_count};
 use super::launch::dim_u32;
 use super::{DType, Device, DeviceTensor, GpuError};
 use crate::codecs::mxfp4::Mxfp4Quantized;
@@ -28,7 +28,12 @@ pub const MAX_PAIRS: usize = 256;
 /// shared-memory partials (32 steps of 512 FP4 values).
 pub const MAX_INTER: usize = 16384;
 
-const DOWN_WARPS: u32 = 8;
+/// Warps of a gate+up block (one 8-row tile each).
+const UP_WARPS: usize = 4;
+/// Warps a down-projection block (one 16-row output tile) may use, and the warps per
+/// multiprocessor its grid aims for.
+const DOWN_WARPS: [usize; 2] = [8, 4];
+const DOWN_WARPS_PER_SM: usize = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoeFormat {
@@ -211,7 +216,7 @@ impl MoeExperts {
                     check_mxfp4_scales(&ctx("scales"), sc)?;
                 }
             }
-            let packed = [
+            let mut packed = [
                 pack(&up, 16, c1, c3).map_err(|err| invalid(&ctx("w1/w3"), err.to_string()))?,
                 pack(&up, unit, s1, s3)
                     .map_err(|err| invalid(&ctx("w1/w3 scales"), err.to_string()))?,
@@ -219,6 +224,8 @@ impl MoeExperts {
                 pack(&down, unit, s2, &[])
                     .map_err(|err| invalid(&ctx("w2 scales"), err.to_string()))?,
             ];
+            encode_codes(CodeOrder::Fp4, &mut packed[0]);
+            encode_codes(CodeOrder::Fp4, &mut packed[2]);
             for (dst, src) in stacked.iter_mut().zip(packed) {
                 dst.extend_from_slice(&src);
             }
@@ -258,7 +265,8 @@ impl MoeExperts {
     }
 
     /// Experts from already packed, stacked device tensors (U8 `[E, bytes]`, as
-    /// [`Self::upload`] makes them with [`layouts`]): `w13` and `s13` for gate+up, `w2` and
+    /// [`Self::upload`] makes them with [`layouts`] and [`CodeOrder::Fp4`] codes): `w13` and
+    /// `s13` for gate+up, `w2` and
     /// `s2` for down, and for NVFP4 the global scales `[w1, w3, w2]`, each F32 `[E]`. MXFP4
     /// scale bytes are not read back here; bytes above [`super::gemv::MXFP4_MAX_SCALE_BYTE`]
     /// give non-finite outputs.
@@ -363,8 +371,8 @@ struct MoeArgs {
     d: u32,
     inter: u32,
     limit: f32,
-    tpb: u32,
-    wpt: u32,
+    pad0: u32,
+    pad1: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -425,14 +433,6 @@ pub fn moe_decode(
             .as_ref()
             .map_or(0, |g| g[i].device_address())
     };
-    // Gate+up tiles of 8 intermediate rows, one set per (token, slot) pair.
-    let up_tiles = experts.inter.div_ceil(8);
-    let up = plan(
-        up_tiles * m * topk,
-        (d / 32).div_ceil(16),
-        sm_count(dev)?,
-        false,
-    );
     let args = MoeArgs {
         x: x.device_address(),
         ids: ids.device_address(),
@@ -452,47 +452,42 @@ pub fn moe_decode(
         d: d as u32,
         inter: experts.inter as u32,
         limit,
-        tpb: up.tpb as u32,
-        wpt: up.wpt as u32,
+        pad0: 0,
+        pad1: 0,
     };
     let mt = if m <= 8 { "m8" } else { "m16" };
     let fmt = experts.format.name();
-    let gate_up = format!("moe_gate_up_{fmt}_{mt}");
-    let down = format!("moe_down_{fmt}_{mt}{}", if out_f32 { "_f32" } else { "" });
-    let launches = [
-        (
-            gate_up,
-            LaunchConfig {
-                grid_dim: (
-                    dim_u32("moe tiles", up_tiles.div_ceil(up.tpb))?,
-                    (m * topk) as u32,
-                    1,
-                ),
-                block_dim: (up.threads(), 1, 1),
-                shared_mem_bytes: 0,
-            },
-        ),
-        (
-            down,
-            LaunchConfig {
-                grid_dim: (dim_u32("moe tiles", d.div_ceil(16))?, 1, 1),
-                block_dim: (DOWN_WARPS * 32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        ),
-    ];
-    for (kernel, cfg) in launches {
-        let f = dev.function(&kernel)?;
-        // SAFETY: every tensor was checked against (E, D, I, M, top_k) above; the kernels
-        // bound-check expert ids and read/write only inside those shapes.
-        unsafe { dev.stream().launch_builder(f).arg(&args).launch(cfg) }.map_err(|e| {
-            GpuError::Driver {
-                what: format!("launching {kernel}"),
-                source: e,
-            }
-        })?;
+    // Gate+up: 8-row tiles of the intermediate, one set per (token, slot) pair (duplicates of
+    // an expert exit at once).
+    let up_blocks = dim_u32("moe tiles", experts.inter.div_ceil(8).div_ceil(UP_WARPS))?;
+    // SAFETY (both launches): MoeArgs mirrors the kernels' argument; every tensor was checked
+    // against (E, D, I, M, top_k) above; the kernels bound-check expert ids and read/write
+    // only inside those shapes.
+    unsafe {
+        launch_pdl(
+            dev,
+            &format!("moe_gate_up_{fmt}_{mt}"),
+            (up_blocks, (m * topk) as u32, 1),
+            (UP_WARPS * 32) as u32,
+            &args,
+        )
+    }?;
+    // Down: one block per 16-row output tile; 8 warps while that stays near the target.
+    let tiles = d.div_ceil(16);
+    let sms = sm_count(dev)?;
+    let warps = DOWN_WARPS
+        .into_iter()
+        .find(|w| tiles * w <= DOWN_WARPS_PER_SM * sms)
+        .unwrap_or(DOWN_WARPS[1]);
+    unsafe {
+        launch_pdl(
+            dev,
+            &format!("moe_down_{fmt}_{mt}{}", if out_f32 { "_f32" } else { "" }),
+            (dim_u32("moe tiles", tiles)?, 1, 1),
+            (warps * 32) as u32,
+            &args,
+        )
     }
-    Ok(())
 }
 
 /// f64 CPU reference on [`crate::codecs`] dequantization.
