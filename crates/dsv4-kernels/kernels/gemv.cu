@@ -19,11 +19,12 @@
 // e4m3 * 2^-120 and are renormalised by 2^104; their block scale is applied in f32 per chunk.
 //
 // Work split: a tile is 16 output rows (8 gate + 8 up rows for SwiGLU); its K steps are split
-// into `splits` contiguous ranges, and each (tile, range) item is one warp of a 4-warp block.
-// Warps never wait for each other: with one range a warp writes its rows; otherwise every
-// warp stores its partial in the workspace and the last one to arrive (per-tile counter) sums
-// them in range order and writes the rows. Every reduction has a fixed order, so results
-// never depend on timing.
+// into `splits` contiguous ranges, one warp each. A 4-warp block holds G consecutive ranges
+// of 4 / G tiles (G = 4, 2 or 1, the largest that divides splits); the G warps of a tile are
+// summed in shared memory (in warp order, once, at the end), and when splits > G the tile's
+// partial sums go through the workspace: the last one to arrive (per-tile counter) adds them
+// in order and writes the rows. Every reduction has a fixed order, so results never depend
+// on timing.
 #include "gemv_tile.cu"
 
 // Kernel arguments (layout mirrored by `GemvArgs` in dsv4_ops::gpu::gemv).
@@ -44,24 +45,26 @@ struct GemvArgs {
     u32 pad0, pad1;
 };
 
-constexpr u32 GEMV_WARPS = 4;
-
 template <int F, int MT, bool SWIGLU>
 __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     using namespace gemv;
     constexpr u32 TR = SWIGLU ? 8 : 16;   // output rows per tile
     constexpr u32 HO = SWIGLU ? 0 : 8;    // row offset of the hi half
-    const u32 lane = threadIdx.x & 31u;
-    const u32 item = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (item >= a.tiles * a.splits) return;
-    const u32 tile = item / a.splits, split = item % a.splits;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 G = a.splits % 4 == 0 ? 4 : a.splits % 2 == 0 ? 2 : 1, bpt = a.splits / G;
+    const u32 tile = (blockIdx.x / bpt) * (GEMV_WARPS / G) + warp / G;
+    const u32 split = (blockIdx.x % bpt) * G + warp % G;
+    // Warps past the last tile only take part in the block's reduction.
+    const bool live = tile < a.tiles;
+    if (!live && G == 1) return;
+    const u32 t = live ? tile : 0;
     const u32 g = lane >> 2, q = lane & 3u;
-    const u32 r_lo = tile * TR + g, r_hi = tile * TR + HO + g;
+    const u32 r_lo = t * TR + g, r_hi = t * TR + HO + g;
     const u32 chunks = a.k / Format<F>::ELEMS;
 
     Lane L;
-    lane_init<F>(L, a.w + (u64)tile * tile_bytes(chunks),
-                 (F == NVFP4 || F == MXFP4) ? a.s + (u64)tile * tile_scale_bytes<F>(chunks) : nullptr, chunks,
+    lane_init<F>(L, a.w + (u64)t * tile_bytes(chunks),
+                 (F == NVFP4 || F == MXFP4) ? a.s + (u64)t * tile_scale_bytes<F>(chunks) : nullptr, chunks,
                  a.x + (u64)min(g, a.m - 1) * a.k, a.x + (u64)min(g + 8, a.m - 1) * a.k, lane);
     if (F == FP8) {
         // Scales expanded at upload to one per 64 columns; rows past N read the last row's
@@ -71,11 +74,11 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
         L.fs_hi = a.fs1 + (u64)(min(r_hi, a.n - 1) / a.fp8_br) * groups;
     }
 
-    const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+    const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
     const u32 s_begin = (u32)((u64)steps * split / a.splits);
     const u32 s_end = (u32)((u64)steps * (split + 1) / a.splits);
     Ring ring;
-    ring_load<F>(L, s_begin, ring);
+    if (s_begin < s_end) ring_load<F>(L, s_begin, ring);
     pdl_wait();
     pdl_launch_dependents();
 
@@ -85,7 +88,9 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
     run_steps<F, MT>(L, s_begin, s_end, ring, acc);
-    if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, split, a.splits, a.m)) return;
+    if (G > 1 && !reduce_warps<MT>(acc, G)) return;
+    if (!live) return;
+    if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, blockIdx.x % bpt, bpt, a.m)) return;
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -105,20 +110,21 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
         }
 }
 
-// M <= 8 uses one MMA column block (m8), 9 <= M <= 16 two (m16).
-DSV4_KERNEL void gemv_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, false>(a); }
+// M <= 8 uses one MMA column block (m8), 9 <= M <= 16 two (m16). The m8 kernels are held to
+// M8_BLOCKS resident blocks per multiprocessor (24 warps on sm_90).
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, false>(a); }
 DSV4_KERNEL void gemv_bf16_m16(const GemvArgs a) { gemv_kernel<gemv::BF16, 2, false>(a); }
-DSV4_KERNEL void gemv_swiglu_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_bf16_m16(const GemvArgs a) { gemv_kernel<gemv::BF16, 2, true>(a); }
-DSV4_KERNEL void gemv_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, false>(a); }
 DSV4_KERNEL void gemv_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, false>(a); }
-DSV4_KERNEL void gemv_swiglu_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, true>(a); }
-DSV4_KERNEL void gemv_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, false>(a); }
 DSV4_KERNEL void gemv_nvfp4_m16(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 2, false>(a); }
-DSV4_KERNEL void gemv_swiglu_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_nvfp4_m16(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 2, true>(a); }
-DSV4_KERNEL void gemv_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, false>(a); }
 DSV4_KERNEL void gemv_mxfp4_m16(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 2, false>(a); }
-DSV4_KERNEL void gemv_swiglu_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_mxfp4_m16(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 2, true>(a); }

@@ -99,10 +99,10 @@ __device__ __forceinline__ u32 mxfp4_scale_bf16x2(u32 e) {
 
 // ---- programmatic dependent launch ----
 //
-// Launchers set the programmatic-serialization attribute, so a kernel may start while its
-// predecessor in the stream still runs. Weights and their scales are constant, so they are
-// loaded before `pdl_wait`; activations, routing tables and every output only after it. Each
-// kernel lets its successor launch once its own wait has returned, so at most two are resident.
+// The GEMV launcher sets the programmatic-serialization attribute, so a GEMV may start while
+// its predecessor in the stream still runs. Weights and their scales are constant, so they are
+// loaded before `pdl_wait`; activations, the workspace and every output only after it. Each
+// GEMV lets its successor launch once its own wait has returned, so at most two are resident.
 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
@@ -319,9 +319,39 @@ __device__ __forceinline__ void run_steps(const Lane& L, u32 first, u32 end, Rin
     for (u32 s = first; s < end; ++s) ring_step<F, MT>(L, s, L, s + 1 < end ? s + 1 : NO_STEP, ring, acc);
 }
 
-// Cross-warp split-K: every split stores its tile partial; the last warp to arrive sums all
-// splits in order. Only lanes holding real columns (m of the MMA columns) store and load.
-// Returns true in the warp that must write the output.
+// Warps of a GEMV or gate+up block (the MoE down kernel takes its own count).
+constexpr u32 GEMV_WARPS = 4;
+
+// Resident 4-warp blocks per multiprocessor the M <= 8 kernels are held to (register cap):
+// 80 registers on sm_90; sm_100 code needs a few more and keeps five.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define M8_BLOCKS 5
+#else
+#define M8_BLOCKS 6
+#endif
+
+// Sums acc over the G consecutive warps of a block that share a tile (in warp order) into the
+// first of them. Every thread of the block must call it. Returns true in each tile's first warp.
+template <int MT>
+__device__ __forceinline__ bool reduce_warps(float (&acc)[MT][4], u32 G) {
+    __shared__ float4 red[GEMV_WARPS][MT][32];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) red[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    __syncthreads();
+    if (warp % G != 0) return false;
+    for (u32 w = 1; w < G; ++w)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float4 v = red[warp + w][mt][lane];
+            acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+        }
+    return true;
+}
+
+// Cross-block split-K: every split stores its tile partial; the last one to arrive sums all
+// splits in order. Called by one warp per split. Only lanes holding real columns (m of the MMA
+// columns) store and load. Returns true in the warp that must write the output.
 template <int MT>
 __device__ __forceinline__ bool reduce_splits(float (&acc)[MT][4], float* ws, u32* counters, u32 tile,
                                               u32 split, u32 splits, u32 m) {

@@ -1,8 +1,9 @@
 // Grouped routed-expert MoE for decode, in two launches and without a host round trip:
 //
-//   moe_gate_up_*: one warp per (8-row tile of the intermediate, selected (token, slot) pair),
-//     four tiles a block. The first pair that selected an expert does the work for every token
-//     that selected it (later duplicates exit), so each selected expert's w1/w3 are read once.
+//   moe_gate_up_*: `up_wpt` warps per (8-row tile of the intermediate, selected (token, slot)
+//     pair), each a fixed part of K (summed in shared memory in warp order), four warps a
+//     block. The first pair that selected an expert does the work for every token that
+//     selected it (later duplicates exit), so each selected expert's w1/w3 are read once.
 //     Fused gate+up with the clamped SwiGLU epilogue into h[m, topk, inter] (bf16).
 //   moe_down_*: one block per 16-row tile of the output. Every block walks the distinct
 //     selected experts in ascending id order, a group at a time: its warps take the group's
@@ -12,11 +13,9 @@
 //     experts, independent of timing and of the other tokens' choices, with no atomics. At
 //     decode sizes all selected experts form one group: one barrier per block.
 //
-// Both kernels stream weights with the ring of gemv_tile.cu. The routing table is written by
-// the router, which completed before gate_up's pdl_wait returned; gate_up lets down launch
-// only after that wait, so down reads the table and prefetches its first w2 step before its
-// own wait (which covers h). Expert ids outside [0, experts) select nothing. NVFP4 or MXFP4
-// weights stacked over experts.
+// The K split of both kernels depends only on the shapes, never on the routing, so a token's
+// output is the same alone and in a batch. Both stream weights with the ring of gemv_tile.cu.
+// Expert ids outside [0, experts) select nothing. NVFP4 or MXFP4 weights stacked over experts.
 #include "gemv_tile.cu"
 
 // Kernel arguments (layout mirrored by `MoeArgs` in dsv4_ops::gpu::moe).
@@ -35,7 +34,8 @@ struct MoeArgs {
     void* out;             // [m, d] bf16 or f32
     u32 m, topk, experts, d, inter;
     float limit;
-    u32 pad0, pad1;
+    u32 up_wpt;            // gate_up: warps per tile (1, 2 or 4)
+    u32 pad;
 };
 
 namespace moe {
@@ -58,39 +58,40 @@ __device__ __forceinline__ float post_scale(const float* g, int e) {
     return F == gemv::NVFP4 ? __fmul_rn(__ldg(g + e), 65536.0f) : 65536.0f;
 }
 
-constexpr u32 UP_WARPS = 4;
-
 template <int F, int MT>
 __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     using namespace gemv;
-    pdl_wait();
-    pdl_launch_dependents();
     const u32 pair = blockIdx.y;
     const int e = a.ids[pair];
     if (!valid_expert(e, a.experts)) return;
     for (u32 p = 0; p < pair; ++p)
         if (a.ids[p] == e) return;
 
-    const u32 lane = threadIdx.x & 31u;
-    const u32 tile = blockIdx.x * UP_WARPS + (threadIdx.x >> 5);
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, G = a.up_wpt;
+    const u32 tile = blockIdx.x * (GEMV_WARPS / G) + warp / G, kpart = warp % G;
     const u32 chunks = a.d / 32u, tiles = (a.inter + 7) / 8;
-    if (tile >= tiles) return;
+    // Warps past the last tile only take part in the block's reduction.
+    const bool live = tile < tiles;
+    if (!live && G == 1) return;
     const u32 g = lane >> 2, q = lane & 3u;
     const u32 r = tile * 8 + g;
-    const u64 t = (u64)e * tiles + tile;
+    const u64 t = (u64)e * tiles + (live ? tile : 0);
     // Rows of tokens that did not choose e are computed and dropped.
     Lane L;
     lane_init<F>(L, a.w13 + t * tile_bytes(chunks), a.s13 + t * tile_scale_bytes<F>(chunks), chunks,
                  a.x + (u64)min(g, a.m - 1) * a.d, a.x + (u64)min(g + 8, a.m - 1) * a.d, lane);
+    const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
+    const u32 s_begin = steps * kpart / G, s_end = steps * (kpart + 1) / G;
     Ring ring;
-    ring_load<F>(L, 0, ring);
+    if (s_begin < s_end) ring_load<F>(L, s_begin, ring);
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
-    run_steps<F, MT>(L, 0, (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS, ring, acc);
-    if (r >= a.inter) return;
+    run_steps<F, MT>(L, s_begin, s_end, ring, acc);
+    if (G > 1 && !reduce_warps<MT>(acc, G)) return;
+    if (!live || r >= a.inter) return;
 
     const float p1 = post_scale<F>(a.g1, e), p3 = post_scale<F>(a.g3, e);
 #pragma unroll
@@ -172,10 +173,6 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             item_lane(g0, warp, lc);
             ring_load<F>(lc, warp % steps, ring);
         }
-        if (g0 == 0) {
-            pdl_wait();
-            pdl_launch_dependents();
-        }
         // Each item's loads are issued while the previous item is computed (the ring).
 #pragma unroll 1
         for (u32 it = warp; it < items; it += nw) {
@@ -223,10 +220,6 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
         }
         __syncthreads();
     }
-    if (distinct == 0) {
-        pdl_wait();
-        pdl_launch_dependents();
-    }
     if (warp != 0) return;
 
 #pragma unroll
@@ -249,15 +242,15 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
 
 }  // namespace moe
 
-DSV4_KERNEL void moe_gate_up_nvfp4_m8(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 1>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) moe_gate_up_nvfp4_m8(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 1>(a); }
 DSV4_KERNEL void moe_gate_up_nvfp4_m16(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 2>(a); }
-DSV4_KERNEL void moe_gate_up_mxfp4_m8(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 1>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) moe_gate_up_mxfp4_m8(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 1>(a); }
 DSV4_KERNEL void moe_gate_up_mxfp4_m16(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 2>(a); }
-DSV4_KERNEL void moe_down_nvfp4_m8(const MoeArgs a) { moe::down<gemv::NVFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_BLOCKS / 2) moe_down_nvfp4_m8(const MoeArgs a) { moe::down<gemv::NVFP4, 1, false>(a); }
 DSV4_KERNEL void moe_down_nvfp4_m16(const MoeArgs a) { moe::down<gemv::NVFP4, 2, false>(a); }
-DSV4_KERNEL void moe_down_mxfp4_m8(const MoeArgs a) { moe::down<gemv::MXFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_BLOCKS / 2) moe_down_mxfp4_m8(const MoeArgs a) { moe::down<gemv::MXFP4, 1, false>(a); }
 DSV4_KERNEL void moe_down_mxfp4_m16(const MoeArgs a) { moe::down<gemv::MXFP4, 2, false>(a); }
-DSV4_KERNEL void moe_down_nvfp4_m8_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_BLOCKS / 2) moe_down_nvfp4_m8_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 1, true>(a); }
 DSV4_KERNEL void moe_down_nvfp4_m16_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 2, true>(a); }
-DSV4_KERNEL void moe_down_mxfp4_m8_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_BLOCKS / 2) moe_down_mxfp4_m8_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 1, true>(a); }
 DSV4_KERNEL void moe_down_mxfp4_m16_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 2, true>(a); }

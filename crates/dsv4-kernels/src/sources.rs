@@ -95,12 +95,16 @@ pub fn family(name: &str) -> Option<&'static KernelFamily> {
     FAMILIES.iter().find(|f| f.name == name)
 }
 
-/// Names declared as `DSV4_KERNEL void <name>(` in a source.
+/// Names declared as `DSV4_KERNEL void [__launch_bounds__(..)] <name>(` in a source.
 #[cfg(test)]
 pub(crate) fn declared_kernels(source: &str) -> Vec<&str> {
     source
         .split("DSV4_KERNEL void ")
         .skip(1)
+        .map(|rest| match rest.strip_prefix("__launch_bounds__(") {
+            Some(b) => b.split_once(')').map_or(b, |(_, r)| r),
+            None => rest,
+        })
         .filter_map(|rest| rest.split('(').next())
         .map(str::trim)
         .collect()

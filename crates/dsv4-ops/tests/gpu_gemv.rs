@@ -311,7 +311,11 @@ fn gpu_gemv_chain_waits_for_each_input() {
             })
             .collect();
         let x = dev
-            .upload(DType::BF16, &[m, dims[0]], &to_bf16(&gaussian(&mut rng, m * dims[0], 1.0)))
+            .upload(
+                DType::BF16,
+                &[m, dims[0]],
+                &to_bf16(&gaussian(&mut rng, m * dims[0], 1.0)),
+            )
             .unwrap();
         let mut ys: Vec<DeviceTensor<bf16>> = (1..4)
             .map(|i| {
@@ -336,7 +340,9 @@ fn gpu_gemv_chain_waits_for_each_input() {
                 gemv::gemv(&dev, &xi, &ws_[i].1, &mut alone, &mut ws).unwrap();
                 let alone = dev.download(&alone).unwrap();
                 assert!(
-                    got.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    got.iter()
+                        .zip(&alone)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{format} m={m} stage {i} (round {rep}) differs from the same GEMV run alone"
                 );
                 if rep == 0 {

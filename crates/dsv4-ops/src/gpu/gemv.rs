@@ -34,28 +34,26 @@ pub const MXFP4_MAX_SCALE_BYTE: u8 = 144;
 
 /// Warps of a GEMV block (one (tile, K range) item each).
 pub(crate) const GEMV_WARPS: usize = 4;
-/// Warps per multiprocessor a launch aims for: the kernels use at most 100 registers, so 24
-/// warps fit, and the rest leaves room for the next kernel's early blocks.
-pub const DEFAULT_WARPS_PER_SM: usize = 16;
 
 /// Launch settings, process-wide. The defaults are the engine's; the decode benchmark varies
 /// them to compare configurations within one run.
 pub mod tuning {
     use super::*;
 
-    static WARPS_PER_SM: AtomicUsize = AtomicUsize::new(DEFAULT_WARPS_PER_SM);
+    static WARPS_PER_SM: AtomicUsize = AtomicUsize::new(0);
     static PDL: AtomicBool = AtomicBool::new(true);
 
-    /// Warps per multiprocessor that a GEMV grid (with its K splits) aims for.
+    /// Warps per multiprocessor that a GEMV grid (with its K splits) aims for; 0 (the default)
+    /// takes as many as the kernel can keep resident, one full wave.
     pub fn set_warps_per_sm(warps: usize) {
-        WARPS_PER_SM.store(warps.max(1), Ordering::Relaxed);
+        WARPS_PER_SM.store(warps, Ordering::Relaxed);
     }
 
     pub fn warps_per_sm() -> usize {
         WARPS_PER_SM.load(Ordering::Relaxed)
     }
 
-    /// Whether GEMV and MoE kernels launch with programmatic stream serialization.
+    /// Whether GEMV kernels launch with programmatic stream serialization.
     pub fn set_programmatic_launch(on: bool) {
         PDL.store(on, Ordering::Relaxed);
     }
@@ -267,7 +265,9 @@ pub mod pack {
     fn encode_word(order: CodeOrder, w: u32) -> u32 {
         match order {
             CodeOrder::Plain => w,
-            CodeOrder::Fp8 => (w & 0xff00_00ff) | ((w >> 8) & 0x0000_ff00) | ((w << 8) & 0x00ff_0000),
+            CodeOrder::Fp8 => {
+                (w & 0xff00_00ff) | ((w >> 8) & 0x0000_ff00) | ((w << 8) & 0x00ff_0000)
+            }
             CodeOrder::Fp4 => (0..32).fold(0, |acc, b| {
                 let (e, bit) = fp4_source_bit(b);
                 acc | (((w >> (4 * e + bit)) & 1) << b)
@@ -724,33 +724,59 @@ pub(crate) fn sm_count(dev: &Device) -> Result<usize, GpuError> {
 }
 
 /// How a GEMV launch spreads `tiles` tiles of `steps` K steps over the GPU: each tile's steps
-/// are split into `splits` contiguous ranges, one warp each.
+/// are split into `splits` contiguous ranges, one warp each. A 4-warp block holds G ranges of
+/// a tile (G = 4, 2 or 1, the largest dividing `splits`), summed in shared memory; the
+/// `splits / G` sums of a tile meet in the workspace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Plan {
     pub splits: usize,
 }
 
-/// About `warps_per_sm` warps per multiprocessor: tiles alone when there are enough, else K
-/// splits of about equal length (at least one step each) within the workspace's capacity.
-pub(crate) fn plan(tiles: usize, steps: usize, sms: usize, warps_per_sm: usize) -> Plan {
-    let target = warps_per_sm * sms;
-    if 2 * tiles > target || tiles > GemvWorkspace::COUNTERS {
-        return Plan { splits: 1 };
+impl Plan {
+    /// Ranges of a tile in one block.
+    pub(crate) fn group(&self) -> usize {
+        [4, 2, 1]
+            .into_iter()
+            .find(|g| self.splits.is_multiple_of(*g))
+            .unwrap_or(1)
     }
-    let want = (target / tiles)
-        .min(steps.max(1))
-        .min(GemvWorkspace::PARTIALS / tiles)
-        .max(1);
-    // Equal ranges: the fewest splits with the same longest range.
-    let per = steps.max(1).div_ceil(want);
-    Plan {
-        splits: steps.max(1).div_ceil(per),
+
+    /// Blocks of the launch.
+    pub(crate) fn blocks(&self, tiles: usize) -> usize {
+        let g = self.group();
+        tiles.div_ceil(GEMV_WARPS / g) * (self.splits / g)
     }
 }
 
-/// Launches `kernel` on the device stream with programmatic stream serialization (unless
-/// turned off in [`tuning`]): it may start before the previous kernel in the stream ends, and
-/// waits for it in-kernel (`griddepcontrol.wait`) before touching its outputs.
+/// Splits of about equal length (at least one step each) so that tiles x splits warps come
+/// close to `target` (a full wave) without passing it, within the workspace's capacity.
+pub(crate) fn plan(tiles: usize, steps: usize, target: usize) -> Plan {
+    let tiles = tiles.max(1);
+    let mut p = Plan {
+        splits: (target / tiles).clamp(1, steps.max(1)),
+    };
+    // Sums that leave the block need a counter per tile and a partial per (tile, block).
+    while p.splits > p.group()
+        && (tiles > GemvWorkspace::COUNTERS
+            || tiles * (p.splits / p.group()) > GemvWorkspace::PARTIALS)
+    {
+        p.splits -= 1;
+    }
+    p
+}
+
+/// Warps of `kernel` resident on the whole GPU at `threads` per block (one full wave).
+pub(crate) fn resident_warps(dev: &Device, kernel: &str, threads: u32) -> Result<usize, GpuError> {
+    let blocks = dev
+        .function(kernel)?
+        .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+        .map_err(GpuError::driver("reading a kernel's occupancy"))?;
+    Ok((blocks as usize).max(1) * threads as usize / 32 * sm_count(dev)?)
+}
+
+/// Launches `kernel` on the device stream, with programmatic stream serialization when `pdl`
+/// is set: it may then start before the previous kernel in the stream ends, and waits for it
+/// in-kernel (`griddepcontrol.wait`) before touching its outputs.
 ///
 /// # Safety
 /// `args` must be the `#[repr(C)]` mirror of the kernel's single by-value argument, and every
@@ -761,6 +787,7 @@ pub(crate) unsafe fn launch_pdl<A: DeviceRepr>(
     grid: (u32, u32, u32),
     block: u32,
     args: &A,
+    pdl: bool,
 ) -> Result<(), GpuError> {
     let f = dev.function(kernel)?;
     let stream = dev.stream();
@@ -783,14 +810,21 @@ pub(crate) unsafe fn launch_pdl<A: DeviceRepr>(
         sharedMemBytes: 0,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
-        numAttrs: u32::from(tuning::programmatic_launch()),
+        numAttrs: u32::from(pdl),
     };
     let mut params = [args as *const A as *mut std::ffi::c_void];
     // SAFETY: the caller vouches for the kernel and its argument; cfg and attr outlive the
     // call.
-    unsafe { cu::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
-        .result()
-        .map_err(err)
+    unsafe {
+        cu::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(err)
 }
 
 fn check_x(x: &DeviceTensor<bf16>, k: usize) -> Result<usize, GpuError> {
@@ -828,7 +862,12 @@ fn launch(
         gate_up: w.gate_up,
     };
     let tiles = layout.tiles();
-    let p = plan(tiles, layout.steps(), sm_count(dev)?, tuning::warps_per_sm());
+    let threads = (GEMV_WARPS * 32) as u32;
+    let target = match tuning::warps_per_sm() {
+        0 => resident_warps(dev, kernel, threads)?,
+        w => w * sm_count(dev)?,
+    };
+    let p = plan(tiles, layout.steps(), target);
     let br = match w.format {
         GemvFormat::Fp8 { block, .. } => block.0,
         _ => 1,
@@ -861,11 +900,20 @@ fn launch(
         pad0: 0,
         pad1: 0,
     };
-    let blocks = dim_u32("gemv blocks", (tiles * p.splits).div_ceil(GEMV_WARPS))?;
+    let blocks = dim_u32("gemv blocks", p.blocks(tiles))?;
     // SAFETY: GemvArgs mirrors the kernels' argument; the weight's tensors hold whole packed
     // tiles; x and y were checked against (n, k); the kernel uses at most splits * tiles
     // workspace partials and tiles counters (plan bounds both).
-    unsafe { launch_pdl(dev, kernel, (blocks, 1, 1), (GEMV_WARPS * 32) as u32, &args) }
+    unsafe {
+        launch_pdl(
+            dev,
+            kernel,
+            (blocks, 1, 1),
+            threads,
+            &args,
+            tuning::programmatic_launch(),
+        )
+    }
 }
 
 fn kernel_name(prefix: &str, format: GemvFormat, m: usize) -> String {
@@ -1019,29 +1067,40 @@ mod tests {
     #[test]
     fn plans_fill_the_gpu_within_bounds() {
         let one = |splits| Plan { splits };
+        // 24 warps on each of 132 SMs.
+        let full = 24 * 132;
         // lm_head, wq_b: enough tiles, no split.
-        assert_eq!(plan(8080, 32, 132, 16), one(1));
-        assert_eq!(plan(2048, 4, 132, 16), one(1));
-        // Flash wo_b [4096, 8192] fp8: 256 tiles of 32 steps -> 8 ranges of 4 steps.
-        assert_eq!(plan(256, 32, 132, 16), one(8));
+        assert_eq!(plan(8080, 32, full), one(1));
+        assert_eq!(plan(2048, 4, full), one(1));
+        // Pro wo_b [7168, 16384] fp8: 448 tiles of 64 steps -> 7 ranges (sums in the workspace).
+        assert_eq!(plan(448, 64, full), one(7));
+        assert_eq!(one(7).group(), 1);
+        // Flash expert w1+w3: 256 tiles of 8 steps -> 8 one-step ranges, two blocks a tile.
+        assert_eq!(plan(256, 8, full), one(8));
         // wkv [512, 4096] fp8: 32 tiles of 16 steps -> a step per warp.
-        assert_eq!(plan(32, 16, 132, 16), one(16));
-        // Pro expert w1+w3: 384 tiles of 14 steps -> 5 ranges of 3 steps (the last 2).
-        assert_eq!(plan(384, 14, 132, 16), one(5));
-        // A router-like [32, 16384] bf16: 2 tiles of 128 steps -> 128 ranges of one step.
-        assert_eq!(plan(2, 128, 132, 16), one(128));
+        assert_eq!(plan(32, 16, full), one(16));
+        // 1200 tiles: two ranges a tile, in one block.
+        assert_eq!(plan(1200, 14, full), one(2));
+        assert_eq!(one(2).group(), 2);
+        // A router-like [32, 16384] bf16: 2 tiles of 128 steps -> 128 one-step ranges.
+        assert_eq!(plan(2, 128, full), one(128));
+        assert_eq!(one(1).blocks(9), 3);
+        assert_eq!(one(2).blocks(9), 5);
+        assert_eq!(one(12).blocks(9), 27);
+        assert_eq!(one(7).blocks(9), 21);
         for tiles in 1..3000 {
-            for steps in [1, 5, 64, 4096] {
-                for wps in [4, 16, 24] {
-                    let p = plan(tiles, steps, 132, wps);
+            for steps in [1, 3, 5, 64, 4096] {
+                for target in [132, 16 * 132, full] {
+                    let p = plan(tiles, steps, target);
                     assert!(p.splits >= 1 && p.splits <= steps);
+                    let g = p.group();
                     assert!(
-                        p.splits == 1
-                            || (tiles * p.splits <= GemvWorkspace::PARTIALS
+                        p.splits == g
+                            || (tiles * (p.splits / g) <= GemvWorkspace::PARTIALS
                                 && tiles <= GemvWorkspace::COUNTERS)
                     );
                     // Splits only to reach the target, never past it.
-                    assert!(p.splits == 1 || tiles * p.splits <= wps * 132);
+                    assert!(p.splits == 1 || tiles * p.splits <= target);
                 }
             }
         }

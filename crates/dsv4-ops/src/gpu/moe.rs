@@ -14,7 +14,7 @@ use cudarc::driver::DeviceRepr;
 use half::bf16;
 
 use super::gemv::pack::{encode_codes, pack, CodeOrder, Layout};
-use super::gemv::{check_mxfp4_scales, launch_pdl, sm_count};
+use super::gemv::{check_mxfp4_scales, launch_pdl, resident_warps};
 use super::launch::dim_u32;
 use super::{DType, Device, DeviceTensor, GpuError};
 use crate::codecs::mxfp4::Mxfp4Quantized;
@@ -28,12 +28,10 @@ pub const MAX_PAIRS: usize = 256;
 /// shared-memory partials (32 steps of 512 FP4 values).
 pub const MAX_INTER: usize = 16384;
 
-/// Warps of a gate+up block (one 8-row tile each).
+/// Warps of a gate+up block.
 const UP_WARPS: usize = 4;
-/// Warps a down-projection block (one 16-row output tile) may use, and the warps per
-/// multiprocessor its grid aims for.
+/// Warps a down-projection block (one 16-row output tile) may use.
 const DOWN_WARPS: [usize; 2] = [8, 4];
-const DOWN_WARPS_PER_SM: usize = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoeFormat {
@@ -371,8 +369,8 @@ struct MoeArgs {
     d: u32,
     inter: u32,
     limit: f32,
-    pad0: u32,
-    pad1: u32,
+    up_wpt: u32,
+    pad: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -433,6 +431,25 @@ pub fn moe_decode(
             .as_ref()
             .map_or(0, |g| g[i].device_address())
     };
+    let mt = if m <= 8 { "m8" } else { "m16" };
+    let fmt = experts.format.name();
+    let gate_up = format!("moe_gate_up_{fmt}_{mt}");
+    let down = format!("moe_down_{fmt}_{mt}{}", if out_f32 { "_f32" } else { "" });
+    // Gate+up: 8-row tiles of the intermediate, one set per (token, slot) pair (duplicates of
+    // an expert exit at once), each tile's K split over up_wpt warps so that top_k experts'
+    // tiles fill the GPU once. The split depends on the shapes only (the m8 kernel's occupancy
+    // for every M), so a token's result does not depend on the other tokens.
+    let up_tiles = experts.inter.div_ceil(8);
+    let up_steps = (d / 32).div_ceil(16);
+    let up_resident = resident_warps(
+        dev,
+        &format!("moe_gate_up_{fmt}_m8"),
+        (UP_WARPS * 32) as u32,
+    )?;
+    let up_wpt = [4, 2, 1]
+        .into_iter()
+        .find(|&w| w <= up_steps && up_tiles * topk * w <= up_resident)
+        .unwrap_or(1);
     let args = MoeArgs {
         x: x.device_address(),
         ids: ids.device_address(),
@@ -452,40 +469,42 @@ pub fn moe_decode(
         d: d as u32,
         inter: experts.inter as u32,
         limit,
-        pad0: 0,
-        pad1: 0,
+        up_wpt: up_wpt as u32,
+        pad: 0,
     };
-    let mt = if m <= 8 { "m8" } else { "m16" };
-    let fmt = experts.format.name();
-    // Gate+up: 8-row tiles of the intermediate, one set per (token, slot) pair (duplicates of
-    // an expert exit at once).
-    let up_blocks = dim_u32("moe tiles", experts.inter.div_ceil(8).div_ceil(UP_WARPS))?;
+    let up_blocks = dim_u32("moe tiles", up_tiles.div_ceil(UP_WARPS / up_wpt))?;
+    // Down: one block per 16-row output tile, 8 warps while all blocks stay resident.
+    let tiles = d.div_ceil(16);
+    let mut warps = DOWN_WARPS[1];
+    for w in DOWN_WARPS {
+        if tiles * w <= resident_warps(dev, &down, (w * 32) as u32)? {
+            warps = w;
+            break;
+        }
+    }
+    // Both launch without programmatic serialization: overlapping them with their neighbours
+    // measured slower (docs/perf.md).
     // SAFETY (both launches): MoeArgs mirrors the kernels' argument; every tensor was checked
     // against (E, D, I, M, top_k) above; the kernels bound-check expert ids and read/write
     // only inside those shapes.
     unsafe {
         launch_pdl(
             dev,
-            &format!("moe_gate_up_{fmt}_{mt}"),
+            &gate_up,
             (up_blocks, (m * topk) as u32, 1),
             (UP_WARPS * 32) as u32,
             &args,
+            false,
         )
     }?;
-    // Down: one block per 16-row output tile; 8 warps while that stays near the target.
-    let tiles = d.div_ceil(16);
-    let sms = sm_count(dev)?;
-    let warps = DOWN_WARPS
-        .into_iter()
-        .find(|w| tiles * w <= DOWN_WARPS_PER_SM * sms)
-        .unwrap_or(DOWN_WARPS[1]);
     unsafe {
         launch_pdl(
             dev,
-            &format!("moe_down_{fmt}_{mt}{}", if out_f32 { "_f32" } else { "" }),
+            &down,
             (dim_u32("moe tiles", tiles)?, 1, 1),
             (warps * 32) as u32,
             &args,
+            false,
         )
     }
 }
