@@ -10,7 +10,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::launch::{dim_u32, elementwise, grid_for};
-use super::{DType, Device, DeviceTensor, GpuError};
+use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 pub use crate::codecs::fp8_block::ScaleFormat;
 pub use reference::{swizzled_dims, KV_DIM, KV_RECORD};
 
@@ -269,10 +269,16 @@ pub fn scale_unswizzle_32_4_4(
 /// `(rows, cols)` of a row-major scale matrix, which must be 2-D E4M3 or E8M0.
 fn scale_dims(what: &str, scales: &DeviceTensor<u8>) -> Result<(usize, usize), GpuError> {
     let &[rows, cols] = scales.shape() else {
-        return Err(GpuError::invalid(what, format!("expected 2-D, got {:?}", scales.shape())));
+        return Err(GpuError::invalid(
+            what,
+            format!("expected 2-D, got {:?}", scales.shape()),
+        ));
     };
     if !matches!(scales.dtype(), DType::E4M3 | DType::E8M0) {
-        return Err(GpuError::invalid(what, format!("{:?} is not a scale dtype", scales.dtype())));
+        return Err(GpuError::invalid(
+            what,
+            format!("{:?} is not a scale dtype", scales.dtype()),
+        ));
     }
     Ok((rows, cols))
 }
@@ -321,34 +327,10 @@ pub fn kv_fp8_quantize(
     kv: &DeviceTensor<bf16>,
     records: &mut DeviceTensor<u8>,
 ) -> Result<(), GpuError> {
-    let (tokens, _) = match kv.shape() {
-        &[t, d] if d == KV_DIM => (t, d),
-        s => {
-            return Err(GpuError::invalid(
-                "kv input",
-                format!("expected [tokens, {KV_DIM}], got {s:?}"),
-            ))
-        }
-    };
+    let tokens = kv_tokens("kv input", kv, KV_DIM)?;
     kv.expect("kv input", DType::BF16, &[tokens, KV_DIM])?;
     records.expect("kv records", DType::U8, &[tokens, KV_RECORD])?;
-    if tokens == 0 {
-        return Ok(());
-    }
-    let t32 = dim_u32("tokens", tokens)?;
-    let f = dev.function("kv_fp8_quantize")?;
-    let mut o = records.view_mut();
-    // SAFETY: shapes checked above.
-    unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(kv.slice())
-            .arg(&t32)
-            .arg(&mut o)
-            .launch(kv_launch(tokens))
-    }
-    .map_err(launch_err("kv_fp8_quantize"))?;
-    Ok(())
+    launch_kv(dev, "kv_fp8_quantize", kv, records, tokens)
 }
 
 /// FP8 records U8 `[tokens, 584]` to bf16 `kv [tokens, 512]`.
@@ -357,32 +339,50 @@ pub fn kv_fp8_dequant(
     records: &DeviceTensor<u8>,
     kv: &mut DeviceTensor<bf16>,
 ) -> Result<(), GpuError> {
-    let tokens = match records.shape() {
-        &[t, r] if r == KV_RECORD => t,
-        s => {
-            return Err(GpuError::invalid(
-                "kv records",
-                format!("expected [tokens, {KV_RECORD}], got {s:?}"),
-            ))
-        }
-    };
+    let tokens = kv_tokens("kv records", records, KV_RECORD)?;
     records.expect("kv records", DType::U8, &[tokens, KV_RECORD])?;
     kv.expect("kv output", DType::BF16, &[tokens, KV_DIM])?;
+    launch_kv(dev, "kv_fp8_dequant", records, kv, tokens)
+}
+
+/// Rows of a `[tokens, width]` tensor.
+fn kv_tokens<T: DeviceElem>(
+    what: &str,
+    t: &DeviceTensor<T>,
+    width: usize,
+) -> Result<usize, GpuError> {
+    match t.shape() {
+        &[tokens, w] if w == width => Ok(tokens),
+        s => Err(GpuError::invalid(
+            what,
+            format!("expected [tokens, {width}], got {s:?}"),
+        )),
+    }
+}
+
+/// One warp per token of a KV record kernel `(input, tokens, output)`.
+fn launch_kv<I: DeviceElem, O: DeviceElem>(
+    dev: &Device,
+    kernel: &'static str,
+    input: &DeviceTensor<I>,
+    out: &mut DeviceTensor<O>,
+    tokens: usize,
+) -> Result<(), GpuError> {
     if tokens == 0 {
         return Ok(());
     }
     let t32 = dim_u32("tokens", tokens)?;
-    let f = dev.function("kv_fp8_dequant")?;
-    let mut o = kv.view_mut();
-    // SAFETY: shapes checked above.
+    let f = dev.function(kernel)?;
+    let mut o = out.view_mut();
+    // SAFETY: the callers checked both shapes against `tokens`.
     unsafe {
         dev.stream()
             .launch_builder(f)
-            .arg(records.slice())
+            .arg(input.slice())
             .arg(&t32)
             .arg(&mut o)
             .launch(kv_launch(tokens))
     }
-    .map_err(launch_err("kv_fp8_dequant"))?;
+    .map_err(launch_err(kernel))?;
     Ok(())
 }
