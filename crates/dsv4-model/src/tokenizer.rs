@@ -153,15 +153,21 @@ pub struct TextStream<'t> {
 }
 
 impl TextStream<'_> {
-    /// Adds one id; returns the newly completed text, if any.
-    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
-        self.ids.push(id);
+    /// Text of the already emitted context ids, and of those plus the pending ones.
+    fn decoded(&self) -> Result<(String, String)> {
         let prefix = self
             .tokenizer
             .decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
         let text = self
             .tokenizer
             .decode(&self.ids[self.prefix_offset..], true)?;
+        Ok((prefix, text))
+    }
+
+    /// Adds one id; returns the newly completed text, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let (prefix, text) = self.decoded()?;
         if text.len() <= prefix.len() || text.ends_with('\u{FFFD}') {
             return Ok(None);
         }
@@ -176,12 +182,7 @@ impl TextStream<'_> {
 
     /// Text still held back at the end of generation (e.g. a truncated UTF-8 sequence).
     pub fn finish(self) -> Result<Option<String>> {
-        let prefix = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
-        let text = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..], true)?;
+        let (prefix, text) = self.decoded()?;
         Ok(text
             .get(prefix.len()..)
             .filter(|rest| !rest.is_empty())
