@@ -7,16 +7,23 @@
 // (16 k x 8 activation rows), so one MMA covers 256 weight elements and M = 1..8 costs the same
 // as M = 1. Each lane owns whole 16-byte chunks of two weight rows (g and g + 8) and feeds the
 // MMA from its own chunk only: the k order inside an MMA is a free permutation as long as A and
-// B use the same one, so FP4/FP8 codes are expanded to bf16 pairs in whatever order the bit
-// tricks give and the activations are permuted to match with byte permutes. Weights are
-// repacked once at load into a tile layout (gemv_tile.cu) so that each warp-wide load reads
-// 512 contiguous bytes; codes keep their checkpoint bit encoding.
+// B use the same one, so FP4 codes are expanded in whatever order the bit tricks give (the
+// packer permutes their bits so that the pairs come out in element order and the activations
+// feed the MMA as loaded). Weights are repacked once at load into a tile layout (gemv_tile.cu)
+// so that each warp-wide load reads 512 contiguous bytes.
 //
-// FP4 codes become bf16 by placing the code bits in the bf16 exponent/mantissa field (value =
-// e2m1 * 2^-126, a bf16 subnormal for code +-0.5), then one bf16x2 multiply by the block scale
-// times 2^110 makes them e2m1 * scale * 2^-16 exactly (at most 6 significant bits); the final
-// 2^16 and the NVFP4 global scale are applied in f32 at the end. e4m3 codes likewise become
-// e4m3 * 2^-120 and are renormalised by 2^104; their block scale is applied in f32 per chunk.
+// BF16 and FP4 weights run on the bf16 MMA. FP4 codes become bf16 by placing the code bits in
+// the bf16 exponent/mantissa field (value = e2m1 * 2^-126, a bf16 subnormal for code +-0.5),
+// then one bf16x2 multiply by the block scale times 2^110 makes them e2m1 * scale * 2^-16
+// exactly (at most 6 significant bits); the final 2^16 and the NVFP4 global scale are applied
+// in f32 at the end.
+//
+// FP8 weights run on the f16 MMA: `cvt.rn.f16x2.e4m3x2` turns two e4m3 codes (stored in
+// checkpoint order) into an exact f16 pair in one instruction, the activations are converted
+// bf16 -> f16 as they are loaded (exact for |x| in [2^-14, 65504] and 0, which holds for every
+// GEMV input of the model: RMS-normalised vectors, attention outputs, SwiGLU outputs bounded by
+// the clamp), and the 128x128 block scale is applied in f32 to the MMA sums of each 64-column
+// sub-step.
 //
 // Work split: a tile is 16 output rows (8 gate + 8 up rows for SwiGLU); its K steps are split
 // into `splits` contiguous ranges, one warp each. A 4-warp block holds G consecutive ranges

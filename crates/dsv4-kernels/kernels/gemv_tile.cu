@@ -55,6 +55,15 @@ __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The same MMA on f16 operands (FP8 weights).
+__device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // Eight e2m1 codes to four bf16 pairs p[k] = (element 2k, element 2k + 1), each worth
 // e2m1 * 2^-126 (code bits in the bf16 exponent/mantissa field). The packer stores the codes
 // bit-permuted inside each 32-bit word (dsv4_ops::gpu::gemv::pack::encode_codes) so that three
@@ -67,15 +76,24 @@ __device__ __forceinline__ void fp4x8_to_bf16(u32 w, u32 (&p)[4]) {
     p[3] = (w & 0x80c080c0u) | (__funnelshift_r(w, w, 8) & 0x01000100u);
 }
 
-// Four e4m3 codes, stored as elements (0, 2, 1, 3) in the word's bytes, to bf16 pairs
-// (element 0, element 1) and (element 2, element 3), each worth e4m3 * 2^-120.
-__device__ __forceinline__ void fp8x4_to_bf16(u32 q, u32& p01, u32& p23) {
-    p01 = ((q << 8) & 0x80008000u) | ((q << 4) & 0x07f007f0u);
-    p23 = (q & 0x80008000u) | ((q >> 4) & 0x07f007f0u);
+// Four e4m3 codes (bytes 0-3 of w, in element order) to the f16 pairs (0, 1) and (2, 3) of
+// the same values, exact (e4m3 has 3 mantissa bits and its range 2^-9..448 lies inside f16's),
+// one instruction per pair.
+__device__ __forceinline__ void e4m3x4_to_f16x2(u32 w, u32& p01, u32& p23) {
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.rn.f16x2.e4m3x2 %0, lo; cvt.rn.f16x2.e4m3x2 %1, hi; }"
+        : "=r"(p01), "=r"(p23)
+        : "r"(w));
 }
 
-// bf16 pair (2^104, 2^104): e4m3 * 2^-120 -> e4m3 * 2^-16, normal for every code.
-constexpr u32 FP8_RENORM = 0x73807380u;
+// A bf16 activation pair to f16 (round to nearest). Exact for |x| in [2^-14, 65504]
+// (6.1e-5..65504) and for 0: bf16 has 7 mantissa bits, f16 10. Every GEMV input of the model
+// lies there: RMS-normalised vectors, attention outputs and SwiGLU outputs (bounded by the
+// clamp); smaller magnitudes round to f16 subnormals (absolute error <= 2^-25).
+__device__ __forceinline__ u32 bf16x2_to_f16x2(u32 x) {
+    u32 h;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(__uint_as_float(x & 0xffff0000u)), "f"(__uint_as_float(x << 16)));
+    return h;
+}
 
 // The two NVFP4 block scales of a chunk (e4m3 bytes 0 and 1) as bf16 pairs worth
 // scale * 2^110 (exact: 4 significant bits; the hardware e4m3 conversion handles subnormals).
@@ -224,6 +242,13 @@ __device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, 
                 mma(acc[1], wlo[2 * i], whi[2 * i], wlo[2 * i + 1], whi[2 * i + 1], xh[2 * i], xh[2 * i + 1]);
         }
     } else if (F == FP8) {
+        // f16 MMA: codes convert exactly in one instruction per pair, activations once per pair.
+        u32 yl[E / 2], yh[E / 2];
+#pragma unroll
+        for (u32 i = 0; i < E / 2; ++i) {
+            yl[i] = bf16x2_to_f16x2(xl[i]);
+            if (MT == 2) yh[i] = bf16x2_to_f16x2(xh[i]);
+        }
         float t[MT][4];
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -232,20 +257,14 @@ __device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, 
 #pragma unroll
         for (u32 i = 0; i < 4; ++i) {
             // Pairs (elements 0, 1) and (2, 3) of word i: activations in natural order.
-            u32 l02, l13, h02, h13;
-            fp8x4_to_bf16(wlo[i], l02, l13);
-            fp8x4_to_bf16(whi[i], h02, h13);
-            l02 = bf16x2_mul(l02, FP8_RENORM);
-            l13 = bf16x2_mul(l13, FP8_RENORM);
-            h02 = bf16x2_mul(h02, FP8_RENORM);
-            h13 = bf16x2_mul(h13, FP8_RENORM);
-            mma(t[0], l02, h02, l13, h13, xl[2 * i], xl[2 * i + 1]);
-            if (MT == 2) mma(t[1], l02, h02, l13, h13, xh[2 * i], xh[2 * i + 1]);
+            u32 l01, l23, h01, h23;
+            e4m3x4_to_f16x2(wlo[i], l01, l23);
+            e4m3x4_to_f16x2(whi[i], h01, h23);
+            mma_f16(t[0], l01, h01, l23, h23, yl[2 * i], yl[2 * i + 1]);
+            if (MT == 2) mma_f16(t[1], l01, h01, l23, h23, yh[2 * i], yh[2 * i + 1]);
         }
-        // Block scales (f32, e8m0 ones converted at upload) times 2^16: the codes entered the
-        // MMA as value * 2^-16.
-        const float fl = __fmul_rn(__uint_as_float(f.sl), 65536.0f);
-        const float fh = __fmul_rn(__uint_as_float(f.sh), 65536.0f);
+        // Block scales (f32, e8m0 ones converted at upload).
+        const float fl = __uint_as_float(f.sl), fh = __uint_as_float(f.sh);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
             acc[m][0] = fmaf(fl, t[m][0], acc[m][0]);

@@ -1,6 +1,7 @@
 //! Decode GEMV / small-M GEMM launchers (`kernels/gemv.cu`): `y[M, N] = x[M, K] · W[N, K]ᵀ`
 //! for `M <= 16` bf16 activation rows, with weights in BF16, FP8 e4m3 with block scales,
-//! NVFP4 or MXFP4, dequantized in registers (W4A16 / W8A16 on tensor cores). The fused
+//! NVFP4 or MXFP4, dequantized in registers (W4A16 / W8A16 on tensor cores; FP8 runs on the f16
+//! MMA with activations converted to f16, exact for `|x|` in `[2^-14, 65504]` and 0). The fused
 //! [`gemv_swiglu`] computes `silu(min(x·W1ᵀ, L)) · clamp(x·W3ᵀ, −L, L)` in one pass.
 //! Weights are repacked once, at upload, into the kernels' tile layout ([`pack`], with its CPU
 //! inverse [`pack::unpack`]).
@@ -88,8 +89,7 @@ impl GemvFormat {
 
     fn code_order(self) -> pack::CodeOrder {
         match self {
-            GemvFormat::Bf16 => pack::CodeOrder::Plain,
-            GemvFormat::Fp8 { .. } => pack::CodeOrder::Fp8,
+            GemvFormat::Bf16 | GemvFormat::Fp8 { .. } => pack::CodeOrder::Plain,
             GemvFormat::Nvfp4 | GemvFormat::Mxfp4 => pack::CodeOrder::Fp4,
         }
     }
@@ -218,10 +218,8 @@ pub mod pack {
     /// with few instructions.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum CodeOrder {
-        /// As in the checkpoint (BF16).
+        /// As in the checkpoint (BF16; FP8, whose byte pairs convert to f16 pairs in hardware).
         Plain,
-        /// e4m3 bytes stored as elements (0, 2, 1, 3).
-        Fp8,
         /// e2m1 codes bit-permuted: see [`fp4_source_bit`].
         Fp4,
     }
@@ -265,9 +263,6 @@ pub mod pack {
     fn encode_word(order: CodeOrder, w: u32) -> u32 {
         match order {
             CodeOrder::Plain => w,
-            CodeOrder::Fp8 => {
-                (w & 0xff00_00ff) | ((w >> 8) & 0x0000_ff00) | ((w << 8) & 0x00ff_0000)
-            }
             CodeOrder::Fp4 => (0..32).fold(0, |acc, b| {
                 let (e, bit) = fp4_source_bit(b);
                 acc | (((w >> (4 * e + bit)) & 1) << b)
@@ -277,7 +272,7 @@ pub mod pack {
 
     fn decode_word(order: CodeOrder, w: u32) -> u32 {
         match order {
-            CodeOrder::Plain | CodeOrder::Fp8 => encode_word(order, w),
+            CodeOrder::Plain => w,
             CodeOrder::Fp4 => (0..32).fold(0, |acc, b| {
                 let (e, bit) = fp4_source_bit(b);
                 acc | (((w >> b) & 1) << (4 * e + bit))
@@ -428,7 +423,7 @@ fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuErro
             check_len(&what, n * k, weight.len())?;
             let sn = n.div_ceil(block.0) * k.div_ceil(block.1) * sf.bytes();
             check_len(&format!("{what} scale"), sn, scale.len())?;
-            // The kernel applies the block scales (times 2^16) itself.
+            // The kernel applies the block scales itself.
             Parts {
                 format,
                 codes: weight.into(),
@@ -1106,8 +1101,8 @@ mod tests {
         }
     }
 
-    /// The kernel's word-to-pairs expansion (gemv_tile.cu `fp4x8_to_bf16`, `fp8x4_to_bf16`),
-    /// emulated on encoded words.
+    /// The kernel's word-to-pairs expansion (gemv_tile.cu `fp4x8_to_bf16`), emulated on
+    /// encoded words.
     fn fp4_pairs(w: u32) -> [u32; 4] {
         const M: u32 = 0x81c0_81c0;
         [
@@ -1115,13 +1110,6 @@ mod tests {
             w.rotate_right(6) & M,
             w.rotate_right(12) & M,
             (w & 0x80c0_80c0) | (w.rotate_right(8) & 0x0100_0100),
-        ]
-    }
-
-    fn fp8_pairs(q: u32) -> [u32; 2] {
-        [
-            ((q << 8) & 0x8000_8000) | ((q << 4) & 0x07f0_07f0),
-            (q & 0x8000_8000) | ((q >> 4) & 0x07f0_07f0),
         ]
     }
 
@@ -1146,17 +1134,6 @@ mod tests {
                 assert_eq!(p, fp4(lo) | (fp4(hi) << 16), "fp4 word {w:#x} pair {k}");
             }
             pack::decode_codes(pack::CodeOrder::Fp4, &mut v);
-            assert_eq!(v, w.to_le_bytes());
-            // e4m3 byte b as bf16 bits worth e4m3 * 2^-120: sign at 15, the rest at 10..4.
-            let fp8 = |b: u32| ((b & 0x80) << 8) | ((b & 0x7f) << 4);
-            let mut v = w.to_le_bytes().to_vec();
-            pack::encode_codes(pack::CodeOrder::Fp8, &mut v);
-            let enc = u32::from_le_bytes([v[0], v[1], v[2], v[3]]);
-            for (k, p) in fp8_pairs(enc).into_iter().enumerate() {
-                let (lo, hi) = ((w >> (16 * k)) & 0xff, (w >> (16 * k + 8)) & 0xff);
-                assert_eq!(p, fp8(lo) | (fp8(hi) << 16), "fp8 word {w:#x} pair {k}");
-            }
-            pack::decode_codes(pack::CodeOrder::Fp8, &mut v);
             assert_eq!(v, w.to_le_bytes());
         }
         // Every packed FP4 bit has exactly one source.
