@@ -2,48 +2,17 @@
 //! of random shapes (N and K off the tile sizes), with outputs poisoned before every launch.
 //! `#[ignore]`d like every GPU test: `cargo xtask gpu-test`, then run with `--ignored gpu`.
 
+mod common;
+
+use common::{device, gaussian, rng, to_bf16, POISON, TOL};
+
 use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};
 use dsv4_ops::codecs::{mxfp4, nvfp4};
 use dsv4_ops::gpu::gemv::{self, reference, GemvWeight, GemvWorkspace, HostWeight};
 use dsv4_ops::gpu::{DType, Device, DeviceTensor};
 use half::bf16;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
-const TOL: f64 = 5e-3;
-const POISON: u8 = 0xa5;
-
-fn device() -> Device {
-    let count = Device::count().unwrap_or(0);
-    assert!(
-        count > 0,
-        "this GPU test was requested (--ignored) but the machine has no CUDA device"
-    );
-    Device::new(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"))
-}
-
-fn rng(test: &str) -> StdRng {
-    let seed = std::env::var("DSV4_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    println!("{test}: seed {seed}");
-    StdRng::seed_from_u64(seed)
-}
-
-/// Roughly normal values (sum of uniforms) times `scale`.
-fn gaussian(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            let s: f32 = (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum();
-            s * 0.866 * scale
-        })
-        .collect()
-}
-
-fn to_bf16(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
-}
+use rand::Rng;
 
 /// Owned host weight data in each format, made by quantizing random f32 weights with the codecs.
 enum Owned {

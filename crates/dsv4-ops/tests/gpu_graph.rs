@@ -3,6 +3,10 @@
 //! blocks (workspace counters must be reset between replays). Replays with fresh inputs copied
 //! into the fixed input buffers must be bit-identical to eager launches on the same inputs.
 
+mod common;
+
+use common::{device, gaussian};
+
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};
 use dsv4_ops::codecs::nvfp4;
@@ -14,21 +18,6 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
-
-fn device() -> Device {
-    let count = Device::count().unwrap_or(0);
-    assert!(
-        count > 0,
-        "this GPU test was requested (--ignored) but the machine has no CUDA device"
-    );
-    Device::new(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"))
-}
-
-fn gaussian(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 0.866 * scale)
-        .collect()
-}
 
 const M: usize = 3;
 const D: usize = 1024;

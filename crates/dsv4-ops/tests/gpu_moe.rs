@@ -1,6 +1,10 @@
 //! GPU tests of the grouped decode MoE against the f64 CPU reference, on fresh random experts,
 //! routings and shapes; outputs poisoned before every launch. `#[ignore]`d like every GPU test.
 
+mod common;
+
+use common::{device, gaussian, rng, POISON, TOL};
+
 use dsv4_ops::codecs::{mxfp4, nvfp4};
 use dsv4_ops::gpu::gemv::reference::relative_error;
 use dsv4_ops::gpu::moe::{self, reference, HostExperts, MoeExperts, MoeFormat, MoeOut};
@@ -8,34 +12,7 @@ use dsv4_ops::gpu::{DType, Device, DeviceTensor};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
-
-const TOL: f64 = 5e-3;
-const POISON: u8 = 0xa5;
-
-fn device() -> Device {
-    let count = Device::count().unwrap_or(0);
-    assert!(
-        count > 0,
-        "this GPU test was requested (--ignored) but the machine has no CUDA device"
-    );
-    Device::new(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"))
-}
-
-fn rng(test: &str) -> StdRng {
-    let seed = std::env::var("DSV4_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    println!("{test}: seed {seed}");
-    StdRng::seed_from_u64(seed)
-}
-
-fn gaussian(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 0.866 * scale)
-        .collect()
-}
+use rand::Rng;
 
 /// Random experts quantized with the codecs, and their exact dequantized values.
 struct Experts {
