@@ -159,17 +159,7 @@ impl MoeExperts {
         type Mat<'a> = (&'a [u8], &'a [u8]);
         let (format, mats): (MoeFormat, Vec<[Mat<'_>; 3]>) = match host {
             HostExperts::Nvfp4 { w1, w3, w2 } => {
-                if w1.len() != w3.len() || w1.len() != w2.len() {
-                    return Err(invalid(
-                        "nvfp4 experts",
-                        format!(
-                            "{} / {} / {} experts in w1 / w3 / w2",
-                            w1.len(),
-                            w3.len(),
-                            w2.len()
-                        ),
-                    ));
-                }
+                same_expert_counts("nvfp4 experts", w1.len(), w3.len(), w2.len())?;
                 let m = (0..w1.len())
                     .map(|e| {
                         [&w1[e], &w3[e], &w2[e]].map(|q: &Nvfp4Quantized| {
@@ -180,17 +170,7 @@ impl MoeExperts {
                 (MoeFormat::Nvfp4, m)
             }
             HostExperts::Mxfp4 { w1, w3, w2 } => {
-                if w1.len() != w3.len() || w1.len() != w2.len() {
-                    return Err(invalid(
-                        "mxfp4 experts",
-                        format!(
-                            "{} / {} / {} experts in w1 / w3 / w2",
-                            w1.len(),
-                            w3.len(),
-                            w2.len()
-                        ),
-                    ));
-                }
+                same_expert_counts("mxfp4 experts", w1.len(), w3.len(), w2.len())?;
                 let m = (0..w1.len())
                     .map(|e| {
                         [&w1[e], &w3[e], &w2[e]]
@@ -561,6 +541,18 @@ pub mod reference {
             }
         }
         out
+    }
+}
+
+/// w1, w3 and w2 must list the same experts.
+fn same_expert_counts(what: &str, w1: usize, w3: usize, w2: usize) -> Result<(), GpuError> {
+    if w1 == w3 && w1 == w2 {
+        Ok(())
+    } else {
+        Err(invalid(
+            what,
+            format!("{w1} / {w3} / {w2} experts in w1 / w3 / w2"),
+        ))
     }
 }
 
