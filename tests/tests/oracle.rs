@@ -46,7 +46,7 @@ fn for_each_fixture(mut f: impl FnMut(&str, &CpuModel, &Oracle)) {
     );
     for dir in dirs {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
-        let model = CpuModel::load(&dir, |_| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let model = CpuModel::load(&dir, |_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
         let oracle = load_oracle(&dir);
         assert_eq!(oracle.vocab, model.config().vocab_size);
         f(&name, &model, &oracle);

@@ -146,12 +146,14 @@ fn main() -> Result<()> {
 }
 
 fn load_model(dir: &Path) -> Result<CpuModel> {
-    let config = Config::from_dir(dir)?;
-    let bar = ProgressBar::new(config.num_layers as u64).with_style(
+    let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("loading {bar:30} {pos}/{len} layers {elapsed}").unwrap(),
     );
-    let model = CpuModel::load(dir, |_| bar.inc(1))
-        .with_context(|| format!("loading {}", dir.display()))?;
+    let model = CpuModel::load(dir, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })
+    .with_context(|| format!("loading {}", dir.display()))?;
     bar.finish_and_clear();
     Ok(model)
 }
@@ -278,7 +280,7 @@ fn logits(a: LogitsArgs) -> Result<()> {
 fn info(dir: &Path) -> Result<()> {
     let ck = Checkpoint::open(dir)?;
     let c = ck.config().clone();
-    let weights = ModelWeights::load(&ck, |_| {})?;
+    let weights = ModelWeights::load(&ck, |_, _| {})?;
     println!("model: {}", dir.display());
     println!(
         "hidden {} · layers {} · heads {}×{} (rope {}) · experts {} (top-{}, inter {}) · vocab {}",

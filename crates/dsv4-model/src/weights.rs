@@ -246,17 +246,17 @@ fn load_layer(ck: &Checkpoint, c: &Config, l: usize) -> Result<LayerWeights, Loa
 }
 
 impl ModelWeights {
-    /// Binds every tensor the config requires; `on_layer` reports progress.
+    /// Binds every tensor the config requires; `on_layer(done, total)` reports progress.
     pub fn load(
         ck: &Checkpoint,
-        mut on_layer: impl FnMut(usize),
+        mut on_layer: impl FnMut(usize, usize),
     ) -> Result<ModelWeights, LoadError> {
         let c = ck.config();
         let d = c.hidden_size;
         let layers = (0..c.num_layers)
             .map(|l| {
                 let w = load_layer(ck, c, l);
-                on_layer(l);
+                on_layer(l + 1, c.num_layers);
                 w
             })
             .collect::<Result<_, _>>()?;

@@ -76,7 +76,7 @@ pub struct CpuModel {
 
 impl CpuModel {
     /// Opens a checkpoint directory and binds every tensor (weights stay memory-mapped).
-    pub fn load(dir: &Path, on_layer: impl FnMut(usize)) -> Result<CpuModel, LoadError> {
+    pub fn load(dir: &Path, on_layer: impl FnMut(usize, usize)) -> Result<CpuModel, LoadError> {
         let ck = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&ck, on_layer)?;
         Ok(CpuModel::new(ck.config().clone(), weights))
