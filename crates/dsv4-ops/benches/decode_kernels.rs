@@ -1,22 +1,26 @@
 //! Decode kernels at M = 1 on DeepSeek-V4 Flash and Pro shapes: every attention projection
 //! (FP8 block), the indexer wq_b, routed-expert gate+up (fused) and down (NVFP4, MXFP4), the
 //! shared expert (FP8), lm_head (BF16) and the six-expert grouped MoE of a Flash layer; next to
-//! cuBLAS BF16 GEMV on a matrix of the same byte size.
+//! cuBLAS BF16 GEMV on a matrix of the same byte size. Also the format kernels: the NVFP4
+//! activation quantizer at M = 1 and 16 on the hidden and expert-intermediate widths, and the
+//! load-time NVFP4 / MXFP4 / FP8 dequantize of one Flash expert matrix.
 //!
 //! Method: each measurement is a CUDA graph of back-to-back launches, replayed and timed with
 //! CUDA events; the time per launch is the replay time over the launch count. Launches rotate
 //! over enough weight copies that one round touches at least 3x the L2 size, so weights come
 //! from HBM (matrices larger than that use one copy). The MoE rotates over random routings of
-//! a 256-expert layer. Bytes counted: weights and scales, plus activations read and written.
+//! a 256-expert layer; the format kernels rotate over copies of their inputs and outputs.
+//! Bytes counted: weights and scales, plus activations read and written.
 //! The ceiling is a 1 GiB device-to-device copy timed with events (read + write bytes).
 //!
 //! GEMVs launch with programmatic dependent launch (each launch streams its first weights
 //! while the previous one finishes), as in the engine's decode graph; the table also gives each
-//! case without it (the MoE launches plainly in both). A second table times a few cases at other grid sizes (warps per SM).
+//! case without it (the MoE launches plainly in both; the format kernels always launch plainly,
+//! so they are timed once). A second table times a few cases at other grid sizes (warps per SM).
 //!
 //! `cargo bench -p dsv4-ops --bench decode_kernels` (criterion); the tables are printed at the
 //! end and written to `$DSV4_BENCH_TABLE` when set. `DSV4_BENCH_ONLY=Pro/attn` keeps the cases
-//! whose `model/kernel` contains the text.
+//! whose `model/kernel` contains the text (`quantize` keeps the format kernels).
 
 use std::time::Duration;
 
@@ -31,6 +35,7 @@ use dsv4_ops::codecs::fp8_block::ScaleFormat;
 use dsv4_ops::codecs::mxfp4::Mxfp4Quantized;
 use dsv4_ops::codecs::nvfp4::Nvfp4Quantized;
 use dsv4_ops::gpu::bandwidth::measure_copy_bandwidth;
+use dsv4_ops::gpu::formats::{self, Fp8Scales, Nvfp4Act};
 use dsv4_ops::gpu::gemv::{self, tuning, GemvWeight, GemvWorkspace, HostWeight};
 use dsv4_ops::gpu::moe::{self, MoeExperts, MoeFormat, MoeOut};
 use dsv4_ops::gpu::{DType, Device, DeviceTensor};
@@ -142,6 +147,127 @@ impl Owned {
     }
 }
 
+/// One copy of the buffers a format kernel reads and writes.
+trait FormatLaunch {
+    /// Bytes one launch reads and writes.
+    fn bytes(&self) -> usize;
+    /// The shape the table gives.
+    fn shape(&self) -> &[usize];
+    fn launch(&mut self, dev: &Device) -> Res<()>;
+}
+
+/// NVFP4 quantize of bf16 activations: device-side amax, e4m3 block scales, e2m1 codes.
+struct ActQuantize {
+    x: DeviceTensor<bf16>,
+    out: Nvfp4Act,
+}
+
+impl ActQuantize {
+    fn random(dev: &Device, bits: &mut Bits, rows: usize, cols: usize) -> Res<ActQuantize> {
+        Ok(ActQuantize {
+            x: dev.upload(DType::BF16, &[rows, cols], &bits.bf16s(rows * cols))?,
+            out: Nvfp4Act::alloc(dev, rows, cols)?,
+        })
+    }
+}
+
+impl FormatLaunch for ActQuantize {
+    /// x counted once (the quantize pass reads it again after the amax pass, from L2), codes
+    /// and scales written.
+    fn bytes(&self) -> usize {
+        self.x.num_bytes() + self.out.packed.num_bytes() + self.out.scales.num_bytes()
+    }
+
+    fn shape(&self) -> &[usize] {
+        self.x.shape()
+    }
+
+    fn launch(&mut self, dev: &Device) -> Res<()> {
+        formats::nvfp4_quantize_act(dev, &self.x, &mut self.out)?;
+        Ok(())
+    }
+}
+
+/// A quantized weight as its dequantize launcher takes it.
+enum QuantWeight {
+    Nvfp4 {
+        codes: DeviceTensor<u8>,
+        scales: DeviceTensor<u8>,
+        global: DeviceTensor<f32>,
+    },
+    Mxfp4 {
+        codes: DeviceTensor<u8>,
+        scales: DeviceTensor<u8>,
+    },
+    Fp8 {
+        codes: DeviceTensor<u8>,
+        scales: DeviceTensor<u8>,
+    },
+}
+
+/// Load-time dequantize of a random `[n, k]` weight to bf16.
+struct WeightDequant {
+    weight: QuantWeight,
+    out: DeviceTensor<bf16>,
+}
+
+impl WeightDequant {
+    fn random(dev: &Device, bits: &mut Bits, fmt: Fmt, n: usize, k: usize) -> Res<WeightDequant> {
+        let weight = match Owned::random(bits, fmt, n, k) {
+            Owned::Nvfp4(q) => QuantWeight::Nvfp4 {
+                codes: dev.upload(DType::E2M1x2, &[n, k / 2], &q.weight)?,
+                scales: dev.upload(DType::E4M3, &[n, k / 16], &q.weight_scale)?,
+                global: dev.upload(DType::F32, &[1], &[q.weight_scale_2])?,
+            },
+            Owned::Mxfp4(q) => QuantWeight::Mxfp4 {
+                codes: dev.upload(DType::E2M1x2, &[n, k / 2], &q.weight)?,
+                scales: dev.upload(DType::E8M0, &[n, k / 32], &q.scale)?,
+            },
+            Owned::Fp8 { weight, scale } => QuantWeight::Fp8 {
+                codes: dev.upload(DType::E4M3, &[n, k], &weight)?,
+                scales: dev.upload(DType::E8M0, &[n.div_ceil(128), k.div_ceil(128)], &scale)?,
+            },
+            Owned::Bf16(_) => return Err("BF16 weights have nothing to dequantize".into()),
+        };
+        Ok(WeightDequant {
+            weight,
+            out: dev.alloc(DType::BF16, &[n, k])?,
+        })
+    }
+}
+
+impl FormatLaunch for WeightDequant {
+    /// Codes and scales read, bf16 written.
+    fn bytes(&self) -> usize {
+        let (QuantWeight::Nvfp4 { codes, scales, .. }
+        | QuantWeight::Mxfp4 { codes, scales }
+        | QuantWeight::Fp8 { codes, scales }) = &self.weight;
+        codes.num_bytes() + scales.num_bytes() + self.out.num_bytes()
+    }
+
+    fn shape(&self) -> &[usize] {
+        self.out.shape()
+    }
+
+    fn launch(&mut self, dev: &Device) -> Res<()> {
+        let out = &mut self.out;
+        match &self.weight {
+            QuantWeight::Nvfp4 {
+                codes,
+                scales,
+                global,
+            } => formats::nvfp4_dequant(dev, codes, scales, global, out)?,
+            QuantWeight::Mxfp4 { codes, scales } => {
+                formats::mxfp4_dequant(dev, codes, scales, out)?
+            }
+            QuantWeight::Fp8 { codes, scales } => {
+                formats::fp8_block_dequant(dev, codes, Fp8Scales::E8m0(scales), (128, 128), out)?
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Per-launch seconds of each replay of a graph of `batch` launches from `enqueue(i)`.
 struct Timer {
     graph: CudaGraph,
@@ -203,10 +329,35 @@ struct Row {
     format: &'static str,
     bytes: usize,
     seconds: f64,
-    /// The same launches without programmatic dependent launch.
-    seconds_no_pdl: f64,
+    /// The same launches without programmatic dependent launch, for kernels that use it.
+    seconds_no_pdl: Option<f64>,
     copies: usize,
     cublas: Option<(String, f64)>,
+}
+
+impl Row {
+    /// A row with one timing and no cuBLAS comparison; the GEMVs and the MoE add theirs.
+    fn new(
+        model: &'static str,
+        name: &str,
+        shape: String,
+        fmt: Fmt,
+        bytes: usize,
+        seconds: f64,
+        copies: usize,
+    ) -> Row {
+        Row {
+            model,
+            name: name.to_string(),
+            shape,
+            format: fmt.label(),
+            bytes,
+            seconds,
+            seconds_no_pdl: None,
+            copies,
+            cublas: None,
+        }
+    }
 }
 
 /// Grid sizes (GEMV warps per SM) timed for the sweep table; the default fills the GPU once.
@@ -276,6 +427,14 @@ impl Bench {
     fn quick(&self, batch: usize, enqueue: impl FnMut(usize) -> Res<()>) -> Res<f64> {
         let timer = Timer::capture(&self.dev, batch, enqueue)?;
         Ok(median(self.timer_samples(&timer, 15)?))
+    }
+
+    /// [`Bench::quick`] with programmatic dependent launch off.
+    fn quick_without_pdl(&self, batch: usize, enqueue: impl FnMut(usize) -> Res<()>) -> Res<f64> {
+        tuning::set_programmatic_launch(false);
+        let seconds = self.quick(batch, enqueue);
+        tuning::set_programmatic_launch(true);
+        seconds
     }
 
     /// cuBLAS BF16 GEMV (GemmEx, M = 1) on `[n', k]` with n' chosen for the same byte size.
@@ -378,10 +537,7 @@ impl Bench {
         let id = format!("{model}/{name} {shape} {}", fmt.label());
         let seconds = Self::record(dev, &mut self.criterion, &id, &timer)?;
         drop(timer);
-        tuning::set_programmatic_launch(false);
-        let seconds_no_pdl = self.quick(batch, enqueue);
-        tuning::set_programmatic_launch(true);
-        let seconds_no_pdl = seconds_no_pdl?;
+        let seconds_no_pdl = self.quick_without_pdl(batch, enqueue)?;
         if SWEEP_CASES.iter().any(|c| id.starts_with(c)) {
             for wps in SWEEP_WARPS {
                 tuning::set_warps_per_sm(wps);
@@ -393,15 +549,9 @@ impl Bench {
         drop(weights);
         let cublas = self.cublas_same_bytes(wbytes, k)?;
         self.rows.push(Row {
-            model,
-            name: name.to_string(),
-            shape,
-            format: fmt.label(),
-            bytes,
-            seconds,
-            seconds_no_pdl,
-            copies,
+            seconds_no_pdl: Some(seconds_no_pdl),
             cublas,
+            ..Row::new(model, name, shape, fmt, bytes, seconds, copies)
         });
         Ok(())
     }
@@ -494,21 +644,40 @@ impl Bench {
         let id = format!("{model}/{name}");
         let seconds = Self::record(dev, &mut self.criterion, &id, &timer)?;
         drop(timer);
-        tuning::set_programmatic_launch(false);
-        let seconds_no_pdl = self.quick(batch, enqueue);
-        tuning::set_programmatic_launch(true);
-        let seconds_no_pdl = seconds_no_pdl?;
+        let seconds_no_pdl = self.quick_without_pdl(batch, enqueue)?;
         self.rows.push(Row {
-            model,
-            name,
-            shape,
-            format: "NVFP4",
-            bytes,
-            seconds,
-            seconds_no_pdl,
-            copies: batch,
-            cublas: None,
+            seconds_no_pdl: Some(seconds_no_pdl),
+            ..Row::new(model, &name, shape, Fmt::Nvfp4, bytes, seconds, batch)
         });
+        Ok(())
+    }
+
+    /// A format kernel, launched on copies of its buffers from `random`, rotated like weights of
+    /// the same size. These kernels launch without PDL, so there is no second timing.
+    fn format_case<L: FormatLaunch>(
+        &mut self,
+        model: &'static str,
+        name: &str,
+        fmt: Fmt,
+        mut random: impl FnMut(&Device, &mut Bits) -> Res<L>,
+    ) -> Res<()> {
+        if self.skip(model, name) {
+            return Ok(());
+        }
+        let probe = random(&self.dev, &mut self.bits)?;
+        let bytes = probe.bytes();
+        let shape = format!("{:?}", probe.shape());
+        let (copies, batch) = rotation(bytes, self.l2);
+        let mut bufs = vec![probe];
+        for _ in 1..copies {
+            bufs.push(random(&self.dev, &mut self.bits)?);
+        }
+        let dev = &self.dev;
+        let timer = Timer::capture(dev, batch, |i| bufs[i % copies].launch(dev))?;
+        let id = format!("{model}/{name} {shape} {}", fmt.label());
+        let seconds = Self::record(dev, &mut self.criterion, &id, &timer)?;
+        self.rows
+            .push(Row::new(model, name, shape, fmt, bytes, seconds, copies));
         Ok(())
     }
 
@@ -524,6 +693,13 @@ impl Bench {
         s.push_str("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|\n");
         for r in &self.rows {
             let gbps = r.bytes as f64 / r.seconds;
+            let (nu, np) = match r.seconds_no_pdl {
+                Some(secs) => (
+                    format!("{:.1}", secs * 1e6),
+                    format!("{:.0}%", 100.0 * r.bytes as f64 / secs / bw),
+                ),
+                None => ("-".into(), "-".into()),
+            };
             let (cs, cu, cg, ratio) = match &r.cublas {
                 Some((shape, secs)) => (
                     shape.clone(),
@@ -534,7 +710,7 @@ impl Bench {
                 None => ("-".into(), "-".into(), "-".into(), "-".into()),
             };
             s.push_str(&format!(
-                "| {} | {} | {} | {} | {:.1} | {} | {:.1} | {:.0} | {:.0}% | {:.1} | {:.0}% | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {:.1} | {} | {:.1} | {:.0} | {:.0}% | {} | {} | {} | {} | {} | {} |\n",
                 r.model,
                 r.name,
                 r.shape,
@@ -544,8 +720,8 @@ impl Bench {
                 r.seconds * 1e6,
                 gbps / 1e9,
                 100.0 * gbps / bw,
-                r.seconds_no_pdl * 1e6,
-                100.0 * r.bytes as f64 / r.seconds_no_pdl / bw,
+                nu,
+                np,
                 cs,
                 cu,
                 cg,
@@ -645,6 +821,23 @@ fn main() -> Res<()> {
         b.gemv_case(model, "shared expert w2", Fmt::Fp8, d, inter, false)?;
         b.gemv_case(model, "lm_head", Fmt::Bf16, 129280, d, false)?;
         b.moe_case(model, if model == "Flash" { 256 } else { 384 }, d, inter, 6)?;
+        // NVFP4 activations of a decode step and of a small batch, as wide as the hidden state
+        // (the expert w1/w3 input) and the expert intermediate (the w2 input).
+        for rows in [1, 16] {
+            for cols in [d, inter] {
+                b.format_case(model, "activation quantize", Fmt::Nvfp4, |dev, bits| {
+                    ActQuantize::random(dev, bits, rows, cols)
+                })?;
+            }
+        }
+        // Dequantize runs at load time, once per matrix: one Flash expert per format will do.
+        if model == "Flash" {
+            for fmt in [Fmt::Nvfp4, Fmt::Mxfp4, Fmt::Fp8] {
+                b.format_case(model, "weight dequantize", fmt, |dev, bits| {
+                    WeightDequant::random(dev, bits, fmt, inter, d)
+                })?;
+            }
+        }
     }
     b.criterion.final_summary();
     let table = b.table(&name);

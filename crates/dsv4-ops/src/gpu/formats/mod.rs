@@ -132,27 +132,7 @@ pub fn nvfp4_dequant(
     packed.expect("nvfp4 packed", DType::E2M1x2, &[rows, cols.div_ceil(2)])?;
     scales.expect("nvfp4 scales", DType::E4M3, &[rows, cols.div_ceil(16)])?;
     global.expect("nvfp4 global scale", DType::F32, &[1])?;
-    let n = packed.len() as u64;
-    if n == 0 {
-        return Ok(());
-    }
-    let (r32, c32) = (dim_u32("rows", rows)?, dim_u32("cols", cols)?);
-    let f = dev.function("nvfp4_dequant")?;
-    let mut o = out.view_mut();
-    // SAFETY: shapes checked above.
-    unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(packed.slice())
-            .arg(scales.slice())
-            .arg(global.slice())
-            .arg(&r32)
-            .arg(&c32)
-            .arg(&mut o)
-            .launch(elementwise(n))
-    }
-    .map_err(launch_err("nvfp4_dequant"))?;
-    Ok(())
+    launch_fp4_dequant(dev, "nvfp4_dequant", packed, scales, Some(global), out)
 }
 
 /// MXFP4 to bf16: `packed` E2M1x2 `[rows, ceil(cols/2)]`, `scales` E8M0 `[rows, ceil(cols/32)]`.
@@ -165,25 +145,37 @@ pub fn mxfp4_dequant(
     let (rows, cols) = out.dims2("mxfp4 dequant output", DType::BF16)?;
     packed.expect("mxfp4 packed", DType::E2M1x2, &[rows, cols.div_ceil(2)])?;
     scales.expect("mxfp4 scales", DType::E8M0, &[rows, cols.div_ceil(32)])?;
+    launch_fp4_dequant(dev, "mxfp4_dequant", packed, scales, None, out)
+}
+
+/// One thread per packed byte of an FP4 dequantize `(packed, scales, [global,] rows, cols,
+/// out)`; only NVFP4 has the global scale.
+fn launch_fp4_dequant(
+    dev: &Device,
+    kernel: &'static str,
+    packed: &DeviceTensor<u8>,
+    scales: &DeviceTensor<u8>,
+    global: Option<&DeviceTensor<f32>>,
+    out: &mut DeviceTensor<bf16>,
+) -> Result<(), GpuError> {
     let n = packed.len() as u64;
     if n == 0 {
         return Ok(());
     }
+    // The callers checked out as [rows, cols] and the inputs against it.
+    let (rows, cols) = (out.shape()[0], out.shape()[1]);
     let (r32, c32) = (dim_u32("rows", rows)?, dim_u32("cols", cols)?);
-    let f = dev.function("mxfp4_dequant")?;
+    let f = dev.function(kernel)?;
     let mut o = out.view_mut();
-    // SAFETY: shapes checked above.
-    unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(packed.slice())
-            .arg(scales.slice())
-            .arg(&r32)
-            .arg(&c32)
-            .arg(&mut o)
-            .launch(elementwise(n))
+    let stream = dev.stream();
+    let mut b = stream.launch_builder(f);
+    b.arg(packed.slice()).arg(scales.slice());
+    if let Some(g) = global {
+        b.arg(g.slice());
     }
-    .map_err(launch_err("mxfp4_dequant"))?;
+    b.arg(&r32).arg(&c32).arg(&mut o);
+    // SAFETY: the callers checked every shape.
+    unsafe { b.launch(elementwise(n)) }.map_err(launch_err(kernel))?;
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 //! with `--ignored gpu` on a GPU machine (`cargo xtask gpu-test`).
 
 use half::bf16;
+use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::reference as cpu;
@@ -13,14 +14,59 @@ use crate::gpu::testing::{
 };
 use crate::gpu::{BufferPool, PoolError};
 
-fn poisoned<T: crate::gpu::DeviceElem>(
+/// Output element types and their bit-exact comparison.
+trait Exact: DeviceElem {
+    fn assert_exact(what: &str, got: &[Self], want: &[Self]);
+}
+
+impl Exact for bf16 {
+    fn assert_exact(what: &str, got: &[bf16], want: &[bf16]) {
+        assert_bf16_eq(what, got, want);
+    }
+}
+
+impl Exact for u8 {
+    fn assert_exact(what: &str, got: &[u8], want: &[u8]) {
+        assert_bytes_eq(what, got, want);
+    }
+}
+
+/// Runs `launch` into a poisoned `dtype` output of `shape`, checks the output bit for bit
+/// against `want`, and returns it (the input of a round trip).
+fn check_launch<T: Exact>(
     dev: &Device,
+    what: &str,
     dtype: DType,
     shape: &[usize],
+    want: &[T],
+    launch: impl FnOnce(&mut DeviceTensor<T>) -> Result<(), GpuError>,
 ) -> DeviceTensor<T> {
-    let mut t = dev.alloc(dtype, shape).unwrap();
-    dev.fill_bytes(&mut t, POISON).unwrap();
-    t
+    let mut out = dev.alloc(dtype, shape).unwrap();
+    dev.fill_bytes(&mut out, POISON).unwrap();
+    launch(&mut out).unwrap();
+    T::assert_exact(what, &dev.download(&out).unwrap(), want);
+    out
+}
+
+/// Random FP4 codes and scales of a `[rows, cols]` weight with one `scale` byte per `block`
+/// values of a row, on the host and uploaded. Every byte value occurs, so every scale code.
+fn random_fp4(
+    dev: &Device,
+    rng: &mut StdRng,
+    rows: usize,
+    cols: usize,
+    scale: DType,
+    block: usize,
+) -> ([Vec<u8>; 2], [DeviceTensor<u8>; 2]) {
+    let packed = random_bytes(rng, rows * cols.div_ceil(2));
+    let scales = random_bytes(rng, rows * cols.div_ceil(block));
+    let p = dev
+        .upload(DType::E2M1x2, &[rows, cols.div_ceil(2)], &packed)
+        .unwrap();
+    let s = dev
+        .upload(scale, &[rows, cols.div_ceil(block)], &scales)
+        .unwrap();
+    ([packed, scales], [p, s])
 }
 
 #[test]
@@ -145,14 +191,15 @@ fn gpu_nvfp4_act_quantize_matches_reference() {
         );
 
         // And back: the GPU dequantizer on the GPU output equals the CPU dequantizer.
-        let mut back = poisoned::<bf16>(&dev, DType::BF16, &[rows, cols]);
-        nvfp4_dequant(&dev, &out.packed, &out.scales, &out.global, &mut back).unwrap();
         let want_back =
             cpu::nvfp4_dequant(&want.weight, &want.weight_scale, global, rows, cols).unwrap();
-        assert_bf16_eq(
+        check_launch(
+            &dev,
             &format!("{what} round trip"),
-            &dev.download(&back).unwrap(),
+            DType::BF16,
+            &[rows, cols],
             &want_back,
+            |back| nvfp4_dequant(&dev, &out.packed, &out.scales, &out.global, back),
         );
     }
 }
@@ -221,24 +268,18 @@ fn gpu_nvfp4_dequant_matches_reference() {
     for iter in 0..10 {
         let rows: usize = rng.random_range(1..300);
         let cols: usize = rng.random_range(1..1200);
-        let packed = random_bytes(&mut rng, rows * cols.div_ceil(2));
         // Every e4m3 code, NaN included.
-        let scales = random_bytes(&mut rng, rows * cols.div_ceil(16));
+        let ([packed, scales], [p, s]) = random_fp4(&dev, &mut rng, rows, cols, DType::E4M3, 16);
         let global = rng.random_range(1e-3f32..10.0) * 2f32.powi(rng.random_range(-20..4));
         let want = cpu::nvfp4_dequant(&packed, &scales, global, rows, cols).unwrap();
-        let p = dev
-            .upload(DType::E2M1x2, &[rows, cols.div_ceil(2)], &packed)
-            .unwrap();
-        let s = dev
-            .upload(DType::E4M3, &[rows, cols.div_ceil(16)], &scales)
-            .unwrap();
         let g = dev.upload(DType::F32, &[1], &[global]).unwrap();
-        let mut out = poisoned::<bf16>(&dev, DType::BF16, &[rows, cols]);
-        nvfp4_dequant(&dev, &p, &s, &g, &mut out).unwrap();
-        assert_bf16_eq(
+        check_launch(
+            &dev,
             &format!("iter {iter}: [{rows}, {cols}]"),
-            &dev.download(&out).unwrap(),
+            DType::BF16,
+            &[rows, cols],
             &want,
+            |out| nvfp4_dequant(&dev, &p, &s, &g, out),
         );
     }
 }
@@ -255,22 +296,16 @@ fn gpu_mxfp4_dequant_matches_reference() {
         } else {
             rng.random_range(1..1500)
         };
-        let packed = random_bytes(&mut rng, rows * cols.div_ceil(2));
         // Every e8m0 byte: 2^-127 (subnormal products), 2^127 (overflow to inf) and NaN.
-        let scales = random_bytes(&mut rng, rows * cols.div_ceil(32));
+        let ([packed, scales], [p, s]) = random_fp4(&dev, &mut rng, rows, cols, DType::E8M0, 32);
         let want = cpu::mxfp4_dequant(&packed, &scales, rows, cols).unwrap();
-        let p = dev
-            .upload(DType::E2M1x2, &[rows, cols.div_ceil(2)], &packed)
-            .unwrap();
-        let s = dev
-            .upload(DType::E8M0, &[rows, cols.div_ceil(32)], &scales)
-            .unwrap();
-        let mut out = poisoned::<bf16>(&dev, DType::BF16, &[rows, cols]);
-        mxfp4_dequant(&dev, &p, &s, &mut out).unwrap();
-        assert_bf16_eq(
+        check_launch(
+            &dev,
             &format!("iter {iter}: [{rows}, {cols}]"),
-            &dev.download(&out).unwrap(),
+            DType::BF16,
+            &[rows, cols],
             &want,
+            |out| mxfp4_dequant(&dev, &p, &s, out),
         );
     }
 }
@@ -291,15 +326,23 @@ fn gpu_fp8_block_dequant_matches_reference() {
         let sshape = [rows.div_ceil(block.0), cols.div_ceil(block.1)];
         let w = random_bytes(&mut rng, rows * cols);
         let wd = dev.upload(DType::E4M3, &[rows, cols], &w).unwrap();
-        let mut out = poisoned::<bf16>(&dev, DType::BF16, &[rows, cols]);
         let what = format!("iter {iter}: [{rows}, {cols}] block {block:?}");
+        let check = |kind: &str, want: &[bf16], scales: Fp8Scales<'_>| {
+            check_launch(
+                &dev,
+                &format!("{what} {kind}"),
+                DType::BF16,
+                &[rows, cols],
+                want,
+                |out| fp8_block_dequant(&dev, &wd, scales, block, out),
+            );
+        };
         if iter % 2 == 0 {
             let scales = random_bytes(&mut rng, sshape[0] * sshape[1]);
             let want =
                 cpu::fp8_block_dequant(&w, &scales, ScaleFormat::E8m0, rows, cols, block).unwrap();
             let sd = dev.upload(DType::E8M0, &sshape, &scales).unwrap();
-            fp8_block_dequant(&dev, &wd, Fp8Scales::E8m0(&sd), block, &mut out).unwrap();
-            assert_bf16_eq(&format!("{what} e8m0"), &dev.download(&out).unwrap(), &want);
+            check("e8m0", &want, Fp8Scales::E8m0(&sd));
         } else {
             let scales: Vec<f32> = (0..sshape[0] * sshape[1])
                 .map(|_| rng.random_range(0.5f32..2.0) * 2f32.powi(rng.random_range(-30..20)))
@@ -308,8 +351,7 @@ fn gpu_fp8_block_dequant_matches_reference() {
             let want =
                 cpu::fp8_block_dequant(&w, &raw, ScaleFormat::F32, rows, cols, block).unwrap();
             let sd = dev.upload(DType::F32, &sshape, &scales).unwrap();
-            fp8_block_dequant(&dev, &wd, Fp8Scales::F32(&sd), block, &mut out).unwrap();
-            assert_bf16_eq(&format!("{what} f32"), &dev.download(&out).unwrap(), &want);
+            check("f32", &want, Fp8Scales::F32(&sd));
         }
     }
 }
@@ -330,20 +372,22 @@ fn gpu_scale_swizzle_matches_reference_and_inverts() {
         let scales = random_bytes(&mut rng, rows * cols);
         let want = cpu::scale_swizzle_32_4_4(&scales, rows, cols).unwrap();
         let sd = dev.upload(dtype, &[rows, cols], &scales).unwrap();
-        let mut sw = poisoned::<u8>(&dev, dtype, &swizzled_dims(rows, cols));
-        scale_swizzle_32_4_4(&dev, &sd, &mut sw).unwrap();
         let what = format!("iter {iter}: [{rows}, {cols}]");
-        assert_bytes_eq(
+        let sw = check_launch(
+            &dev,
             &format!("{what} swizzle"),
-            &dev.download(&sw).unwrap(),
+            dtype,
+            &swizzled_dims(rows, cols),
             &want,
+            |sw| scale_swizzle_32_4_4(&dev, &sd, sw),
         );
-        let mut back = poisoned::<u8>(&dev, dtype, &[rows, cols]);
-        scale_unswizzle_32_4_4(&dev, &sw, &mut back).unwrap();
-        assert_bytes_eq(
+        check_launch(
+            &dev,
             &format!("{what} unswizzle"),
-            &dev.download(&back).unwrap(),
+            dtype,
+            &[rows, cols],
             &scales,
+            |back| scale_unswizzle_32_4_4(&dev, &sw, back),
         );
     }
 }
@@ -363,21 +407,23 @@ fn gpu_kv_fp8_records_match_reference() {
         zero_some_blocks(&mut rng, &mut kv, 64);
         let want = cpu::kv_fp8_quantize(&kv).unwrap();
         let kd = dev.upload(DType::BF16, &[tokens, KV_DIM], &kv).unwrap();
-        let mut rec = poisoned::<u8>(&dev, DType::U8, &[tokens, KV_RECORD]);
-        kv_fp8_quantize(&dev, &kd, &mut rec).unwrap();
         let what = format!("iter {iter}: {tokens} tokens");
-        assert_bytes_eq(
+        let rec = check_launch(
+            &dev,
             &format!("{what} records"),
-            &dev.download(&rec).unwrap(),
+            DType::U8,
+            &[tokens, KV_RECORD],
             &want,
+            |rec| kv_fp8_quantize(&dev, &kd, rec),
         );
-        let mut back = poisoned::<bf16>(&dev, DType::BF16, &[tokens, KV_DIM]);
-        kv_fp8_dequant(&dev, &rec, &mut back).unwrap();
         let want_back = cpu::kv_fp8_dequant(&want).unwrap();
-        assert_bf16_eq(
+        check_launch(
+            &dev,
             &format!("{what} dequant"),
-            &dev.download(&back).unwrap(),
+            DType::BF16,
+            &[tokens, KV_DIM],
             &want_back,
+            |back| kv_fp8_dequant(&dev, &rec, back),
         );
     }
 }
