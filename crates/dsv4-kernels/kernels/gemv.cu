@@ -31,7 +31,9 @@
 // summed in shared memory (in warp order, once, at the end), and when splits > G the tile's
 // partial sums go through the workspace: the last one to arrive (per-tile counter) adds them
 // in order and writes the rows. Every reduction has a fixed order, so results never depend
-// on timing.
+// on timing. The block's warps share one K range (G consecutive ranges of a tile, or one range
+// of 4 tiles); when the launcher reserved shared memory for it (`x_stride` != 0), the block
+// stages that range of every activation row there once.
 #include "gemv_tile.cu"
 
 // Kernel arguments (layout mirrored by `GemvArgs` in dsv4_ops::gpu::gemv).
@@ -49,30 +51,40 @@ struct GemvArgs {
     float limit;        // SwiGLU clamp
     u32 fp8_br;         // FP8 scale block rows
     u32 tiles;
-    u32 pad0, pad1;
+    u32 x_stride;       // row stride of the staged activations in shared memory; 0: not staged
+    u32 pad;
 };
 
 template <int F, int MT, bool SWIGLU>
 __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     using namespace gemv;
+    extern __shared__ __align__(16) u16 xs[];
     constexpr u32 TR = SWIGLU ? 8 : 16;   // output rows per tile
     constexpr u32 HO = SWIGLU ? 0 : 8;    // row offset of the hi half
+    constexpr u32 E = Format<F>::ELEMS;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 G = a.splits % 4 == 0 ? 4 : a.splits % 2 == 0 ? 2 : 1, bpt = a.splits / G;
     const u32 tile = (blockIdx.x / bpt) * (GEMV_WARPS / G) + warp / G;
     const u32 split = (blockIdx.x % bpt) * G + warp % G;
-    // Warps past the last tile only take part in the block's reduction.
+    // Warps past the last tile only take part in the staging and the block's reduction.
     const bool live = tile < a.tiles;
-    if (!live && G == 1) return;
     const u32 t = live ? tile : 0;
     const u32 g = lane >> 2, q = lane & 3u;
     const u32 r_lo = t * TR + g, r_hi = t * TR + HO + g;
-    const u32 chunks = a.k / Format<F>::ELEMS;
+    const u32 chunks = a.k / E;
+    const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+    // The block's K range: splits [split0, split0 + G) of its tiles.
+    const u32 split0 = (blockIdx.x % bpt) * G;
+    const u32 k0 = min(a.k, (u32)((u64)steps * split0 / a.splits) * STEP_CHUNKS * E);
+    const u32 k1 = min(a.k, (u32)((u64)steps * (split0 + G) / a.splits) * STEP_CHUNKS * E);
+    const bool staged = a.x_stride != 0;
+    const u16* x = staged ? xs - k0 : a.x;
+    const u64 x_stride = staged ? a.x_stride : a.k;
 
     Lane L;
     lane_init<F>(L, a.w + (u64)t * tile_bytes(chunks),
                  (F == NVFP4 || F == MXFP4) ? a.s + (u64)t * tile_scale_bytes<F>(chunks) : nullptr, chunks,
-                 a.x + (u64)min(g, a.m - 1) * a.k, a.x + (u64)min(g + 8, a.m - 1) * a.k, lane);
+                 x + min(g, a.m - 1) * x_stride, x + min(g + 8, a.m - 1) * x_stride, lane);
     if (F == FP8) {
         // Scales expanded at upload to one per 64 columns; rows past N read the last row's
         // scales (their sums are dropped).
@@ -81,20 +93,19 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
         L.fs_hi = a.fs1 + (u64)(min(r_hi, a.n - 1) / a.fp8_br) * groups;
     }
 
-    const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
-    const u32 s_begin = (u32)((u64)steps * split / a.splits);
-    const u32 s_end = (u32)((u64)steps * (split + 1) / a.splits);
-    Ring ring;
-    if (s_begin < s_end) ring_load<F>(L, s_begin, ring);
+    const u32 s_begin = live ? (u32)((u64)steps * split / a.splits) : 0;
+    const u32 s_end = live ? (u32)((u64)steps * (split + 1) / a.splits) : 0;
+    const u32 j0 = sub_begin(s_begin), j1 = sub_end(L, s_end);
+    Ring<F> ring;
+    ring_load<F>(L, j0, j1, ring);
     pdl_wait();
     pdl_launch_dependents();
+    if (staged) stage_rows(xs, a.x_stride, a.x + k0, a.k, a.m, k1 - k0);
+    if (!live && G == 1) return;
 
     float acc[MT][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
-    run_steps<F, MT>(L, s_begin, s_end, ring, acc);
+    zero(acc);
+    run_subs<F, MT>(L, j0, j1, ring, acc);
     if (G > 1 && !reduce_warps<MT>(acc, G)) return;
     if (!live) return;
     if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, blockIdx.x % bpt, bpt, a.m)) return;
@@ -118,20 +129,21 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
 }
 
 // M <= 8 uses one MMA column block (m8), 9 <= M <= 16 two (m16). The m8 kernels are held to
-// M8_BLOCKS resident blocks per multiprocessor (24 warps on sm_90).
+// a register budget (M8_BLOCKS resident blocks per multiprocessor for BF16, M8_DEEP_BLOCKS for
+// the deeper early-refill rings of FP8 and FP4).
 DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, false>(a); }
 DSV4_KERNEL void gemv_bf16_m16(const GemvArgs a) { gemv_kernel<gemv::BF16, 2, false>(a); }
 DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_bf16_m16(const GemvArgs a) { gemv_kernel<gemv::BF16, 2, true>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, false>(a); }
 DSV4_KERNEL void gemv_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_swiglu_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, true>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, false>(a); }
 DSV4_KERNEL void gemv_nvfp4_m16(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_swiglu_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_nvfp4_m16(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 2, true>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, false>(a); }
 DSV4_KERNEL void gemv_mxfp4_m16(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_swiglu_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_mxfp4_m16(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 2, true>(a); }

@@ -139,9 +139,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // chunk. FP8 block scales stay row-major [ceil(N/br), ceil(K/bc)].
 //
 // Sub-step j = 4s + u of a tile is the 1 KB at j * 1024: chunks 4j..4j+3 of all 16 rows. A
-// warp keeps the U sub-steps of one step in registers (a ring, 8-10 registers each) and
-// refills each slot with the next step's sub-step as soon as it has used it, so about 4 KB
-// per warp are always in flight at a modest register count.
+// warp keeps R sub-steps in registers (a ring, 8-10 registers each). FP8 and FP4 refill a slot
+// before computing on its data (the data is copied out first), so R KB per warp stay in flight
+// through the math; BF16, whose math is short, refills after it and keeps fewer registers.
+//
+// Activations are read through a generic pointer: from shared memory when the launch staged
+// them there (stage_rows, once per block), else from global memory. Staged reads take ~30
+// cycles instead of an L2 round trip inside every sub-step's dependency chain.
 
 // What a lane reads, with its own offsets applied: its column of the tile's packed codes and
 // scales, the FP8 scale rows of tile rows g and g + 8 (clamped to the last row) and the
@@ -303,51 +307,87 @@ __device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, 
     }
 }
 
-// The ring of one step's sub-steps.
-struct Ring {
-    Sub r[U];
+// Ring depth and refill order per format (measured on the H200, docs/perf.md).
+template <int F> struct RingOf {
+    static constexpr u32 R = F == FP8 ? 6 : U;
+    static constexpr bool EARLY = F != BF16;
 };
 
-// Loads step s of L's tile into the ring (sub-steps past the data are skipped).
+template <int F> struct Ring {
+    Sub r[RingOf<F>::R];
+};
+
+// Loads sub-steps j0 .. j0 + R - 1 (those below j1) into the ring.
 template <int F>
-__device__ __forceinline__ void ring_load(const Lane& L, u32 s, Ring& ring) {
+__device__ __forceinline__ void ring_load(const Lane& L, u32 j0, u32 j1, Ring<F>& ring) {
 #pragma unroll
-    for (u32 u = 0; u < U; ++u)
-        if (U * s + u < L.subs) sub_load<F>(L, U * s + u, ring.r[u]);
+    for (u32 r = 0; r < RingOf<F>::R; ++r)
+        if (j0 + r < j1) sub_load<F>(L, j0 + r, ring.r[r]);
 }
 
-// Computes step s of L's tile from the ring, refilling each slot with step s_next of tile
-// L_next as soon as it is used (no refill when s_next is past that tile's data).
+// One slot: computes sub-step j of L's tile (if `has`) and refills the slot with sub-step jn of
+// Ln's tile (if `has_next`), in the format's order.
 template <int F, int MT>
-__device__ __forceinline__ void ring_step(const Lane& L, u32 s, const Lane& L_next, u32 s_next, Ring& ring,
-                                          float (&acc)[MT][4]) {
-#pragma unroll
-    for (u32 u = 0; u < U; ++u) {
-        if (U * s + u < L.subs) sub_compute<F, MT>(L, U * s + u, ring.r[u], acc);
-        if (U * s_next + u < L_next.subs) sub_load<F>(L_next, U * s_next + u, ring.r[u]);
+__device__ __forceinline__ void slot_step(const Lane& L, u32 j, bool has, const Lane& Ln, u32 jn, bool has_next,
+                                          Sub& slot, float (&acc)[MT][4]) {
+    if (RingOf<F>::EARLY) {
+        const Sub cur = slot;
+        if (has_next) sub_load<F>(Ln, jn, slot);
+        if (has) sub_compute<F, MT>(L, j, cur, acc);
+    } else {
+        if (has) sub_compute<F, MT>(L, j, slot, acc);
+        if (has_next) sub_load<F>(Ln, jn, slot);
     }
 }
 
-// No step: U * NO_STEP is past every tile.
-constexpr u32 NO_STEP = 0xffffffffu / U;
-
-// Steps [first, end) of one tile into acc, the ring already holding step `first`.
+// Sub-steps [j0, j1) of one tile into acc, the ring already holding j0 .. j0 + R - 1.
 template <int F, int MT>
-__device__ __forceinline__ void run_steps(const Lane& L, u32 first, u32 end, Ring& ring, float (&acc)[MT][4]) {
+__device__ __forceinline__ void run_subs(const Lane& L, u32 j0, u32 j1, Ring<F>& ring, float (&acc)[MT][4]) {
+    constexpr u32 R = RingOf<F>::R;
 #pragma unroll 1
-    for (u32 s = first; s < end; ++s) ring_step<F, MT>(L, s, L, s + 1 < end ? s + 1 : NO_STEP, ring, acc);
+    for (u32 j = j0; j < j1; j += R)
+#pragma unroll
+        for (u32 r = 0; r < R; ++r) slot_step<F, MT>(L, j + r, j + r < j1, L, j + R + r, j + R + r < j1, ring.r[r], acc);
+}
+
+// Sub-steps of steps [s0, s1) of L's tile.
+__device__ __forceinline__ u32 sub_begin(u32 s0) { return U * s0; }
+__device__ __forceinline__ u32 sub_end(const Lane& L, u32 s1) { return min(U * s1, L.subs); }
+
+template <int MT>
+__device__ __forceinline__ void zero(float (&acc)[MT][4]) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
+}
+
+// Copies `rows` rows of `len` bf16 (len and both strides multiples of 8, 16-byte aligned rows)
+// from global memory into shared memory. Every thread of the block calls it; it ends with a
+// barrier.
+__device__ __forceinline__ void stage_rows(u16* dst, u32 dst_stride, const u16* src, u64 src_stride, u32 rows,
+                                           u32 len) {
+    const u32 per_row = len / 8;
+    for (u32 i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+        const u32 r = i / per_row, c = (i % per_row) * 8;
+        *reinterpret_cast<uint4*>(dst + (u64)r * dst_stride + c) =
+            *reinterpret_cast<const uint4*>(src + r * src_stride + c);
+    }
+    __syncthreads();
 }
 
 // Warps of a GEMV or gate+up block (the MoE down kernel takes its own count).
 constexpr u32 GEMV_WARPS = 4;
 
-// Resident 4-warp blocks per multiprocessor the M <= 8 kernels are held to (register cap):
-// 80 registers on sm_90; sm_100 code needs a few more and keeps five.
+// Resident 4-warp blocks per multiprocessor the M <= 8 kernels are held to (register cap).
+// BF16: 80 registers on sm_90; sm_100 code needs a few more and keeps five. FP8 / FP4 rings
+// refill early and hold a copy of a slot: four blocks (128 registers).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define M8_BLOCKS 5
 #else
 #define M8_BLOCKS 6
 #endif
+#define M8_DEEP_BLOCKS 4
 
 // Sums acc over the G consecutive warps of a block that share a tile (in warp order) into the
 // first of them. Every thread of the block must call it. Returns true in each tile's first warp.

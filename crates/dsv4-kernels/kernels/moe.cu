@@ -14,7 +14,9 @@
 //     decode sizes all selected experts form one group: one barrier per block.
 //
 // The K split of both kernels depends only on the shapes, never on the routing, so a token's
-// output is the same alone and in a batch. Both stream weights with the ring of gemv_tile.cu.
+// output is the same alone and in a batch. Both stream weights with the ring of gemv_tile.cu
+// and, when the launcher reserved the shared memory (`stage`), read their activations (x for
+// gate_up, all of h for down) from a copy staged there once per block.
 // Expert ids outside [0, experts) select nothing. NVFP4 or MXFP4 weights stacked over experts.
 #include "gemv_tile.cu"
 
@@ -35,7 +37,7 @@ struct MoeArgs {
     u32 m, topk, experts, d, inter;
     float limit;
     u32 up_wpt;            // gate_up: warps per tile (1, 2 or 4)
-    u32 pad;
+    u32 stage;             // bit 0: gate_up stages x, bit 1: down stages h (shared memory)
 };
 
 namespace moe {
@@ -61,6 +63,7 @@ __device__ __forceinline__ float post_scale(const float* g, int e) {
 template <int F, int MT>
 __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     using namespace gemv;
+    extern __shared__ __align__(16) u16 xs[];
     const u32 pair = blockIdx.y;
     const int e = a.ids[pair];
     if (!valid_expert(e, a.experts)) return;
@@ -70,26 +73,26 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, G = a.up_wpt;
     const u32 tile = blockIdx.x * (GEMV_WARPS / G) + warp / G, kpart = warp % G;
     const u32 chunks = a.d / 32u, tiles = (a.inter + 7) / 8;
-    // Warps past the last tile only take part in the block's reduction.
+    // Warps past the last tile only take part in the staging and the block's reduction.
     const bool live = tile < tiles;
-    if (!live && G == 1) return;
     const u32 g = lane >> 2, q = lane & 3u;
     const u32 r = tile * 8 + g;
     const u64 t = (u64)e * tiles + (live ? tile : 0);
+    const bool staged = a.stage & 1u;
+    const u16* x = staged ? xs : a.x;
     // Rows of tokens that did not choose e are computed and dropped.
     Lane L;
     lane_init<F>(L, a.w13 + t * tile_bytes(chunks), a.s13 + t * tile_scale_bytes<F>(chunks), chunks,
-                 a.x + (u64)min(g, a.m - 1) * a.d, a.x + (u64)min(g + 8, a.m - 1) * a.d, lane);
+                 x + (u64)min(g, a.m - 1) * a.d, x + (u64)min(g + 8, a.m - 1) * a.d, lane);
     const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
-    const u32 s_begin = steps * kpart / G, s_end = steps * (kpart + 1) / G;
-    Ring ring;
-    if (s_begin < s_end) ring_load<F>(L, s_begin, ring);
+    const u32 j0 = sub_begin(steps * kpart / G), j1 = sub_end(L, steps * (kpart + 1) / G);
+    Ring<F> ring;
+    ring_load<F>(L, j0, j1, ring);
+    if (staged) stage_rows(xs, a.d, a.x, a.d, a.m, a.d);
+    if (!live && G == 1) return;
     float acc[MT][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
-    run_steps<F, MT>(L, s_begin, s_end, ring, acc);
+    zero(acc);
+    run_subs<F, MT>(L, j0, j1, ring, acc);
     if (G > 1 && !reduce_warps<MT>(acc, G)) return;
     if (!live || r >= a.inter) return;
 
@@ -110,6 +113,9 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
 template <int F, int MT, bool OUT_F32>
 __device__ __forceinline__ void down(const MoeArgs& a) {
     using namespace gemv;
+    // Items are whole K steps of one expert: the ring must hold exactly one step.
+    static_assert(RingOf<F>::R == U, "the down kernel's ring holds one K step");
+    extern __shared__ __align__(16) u16 hs[];
     __shared__ int ids[MAX_PAIRS];
     __shared__ unsigned char first[MAX_PAIRS];
     __shared__ int uniq[MAX_PAIRS];
@@ -140,6 +146,8 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     const u32 r_lo = tile * 16 + g, r_hi = tile * 16 + 8 + g;
     const u32 chunks = a.inter / 32u, tiles = (a.d + 15) / 16;
     const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+    const bool staged = a.stage & 2u;
+    const u16* h = staged ? hs : a.h;
 
     // Item partials of one group of experts: [item][MT * 4][lane].
     __shared__ float part[PART_FLOATS];
@@ -153,26 +161,26 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
         const u64 t = (u64)e * tiles + tile;
         const int jl = slot_of(ids, a.topk, min(g, a.m - 1), e);
         const int jh = slot_of(ids, a.topk, min(g + 8, a.m - 1), e);
-        const u16* h_lo = a.h + ((u64)min(g, a.m - 1) * a.topk + max(jl, 0)) * a.inter;
-        const u16* h_hi = a.h + ((u64)min(g + 8, a.m - 1) * a.topk + max(jh, 0)) * a.inter;
+        const u16* h_lo = h + ((u64)min(g, a.m - 1) * a.topk + max(jl, 0)) * a.inter;
+        const u16* h_hi = h + ((u64)min(g + 8, a.m - 1) * a.topk + max(jh, 0)) * a.inter;
         lane_init<F>(L, a.w2 + t * tile_bytes(chunks), a.s2 + t * tile_scale_bytes<F>(chunks), chunks, h_lo,
                      h_hi, lane);
     };
 
     float acc[MT][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
+    zero(acc);
 
-    Ring ring;
+    Ring<F> ring;
     Lane lc, ln;
     for (u32 g0 = 0; g0 < distinct; g0 += group) {
         const u32 items = min(group, distinct - g0) * steps;
         if (warp < items) {
             item_lane(g0, warp, lc);
-            ring_load<F>(lc, warp % steps, ring);
+            const u32 st = warp % steps;
+            ring_load<F>(lc, sub_begin(st), sub_end(lc, st + 1), ring);
         }
+        // Staged once, while the first items' weights are on their way.
+        if (g0 == 0 && staged) stage_rows(hs, a.inter, a.h, a.inter, pairs, a.inter);
         // Each item's loads are issued while the previous item is computed (the ring).
 #pragma unroll 1
         for (u32 it = warp; it < items; it += nw) {
@@ -180,11 +188,11 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             if (more) item_lane(g0, it + nw, ln);
             else ln = lc;
             float t[MT][4];
+            zero(t);
+            const u32 j = U * (it % steps), jn = U * ((it + nw) % steps);
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) t[m][i] = 0.0f;
-            ring_step<F, MT>(lc, it % steps, ln, more ? (it + nw) % steps : NO_STEP, ring, t);
+            for (u32 u = 0; u < U; ++u)
+                slot_step<F, MT>(lc, j + u, j + u < lc.subs, ln, jn + u, more && jn + u < ln.subs, ring.r[u], t);
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -242,15 +250,15 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
 
 }  // namespace moe
 
-DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) moe_gate_up_nvfp4_m8(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 1>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) moe_gate_up_nvfp4_m8(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 1>(a); }
 DSV4_KERNEL void moe_gate_up_nvfp4_m16(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 2>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) moe_gate_up_mxfp4_m8(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 1>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) moe_gate_up_mxfp4_m8(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 1>(a); }
 DSV4_KERNEL void moe_gate_up_mxfp4_m16(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 2>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_BLOCKS / 2) moe_down_nvfp4_m8(const MoeArgs a) { moe::down<gemv::NVFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8(const MoeArgs a) { moe::down<gemv::NVFP4, 1, false>(a); }
 DSV4_KERNEL void moe_down_nvfp4_m16(const MoeArgs a) { moe::down<gemv::NVFP4, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_BLOCKS / 2) moe_down_mxfp4_m8(const MoeArgs a) { moe::down<gemv::MXFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8(const MoeArgs a) { moe::down<gemv::MXFP4, 1, false>(a); }
 DSV4_KERNEL void moe_down_mxfp4_m16(const MoeArgs a) { moe::down<gemv::MXFP4, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_BLOCKS / 2) moe_down_nvfp4_m8_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 1, true>(a); }
 DSV4_KERNEL void moe_down_nvfp4_m16_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 2, true>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_BLOCKS / 2) moe_down_mxfp4_m8_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 1, true>(a); }
 DSV4_KERNEL void moe_down_mxfp4_m16_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 2, true>(a); }

@@ -22,7 +22,10 @@ pub enum LinearData {
         block_cols: usize,
     },
     /// Packed e2m1 `[rows, ceil(cols/2)]` + e8m0 scale per 32 `[rows, ceil(cols/32)]`.
-    Mxfp4 { weight: Blob, scale: Blob },
+    Mxfp4 {
+        weight: Blob,
+        scale: Blob,
+    },
     /// Packed e2m1 `[rows, ceil(cols/2)]` + e4m3 scale per 16 `[rows, ceil(cols/16)]` +
     /// global `weight_scale_2`; `input_scale` is only meaningful for FP4 activations.
     Nvfp4 {
@@ -52,14 +55,24 @@ impl Linear {
             if blob.len() == expected {
                 Ok(())
             } else {
-                Err(CodecError::Length { what, expected, found: blob.len() })
+                Err(CodecError::Length {
+                    what,
+                    expected,
+                    found: blob.len(),
+                })
             }
         };
         match &data {
             LinearData::F32(b) => len("f32 weight", rows * cols * 4, b)?,
             LinearData::Bf16(b) => len("bf16 weight", rows * cols * 2, b)?,
             LinearData::F16(b) => len("f16 weight", rows * cols * 2, b)?,
-            LinearData::Fp8Block { weight, scale, scale_format, block_rows, block_cols } => {
+            LinearData::Fp8Block {
+                weight,
+                scale,
+                scale_format,
+                block_rows,
+                block_cols,
+            } => {
                 if *block_rows == 0 || *block_cols == 0 {
                     return Err(CodecError::Invalid {
                         what: "fp8 block size",
@@ -74,9 +87,18 @@ impl Linear {
                 len("mxfp4 weight", rows * cols.div_ceil(2), weight)?;
                 len("mxfp4 scale", rows * cols.div_ceil(mxfp4::BLOCK), scale)?;
             }
-            LinearData::Nvfp4 { weight, weight_scale, weight_scale_2, .. } => {
+            LinearData::Nvfp4 {
+                weight,
+                weight_scale,
+                weight_scale_2,
+                ..
+            } => {
                 len("nvfp4 weight", rows * cols.div_ceil(2), weight)?;
-                len("nvfp4 weight_scale", rows * cols.div_ceil(nvfp4::BLOCK), weight_scale)?;
+                len(
+                    "nvfp4 weight_scale",
+                    rows * cols.div_ceil(nvfp4::BLOCK),
+                    weight_scale,
+                )?;
                 if !weight_scale_2.is_finite() {
                     return Err(CodecError::Invalid {
                         what: "nvfp4 weight_scale_2",
@@ -106,8 +128,14 @@ impl Linear {
             LinearData::F32(_) => "f32",
             LinearData::Bf16(_) => "bf16",
             LinearData::F16(_) => "f16",
-            LinearData::Fp8Block { scale_format: ScaleFormat::E8m0, .. } => "fp8 (e8m0 block scales)",
-            LinearData::Fp8Block { scale_format: ScaleFormat::F32, .. } => "fp8 (f32 block scales)",
+            LinearData::Fp8Block {
+                scale_format: ScaleFormat::E8m0,
+                ..
+            } => "fp8 (e8m0 block scales)",
+            LinearData::Fp8Block {
+                scale_format: ScaleFormat::F32,
+                ..
+            } => "fp8 (f32 block scales)",
             LinearData::Mxfp4 { .. } => "mxfp4",
             LinearData::Nvfp4 { .. } => "nvfp4",
         }
@@ -120,7 +148,11 @@ impl Linear {
             LinearData::Fp8Block { weight, scale, .. } | LinearData::Mxfp4 { weight, scale } => {
                 weight.len() + scale.len()
             }
-            LinearData::Nvfp4 { weight, weight_scale, .. } => weight.len() + weight_scale.len() + 8,
+            LinearData::Nvfp4 {
+                weight,
+                weight_scale,
+                ..
+            } => weight.len() + weight_scale.len() + 8,
         }
     }
 
@@ -133,19 +165,46 @@ impl Linear {
         assert_eq!(out.len(), self.cols, "dequant_row output length");
         let c = self.cols;
         match &self.data {
-            LinearData::F32(b) => half_float::f32_from_le(&b.bytes()[r * c * 4..(r + 1) * c * 4], out),
-            LinearData::Bf16(b) => half_float::bf16_to_f32(&b.bytes()[r * c * 2..(r + 1) * c * 2], out),
-            LinearData::F16(b) => half_float::f16_to_f32(&b.bytes()[r * c * 2..(r + 1) * c * 2], out),
-            LinearData::Fp8Block { weight, scale, scale_format, block_rows, block_cols } => {
+            LinearData::F32(b) => {
+                half_float::f32_from_le(&b.bytes()[r * c * 4..(r + 1) * c * 4], out)
+            }
+            LinearData::Bf16(b) => {
+                half_float::bf16_to_f32(&b.bytes()[r * c * 2..(r + 1) * c * 2], out)
+            }
+            LinearData::F16(b) => {
+                half_float::f16_to_f32(&b.bytes()[r * c * 2..(r + 1) * c * 2], out)
+            }
+            LinearData::Fp8Block {
+                weight,
+                scale,
+                scale_format,
+                block_rows,
+                block_cols,
+            } => {
                 let srow = c.div_ceil(*block_cols) * scale_format.bytes();
                 let s = &scale.bytes()[(r / block_rows) * srow..][..srow];
-                fp8_block::dequant_row(&weight.bytes()[r * c..(r + 1) * c], s, *scale_format, *block_cols, out);
+                fp8_block::dequant_row(
+                    &weight.bytes()[r * c..(r + 1) * c],
+                    s,
+                    *scale_format,
+                    *block_cols,
+                    out,
+                );
             }
             LinearData::Mxfp4 { weight, scale } => {
                 let (pc, sc) = (c.div_ceil(2), c.div_ceil(mxfp4::BLOCK));
-                mxfp4::dequant_row(&weight.bytes()[r * pc..][..pc], &scale.bytes()[r * sc..][..sc], out);
+                mxfp4::dequant_row(
+                    &weight.bytes()[r * pc..][..pc],
+                    &scale.bytes()[r * sc..][..sc],
+                    out,
+                );
             }
-            LinearData::Nvfp4 { weight, weight_scale, weight_scale_2, .. } => {
+            LinearData::Nvfp4 {
+                weight,
+                weight_scale,
+                weight_scale_2,
+                ..
+            } => {
                 let (pc, sc) = (c.div_ceil(2), c.div_ceil(nvfp4::BLOCK));
                 nvfp4::dequant_row(
                     &weight.bytes()[r * pc..][..pc],
@@ -183,7 +242,12 @@ impl Linear {
     /// # Panics
     /// If the rows are out of range or the buffer lengths do not match.
     pub fn matmul_rows(&self, first: usize, count: usize, x: &[f32], n: usize, y: &mut [f32]) {
-        assert!(first + count <= self.rows, "rows {first}..{} out of range for {}", first + count, self.rows);
+        assert!(
+            first + count <= self.rows,
+            "rows {first}..{} out of range for {}",
+            first + count,
+            self.rows
+        );
         assert_eq!(x.len(), n * self.cols, "matmul input length");
         assert_eq!(y.len(), n * count, "matmul output length");
         let c = self.cols;
@@ -263,7 +327,10 @@ mod tests {
     fn weights(rows: usize, cols: usize, seed: u32) -> Vec<f32> {
         (0..rows * cols)
             .map(|i| {
-                let h = (i as u32 ^ seed).wrapping_mul(2654435761).rotate_left(13).wrapping_mul(40503);
+                let h = (i as u32 ^ seed)
+                    .wrapping_mul(2654435761)
+                    .rotate_left(13)
+                    .wrapping_mul(40503);
                 (h as f32 / u32::MAX as f32 - 0.5) * 3.0
             })
             .collect()
@@ -297,7 +364,10 @@ mod tests {
             LinearData::F16(Blob::from_vec(hf)),
             fp8(q8, ScaleFormat::E8m0),
             fp8(q8f, ScaleFormat::F32),
-            LinearData::Mxfp4 { weight: Blob::from_vec(mx.weight), scale: Blob::from_vec(mx.scale) },
+            LinearData::Mxfp4 {
+                weight: Blob::from_vec(mx.weight),
+                scale: Blob::from_vec(mx.scale),
+            },
             LinearData::Nvfp4 {
                 weight: Blob::from_vec(nv.weight),
                 weight_scale: Blob::from_vec(nv.weight_scale),
@@ -319,9 +389,28 @@ mod tests {
         let mx = mxfp4::quantize(&w, rows, cols).unwrap();
         let nv = nvfp4::quantize(&w, rows, cols).unwrap();
         let refs = [
-            (3, fp8_block::dequantize(&q8.weight, &q8.scale, ScaleFormat::E8m0, rows, cols, 128, 128).unwrap()),
-            (5, mxfp4::dequantize(&mx.weight, &mx.scale, rows, cols).unwrap()),
-            (6, nvfp4::dequantize(&nv.weight, &nv.weight_scale, nv.weight_scale_2, rows, cols).unwrap()),
+            (
+                3,
+                fp8_block::dequantize(
+                    &q8.weight,
+                    &q8.scale,
+                    ScaleFormat::E8m0,
+                    rows,
+                    cols,
+                    128,
+                    128,
+                )
+                .unwrap(),
+            ),
+            (
+                5,
+                mxfp4::dequantize(&mx.weight, &mx.scale, rows, cols).unwrap(),
+            ),
+            (
+                6,
+                nvfp4::dequantize(&nv.weight, &nv.weight_scale, nv.weight_scale_2, rows, cols)
+                    .unwrap(),
+            ),
         ];
         for (i, want) in refs {
             assert_eq!(lins[i].to_f32(), want, "{}", lins[i].format_name());
@@ -332,14 +421,31 @@ mod tests {
     #[test]
     fn new_rejects_wrong_sizes() {
         let err = Linear::new(2, 3, LinearData::Bf16(Blob::from_vec(vec![0; 10]))).unwrap_err();
-        assert_eq!(err, CodecError::Length { what: "bf16 weight", expected: 12, found: 10 });
+        assert_eq!(
+            err,
+            CodecError::Length {
+                what: "bf16 weight",
+                expected: 12,
+                found: 10
+            }
+        );
         let err = Linear::new(
             4,
             64,
-            LinearData::Mxfp4 { weight: Blob::from_vec(vec![0; 128]), scale: Blob::from_vec(vec![127; 4]) },
+            LinearData::Mxfp4 {
+                weight: Blob::from_vec(vec![0; 128]),
+                scale: Blob::from_vec(vec![127; 4]),
+            },
         )
         .unwrap_err();
-        assert!(matches!(err, CodecError::Length { what: "mxfp4 scale", expected: 8, .. }));
+        assert!(matches!(
+            err,
+            CodecError::Length {
+                what: "mxfp4 scale",
+                expected: 8,
+                ..
+            }
+        ));
         let err = Linear::new(
             1,
             16,
@@ -364,8 +470,12 @@ mod tests {
             lin.matmul(&x, n, &mut y);
             for i in 0..n {
                 for r in 0..rows {
-                    let exact: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[i * cols + c] as f64).sum();
-                    let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[i * cols + c] as f64).abs()).sum();
+                    let exact: f64 = (0..cols)
+                        .map(|c| w[r * cols + c] as f64 * x[i * cols + c] as f64)
+                        .sum();
+                    let scale: f64 = (0..cols)
+                        .map(|c| (w[r * cols + c] as f64 * x[i * cols + c] as f64).abs())
+                        .sum();
                     let got = y[i * rows + r] as f64;
                     assert!(
                         (got - exact).abs() <= 1e-5 * scale.max(1e-30),
@@ -387,9 +497,17 @@ mod tests {
             for i in 0..7 {
                 let mut y1 = vec![0f32; rows];
                 lin.matmul(&x[i * cols..(i + 1) * cols], 1, &mut y1);
-                assert_eq!(y1.as_slice(), &y7[i * rows..(i + 1) * rows], "{} row {i}", lin.format_name());
+                assert_eq!(
+                    y1.as_slice(),
+                    &y7[i * rows..(i + 1) * rows],
+                    "{} row {i}",
+                    lin.format_name()
+                );
             }
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
             let mut y_single = vec![0f32; 7 * rows];
             pool.install(|| lin.matmul(&x, 7, &mut y_single));
             assert_eq!(y_single, y7);

@@ -24,7 +24,9 @@ use rayon::prelude::*;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 
-use crate::checkpoint::layout::{self, ExpertMatrix, LinearRole, TensorKind, TensorSpec, VectorRole};
+use crate::checkpoint::layout::{
+    self, ExpertMatrix, LinearRole, TensorKind, TensorSpec, VectorRole,
+};
 use crate::checkpoint::INDEX_FILE;
 use crate::config::{Config, ExpertFormat};
 
@@ -55,7 +57,9 @@ impl std::str::FromStr for SynthFormat {
             "bf16" => Ok(SynthFormat::Bf16),
             "official" => Ok(SynthFormat::Official),
             "nvfp4" => Ok(SynthFormat::Nvfp4),
-            _ => Err(format!("unknown synthetic format `{s}` (expected bf16, official or nvfp4)")),
+            _ => Err(format!(
+                "unknown synthetic format `{s}` (expected bf16, official or nvfp4)"
+            )),
         }
     }
 }
@@ -63,7 +67,10 @@ impl std::str::FromStr for SynthFormat {
 #[derive(Debug, thiserror::Error)]
 pub enum SynthError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: cannot build the safetensors header: {reason}")]
     Header { path: PathBuf, reason: String },
 }
@@ -79,7 +86,11 @@ struct Values {
 
 impl Values {
     fn new(name: &str, mean: f32, std: f32) -> Values {
-        Values { key: fnv1a(name), mean, std }
+        Values {
+            key: fnv1a(name),
+            mean,
+            std,
+        }
     }
 
     /// Largest magnitude the generator can produce.
@@ -93,7 +104,10 @@ impl Values {
         const INV24: f32 = 1.0 / (1u32 << 24) as f32;
         for pair in out.chunks_mut(2) {
             let r = rng.next_u64();
-            let u = [(r >> 40) as f32 * INV24, ((r >> 8) & 0xff_ffff) as f32 * INV24];
+            let u = [
+                (r >> 40) as f32 * INV24,
+                ((r >> 8) & 0xff_ffff) as f32 * INV24,
+            ];
             for (o, u) in pair.iter_mut().zip(u) {
                 *o = self.mean + a * (2.0 * u - 1.0);
             }
@@ -102,12 +116,16 @@ impl Values {
 }
 
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 fn row_rng(seed: u64, key: u64, row: usize) -> Xoshiro256PlusPlus {
     // seed_from_u64 runs SplitMix64, which decorrelates neighbouring inputs.
-    Xoshiro256PlusPlus::seed_from_u64(seed ^ key.rotate_left(17) ^ (row as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    Xoshiro256PlusPlus::seed_from_u64(
+        seed ^ key.rotate_left(17) ^ (row as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+    )
 }
 
 /// How a matrix's rows are encoded into the stored tensors.
@@ -118,7 +136,10 @@ enum Encoding {
     /// FP8 e4m3 weight + e8m0 128x128 block scales.
     Fp8,
     Mxfp4,
-    Nvfp4 { global: f32, input_scale: f32 },
+    Nvfp4 {
+        global: f32,
+        input_scale: f32,
+    },
 }
 
 impl Encoding {
@@ -135,9 +156,20 @@ impl Encoding {
 enum Body {
     /// Row-major `[rows, cols]` values, concatenated from segments of `seg_rows` rows each
     /// (one segment per expert matrix for stacked tensors).
-    Matrix { rows: usize, cols: usize, segments: Vec<Values>, seg_rows: usize, enc: Encoding },
+    Matrix {
+        rows: usize,
+        cols: usize,
+        segments: Vec<Values>,
+        seg_rows: usize,
+        enc: Encoding,
+    },
     /// `tid2eid [rows, k]` I64: `k` distinct experts out of `experts` per row.
-    Tid2eid { rows: usize, k: usize, experts: usize, key: u64 },
+    Tid2eid {
+        rows: usize,
+        k: usize,
+        experts: usize,
+        key: u64,
+    },
 }
 
 struct Group {
@@ -156,8 +188,23 @@ struct Shard {
     groups: Vec<Group>,
 }
 
-fn matrix_group(names: Vec<(String, Dtype, Vec<usize>)>, rows: usize, cols: usize, v: Values, enc: Encoding) -> Group {
-    Group { stored: names, body: Body::Matrix { rows, cols, segments: vec![v], seg_rows: rows.max(1), enc } }
+fn matrix_group(
+    names: Vec<(String, Dtype, Vec<usize>)>,
+    rows: usize,
+    cols: usize,
+    v: Values,
+    enc: Encoding,
+) -> Group {
+    Group {
+        stored: names,
+        body: Body::Matrix {
+            rows,
+            cols,
+            segments: vec![v],
+            seg_rows: rows.max(1),
+            enc,
+        },
+    }
 }
 
 /// The groups for one linear (`base` is the canonical name without `.weight`).
@@ -175,15 +222,30 @@ fn linear_group(base: &str, rows: usize, cols: usize, v: Values, enc: Encoding, 
         Encoding::Bf16 => vec![(name("weight"), Dtype::BF16, vec![rows, cols])],
         Encoding::Fp8 => vec![
             (name("weight"), Dtype::F8_E4M3, vec![rows, cols]),
-            (name("scale"), Dtype::F8_E8M0, vec![rows.div_ceil(fp8_block::BLOCK), cols.div_ceil(fp8_block::BLOCK)]),
+            (
+                name("scale"),
+                Dtype::F8_E8M0,
+                vec![
+                    rows.div_ceil(fp8_block::BLOCK),
+                    cols.div_ceil(fp8_block::BLOCK),
+                ],
+            ),
         ],
         Encoding::Mxfp4 => vec![
             (name("weight"), Dtype::I8, vec![rows, cols.div_ceil(2)]),
-            (name("scale"), Dtype::F8_E8M0, vec![rows, cols.div_ceil(mxfp4::BLOCK)]),
+            (
+                name("scale"),
+                Dtype::F8_E8M0,
+                vec![rows, cols.div_ceil(mxfp4::BLOCK)],
+            ),
         ],
         Encoding::Nvfp4 { .. } => vec![
             (name("weight"), Dtype::U8, vec![rows, cols.div_ceil(2)]),
-            (name("weight_scale"), Dtype::F8_E4M3, vec![rows, cols.div_ceil(nvfp4::BLOCK)]),
+            (
+                name("weight_scale"),
+                Dtype::F8_E4M3,
+                vec![rows, cols.div_ceil(nvfp4::BLOCK)],
+            ),
             (name("weight_scale_2"), Dtype::F32, vec![]),
             (name("input_scale"), Dtype::F32, vec![]),
         ],
@@ -207,7 +269,9 @@ fn vector_values(name: &str, role: VectorRole, shape: &[usize]) -> Values {
     let (mean, std) = match role {
         VectorRole::Norm => (1.0, 0.05),
         // fn rows dot the unit-RMS flattened state: unit-variance logits.
-        VectorRole::Hc if name.ends_with("_fn") => (0.0, 1.0 / (*shape.last().unwrap_or(&1) as f32).sqrt()),
+        VectorRole::Hc if name.ends_with("_fn") => {
+            (0.0, 1.0 / (*shape.last().unwrap_or(&1) as f32).sqrt())
+        }
         VectorRole::Hc if name.ends_with("_scale") => (1.0, 0.2),
         VectorRole::Hc => (0.0, 0.5),
         VectorRole::Sink => (0.0, 0.5),
@@ -223,14 +287,25 @@ fn plan(config: &Config, format: SynthFormat) -> Vec<Shard> {
     let specs = layout::layout(config);
     let n_shards = 1 + config.num_layers;
     let file = |i: usize| format!("model-{:05}-of-{:05}.safetensors", i + 1, n_shards);
-    let mut shards: Vec<Shard> = (0..n_shards).map(|i| Shard { file: file(i), groups: Vec::new() }).collect();
+    let mut shards: Vec<Shard> = (0..n_shards)
+        .map(|i| Shard {
+            file: file(i),
+            groups: Vec::new(),
+        })
+        .collect();
     let shard_of = |name: &str| -> usize {
         name.strip_prefix("layers.")
             .and_then(|r| r.split('.').next())
             .and_then(|n| n.parse::<usize>().ok())
             .map_or(0, |l| l + 1)
     };
-    let vec_name = |n: &str| if hf { layout::to_transformers(n).expect("layout names have transformers forms") } else { n.to_string() };
+    let vec_name = |n: &str| {
+        if hf {
+            layout::to_transformers(n).expect("layout names have transformers forms")
+        } else {
+            n.to_string()
+        }
+    };
     // transformers stacks each layer's experts: w1/w3 rows interleaved per expert, w2 per expert.
     let mut stacked: BTreeMap<usize, (Vec<Values>, Vec<Values>)> = BTreeMap::new();
 
@@ -248,7 +323,9 @@ fn plan(config: &Config, format: SynthFormat) -> Vec<Shard> {
                         }
                         continue;
                     }
-                    (SynthFormat::Bf16, _) | (_, LinearRole::Embedding | LinearRole::Dense) => Encoding::Bf16,
+                    (SynthFormat::Bf16, _) | (_, LinearRole::Embedding | LinearRole::Dense) => {
+                        Encoding::Bf16
+                    }
                     (_, LinearRole::Fp8) => Encoding::Fp8,
                     (SynthFormat::Official, LinearRole::RoutedExpert { .. }) => Encoding::Mxfp4,
                     (SynthFormat::Nvfp4, LinearRole::RoutedExpert { .. }) => {
@@ -264,8 +341,16 @@ fn plan(config: &Config, format: SynthFormat) -> Vec<Shard> {
                 linear_group(&name, rows, cols, v, enc, hf)
             }
             TensorKind::Vector { shape, role } => {
-                let dtype = if role == VectorRole::Norm { Dtype::BF16 } else { Dtype::F32 };
-                let enc = if dtype == Dtype::BF16 { Encoding::Bf16 } else { Encoding::F32 };
+                let dtype = if role == VectorRole::Norm {
+                    Dtype::BF16
+                } else {
+                    Dtype::F32
+                };
+                let enc = if dtype == Dtype::BF16 {
+                    Encoding::Bf16
+                } else {
+                    Encoding::F32
+                };
                 let cols = *shape.last().unwrap_or(&1);
                 let rows = shape.iter().product::<usize>() / cols.max(1);
                 let v = vector_values(&name, role, &shape);
@@ -273,22 +358,43 @@ fn plan(config: &Config, format: SynthFormat) -> Vec<Shard> {
             }
             TensorKind::Index { rows, cols } => Group {
                 stored: vec![(vec_name(&name), Dtype::I64, vec![rows, cols])],
-                body: Body::Tid2eid { rows, k: cols, experts: config.n_routed_experts, key: fnv1a(&name) },
+                body: Body::Tid2eid {
+                    rows,
+                    k: cols,
+                    experts: config.n_routed_experts,
+                    key: fnv1a(&name),
+                },
             },
         };
         shards[s].groups.push(group);
     }
 
-    let (e, i, d) = (config.n_routed_experts, config.moe_intermediate_size, config.hidden_size);
+    let (e, i, d) = (
+        config.n_routed_experts,
+        config.moe_intermediate_size,
+        config.hidden_size,
+    );
     for (layer, (gate_up, down)) in stacked {
         let p = format!("model.layers.{layer}.mlp.experts");
         shards[layer + 1].groups.push(Group {
             stored: vec![(format!("{p}.gate_up_proj"), Dtype::BF16, vec![e, 2 * i, d])],
-            body: Body::Matrix { rows: e * 2 * i, cols: d, segments: gate_up, seg_rows: i, enc: Encoding::Bf16 },
+            body: Body::Matrix {
+                rows: e * 2 * i,
+                cols: d,
+                segments: gate_up,
+                seg_rows: i,
+                enc: Encoding::Bf16,
+            },
         });
         shards[layer + 1].groups.push(Group {
             stored: vec![(format!("{p}.down_proj"), Dtype::BF16, vec![e, d, i])],
-            body: Body::Matrix { rows: e * d, cols: i, segments: down, seg_rows: d, enc: Encoding::Bf16 },
+            body: Body::Matrix {
+                rows: e * d,
+                cols: i,
+                segments: down,
+                seg_rows: d,
+                enc: Encoding::Bf16,
+            },
         });
     }
     shards
@@ -320,7 +426,8 @@ fn encode_rows(
             (out, Vec::new())
         }
         Encoding::Fp8 => {
-            let q = fp8_block::quantize(&x, n, cols, ScaleFormat::E8m0, fp8_block::BLOCK).expect(quant_err);
+            let q = fp8_block::quantize(&x, n, cols, ScaleFormat::E8m0, fp8_block::BLOCK)
+                .expect(quant_err);
             (q.weight, q.scale)
         }
         Encoding::Mxfp4 => {
@@ -368,7 +475,10 @@ struct ShardFile {
 
 impl ShardFile {
     fn write(&mut self, bytes: &[u8]) -> Result<(), SynthError> {
-        self.out.write_all(bytes).map_err(|source| SynthError::Io { path: self.path.clone(), source })
+        self.out.write_all(bytes).map_err(|source| SynthError::Io {
+            path: self.path.clone(),
+            source,
+        })
     }
 
     fn data(&mut self, bytes: &[u8], p: &mut Progress<'_>) -> Result<(), SynthError> {
@@ -378,9 +488,20 @@ impl ShardFile {
     }
 }
 
-fn write_group(f: &mut ShardFile, p: &mut Progress<'_>, seed: u64, g: &Group) -> Result<(), SynthError> {
+fn write_group(
+    f: &mut ShardFile,
+    p: &mut Progress<'_>,
+    seed: u64,
+    g: &Group,
+) -> Result<(), SynthError> {
     match &g.body {
-        Body::Matrix { rows, cols, segments, seg_rows, enc } => {
+        Body::Matrix {
+            rows,
+            cols,
+            segments,
+            seg_rows,
+            enc,
+        } => {
             let (rows, cols) = (*rows, *cols);
             let align = enc.row_align();
             let batch = (BATCH_ELEMENTS / cols.max(1)).max(1).div_ceil(align) * align;
@@ -390,7 +511,17 @@ fn write_group(f: &mut ShardFile, p: &mut Progress<'_>, seed: u64, g: &Group) ->
                 let starts: Vec<usize> = (b0..b1).step_by(align).collect();
                 let chunks: Vec<(Vec<u8>, Vec<u8>)> = starts
                     .into_par_iter()
-                    .map(|r0| encode_rows(seed, segments, *seg_rows, cols, *enc, r0, align.min(b1 - r0)))
+                    .map(|r0| {
+                        encode_rows(
+                            seed,
+                            segments,
+                            *seg_rows,
+                            cols,
+                            *enc,
+                            r0,
+                            align.min(b1 - r0),
+                        )
+                    })
                     .collect();
                 for (main, s) in chunks {
                     f.data(&main, p)?;
@@ -399,13 +530,22 @@ fn write_group(f: &mut ShardFile, p: &mut Progress<'_>, seed: u64, g: &Group) ->
                 (p.report)(p.done, p.total);
             }
             f.data(&side, p)?;
-            if let Encoding::Nvfp4 { global, input_scale } = enc {
+            if let Encoding::Nvfp4 {
+                global,
+                input_scale,
+            } = enc
+            {
                 f.data(&global.to_le_bytes(), p)?;
                 f.data(&input_scale.to_le_bytes(), p)?;
             }
             (p.report)(p.done, p.total);
         }
-        Body::Tid2eid { rows, k, experts, key } => {
+        Body::Tid2eid {
+            rows,
+            k,
+            experts,
+            key,
+        } => {
             let chunk = 4096;
             let starts: Vec<usize> = (0..*rows).step_by(chunk).collect();
             let parts: Vec<Vec<u8>> = starts
@@ -422,32 +562,56 @@ fn write_group(f: &mut ShardFile, p: &mut Progress<'_>, seed: u64, g: &Group) ->
 }
 
 /// Writes one shard; returns its tensor names.
-fn write_shard(dir: &Path, shard: &Shard, seed: u64, p: &mut Progress<'_>) -> Result<Vec<String>, SynthError> {
+fn write_shard(
+    dir: &Path,
+    shard: &Shard,
+    seed: u64,
+    p: &mut Progress<'_>,
+) -> Result<Vec<String>, SynthError> {
     let path = dir.join(&shard.file);
     let mut infos = Vec::new();
     let mut offset = 0;
     for g in &shard.groups {
         for (name, dtype, shape) in &g.stored {
             let n = nbytes(*dtype, shape);
-            infos.push((name.clone(), TensorInfo { dtype: *dtype, shape: shape.clone(), data_offsets: (offset, offset + n) }));
+            infos.push((
+                name.clone(),
+                TensorInfo {
+                    dtype: *dtype,
+                    shape: shape.clone(),
+                    data_offsets: (offset, offset + n),
+                },
+            ));
             offset += n;
         }
     }
     let names = infos.iter().map(|(n, _)| n.clone()).collect();
-    let header_err = |reason: String| SynthError::Header { path: path.clone(), reason };
+    let header_err = |reason: String| SynthError::Header {
+        path: path.clone(),
+        reason,
+    };
     let meta = Metadata::new(None, infos).map_err(|e| header_err(e.to_string()))?;
     let mut header = serde_json::to_vec(&meta).map_err(|e| header_err(e.to_string()))?;
     // Pad so the data starts 8-byte aligned, as the safetensors writer does.
     header.resize(header.len().div_ceil(8) * 8, b' ');
 
-    let file = File::create(&path).map_err(|source| SynthError::Io { path: path.clone(), source })?;
-    let mut f = ShardFile { out: BufWriter::with_capacity(8 << 20, file), path };
+    let file = File::create(&path).map_err(|source| SynthError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let mut f = ShardFile {
+        out: BufWriter::with_capacity(8 << 20, file),
+        path,
+    };
     f.write(&(header.len() as u64).to_le_bytes())?;
     f.write(&header)?;
     for g in &shard.groups {
         write_group(&mut f, p, seed, g)?;
     }
-    f.out.flush().map_err(|source| SynthError::Io { path: f.path.clone(), source })?;
+    f.out.flush().map_err(|source| SynthError::Io {
+        path: f.path.clone(),
+        source,
+    })?;
     Ok(names)
 }
 
@@ -466,11 +630,22 @@ pub fn write_synthetic(
     seed: u64,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<u64, SynthError> {
-    std::fs::create_dir_all(dir).map_err(|source| SynthError::Io { path: dir.to_path_buf(), source })?;
+    std::fs::create_dir_all(dir).map_err(|source| SynthError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let config_json = match format {
         SynthFormat::Bf16 => config.to_transformers_json(),
-        SynthFormat::Official => Config { expert_format: ExpertFormat::Mxfp4, ..config.clone() }.to_official_json(),
-        SynthFormat::Nvfp4 => Config { expert_format: ExpertFormat::Nvfp4, ..config.clone() }.to_official_json(),
+        SynthFormat::Official => Config {
+            expert_format: ExpertFormat::Mxfp4,
+            ..config.clone()
+        }
+        .to_official_json(),
+        SynthFormat::Nvfp4 => Config {
+            expert_format: ExpertFormat::Nvfp4,
+            ..config.clone()
+        }
+        .to_official_json(),
     };
     let text = serde_json::to_string_pretty(&config_json).expect("a JSON value serializes");
     write_file(dir.join("config.json"), text.as_bytes())?;
@@ -484,7 +659,11 @@ pub fn write_synthetic(
         .flat_map(|g| &g.stored)
         .map(|(_, dtype, shape)| nbytes(*dtype, shape) as u64)
         .sum();
-    let mut p = Progress { done: 0, total, report: progress };
+    let mut p = Progress {
+        done: 0,
+        total,
+        report: progress,
+    };
     let mut weight_map = BTreeMap::new();
     for shard in &shards {
         for name in write_shard(dir, shard, seed, &mut p)? {
@@ -554,7 +733,11 @@ mod tests {
                         let mut sorted = row.to_vec();
                         sorted.sort();
                         sorted.dedup();
-                        assert_eq!(sorted.len(), cols, "experts of a tid2eid row must be distinct");
+                        assert_eq!(
+                            sorted.len(),
+                            cols,
+                            "experts of a tid2eid row must be distinct"
+                        );
                     }
                 }
             }
@@ -566,35 +749,78 @@ mod tests {
         let cfg = small_config();
         let routed = cfg.num_layers * cfg.n_routed_experts * 3;
         for (format, naming, expert_fmt, expert_format) in [
-            (SynthFormat::Official, Naming::DeepSeek, "mxfp4", ExpertFormat::Mxfp4),
-            (SynthFormat::Nvfp4, Naming::DeepSeek, "nvfp4", ExpertFormat::Nvfp4),
-            (SynthFormat::Bf16, Naming::Transformers, "bf16", ExpertFormat::Bf16),
+            (
+                SynthFormat::Official,
+                Naming::DeepSeek,
+                "mxfp4",
+                ExpertFormat::Mxfp4,
+            ),
+            (
+                SynthFormat::Nvfp4,
+                Naming::DeepSeek,
+                "nvfp4",
+                ExpertFormat::Nvfp4,
+            ),
+            (
+                SynthFormat::Bf16,
+                Naming::Transformers,
+                "bf16",
+                ExpertFormat::Bf16,
+            ),
         ] {
             let (dir, _) = write(format, 1);
             let ck = Checkpoint::open(dir.path()).unwrap();
-            assert_eq!(ck.config(), &Config { expert_format, ..cfg.clone() }, "{format:?}");
+            assert_eq!(
+                ck.config(),
+                &Config {
+                    expert_format,
+                    ..cfg.clone()
+                },
+                "{format:?}"
+            );
             let s = ck.summary();
             assert_eq!(s.naming, naming);
             assert_eq!(s.shards, 1 + cfg.num_layers);
-            assert!(s.formats[expert_fmt].tensors >= routed, "{format:?}: {:?}", s.formats);
+            assert!(
+                s.formats[expert_fmt].tensors >= routed,
+                "{format:?}: {:?}",
+                s.formats
+            );
             if format == SynthFormat::Bf16 {
-                assert!(s.formats.keys().all(|k| ["bf16", "f32", "i64"].contains(&k.as_str())), "{:?}", s.formats);
+                assert!(
+                    s.formats
+                        .keys()
+                        .all(|k| ["bf16", "f32", "i64"].contains(&k.as_str())),
+                    "{:?}",
+                    s.formats
+                );
             } else {
                 assert_eq!(s.formats[expert_fmt].tensors, routed);
                 // Per layer: wq_a, wq_b, wkv, wo_a, wo_b, 3 shared experts, + indexer wq_b on CSA.
-                let csa = cfg.layers.iter().filter(|k| matches!(k, crate::config::LayerKind::Csa { .. })).count();
-                assert_eq!(s.formats["fp8 (e8m0 block scales)"].tensors, 8 * cfg.num_layers + csa);
+                let csa = cfg
+                    .layers
+                    .iter()
+                    .filter(|k| matches!(k, crate::config::LayerKind::Csa { .. }))
+                    .count();
+                assert_eq!(
+                    s.formats["fp8 (e8m0 block scales)"].tensors,
+                    8 * cfg.num_layers + csa
+                );
             }
             // parameter_count() leaves out the tid2eid tables and the selection biases (buffers).
             let learned = cfg.num_layers - cfg.num_hash_layers;
-            let buffers = cfg.num_hash_layers * cfg.vocab_size * cfg.experts_per_token + learned * cfg.n_routed_experts;
+            let buffers = cfg.num_hash_layers * cfg.vocab_size * cfg.experts_per_token
+                + learned * cfg.n_routed_experts;
             assert_eq!(s.params, (cfg.parameter_count().total() + buffers) as u64);
             check_all_accessors(&ck);
             for f in ["tokenizer.json", "tokenizer_config.json"] {
-                assert_eq!(std::fs::read(dir.path().join(f)).unwrap().len(), match f {
-                    "tokenizer.json" => TOKENIZER_JSON.len(),
-                    _ => TOKENIZER_CONFIG_JSON.len(),
-                });
+                assert_eq!(
+                    std::fs::read(dir.path().join(f)).unwrap().len(),
+                    match f {
+                        "tokenizer.json" => TOKENIZER_JSON.len(),
+                        _ => TOKENIZER_CONFIG_JSON.len(),
+                    }
+                );
             }
         }
     }
@@ -611,8 +837,20 @@ mod tests {
         assert_ne!(read(&a), read(&c));
         // A single worker thread writes the same bytes.
         let d = tempfile::tempdir().unwrap();
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        pool.install(|| write_synthetic(&small_config(), SynthFormat::Official, d.path(), 7, &mut |_, _| {})).unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            write_synthetic(
+                &small_config(),
+                SynthFormat::Official,
+                d.path(),
+                7,
+                &mut |_, _| {},
+            )
+        })
+        .unwrap();
         assert_eq!(read(&a), std::fs::read(d.path().join(shard)).unwrap());
     }
 
@@ -620,14 +858,21 @@ mod tests {
     fn progress_reaches_the_index_total() {
         let dir = tempfile::tempdir().unwrap();
         let mut last = (0, 1);
-        let n = write_synthetic(&small_config(), SynthFormat::Nvfp4, dir.path(), 3, &mut |d, t| {
-            assert!(d <= t);
-            last = (d, t);
-        })
+        let n = write_synthetic(
+            &small_config(),
+            SynthFormat::Nvfp4,
+            dir.path(),
+            3,
+            &mut |d, t| {
+                assert!(d <= t);
+                last = (d, t);
+            },
+        )
         .unwrap();
         assert_eq!(last.0, n);
         let index: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.path().join(INDEX_FILE)).unwrap()).unwrap();
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join(INDEX_FILE)).unwrap())
+                .unwrap();
         assert_eq!(index["metadata"]["total_size"].as_u64(), Some(n));
         assert_eq!(last.1, n);
     }
@@ -638,18 +883,33 @@ mod tests {
         let (dir, _) = write(SynthFormat::Nvfp4, 5);
         let ck = Checkpoint::open(dir.path()).unwrap();
         let d = cfg.hidden_size;
-        let wq_a = ck.linear("layers.1.attn.wq_a", cfg.q_lora_rank, d).unwrap().to_f32();
+        let wq_a = ck
+            .linear("layers.1.attn.wq_a", cfg.q_lora_rank, d)
+            .unwrap()
+            .to_f32();
         let std = (wq_a.iter().map(|v| v * v).sum::<f32>() / wq_a.len() as f32).sqrt();
         let want = 1.0 / (d as f32).sqrt();
         assert!((std / want - 1.0).abs() < 0.15, "std {std} want {want}");
         let norm = ck.vector_f32("layers.1.attn_norm.weight", &[d]).unwrap();
         assert!(norm.iter().all(|v| (0.9..=1.1).contains(v)));
         let inter = cfg.moe_intermediate_size;
-        let scales = |w: &str, rows, cols| match ck.linear(&format!("layers.2.ffn.experts.3.{w}"), rows, cols).unwrap().data() {
-            crate::linear::LinearData::Nvfp4 { weight_scale_2, input_scale, .. } => (*weight_scale_2, *input_scale),
+        let scales = |w: &str, rows, cols| match ck
+            .linear(&format!("layers.2.ffn.experts.3.{w}"), rows, cols)
+            .unwrap()
+            .data()
+        {
+            crate::linear::LinearData::Nvfp4 {
+                weight_scale_2,
+                input_scale,
+                ..
+            } => (*weight_scale_2, *input_scale),
             other => panic!("expected NVFP4, found {other:?}"),
         };
-        let (w1, w3, w2) = (scales("w1", inter, d), scales("w3", inter, d), scales("w2", d, inter));
+        let (w1, w3, w2) = (
+            scales("w1", inter, d),
+            scales("w3", inter, d),
+            scales("w2", d, inter),
+        );
         assert_eq!(w1, w3);
         assert_ne!(w1.0, w2.0);
         assert!(w1.1.is_some());

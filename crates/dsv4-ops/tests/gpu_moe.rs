@@ -7,6 +7,7 @@ use common::{device, gaussian, rng, POISON, TOL};
 
 use dsv4_ops::codecs::{mxfp4, nvfp4};
 use dsv4_ops::gpu::gemv::reference::relative_error;
+use dsv4_ops::gpu::gemv::tuning;
 use dsv4_ops::gpu::moe::{self, reference, HostExperts, MoeExperts, MoeFormat, MoeOut};
 use dsv4_ops::gpu::{DType, Device, DeviceTensor};
 use half::bf16;
@@ -226,13 +227,18 @@ fn gpu_moe_matches_reference_on_random_routings() {
                     err <= TOL,
                     "{format:?} E={e} D={d} I={inter} M={m} k={topk}: relative error {err:e}"
                 );
-                let again = run(&dev, &ex, &x, m, &ids, &wts, topk, limit, f32_out);
-                assert!(
-                    got.iter()
-                        .zip(&again)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "two launches differ"
-                );
+                // Again, then with activations read from global memory instead of staged.
+                for staging in [true, false] {
+                    tuning::set_staging(staging);
+                    let again = run(&dev, &ex, &x, m, &ids, &wts, topk, limit, f32_out);
+                    tuning::set_staging(true);
+                    assert!(
+                        got.iter()
+                            .zip(&again)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "launches differ (staging {staging})"
+                    );
+                }
             }
         }
     }

@@ -32,12 +32,20 @@ impl Blob {
     /// The whole of a memory map.
     pub fn from_mmap(map: Mmap) -> Blob {
         let len = map.len();
-        Blob { backing: Arc::new(Backing::Mmap(map)), start: 0, len }
+        Blob {
+            backing: Arc::new(Backing::Mmap(map)),
+            start: 0,
+            len,
+        }
     }
 
     pub fn from_vec(bytes: Vec<u8>) -> Blob {
         let len = bytes.len();
-        Blob { backing: Arc::new(Backing::Owned(bytes)), start: 0, len }
+        Blob {
+            backing: Arc::new(Backing::Owned(bytes)),
+            start: 0,
+            len,
+        }
     }
 
     #[inline]

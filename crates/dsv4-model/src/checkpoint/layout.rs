@@ -4,7 +4,13 @@
 use crate::config::{Config, LayerKind};
 
 /// Suffixes a quantized or plain linear `<base>` may carry (`<base>.<suffix>`).
-pub const LINEAR_SUFFIXES: [&str; 5] = ["weight", "scale", "weight_scale", "weight_scale_2", "input_scale"];
+pub const LINEAR_SUFFIXES: [&str; 5] = [
+    "weight",
+    "scale",
+    "weight_scale",
+    "weight_scale_2",
+    "input_scale",
+];
 
 /// How the official release stores a linear (the synthetic writer follows it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,7 +22,11 @@ pub enum LinearRole {
     /// Kept BF16 in the official releases (compressor projections, indexer weights_proj, router).
     Dense,
     /// A routed expert matrix (MXFP4 official, NVFP4 in the ModelOpt exports).
-    RoutedExpert { layer: usize, expert: usize, which: ExpertMatrix },
+    RoutedExpert {
+        layer: usize,
+        expert: usize,
+        which: ExpertMatrix,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,7 +49,11 @@ pub enum VectorRole {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TensorKind {
     /// A matrix `[rows, cols]`; the entry's name is the base, without `.weight`.
-    Linear { rows: usize, cols: usize, role: LinearRole },
+    Linear {
+        rows: usize,
+        cols: usize,
+        role: LinearRole,
+    },
     /// A float parameter of this exact shape.
     Vector { shape: Vec<usize>, role: VectorRole },
     /// An integer table `[rows, cols]` (`tid2eid`).
@@ -54,11 +68,20 @@ pub struct TensorSpec {
 
 impl TensorSpec {
     fn linear(name: String, rows: usize, cols: usize, role: LinearRole) -> TensorSpec {
-        TensorSpec { name, kind: TensorKind::Linear { rows, cols, role } }
+        TensorSpec {
+            name,
+            kind: TensorKind::Linear { rows, cols, role },
+        }
     }
 
     fn vector(name: String, shape: &[usize], role: VectorRole) -> TensorSpec {
-        TensorSpec { name, kind: TensorKind::Vector { shape: shape.to_vec(), role } }
+        TensorSpec {
+            name,
+            kind: TensorKind::Vector {
+                shape: shape.to_vec(),
+                role,
+            },
+        }
     }
 }
 
@@ -70,7 +93,11 @@ pub fn layout(cfg: &Config) -> Vec<TensorSpec> {
         TensorSpec::linear("embed".into(), cfg.vocab_size, d, LinearRole::Embedding),
         TensorSpec::linear("head".into(), cfg.vocab_size, d, LinearRole::Embedding),
         TensorSpec::vector("norm.weight".into(), &[d], VectorRole::Norm),
-        TensorSpec::vector("hc_head_fn".into(), &[cfg.hc_mult, cfg.hc_dim()], VectorRole::Hc),
+        TensorSpec::vector(
+            "hc_head_fn".into(),
+            &[cfg.hc_mult, cfg.hc_dim()],
+            VectorRole::Hc,
+        ),
         TensorSpec::vector("hc_head_base".into(), &[cfg.hc_mult], VectorRole::Hc),
         TensorSpec::vector("hc_head_scale".into(), &[1], VectorRole::Hc),
     ];
@@ -104,7 +131,12 @@ pub fn layer_layout(cfg: &Config, l: usize) -> Vec<TensorSpec> {
         lin("attn.wq_b", hd, cfg.q_lora_rank, Fp8),
         lin("attn.wkv", cfg.head_dim, d, Fp8),
         vec_("attn.kv_norm.weight", &[cfg.head_dim], VectorRole::Norm),
-        lin("attn.wo_a", cfg.o_groups * cfg.o_lora_rank, hd / cfg.o_groups, Fp8),
+        lin(
+            "attn.wo_a",
+            cfg.o_groups * cfg.o_lora_rank,
+            hd / cfg.o_groups,
+            Fp8,
+        ),
         lin("attn.wo_b", d, cfg.o_groups * cfg.o_lora_rank, Fp8),
     ];
     let kind = cfg.layer_kind(l);
@@ -112,8 +144,16 @@ pub fn layer_layout(cfg: &Config, l: usize) -> Vec<TensorSpec> {
         let out = if overlap { 2 * width } else { width };
         v.push(lin(&format!("{prefix}.wkv"), out, d, Dense));
         v.push(lin(&format!("{prefix}.wgate"), out, d, Dense));
-        v.push(vec_(&format!("{prefix}.ape"), &[ratio, out], VectorRole::Ape));
-        v.push(vec_(&format!("{prefix}.norm.weight"), &[width], VectorRole::Norm));
+        v.push(vec_(
+            &format!("{prefix}.ape"),
+            &[ratio, out],
+            VectorRole::Ape,
+        ));
+        v.push(vec_(
+            &format!("{prefix}.norm.weight"),
+            &[width],
+            VectorRole::Norm,
+        ));
     };
     match kind {
         LayerKind::Sliding => {}
@@ -121,8 +161,18 @@ pub fn layer_layout(cfg: &Config, l: usize) -> Vec<TensorSpec> {
         LayerKind::Csa { ratio } => {
             compressor("attn.compressor", cfg.head_dim, ratio, true);
             compressor("attn.indexer.compressor", cfg.index_head_dim, ratio, true);
-            v.push(lin("attn.indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, Fp8));
-            v.push(lin("attn.indexer.weights_proj", cfg.index_n_heads, d, Dense));
+            v.push(lin(
+                "attn.indexer.wq_b",
+                cfg.index_n_heads * cfg.index_head_dim,
+                cfg.q_lora_rank,
+                Fp8,
+            ));
+            v.push(lin(
+                "attn.indexer.weights_proj",
+                cfg.index_n_heads,
+                d,
+                Dense,
+            ));
         }
     }
     let e = cfg.n_routed_experts;
@@ -131,15 +181,20 @@ pub fn layer_layout(cfg: &Config, l: usize) -> Vec<TensorSpec> {
     if cfg.is_hash_layer(l) {
         v.push(TensorSpec {
             name: format!("{p}.ffn.gate.tid2eid"),
-            kind: TensorKind::Index { rows: cfg.vocab_size, cols: cfg.experts_per_token },
+            kind: TensorKind::Index {
+                rows: cfg.vocab_size,
+                cols: cfg.experts_per_token,
+            },
         });
     } else {
         v.push(vec_("ffn.gate.bias", &[e], VectorRole::GateBias));
     }
     for x in 0..e {
-        for (which, rows, cols) in
-            [(ExpertMatrix::W1, inter, d), (ExpertMatrix::W2, d, inter), (ExpertMatrix::W3, inter, d)]
-        {
+        for (which, rows, cols) in [
+            (ExpertMatrix::W1, inter, d),
+            (ExpertMatrix::W2, d, inter),
+            (ExpertMatrix::W3, inter, d),
+        ] {
             let w = match which {
                 ExpertMatrix::W1 => "w1",
                 ExpertMatrix::W2 => "w2",
@@ -149,7 +204,11 @@ pub fn layer_layout(cfg: &Config, l: usize) -> Vec<TensorSpec> {
                 &format!("ffn.experts.{x}.{w}"),
                 rows,
                 cols,
-                LinearRole::RoutedExpert { layer: l, expert: x, which },
+                LinearRole::RoutedExpert {
+                    layer: l,
+                    expert: x,
+                    which,
+                },
             ));
         }
     }
@@ -184,9 +243,18 @@ const EXACT: [(&str, &str); 17] = [
     ("self_attn.q_a_norm.weight", "attn.q_norm.weight"),
     ("self_attn.kv_norm.weight", "attn.kv_norm.weight"),
     ("self_attn.compressor.position_bias", "attn.compressor.ape"),
-    ("self_attn.compressor.kv_norm.weight", "attn.compressor.norm.weight"),
-    ("self_attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"),
-    ("self_attn.compressor.indexer.kv_norm.weight", "attn.indexer.compressor.norm.weight"),
+    (
+        "self_attn.compressor.kv_norm.weight",
+        "attn.compressor.norm.weight",
+    ),
+    (
+        "self_attn.compressor.indexer.position_bias",
+        "attn.indexer.compressor.ape",
+    ),
+    (
+        "self_attn.compressor.indexer.kv_norm.weight",
+        "attn.indexer.compressor.norm.weight",
+    ),
     ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"),
     ("mlp.gate.tid2eid", "ffn.gate.tid2eid"),
 ];
@@ -201,11 +269,23 @@ const LINEARS: [(&str, &str); 15] = [
     ("self_attn.compressor.kv_proj", "attn.compressor.wkv"),
     ("self_attn.compressor.gate_proj", "attn.compressor.wgate"),
     ("self_attn.compressor.indexer.q_b_proj", "attn.indexer.wq_b"),
-    ("self_attn.compressor.indexer.scorer.weights_proj", "attn.indexer.weights_proj"),
+    (
+        "self_attn.compressor.indexer.scorer.weights_proj",
+        "attn.indexer.weights_proj",
+    ),
     // Older transformers revisions.
-    ("self_attn.compressor.indexer.weights_proj", "attn.indexer.weights_proj"),
-    ("self_attn.compressor.indexer.kv_proj", "attn.indexer.compressor.wkv"),
-    ("self_attn.compressor.indexer.gate_proj", "attn.indexer.compressor.wgate"),
+    (
+        "self_attn.compressor.indexer.weights_proj",
+        "attn.indexer.weights_proj",
+    ),
+    (
+        "self_attn.compressor.indexer.kv_proj",
+        "attn.indexer.compressor.wkv",
+    ),
+    (
+        "self_attn.compressor.indexer.gate_proj",
+        "attn.indexer.compressor.wgate",
+    ),
     ("mlp.gate", "ffn.gate"),
     ("mlp.shared_experts.gate_proj", "ffn.shared_experts.w1"),
     ("mlp.shared_experts.up_proj", "ffn.shared_experts.w3"),
@@ -279,16 +359,27 @@ pub fn translate(key: &str) -> Option<Translated> {
         "up_proj" => "w3",
         _ => return None,
     };
-    Some(Translated::Native(format!("{p}.ffn.experts.{expert}.{w}.{}", linear_suffix(s)?)))
+    Some(Translated::Native(format!(
+        "{p}.ffn.experts.{expert}.{w}.{}",
+        linear_suffix(s)?
+    )))
 }
 
 /// The transformers name of a DeepSeek-native key (inverse of [`translate`]; routed experts
 /// get the per-expert `mlp.experts.E.{gate,up,down}_proj` form). `None` for unknown keys.
 pub fn to_transformers(native: &str) -> Option<String> {
-    let hf_suffix = |s: &str| if s == "scale" { "weight_scale_inv".to_string() } else { s.to_string() };
+    let hf_suffix = |s: &str| {
+        if s == "scale" {
+            "weight_scale_inv".to_string()
+        } else {
+            s.to_string()
+        }
+    };
     for (from, to) in TOP_LINEARS {
         if let Some(s) = native.strip_prefix(to).and_then(|s| s.strip_prefix('.')) {
-            return LINEAR_SUFFIXES.contains(&s).then(|| format!("{from}.{}", hf_suffix(s)));
+            return LINEAR_SUFFIXES
+                .contains(&s)
+                .then(|| format!("{from}.{}", hf_suffix(s)));
         }
     }
     let top = match native {
@@ -325,7 +416,9 @@ pub fn to_transformers(native: &str) -> Option<String> {
         "w3" => "up_proj",
         _ => return None,
     };
-    LINEAR_SUFFIXES.contains(&s).then(|| format!("{p}.mlp.experts.{expert}.{module}.{}", hf_suffix(s)))
+    LINEAR_SUFFIXES
+        .contains(&s)
+        .then(|| format!("{p}.mlp.experts.{expert}.{module}.{}", hf_suffix(s)))
 }
 
 /// Why a native key is not part of `cfg`'s layout (for error messages).
@@ -333,7 +426,10 @@ pub fn unknown_reason(cfg: &Config, key: &str) -> String {
     if let Some(rest) = key.strip_prefix("layers.") {
         if let Some(l) = rest.split('.').next().and_then(|n| n.parse::<usize>().ok()) {
             if l >= cfg.num_layers {
-                return format!("layer {l} is not below num_hidden_layers {}", cfg.num_layers);
+                return format!(
+                    "layer {l} is not below num_hidden_layers {}",
+                    cfg.num_layers
+                );
             }
             if let Some(e) = rest
                 .split_once(".ffn.experts.")
@@ -341,10 +437,17 @@ pub fn unknown_reason(cfg: &Config, key: &str) -> String {
                 .and_then(|e| e.parse::<usize>().ok())
             {
                 if e >= cfg.n_routed_experts {
-                    return format!("expert {e} is not below n_routed_experts {}", cfg.n_routed_experts);
+                    return format!(
+                        "expert {e} is not below n_routed_experts {}",
+                        cfg.n_routed_experts
+                    );
                 }
             }
-            let hash = if cfg.is_hash_layer(l) { "hash-routed" } else { "learned-routed" };
+            let hash = if cfg.is_hash_layer(l) {
+                "hash-routed"
+            } else {
+                "learned-routed"
+            };
             return format!(
                 "not a tensor of layer {l} ({} attention, {hash} MoE)",
                 cfg.layer_kind(l).name()
@@ -368,30 +471,69 @@ mod tests {
             ("model.embed_tokens.weight", "embed.weight"),
             ("lm_head.weight", "head.weight"),
             ("model.hc_head.hc_scale", "hc_head_scale"),
-            ("model.layers.3.input_layernorm.weight", "layers.3.attn_norm.weight"),
+            (
+                "model.layers.3.input_layernorm.weight",
+                "layers.3.attn_norm.weight",
+            ),
             ("model.layers.3.attn_hc.fn", "layers.3.hc_attn_fn"),
             ("model.layers.3.self_attn.sinks", "layers.3.attn.attn_sink"),
-            ("model.layers.3.self_attn.q_a_proj.weight", "layers.3.attn.wq_a.weight"),
-            ("model.layers.3.self_attn.q_a_proj.weight_scale_inv", "layers.3.attn.wq_a.scale"),
-            ("model.layers.3.self_attn.compressor.position_bias", "layers.3.attn.compressor.ape"),
-            ("model.layers.3.self_attn.compressor.kv_norm.weight", "layers.3.attn.compressor.norm.weight"),
-            ("model.layers.3.self_attn.compressor.indexer.kv_proj.weight", "layers.3.attn.indexer.compressor.wkv.weight"),
+            (
+                "model.layers.3.self_attn.q_a_proj.weight",
+                "layers.3.attn.wq_a.weight",
+            ),
+            (
+                "model.layers.3.self_attn.q_a_proj.weight_scale_inv",
+                "layers.3.attn.wq_a.scale",
+            ),
+            (
+                "model.layers.3.self_attn.compressor.position_bias",
+                "layers.3.attn.compressor.ape",
+            ),
+            (
+                "model.layers.3.self_attn.compressor.kv_norm.weight",
+                "layers.3.attn.compressor.norm.weight",
+            ),
+            (
+                "model.layers.3.self_attn.compressor.indexer.kv_proj.weight",
+                "layers.3.attn.indexer.compressor.wkv.weight",
+            ),
             (
                 "model.layers.3.self_attn.compressor.indexer.scorer.weights_proj.weight",
                 "layers.3.attn.indexer.weights_proj.weight",
             ),
-            ("model.layers.3.self_attn.compressor.indexer.weights_proj.weight", "layers.3.attn.indexer.weights_proj.weight"),
+            (
+                "model.layers.3.self_attn.compressor.indexer.weights_proj.weight",
+                "layers.3.attn.indexer.weights_proj.weight",
+            ),
             ("model.layers.3.mlp.gate.weight", "layers.3.ffn.gate.weight"),
-            ("model.layers.3.mlp.gate.e_score_correction_bias", "layers.3.ffn.gate.bias"),
-            ("model.layers.0.mlp.gate.tid2eid", "layers.0.ffn.gate.tid2eid"),
-            ("model.layers.3.mlp.shared_experts.down_proj.weight", "layers.3.ffn.shared_experts.w2.weight"),
-            ("model.layers.3.mlp.experts.7.up_proj.weight_scale_2", "layers.3.ffn.experts.7.w3.weight_scale_2"),
+            (
+                "model.layers.3.mlp.gate.e_score_correction_bias",
+                "layers.3.ffn.gate.bias",
+            ),
+            (
+                "model.layers.0.mlp.gate.tid2eid",
+                "layers.0.ffn.gate.tid2eid",
+            ),
+            (
+                "model.layers.3.mlp.shared_experts.down_proj.weight",
+                "layers.3.ffn.shared_experts.w2.weight",
+            ),
+            (
+                "model.layers.3.mlp.experts.7.up_proj.weight_scale_2",
+                "layers.3.ffn.experts.7.w3.weight_scale_2",
+            ),
         ];
         for (hf, ds) in cases {
             assert_eq!(translate(hf), native(ds), "{hf}");
         }
-        assert_eq!(translate("model.layers.5.mlp.experts.gate_up_proj"), Some(Translated::StackedGateUp { layer: 5 }));
-        assert_eq!(translate("model.layers.5.mlp.experts.down_proj"), Some(Translated::StackedDown { layer: 5 }));
+        assert_eq!(
+            translate("model.layers.5.mlp.experts.gate_up_proj"),
+            Some(Translated::StackedGateUp { layer: 5 })
+        );
+        assert_eq!(
+            translate("model.layers.5.mlp.experts.down_proj"),
+            Some(Translated::StackedDown { layer: 5 })
+        );
         assert_eq!(translate("model.layers.3.self_attn.q_a_proj.bias"), None);
         assert_eq!(translate("model.layers.x.input_layernorm.weight"), None);
         assert_eq!(translate("model.rotary_emb.inv_freq"), None);
@@ -402,9 +544,10 @@ mod tests {
         let cfg = Config::tiny();
         for spec in layout(&cfg) {
             let names = match spec.kind {
-                TensorKind::Linear { .. } => {
-                    LINEAR_SUFFIXES.iter().map(|s| format!("{}.{s}", spec.name)).collect::<Vec<_>>()
-                }
+                TensorKind::Linear { .. } => LINEAR_SUFFIXES
+                    .iter()
+                    .map(|s| format!("{}.{s}", spec.name))
+                    .collect::<Vec<_>>(),
                 _ => vec![spec.name.clone()],
             };
             for n in names {
@@ -413,7 +556,10 @@ mod tests {
                 assert_eq!(translate(&hf), native(&n), "{n} -> {hf}");
             }
         }
-        assert_eq!(to_transformers("layers.1.attn.wq_a.scale").unwrap(), "model.layers.1.self_attn.q_a_proj.weight_scale_inv");
+        assert_eq!(
+            to_transformers("layers.1.attn.wq_a.scale").unwrap(),
+            "model.layers.1.self_attn.q_a_proj.weight_scale_inv"
+        );
         assert_eq!(to_transformers("layers.1.bogus"), None);
     }
 
@@ -435,7 +581,9 @@ mod tests {
     fn unknown_reasons_are_specific() {
         let cfg = Config::tiny();
         assert!(unknown_reason(&cfg, "layers.9.attn.wq_a.weight").contains("num_hidden_layers"));
-        assert!(unknown_reason(&cfg, "layers.1.ffn.experts.99.w1.weight").contains("n_routed_experts"));
+        assert!(
+            unknown_reason(&cfg, "layers.1.ffn.experts.99.w1.weight").contains("n_routed_experts")
+        );
         assert!(unknown_reason(&cfg, "layers.0.attn.compressor.ape").contains("sliding"));
         assert!(unknown_reason(&cfg, "foo").contains("not a DeepSeek-V4"));
     }

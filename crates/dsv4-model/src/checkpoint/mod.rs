@@ -30,27 +30,57 @@ pub enum LoadError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("no {INDEX_FILE} or {SINGLE_FILE} in {dir}")]
     NoWeights { dir: PathBuf },
     #[error("{file}: invalid shard index: {reason}")]
     Index { file: PathBuf, reason: String },
     #[error("shard {shard} named by {index} cannot be opened: {source}")]
-    MissingShard { shard: PathBuf, index: PathBuf, source: std::io::Error },
+    MissingShard {
+        shard: PathBuf,
+        index: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{file}: corrupt safetensors header: {reason}")]
     Header { file: PathBuf, reason: String },
     #[error("tensor `{tensor}` in {file}: data ends at byte {end} but the file has {len} bytes (truncated file)")]
-    Truncated { tensor: String, file: PathBuf, end: usize, len: usize },
+    Truncated {
+        tensor: String,
+        file: PathBuf,
+        end: usize,
+        len: usize,
+    },
     #[error("tensor `{tensor}` in {file}: unknown tensor ({reason})")]
-    UnknownTensor { tensor: String, file: PathBuf, reason: String },
+    UnknownTensor {
+        tensor: String,
+        file: PathBuf,
+        reason: String,
+    },
     #[error("tensor `{tensor}` appears twice: in {first} and in {second}")]
-    Duplicate { tensor: String, first: PathBuf, second: PathBuf },
+    Duplicate {
+        tensor: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
     #[error("tensor `{tensor}` is required by the config but missing from {dir}")]
     Missing { tensor: String, dir: PathBuf },
     #[error("tensor `{tensor}` in {file}: expected shape {expected:?}, found {found:?}")]
-    Shape { tensor: String, file: PathBuf, expected: Vec<usize>, found: Vec<usize> },
+    Shape {
+        tensor: String,
+        file: PathBuf,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
     #[error("tensor `{tensor}` in {file}: unexpected dtype {found} (expected {expected})")]
-    Dtype { tensor: String, file: PathBuf, expected: String, found: String },
+    Dtype {
+        tensor: String,
+        file: PathBuf,
+        expected: String,
+        found: String,
+    },
     #[error("tensor `{tensor}`: {reason}")]
     BadValue { tensor: String, reason: String },
 }
@@ -109,26 +139,40 @@ fn dtype_name(d: Dtype) -> String {
 
 fn shape_matches(found: &[usize], expected: &[usize]) -> bool {
     // A scalar may be stored as shape [] or [1].
-    found == expected || (found.iter().product::<usize>() == 1 && expected.iter().product::<usize>() == 1 && found.len() <= 1 && expected.len() <= 1)
+    found == expected
+        || (found.iter().product::<usize>() == 1
+            && expected.iter().product::<usize>() == 1
+            && found.len() <= 1
+            && expected.len() <= 1)
 }
 
 /// Memory-maps one shard and returns its tensors, every byte range checked against the file.
 fn read_shard(path: &Path) -> Result<Vec<(String, Entry)>, LoadError> {
-    let io = |source| LoadError::Io { path: path.to_path_buf(), source };
+    let io = |source| LoadError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let file = File::open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len() as usize;
-    let header = |reason: String| LoadError::Header { file: path.to_path_buf(), reason };
+    let header = |reason: String| LoadError::Header {
+        file: path.to_path_buf(),
+        reason,
+    };
     if len < 8 {
-        return Err(header(format!("file has {len} bytes, shorter than the 8-byte header length")));
+        return Err(header(format!(
+            "file has {len} bytes, shorter than the 8-byte header length"
+        )));
     }
     // SAFETY: the map is read-only; a checkpoint modified while mapped is outside our control,
     // as with every mmap-based loader.
     let map = unsafe { Mmap::map(&file) }.map_err(io)?;
     let n = u64::from_le_bytes(map[..8].try_into().expect("8 bytes")) as usize;
-    let data_start = n.checked_add(8).filter(|&e| e <= len).ok_or_else(|| {
-        header(format!("header length {n} exceeds the file size {len}"))
-    })?;
-    let meta: Metadata = serde_json::from_slice(&map[8..data_start]).map_err(|e| header(e.to_string()))?;
+    let data_start = n
+        .checked_add(8)
+        .filter(|&e| e <= len)
+        .ok_or_else(|| header(format!("header length {n} exceeds the file size {len}")))?;
+    let meta: Metadata =
+        serde_json::from_slice(&map[8..data_start]).map_err(|e| header(e.to_string()))?;
     let blob = Blob::from_mmap(map);
     let file: Arc<Path> = Arc::from(path);
     let mut out = Vec::new();
@@ -138,11 +182,22 @@ fn read_shard(path: &Path) -> Result<Vec<(String, Entry)>, LoadError> {
         let (s, e) = info.data_offsets;
         let end = data_start.saturating_add(e);
         let Some(tensor_blob) = blob.slice(data_start.saturating_add(s)..end) else {
-            return Err(LoadError::Truncated { tensor: name, file: path.to_path_buf(), end, len });
+            return Err(LoadError::Truncated {
+                tensor: name,
+                file: path.to_path_buf(),
+                end,
+                len,
+            });
         };
         out.push((
             name.clone(),
-            Entry { source: name, file: file.clone(), dtype: info.dtype, shape: info.shape.clone(), blob: tensor_blob },
+            Entry {
+                source: name,
+                file: file.clone(),
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                blob: tensor_blob,
+            },
         ));
     }
     Ok(out)
@@ -158,9 +213,14 @@ struct ShardIndex {
 fn shard_list(dir: &Path) -> Result<(Vec<PathBuf>, Option<ShardIndex>), LoadError> {
     let index_path = dir.join(INDEX_FILE);
     if index_path.exists() {
-        let text = std::fs::read_to_string(&index_path)
-            .map_err(|source| LoadError::Io { path: index_path.clone(), source })?;
-        let bad = |reason: String| LoadError::Index { file: index_path.clone(), reason };
+        let text = std::fs::read_to_string(&index_path).map_err(|source| LoadError::Io {
+            path: index_path.clone(),
+            source,
+        })?;
+        let bad = |reason: String| LoadError::Index {
+            file: index_path.clone(),
+            reason,
+        };
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         let map = v
             .get("weight_map")
@@ -169,18 +229,28 @@ fn shard_list(dir: &Path) -> Result<(Vec<PathBuf>, Option<ShardIndex>), LoadErro
         let mut weight_map = HashMap::new();
         let mut files: Vec<String> = Vec::new();
         for (k, f) in map {
-            let f = f.as_str().ok_or_else(|| bad(format!("`{k}` maps to {f}, not a file name")))?;
+            let f = f
+                .as_str()
+                .ok_or_else(|| bad(format!("`{k}` maps to {f}, not a file name")))?;
             if !files.iter().any(|x| x == f) {
                 files.push(f.to_string());
             }
             weight_map.insert(k.clone(), f.to_string());
         }
         files.sort();
-        Ok((files.iter().map(|f| dir.join(f)).collect(), Some(ShardIndex { path: index_path, weight_map })))
+        Ok((
+            files.iter().map(|f| dir.join(f)).collect(),
+            Some(ShardIndex {
+                path: index_path,
+                weight_map,
+            }),
+        ))
     } else if dir.join(SINGLE_FILE).exists() {
         Ok((vec![dir.join(SINGLE_FILE)], None))
     } else {
-        Err(LoadError::NoWeights { dir: dir.to_path_buf() })
+        Err(LoadError::NoWeights {
+            dir: dir.to_path_buf(),
+        })
     }
 }
 
@@ -197,13 +267,18 @@ impl Checkpoint {
         for shard in &shards {
             if let Some(index) = &index {
                 if let Err(source) = File::open(shard) {
-                    return Err(LoadError::MissingShard { shard: shard.clone(), index: index.path.clone(), source });
+                    return Err(LoadError::MissingShard {
+                        shard: shard.clone(),
+                        index: index.path.clone(),
+                        source,
+                    });
                 }
             }
             raw.extend(read_shard(shard)?);
         }
         if let Some(index) = &index {
-            let found: HashMap<&str, &Path> = raw.iter().map(|(n, e)| (n.as_str(), &*e.file)).collect();
+            let found: HashMap<&str, &Path> =
+                raw.iter().map(|(n, e)| (n.as_str(), &*e.file)).collect();
             let mut listed: Vec<_> = index.weight_map.iter().collect();
             listed.sort();
             for (name, f) in listed {
@@ -246,7 +321,10 @@ impl Checkpoint {
                 Some(Translated::StackedGateUp { layer }) => {
                     for (e, w1, w3) in split_stacked(&config, &entry, true)? {
                         insert(format!("layers.{layer}.ffn.experts.{e}.w1.weight"), w1)?;
-                        insert(format!("layers.{layer}.ffn.experts.{e}.w3.weight"), w3.expect("gate_up has w3"))?;
+                        insert(
+                            format!("layers.{layer}.ffn.experts.{e}.w3.weight"),
+                            w3.expect("gate_up has w3"),
+                        )?;
                     }
                 }
                 Some(Translated::StackedDown { layer }) => {
@@ -316,12 +394,20 @@ impl Checkpoint {
                 TensorKind::Vector { shape, .. } => {
                     let e = self.entry(&s.name)?;
                     self.check_float(e, shape)?;
-                    (dtype_name(e.dtype).to_lowercase(), shape.iter().product(), e.blob.len())
+                    (
+                        dtype_name(e.dtype).to_lowercase(),
+                        shape.iter().product(),
+                        e.blob.len(),
+                    )
                 }
                 TensorKind::Index { rows, cols } => {
                     let e = self.entry(&s.name)?;
                     self.check_index(e, *rows, *cols)?;
-                    (dtype_name(e.dtype).to_lowercase(), rows * cols, e.blob.len())
+                    (
+                        dtype_name(e.dtype).to_lowercase(),
+                        rows * cols,
+                        e.blob.len(),
+                    )
                 }
             };
             let f = formats.entry(fmt).or_default();
@@ -353,7 +439,10 @@ impl Checkpoint {
     }
 
     fn entry(&self, name: &str) -> Result<&Entry, LoadError> {
-        self.tensors.get(name).ok_or_else(|| LoadError::Missing { tensor: name.to_string(), dir: self.dir.clone() })
+        self.tensors.get(name).ok_or_else(|| LoadError::Missing {
+            tensor: name.to_string(),
+            dir: self.dir.clone(),
+        })
     }
 
     fn shape_err(e: &Entry, expected: &[usize]) -> LoadError {
@@ -398,7 +487,9 @@ impl Checkpoint {
 
     /// A scalar F32 sibling (`weight_scale_2`, `input_scale`).
     fn scalar_f32(&self, name: &str) -> Result<Option<f32>, LoadError> {
-        let Some(e) = self.tensors.get(name) else { return Ok(None) };
+        let Some(e) = self.tensors.get(name) else {
+            return Ok(None);
+        };
         if e.dtype != Dtype::F32 {
             return Err(Self::dtype_err(e, "F32"));
         }
@@ -439,13 +530,25 @@ impl Checkpoint {
                     Dtype::F32 => ScaleFormat::F32,
                     _ => return Err(Self::dtype_err(s, "F8_E8M0 or F32")),
                 };
-                let default = [rows.div_ceil(fp8_block::BLOCK), cols.div_ceil(fp8_block::BLOCK)];
+                let default = [
+                    rows.div_ceil(fp8_block::BLOCK),
+                    cols.div_ceil(fp8_block::BLOCK),
+                ];
                 let blocks = match s.shape.as_slice() {
-                    &[sr, sc] => fp8_block::infer_block(rows, sr).zip(fp8_block::infer_block(cols, sc)),
+                    &[sr, sc] => {
+                        fp8_block::infer_block(rows, sr).zip(fp8_block::infer_block(cols, sc))
+                    }
                     _ => None,
                 };
-                let (block_rows, block_cols) = blocks.ok_or_else(|| Self::shape_err(s, &default))?;
-                LinearData::Fp8Block { weight: w.blob.clone(), scale: s.blob.clone(), scale_format, block_rows, block_cols }
+                let (block_rows, block_cols) =
+                    blocks.ok_or_else(|| Self::shape_err(s, &default))?;
+                LinearData::Fp8Block {
+                    weight: w.blob.clone(),
+                    scale: s.blob.clone(),
+                    scale_format,
+                    block_rows,
+                    block_cols,
+                }
             }
             Dtype::U8 | Dtype::I8 => {
                 Self::check_shape(w, &[rows, cols.div_ceil(2)])?;
@@ -456,7 +559,10 @@ impl Checkpoint {
                     Self::check_shape(ws, &[rows, cols.div_ceil(nvfp4::BLOCK)])?;
                     let global = self
                         .scalar_f32(&format!("{name}.weight_scale_2"))?
-                        .ok_or_else(|| LoadError::Missing { tensor: format!("{name}.weight_scale_2"), dir: self.dir.clone() })?;
+                        .ok_or_else(|| LoadError::Missing {
+                            tensor: format!("{name}.weight_scale_2"),
+                            dir: self.dir.clone(),
+                        })?;
                     LinearData::Nvfp4 {
                         weight: w.blob.clone(),
                         weight_scale: ws.blob.clone(),
@@ -469,7 +575,10 @@ impl Checkpoint {
                         return Err(Self::dtype_err(s, "F8_E8M0"));
                     }
                     Self::check_shape(s, &[rows, cols.div_ceil(mxfp4::BLOCK)])?;
-                    LinearData::Mxfp4 { weight: w.blob.clone(), scale: s.blob.clone() }
+                    LinearData::Mxfp4 {
+                        weight: w.blob.clone(),
+                        scale: s.blob.clone(),
+                    }
                 }
             }
             _ => return Err(Self::dtype_err(w, "F32, BF16, F16, F8_E4M3, I8 or U8")),
@@ -499,8 +608,14 @@ impl Checkpoint {
         self.check_index(e, rows, cols)?;
         let bytes = e.blob.bytes();
         let values: Vec<i64> = match e.dtype {
-            Dtype::I64 => bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect(),
-            _ => bytes.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")) as i64).collect(),
+            Dtype::I64 => bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect(),
+            _ => bytes
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")) as i64)
+                .collect(),
         };
         values
             .iter()
@@ -508,7 +623,12 @@ impl Checkpoint {
             .map(|(i, &v)| {
                 u32::try_from(v).map_err(|_| LoadError::BadValue {
                     tensor: e.source.clone(),
-                    reason: format!("entry [{}, {}] = {v} in {} does not fit u32", i / cols.max(1), i % cols.max(1), e.file.display()),
+                    reason: format!(
+                        "entry [{}, {}] = {v} in {} does not fit u32",
+                        i / cols.max(1),
+                        i % cols.max(1),
+                        e.file.display()
+                    ),
                 })
             })
             .collect()
@@ -517,32 +637,59 @@ impl Checkpoint {
 
 /// Per-expert views of a transformers stacked expert tensor: `gate_up_proj [E, 2I, D]` gives
 /// (w1 = rows 0..I, w3 = rows I..2I) per expert; `down_proj [E, D, I]` gives w2.
-fn split_stacked(config: &Config, entry: &Entry, gate_up: bool) -> Result<Vec<(usize, Entry, Option<Entry>)>, LoadError> {
-    let (e, i, d) = (config.n_routed_experts, config.moe_intermediate_size, config.hidden_size);
-    let expected = if gate_up { vec![e, 2 * i, d] } else { vec![e, d, i] };
+fn split_stacked(
+    config: &Config,
+    entry: &Entry,
+    gate_up: bool,
+) -> Result<Vec<(usize, Entry, Option<Entry>)>, LoadError> {
+    let (e, i, d) = (
+        config.n_routed_experts,
+        config.moe_intermediate_size,
+        config.hidden_size,
+    );
+    let expected = if gate_up {
+        vec![e, 2 * i, d]
+    } else {
+        vec![e, d, i]
+    };
     if entry.shape != expected {
         return Err(Checkpoint::shape_err(entry, &expected));
     }
     let esize = match entry.dtype {
         Dtype::F32 => 4,
         Dtype::BF16 | Dtype::F16 => 2,
-        _ => return Err(Checkpoint::dtype_err(entry, "F32, BF16 or F16 (stacked experts)")),
+        _ => {
+            return Err(Checkpoint::dtype_err(
+                entry,
+                "F32, BF16 or F16 (stacked experts)",
+            ))
+        }
     };
-    let view = |x: usize, first_row: usize, rows: usize, cols: usize, per_expert: usize, label: &str| Entry {
-        source: format!("{}[{x}, {label}]", entry.source),
-        file: entry.file.clone(),
-        dtype: entry.dtype,
-        shape: vec![rows, cols],
-        blob: entry
-            .blob
-            .slice((x * per_expert + first_row * cols) * esize..(x * per_expert + (first_row + rows) * cols) * esize)
-            .expect("stacked shape was checked against the byte length"),
-    };
+    let view =
+        |x: usize, first_row: usize, rows: usize, cols: usize, per_expert: usize, label: &str| {
+            Entry {
+                source: format!("{}[{x}, {label}]", entry.source),
+                file: entry.file.clone(),
+                dtype: entry.dtype,
+                shape: vec![rows, cols],
+                blob: entry
+                    .blob
+                    .slice(
+                        (x * per_expert + first_row * cols) * esize
+                            ..(x * per_expert + (first_row + rows) * cols) * esize,
+                    )
+                    .expect("stacked shape was checked against the byte length"),
+            }
+        };
     Ok((0..e)
         .map(|x| {
             if gate_up {
                 let per = 2 * i * d;
-                (x, view(x, 0, i, d, per, &format!("0:{i}")), Some(view(x, i, i, d, per, &format!("{i}:{}", 2 * i))))
+                (
+                    x,
+                    view(x, 0, i, d, per, &format!("0:{i}")),
+                    Some(view(x, i, i, d, per, &format!("{i}:{}", 2 * i))),
+                )
             } else {
                 (x, view(x, 0, d, i, d * i, ":"), None)
             }

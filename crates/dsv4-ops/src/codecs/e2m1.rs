@@ -50,7 +50,11 @@ pub fn encode(x: f32) -> u8 {
 /// Packs codes two per byte (low nibble first). An odd trailing code gets a zero high nibble.
 /// `out.len()` must be `codes.len().div_ceil(2)`.
 pub fn pack(codes: &[u8], out: &mut [u8]) {
-    assert_eq!(out.len(), codes.len().div_ceil(2), "e2m1::pack output length");
+    assert_eq!(
+        out.len(),
+        codes.len().div_ceil(2),
+        "e2m1::pack output length"
+    );
     for (o, pair) in out.iter_mut().zip(codes.chunks(2)) {
         let hi = pair.get(1).copied().unwrap_or(0);
         *o = (pair[0] & 0xf) | ((hi & 0xf) << 4);
@@ -59,7 +63,11 @@ pub fn pack(codes: &[u8], out: &mut [u8]) {
 
 /// Unpacks `out.len()` codes from `packed` (which must hold `out.len().div_ceil(2)` bytes).
 pub fn unpack(packed: &[u8], out: &mut [u8]) {
-    assert_eq!(packed.len(), out.len().div_ceil(2), "e2m1::unpack input length");
+    assert_eq!(
+        packed.len(),
+        out.len().div_ceil(2),
+        "e2m1::unpack input length"
+    );
     for (i, o) in out.iter_mut().enumerate() {
         let b = packed[i / 2];
         *o = if i % 2 == 0 { b & 0xf } else { b >> 4 };

@@ -127,7 +127,8 @@ pub fn quantize(
         for bj in 0..sc {
             let c0 = bj * block;
             let c1 = (c0 + block).min(cols);
-            let m = (bi * block..r_end).fold(0f32, |m, r| m.max(amax(&w[r * cols + c0..r * cols + c1])));
+            let m = (bi * block..r_end)
+                .fold(0f32, |m, r| m.max(amax(&w[r * cols + c0..r * cols + c1])));
             let s = match format {
                 ScaleFormat::E8m0 => {
                     let byte = e8m0::scale_for_amax(m, e4m3::MAX);
@@ -135,7 +136,11 @@ pub fn quantize(
                     e8m0::decode(byte)
                 }
                 ScaleFormat::F32 => {
-                    let s = if m > 0.0 && m.is_finite() { m / e4m3::MAX } else { 1.0 };
+                    let s = if m > 0.0 && m.is_finite() {
+                        m / e4m3::MAX
+                    } else {
+                        1.0
+                    };
                     scale.extend_from_slice(&s.to_le_bytes());
                     s
                 }
@@ -190,9 +195,22 @@ mod tests {
     #[test]
     fn wrong_lengths_are_errors() {
         let err = dequantize(&[0; 10], &[127], ScaleFormat::E8m0, 2, 4, 128, 128).unwrap_err();
-        assert_eq!(err, CodecError::Length { what: "fp8 weight", expected: 8, found: 10 });
+        assert_eq!(
+            err,
+            CodecError::Length {
+                what: "fp8 weight",
+                expected: 8,
+                found: 10
+            }
+        );
         let err = dequantize(&[0; 8], &[127, 1], ScaleFormat::E8m0, 2, 4, 128, 128).unwrap_err();
-        assert!(matches!(err, CodecError::Length { what: "fp8 scale", .. }));
+        assert!(matches!(
+            err,
+            CodecError::Length {
+                what: "fp8 scale",
+                ..
+            }
+        ));
         assert!(quantize(&[0.0; 8], 2, 4, ScaleFormat::F32, 0).is_err());
     }
 

@@ -11,7 +11,9 @@ use half::{bf16, f16};
 pub fn bf16_to_f32(bytes: &[u8], out: &mut [f32]) {
     assert_eq!(bytes.len(), 2 * out.len(), "bf16_to_f32 length");
     match bytemuck::try_cast_slice::<u8, u16>(bytes) {
-        Ok(h) if cfg!(target_endian = "little") => h.reinterpret_cast::<bf16>().convert_to_f32_slice(out),
+        Ok(h) if cfg!(target_endian = "little") => {
+            h.reinterpret_cast::<bf16>().convert_to_f32_slice(out)
+        }
         _ => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                 *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
@@ -24,7 +26,9 @@ pub fn bf16_to_f32(bytes: &[u8], out: &mut [f32]) {
 pub fn f16_to_f32(bytes: &[u8], out: &mut [f32]) {
     assert_eq!(bytes.len(), 2 * out.len(), "f16_to_f32 length");
     match bytemuck::try_cast_slice::<u8, u16>(bytes) {
-        Ok(h) if cfg!(target_endian = "little") => h.reinterpret_cast::<f16>().convert_to_f32_slice(out),
+        Ok(h) if cfg!(target_endian = "little") => {
+            h.reinterpret_cast::<f16>().convert_to_f32_slice(out)
+        }
         _ => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                 *o = f16::from_le_bytes([b[0], b[1]]).to_f32();

@@ -26,7 +26,11 @@ pub enum CodecError {
     Invalid { what: &'static str, detail: String },
 }
 
-pub(crate) fn check_len(what: &'static str, expected: usize, found: usize) -> Result<(), CodecError> {
+pub(crate) fn check_len(
+    what: &'static str,
+    expected: usize,
+    found: usize,
+) -> Result<(), CodecError> {
     if expected == found {
         Ok(())
     } else {

@@ -11,7 +11,11 @@ pub const BLOCK: usize = 32;
 #[inline]
 pub fn dequant_row(packed_row: &[u8], scale_row: &[u8], out: &mut [f32]) {
     assert_eq!(packed_row.len(), out.len().div_ceil(2), "mxfp4 row length");
-    assert_eq!(scale_row.len(), out.len().div_ceil(BLOCK), "mxfp4 scale row length");
+    assert_eq!(
+        scale_row.len(),
+        out.len().div_ceil(BLOCK),
+        "mxfp4 scale row length"
+    );
     for ((o, p), &s) in out
         .chunks_mut(BLOCK)
         .zip(packed_row.chunks(BLOCK / 2))
@@ -22,7 +26,12 @@ pub fn dequant_row(packed_row: &[u8], scale_row: &[u8], out: &mut [f32]) {
 }
 
 /// Dequantizes a whole `[rows, cols]` matrix.
-pub fn dequantize(packed: &[u8], scale: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, CodecError> {
+pub fn dequantize(
+    packed: &[u8],
+    scale: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>, CodecError> {
     let (pc, sc) = (cols.div_ceil(2), cols.div_ceil(BLOCK));
     check_len("mxfp4 weight", rows * pc, packed.len())?;
     check_len("mxfp4 scale", rows * sc, scale.len())?;
@@ -63,7 +72,10 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Result<Mxfp4Quantized, C
                 *c = e2m1::encode(x * inv);
             }
             let start = r * pc + b * BLOCK / 2;
-            e2m1::pack(&codes[..blk.len()], &mut weight[start..start + blk.len().div_ceil(2)]);
+            e2m1::pack(
+                &codes[..blk.len()],
+                &mut weight[start..start + blk.len().div_ceil(2)],
+            );
         }
     }
     Ok(Mxfp4Quantized { weight, scale })

@@ -16,7 +16,11 @@ const MIN_SCALE_CODE: u8 = 0x01;
 #[inline]
 pub fn dequant_row(packed_row: &[u8], scale_row: &[u8], global: f32, out: &mut [f32]) {
     assert_eq!(packed_row.len(), out.len().div_ceil(2), "nvfp4 row length");
-    assert_eq!(scale_row.len(), out.len().div_ceil(BLOCK), "nvfp4 scale row length");
+    assert_eq!(
+        scale_row.len(),
+        out.len().div_ceil(BLOCK),
+        "nvfp4 scale row length"
+    );
     for ((o, p), &s) in out
         .chunks_mut(BLOCK)
         .zip(packed_row.chunks(BLOCK / 2))
@@ -109,7 +113,10 @@ pub fn quantize_with_global(
                 *c = e2m1::encode(x / s);
             }
             let start = r * pc + b * BLOCK / 2;
-            e2m1::pack(&codes[..blk.len()], &mut weight[start..start + blk.len().div_ceil(2)]);
+            e2m1::pack(
+                &codes[..blk.len()],
+                &mut weight[start..start + blk.len().div_ceil(2)],
+            );
         }
     }
     Ok(Nvfp4Quantized {

@@ -16,7 +16,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use cudarc::driver::sys::{self as cu, CUdevice_attribute};
+use cudarc::driver::sys::{self as cu, CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::DeviceRepr;
 use half::bf16;
 
@@ -43,6 +43,7 @@ pub mod tuning {
 
     static WARPS_PER_SM: AtomicUsize = AtomicUsize::new(0);
     static PDL: AtomicBool = AtomicBool::new(true);
+    static STAGING: AtomicBool = AtomicBool::new(true);
 
     /// Warps per multiprocessor that a GEMV grid (with its K splits) aims for; 0 (the default)
     /// takes as many as the kernel can keep resident, one full wave.
@@ -61,6 +62,16 @@ pub mod tuning {
 
     pub fn programmatic_launch() -> bool {
         PDL.load(Ordering::Relaxed)
+    }
+
+    /// Whether GEMV and MoE kernels may stage their activations in shared memory (they read
+    /// them from global memory otherwise; the results are the same bits).
+    pub fn set_staging(on: bool) {
+        STAGING.store(on, Ordering::Relaxed);
+    }
+
+    pub fn staging() -> bool {
+        STAGING.load(Ordering::Relaxed)
     }
 }
 
@@ -702,8 +713,8 @@ struct GemvArgs {
     limit: f32,
     fp8_br: u32,
     tiles: u32,
-    pad0: u32,
-    pad1: u32,
+    x_stride: u32,
+    pad: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -769,18 +780,64 @@ pub(crate) fn resident_warps(dev: &Device, kernel: &str, threads: u32) -> Result
     Ok((blocks as usize).max(1) * threads as usize / 32 * sm_count(dev)?)
 }
 
+/// Dynamic shared memory for staging `bytes` of activations in each block of `kernel`: `bytes`
+/// when staging is on, the block still fits the device's per-block limit and as many blocks
+/// stay resident as without it, else 0 (the kernel then reads its activations from global
+/// memory).
+pub(crate) fn staging_bytes(
+    dev: &Device,
+    kernel: &str,
+    threads: u32,
+    bytes: usize,
+) -> Result<u32, GpuError> {
+    let f = dev.function(kernel)?;
+    let err = || GpuError::driver(format!("sizing the shared memory of {kernel}"));
+    dev.context().bind_to_thread().map_err(err())?;
+    let fixed = f.shared_size_bytes().map_err(err())? as usize;
+    let limit = dev
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(err())? as usize;
+    if !tuning::staging() || bytes == 0 || fixed + bytes > limit {
+        return Ok(0);
+    }
+    // Past the default 48 KiB per block a kernel must opt in; allow it the device's limit.
+    if fixed + bytes > DEFAULT_BLOCK_SHARED {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            (limit - fixed) as i32,
+        )
+        .map_err(err())?;
+    }
+    let resident = |dynamic| {
+        f.occupancy_max_active_blocks_per_multiprocessor(threads, dynamic, None)
+            .map_err(err())
+    };
+    if resident(bytes)? < resident(0)? {
+        return Ok(0);
+    }
+    Ok(bytes as u32)
+}
+
+/// Padding (bf16) after each staged activation row, so rows do not start on the same bank.
+const STAGE_PAD: usize = 8;
+
+/// Shared memory a block may use without opting in.
+const DEFAULT_BLOCK_SHARED: usize = 48 * 1024;
+
 /// Launches `kernel` on the device stream, with programmatic stream serialization when `pdl`
 /// is set: it may then start before the previous kernel in the stream ends, and waits for it
 /// in-kernel (`griddepcontrol.wait`) before touching its outputs.
 ///
 /// # Safety
 /// `args` must be the `#[repr(C)]` mirror of the kernel's single by-value argument, and every
-/// address in it valid for what the kernel reads and writes with that grid.
+/// address in it valid for what the kernel reads and writes with that grid and `shared` bytes
+/// of dynamic shared memory.
 pub(crate) unsafe fn launch_pdl<A: DeviceRepr>(
     dev: &Device,
     kernel: &str,
     grid: (u32, u32, u32),
-    block: u32,
+    (block, shared): (u32, u32),
     args: &A,
     pdl: bool,
 ) -> Result<(), GpuError> {
@@ -802,7 +859,7 @@ pub(crate) unsafe fn launch_pdl<A: DeviceRepr>(
         blockDimX: block,
         blockDimY: 1,
         blockDimZ: 1,
-        sharedMemBytes: 0,
+        sharedMemBytes: shared,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
         numAttrs: u32::from(pdl),
@@ -863,6 +920,14 @@ fn launch(
         w => w * sm_count(dev)?,
     };
     let p = plan(tiles, layout.steps(), target);
+    // A block's warps share one K range of at most ceil(steps / blocks per tile) steps; its
+    // activation rows are staged in shared memory when that costs no resident blocks.
+    let range = (layout.steps().div_ceil(p.splits / p.group())
+        * pack::STEP_CHUNKS
+        * w.format.chunk_elems())
+    .min(w.k);
+    let x_stride = range + STAGE_PAD;
+    let shared = staging_bytes(dev, kernel, threads, m * x_stride * 2)?;
     let br = match w.format {
         GemvFormat::Fp8 { block, .. } => block.0,
         _ => 1,
@@ -892,8 +957,8 @@ fn launch(
         limit,
         fp8_br: br as u32,
         tiles: dim_u32("gemv tiles", tiles)?,
-        pad0: 0,
-        pad1: 0,
+        x_stride: if shared > 0 { x_stride as u32 } else { 0 },
+        pad: 0,
     };
     let blocks = dim_u32("gemv blocks", p.blocks(tiles))?;
     // SAFETY: GemvArgs mirrors the kernels' argument; the weight's tensors hold whole packed
@@ -904,7 +969,7 @@ fn launch(
             dev,
             kernel,
             (blocks, 1, 1),
-            threads,
+            (threads, shared),
             &args,
             tuning::programmatic_launch(),
         )

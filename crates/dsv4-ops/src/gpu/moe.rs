@@ -14,7 +14,7 @@ use cudarc::driver::DeviceRepr;
 use half::bf16;
 
 use super::gemv::pack::{encode_codes, pack, CodeOrder, Layout};
-use super::gemv::{check_mxfp4_scales, launch_pdl, resident_warps};
+use super::gemv::{check_mxfp4_scales, launch_pdl, resident_warps, staging_bytes};
 use super::launch::dim_u32;
 use super::{DType, Device, DeviceTensor, GpuError};
 use crate::codecs::mxfp4::Mxfp4Quantized;
@@ -350,7 +350,7 @@ struct MoeArgs {
     inter: u32,
     limit: f32,
     up_wpt: u32,
-    pad: u32,
+    stage: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -430,7 +430,7 @@ pub fn moe_decode(
         .into_iter()
         .find(|&w| w <= up_steps && up_tiles * topk * w <= up_resident)
         .unwrap_or(1);
-    let args = MoeArgs {
+    let mut args = MoeArgs {
         x: x.device_address(),
         ids: ids.device_address(),
         weights: weights.device_address(),
@@ -450,7 +450,7 @@ pub fn moe_decode(
         inter: experts.inter as u32,
         limit,
         up_wpt: up_wpt as u32,
-        pad: 0,
+        stage: 0,
     };
     let up_blocks = dim_u32("moe tiles", up_tiles.div_ceil(UP_WARPS / up_wpt))?;
     // Down: one block per 16-row output tile, 8 warps while all blocks stay resident.
@@ -462,6 +462,13 @@ pub fn moe_decode(
             break;
         }
     }
+    // Activations staged in shared memory where that costs no resident blocks: x [M, D] for
+    // gate_up, all of h [M, top_k, I] for down.
+    let up_threads = (UP_WARPS * 32) as u32;
+    let down_threads = (warps * 32) as u32;
+    let up_shared = staging_bytes(dev, &gate_up, up_threads, m * d * 2)?;
+    let down_shared = staging_bytes(dev, &down, down_threads, m * topk * experts.inter * 2)?;
+    args.stage = u32::from(up_shared > 0) | (u32::from(down_shared > 0) << 1);
     // Both launch without programmatic serialization: overlapping them with their neighbours
     // measured slower (docs/perf.md).
     // SAFETY (both launches): MoeArgs mirrors the kernels' argument; every tensor was checked
@@ -472,7 +479,7 @@ pub fn moe_decode(
             dev,
             &gate_up,
             (up_blocks, (m * topk) as u32, 1),
-            (UP_WARPS * 32) as u32,
+            (up_threads, up_shared),
             &args,
             false,
         )
@@ -482,7 +489,7 @@ pub fn moe_decode(
             dev,
             &down,
             (dim_u32("moe tiles", tiles)?, 1, 1),
-            (warps * 32) as u32,
+            (down_threads, down_shared),
             &args,
             false,
         )
