@@ -97,7 +97,8 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     const u32 s_end = live ? (u32)((u64)steps * (split + 1) / a.splits) : 0;
     const u32 j0 = sub_begin(s_begin), j1 = sub_end(L, s_end);
     Ring<F> ring;
-    ring_load<F>(L, j0, j1, ring);
+    // A branch rather than only the loads' own guards: measured 15-20% faster for FP4.
+    if (j0 < j1) ring_load<F>(L, j0, j1, ring);
     pdl_wait();
     pdl_launch_dependents();
     if (staged) stage_rows(xs, a.x_stride, a.x + k0, a.k, a.m, k1 - k0);

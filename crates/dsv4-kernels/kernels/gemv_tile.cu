@@ -380,12 +380,13 @@ __device__ __forceinline__ void stage_rows(u16* dst, u32 dst_stride, const u16* 
 constexpr u32 GEMV_WARPS = 4;
 
 // Resident 4-warp blocks per multiprocessor the M <= 8 kernels are held to (register cap).
-// BF16: 80 registers on sm_90; sm_100 code needs a few more and keeps five. FP8 / FP4 rings
-// refill early and hold a copy of a slot: four blocks (128 registers).
+// BF16: 64 registers, 32 warps, on sm_90 (66 registers and 28 warps measured 10-15% slower);
+// sm_100 code needs a few more and keeps five. FP8 / FP4 rings refill early and hold a copy of
+// a slot: four blocks (128 registers).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define M8_BLOCKS 5
 #else
-#define M8_BLOCKS 6
+#define M8_BLOCKS 8
 #endif
 #define M8_DEEP_BLOCKS 4
 

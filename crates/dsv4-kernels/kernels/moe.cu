@@ -87,7 +87,7 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
     const u32 j0 = sub_begin(steps * kpart / G), j1 = sub_end(L, steps * (kpart + 1) / G);
     Ring<F> ring;
-    ring_load<F>(L, j0, j1, ring);
+    if (j0 < j1) ring_load<F>(L, j0, j1, ring);
     if (staged) stage_rows(xs, a.d, a.x, a.d, a.m, a.d);
     if (!live && G == 1) return;
     float acc[MT][4];

@@ -730,7 +730,7 @@ impl Bench {
         }
         if !self.sweep.is_empty() {
             s.push_str(
-                "\nGrid size sweep (GEMV warps per SM; the default is a full wave, 24 for the m8 kernels), with PDL:\n\n| case | warps/SM | µs |\n|---|---:|---:|\n",
+                "\nGrid size sweep (GEMV warps per SM; the default is a full wave: 32 warps for the BF16 m8 kernels, 16 for FP8 and FP4), with PDL:\n\n| case | warps/SM | µs |\n|---|---:|---:|\n",
             );
             for (case, wps, secs) in &self.sweep {
                 s.push_str(&format!("| {case} | {wps} | {:.1} |\n", secs * 1e6));
