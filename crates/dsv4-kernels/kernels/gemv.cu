@@ -69,7 +69,7 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     // Warps past the last tile only take part in the staging and the block's reduction.
     const bool live = tile < a.tiles;
     const u32 t = live ? tile : 0;
-    const u32 g = lane >> 2, q = lane & 3u;
+    const u32 g = lane >> 2;
     const u32 r_lo = t * TR + g, r_hi = t * TR + HO + g;
     const u32 chunks = a.k / E;
     const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
@@ -111,22 +111,17 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     if (!live) return;
     if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, blockIdx.x % bpt, bpt, a.m)) return;
 
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (u32 i = 0; i < 2; ++i) {
-            const u32 m = mt * 8 + 2 * q + i;
-            if (m >= a.m) continue;
-            if (SWIGLU) {
-                if (r_lo < a.n) {
-                    const float h = swiglu(acc[mt][i] * a.post0, acc[mt][i + 2] * a.post1, a.limit);
-                    a.y[(u64)m * a.n + r_lo] = f32_to_bf16(h);
-                }
-            } else {
-                if (r_lo < a.n) a.y[(u64)m * a.n + r_lo] = f32_to_bf16(acc[mt][i] * a.post0);
-                if (r_hi < a.n) a.y[(u64)m * a.n + r_hi] = f32_to_bf16(acc[mt][i + 2] * a.post1);
+    for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
+        if (SWIGLU) {
+            if (r_lo < a.n) {
+                const float h = swiglu(acc[mt][i] * a.post0, acc[mt][i + 2] * a.post1, a.limit);
+                a.y[(u64)m * a.n + r_lo] = f32_to_bf16(h);
             }
+        } else {
+            if (r_lo < a.n) a.y[(u64)m * a.n + r_lo] = f32_to_bf16(acc[mt][i] * a.post0);
+            if (r_hi < a.n) a.y[(u64)m * a.n + r_hi] = f32_to_bf16(acc[mt][i + 2] * a.post1);
         }
+    });
 }
 
 // M <= 8 uses one MMA column block (m8), 9 <= M <= 16 two (m16). The m8 kernels are held to

@@ -64,6 +64,29 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// MMA accumulators: acc[mt][i] and acc[mt][i + 2] hold tile rows g and g + 8 of column
+// (token) mt * 8 + 2 * (lane % 4) + i.
+template <int MT>
+__device__ __forceinline__ void zero(float (&acc)[MT][4]) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
+}
+
+// Calls f(mt, i, m) for each accumulator column of this lane whose token m is below `tokens`.
+template <int MT, typename Fn>
+__device__ __forceinline__ void for_each_token(u32 tokens, Fn f) {
+    const u32 q = threadIdx.x & 3u;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (u32 i = 0; i < 2; ++i) {
+            const u32 m = mt * 8 + 2 * q + i;
+            if (m < tokens) f(mt, i, m);
+        }
+}
+
 // Eight e2m1 codes to four bf16 pairs p[k] = (element 2k, element 2k + 1), each worth
 // e2m1 * 2^-126 (code bits in the bf16 exponent/mantissa field). The packer stores the codes
 // bit-permuted inside each 32-bit word (dsv4_ops::gpu::gemv::pack::encode_codes) so that three
@@ -254,10 +277,7 @@ __device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, 
             if (MT == 2) yh[i] = bf16x2_to_f16x2(xh[i]);
         }
         float t[MT][4];
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) t[m][i] = 0.0f;
+        zero(t);
 #pragma unroll
         for (u32 i = 0; i < 4; ++i) {
             // Pairs (elements 0, 1) and (2, 3) of word i: activations in natural order.
@@ -353,14 +373,6 @@ __device__ __forceinline__ void run_subs(const Lane& L, u32 j0, u32 j1, Ring<F>&
 // Sub-steps of steps [s0, s1) of L's tile.
 __device__ __forceinline__ u32 sub_begin(u32 s0) { return U * s0; }
 __device__ __forceinline__ u32 sub_end(const Lane& L, u32 s1) { return min(U * s1, L.subs); }
-
-template <int MT>
-__device__ __forceinline__ void zero(float (&acc)[MT][4]) {
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
-}
 
 // Copies `rows` rows of `len` bf16 (len and both strides multiples of 8, 16-byte aligned rows)
 // from global memory into shared memory. Every thread of the block calls it; it ends with a

@@ -75,7 +75,7 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     const u32 chunks = a.d / 32u, tiles = (a.inter + 7) / 8;
     // Warps past the last tile only take part in the staging and the block's reduction.
     const bool live = tile < tiles;
-    const u32 g = lane >> 2, q = lane & 3u;
+    const u32 g = lane >> 2;
     const u32 r = tile * 8 + g;
     const u64 t = (u64)e * tiles + (live ? tile : 0);
     const bool staged = a.stage & 1u;
@@ -97,17 +97,12 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     if (!live || r >= a.inter) return;
 
     const float p1 = post_scale<F>(a.g1, e), p3 = post_scale<F>(a.g3, e);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (u32 i = 0; i < 2; ++i) {
-            const u32 m = mt * 8 + 2 * q + i;
-            if (m >= a.m) continue;
-            const u16 v = f32_to_bf16(swiglu(acc[mt][i] * p1, acc[mt][i + 2] * p3, a.limit));
-            // Every slot of the token that chose e (normally exactly one).
-            for (u32 j = 0; j < a.topk; ++j)
-                if (a.ids[m * a.topk + j] == e) a.h[((u64)m * a.topk + j) * a.inter + r] = v;
-        }
+    for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
+        const u16 v = f32_to_bf16(swiglu(acc[mt][i] * p1, acc[mt][i + 2] * p3, a.limit));
+        // Every slot of the token that chose e (normally exactly one).
+        for (u32 j = 0; j < a.topk; ++j)
+            if (a.ids[m * a.topk + j] == e) a.h[((u64)m * a.topk + j) * a.inter + r] = v;
+    });
 }
 
 template <int F, int MT, bool OUT_F32>
@@ -141,7 +136,7 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     __syncthreads();
 
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const u32 g = lane >> 2, q = lane & 3u;
+    const u32 g = lane >> 2;
     const u32 tile = blockIdx.x;
     const u32 r_lo = tile * 16 + g, r_hi = tile * 16 + 8 + g;
     const u32 chunks = a.inter / 32u, tiles = (a.d + 15) / 16;
@@ -204,48 +199,38 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             for (u32 ui = 0; ui < items / steps; ++ui) {
                 const int e = uniq[g0 + ui];
                 const float post = post_scale<F>(a.g2, e);
+                for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
+                    // The token's routing weight for e (all its slots).
+                    float w = 0.0f;
+                    for (u32 j = 0; j < a.topk; ++j)
+                        if (ids[m * a.topk + j] == e) w += a.weights[m * a.topk + j];
+                    if (w == 0.0f) return;  // tokens without e stay untouched
+                    const float f = w * post;
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (u32 i = 0; i < 2; ++i) {
-                        // Accumulator column m = token; its routing weight for e (all slots).
-                        const u32 m = mt * 8 + 2 * q + i;
-                        float w = 0.0f;
-                        if (m < a.m)
-                            for (u32 j = 0; j < a.topk; ++j)
-                                if (ids[m * a.topk + j] == e) w += a.weights[m * a.topk + j];
-                        if (w == 0.0f) continue;  // tokens without e stay untouched
-                        const float f = w * post;
-#pragma unroll
-                        for (u32 hi = 0; hi < 2; ++hi) {
-                            const u32 idx = mt * 4 + i + 2 * hi;
-                            float tot = 0.0f;
-                            for (u32 st = 0; st < steps; ++st) tot += part[(ui * steps + st) * PER_ITEM + idx * 32 + lane];
-                            acc[mt][i + 2 * hi] = fmaf(f, tot, acc[mt][i + 2 * hi]);
-                        }
+                    for (u32 hi = 0; hi < 2; ++hi) {
+                        const u32 idx = mt * 4 + i + 2 * hi;
+                        float tot = 0.0f;
+                        for (u32 st = 0; st < steps; ++st) tot += part[(ui * steps + st) * PER_ITEM + idx * 32 + lane];
+                        acc[mt][i + 2 * hi] = fmaf(f, tot, acc[mt][i + 2 * hi]);
                     }
+                });
             }
         }
         __syncthreads();
     }
     if (warp != 0) return;
 
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (u32 i = 0; i < 2; ++i) {
-            const u32 m = mt * 8 + 2 * q + i;
-            if (m >= a.m) continue;
-            if (OUT_F32) {
-                float* o = static_cast<float*>(a.out);
-                if (r_lo < a.d) o[(u64)m * a.d + r_lo] = acc[mt][i];
-                if (r_hi < a.d) o[(u64)m * a.d + r_hi] = acc[mt][i + 2];
-            } else {
-                u16* o = static_cast<u16*>(a.out);
-                if (r_lo < a.d) o[(u64)m * a.d + r_lo] = f32_to_bf16(acc[mt][i]);
-                if (r_hi < a.d) o[(u64)m * a.d + r_hi] = f32_to_bf16(acc[mt][i + 2]);
-            }
+    for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
+        if (OUT_F32) {
+            float* o = static_cast<float*>(a.out);
+            if (r_lo < a.d) o[(u64)m * a.d + r_lo] = acc[mt][i];
+            if (r_hi < a.d) o[(u64)m * a.d + r_hi] = acc[mt][i + 2];
+        } else {
+            u16* o = static_cast<u16*>(a.out);
+            if (r_lo < a.d) o[(u64)m * a.d + r_lo] = f32_to_bf16(acc[mt][i]);
+            if (r_hi < a.d) o[(u64)m * a.d + r_hi] = f32_to_bf16(acc[mt][i + 2]);
         }
+    });
 }
 
 }  // namespace moe
