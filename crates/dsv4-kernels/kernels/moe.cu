@@ -182,12 +182,14 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             const bool more = it + nw < items;
             if (more) item_lane(g0, it + nw, ln);
             else ln = lc;
-            float t[MT][4];
+            float t[MT][4], t2[MT][4];
             zero(t);
+            zero(t2);
             const u32 j = U * (it % steps), jn = U * ((it + nw) % steps);
 #pragma unroll
             for (u32 u = 0; u < U; ++u)
-                slot_step<F, MT>(lc, j + u, j + u < lc.subs, ln, jn + u, more && jn + u < ln.subs, ring.r[u], t);
+                slot_step<F, MT>(lc, j + u, j + u < lc.subs, ln, jn + u, more && jn + u < ln.subs, ring.r[u], t, t2);
+            fold(t, t2);
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
