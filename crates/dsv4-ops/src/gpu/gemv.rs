@@ -747,10 +747,15 @@ impl Plan {
             .unwrap_or(1)
     }
 
+    /// Blocks that share one tile's K ranges (more than one: the sum goes through the
+    /// workspace).
+    pub(crate) fn blocks_per_tile(&self) -> usize {
+        self.splits / self.group()
+    }
+
     /// Blocks of the launch.
     pub(crate) fn blocks(&self, tiles: usize) -> usize {
-        let g = self.group();
-        tiles.div_ceil(GEMV_WARPS / g) * (self.splits / g)
+        tiles.div_ceil(GEMV_WARPS / self.group()) * self.blocks_per_tile()
     }
 }
 
@@ -770,17 +775,16 @@ pub(crate) fn plan(tiles: usize, steps: usize, target: usize, min_steps: usize) 
     let longer = Plan {
         splits: (steps / min_steps.max(1)).max(1),
     };
-    let blocks_per_tile = |p: &Plan| p.splits / p.group();
     if p.splits > longer.splits
         && tiles * longer.splits >= target / 5
-        && blocks_per_tile(&longer) <= blocks_per_tile(&p)
+        && longer.blocks_per_tile() <= p.blocks_per_tile()
     {
         p = longer;
     }
     // Sums that leave the block need a counter per tile and a partial per (tile, block).
     while p.splits > p.group()
         && (tiles > GemvWorkspace::COUNTERS
-            || tiles * (p.splits / p.group()) > GemvWorkspace::PARTIALS)
+            || tiles * p.blocks_per_tile() > GemvWorkspace::PARTIALS)
     {
         p.splits -= 1;
     }
@@ -944,10 +948,9 @@ fn launch(
     let p = plan(tiles, layout.steps(), target, min_steps);
     // A block's warps share one K range of at most ceil(steps / blocks per tile) steps; its
     // activation rows are staged in shared memory when that costs no resident blocks.
-    let range = (layout.steps().div_ceil(p.splits / p.group())
-        * pack::STEP_CHUNKS
-        * w.format.chunk_elems())
-    .min(w.k);
+    let range =
+        (layout.steps().div_ceil(p.blocks_per_tile()) * pack::STEP_CHUNKS * w.format.chunk_elems())
+            .min(w.k);
     let x_stride = range + STAGE_PAD;
     let shared = staging_bytes(dev, kernel, threads, m * x_stride * 2)?;
     let br = match w.format {
@@ -1190,12 +1193,11 @@ mod tests {
                     assert!(
                         p.splits <= longer.splits
                             || tiles * longer.splits < target / 5
-                            || longer.splits / longer.group() > p.splits / p.group()
+                            || longer.blocks_per_tile() > p.blocks_per_tile()
                     );
-                    let g = p.group();
                     assert!(
-                        p.splits == g
-                            || (tiles * (p.splits / g) <= GemvWorkspace::PARTIALS
+                        p.splits == p.group()
+                            || (tiles * p.blocks_per_tile() <= GemvWorkspace::PARTIALS
                                 && tiles <= GemvWorkspace::COUNTERS)
                     );
                     // Splits only to reach the target, never past it.
