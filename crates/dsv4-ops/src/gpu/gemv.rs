@@ -46,7 +46,8 @@ pub mod tuning {
     static STAGING: AtomicBool = AtomicBool::new(true);
 
     /// Warps per multiprocessor that a GEMV grid (with its K splits) aims for; 0 (the default)
-    /// takes as many as the kernel can keep resident, one full wave.
+    /// takes as many as the kernel can keep resident, one full wave. FP8 may use fewer to keep
+    /// its K ranges two steps long (`plan`).
     pub fn set_warps_per_sm(warps: usize) {
         WARPS_PER_SM.store(warps, Ordering::Relaxed);
     }
