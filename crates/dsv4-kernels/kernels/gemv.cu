@@ -26,11 +26,12 @@
 // sub-step.
 //
 // Work split: a tile is 16 output rows (8 gate + 8 up rows for SwiGLU); its K steps are split
-// into `splits` contiguous ranges, one warp each. A 4-warp block holds G consecutive ranges
-// of 4 / G tiles (G = 4, 2 or 1, the largest that divides splits); the G warps of a tile are
-// summed in shared memory (in warp order, once, at the end), and when splits > G the tile's
-// partial sums go through the workspace: the last one to arrive (per-tile counter) adds them
-// in order and writes the rows. Every reduction has a fixed order, so results never depend
+// into `splits` contiguous ranges, one warp each. A block of W warps holds G consecutive
+// ranges of W / G tiles (the launcher picks G, a power of two dividing splits, and W =
+// max(G, 4)): 16 or 8 ranges of a tile fill one block of as many warps, fewer share a 4-warp
+// block with other tiles. The G warps of a tile are summed in shared memory (in warp order,
+// once, at the end), and when splits > G the tile's partial sums go through the workspace:
+// the last one to arrive (per-tile counter) adds them in order and writes the rows. Every reduction has a fixed order, so results never depend
 // on timing. The block's warps share one K range (G consecutive ranges of a tile, or one range
 // of 4 tiles); when the launcher reserved shared memory for it (`x_stride` != 0), the block
 // stages that range of every activation row there once.
@@ -52,7 +53,7 @@ struct GemvArgs {
     u32 fp8_br;         // FP8 scale block rows
     u32 tiles;
     u32 x_stride;       // row stride of the staged activations in shared memory; 0: not staged
-    u32 pad;
+    u32 group;          // G: K ranges of a tile in one block (divides splits and the block's warps)
 };
 
 template <int F, int MT, bool SWIGLU>
@@ -63,8 +64,8 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     constexpr u32 HO = SWIGLU ? 0 : 8;    // row offset of the hi half
     constexpr u32 E = Format<F>::ELEMS;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 G = a.splits % 4 == 0 ? 4 : a.splits % 2 == 0 ? 2 : 1, bpt = a.splits / G;
-    const u32 tile = (blockIdx.x / bpt) * (GEMV_WARPS / G) + warp / G;
+    const u32 G = a.group, bpt = a.splits / G;
+    const u32 tile = (blockIdx.x / bpt) * ((blockDim.x >> 5) / G) + warp / G;
     const u32 split = (blockIdx.x % bpt) * G + warp % G;
     // Warps past the last tile only take part in the staging and the block's reduction.
     const bool live = tile < a.tiles;
@@ -125,21 +126,22 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
 }
 
 // M <= 8 uses one MMA column block (m8), 9 <= M <= 16 two (m16). The m8 kernels are held to
-// a register budget (M8_BLOCKS resident blocks per multiprocessor for BF16, M8_DEEP_BLOCKS for
-// the deeper early-refill rings of FP8 and FP4).
+// a register budget (M8_BLOCKS resident 4-warp blocks per multiprocessor for BF16, whose
+// blocks stay at 4 warps; M8_DEEP_GEMV_BOUNDS for the deeper early-refill rings of FP8 and
+// FP4).
 DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, false>(a); }
 DSV4_KERNEL void gemv_bf16_m16(const GemvArgs a) { gemv_kernel<gemv::BF16, 2, false>(a); }
 DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_bf16_m16(const GemvArgs a) { gemv_kernel<gemv::BF16, 2, true>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, false>(a); }
+DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, false>(a); }
 DSV4_KERNEL void gemv_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_swiglu_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true>(a); }
+DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_swiglu_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, true>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, false>(a); }
+DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, false>(a); }
 DSV4_KERNEL void gemv_nvfp4_m16(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_swiglu_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, true>(a); }
+DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_swiglu_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_nvfp4_m16(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 2, true>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, false>(a); }
+DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, false>(a); }
 DSV4_KERNEL void gemv_mxfp4_m16(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) gemv_swiglu_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, true>(a); }
+DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_swiglu_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_mxfp4_m16(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 2, true>(a); }

@@ -405,25 +405,27 @@ __device__ __forceinline__ void stage_rows(u16* dst, u32 dst_stride, const u16* 
     __syncthreads();
 }
 
-// Warps of a GEMV or gate+up block (the MoE down kernel takes its own count).
-constexpr u32 GEMV_WARPS = 4;
+// Most warps of one block whose K ranges reduce_warps sums.
+constexpr u32 MAX_BLOCK_WARPS = 16;
 
 // Resident 4-warp blocks per multiprocessor the M <= 8 kernels are held to (register cap).
 // BF16: 64 registers, 32 warps, on sm_90 (66 registers and 28 warps measured 10-15% slower);
 // sm_100 code needs a few more and keeps five. FP8 / FP4 rings refill early and hold a copy of
-// a slot: four blocks (128 registers).
+// a slot: four blocks (128 registers); their GEMVs take blocks of up to 16 warps at the same
+// cap (M8_DEEP_GEMV_BOUNDS).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define M8_BLOCKS 5
 #else
 #define M8_BLOCKS 8
 #endif
 #define M8_DEEP_BLOCKS 4
+#define M8_DEEP_GEMV_BOUNDS __launch_bounds__(gemv::MAX_BLOCK_WARPS * 32, M8_DEEP_BLOCKS * 4 / gemv::MAX_BLOCK_WARPS)
 
 // Sums acc over the G consecutive warps of a block that share a tile (in warp order) into the
 // first of them. Every thread of the block must call it. Returns true in each tile's first warp.
 template <int MT>
 __device__ __forceinline__ bool reduce_warps(float (&acc)[MT][4], u32 G) {
-    __shared__ float4 red[GEMV_WARPS][MT][32];
+    __shared__ float4 red[MAX_BLOCK_WARPS][MT][32];
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) red[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);

@@ -71,7 +71,7 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
         if (a.ids[p] == e) return;
 
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, G = a.up_wpt;
-    const u32 tile = blockIdx.x * (GEMV_WARPS / G) + warp / G, kpart = warp % G;
+    const u32 tile = blockIdx.x * ((blockDim.x >> 5) / G) + warp / G, kpart = warp % G;
     const u32 chunks = a.d / 32u, tiles = (a.inter + 7) / 8;
     // Warps past the last tile only take part in the staging and the block's reduction.
     const bool live = tile < tiles;

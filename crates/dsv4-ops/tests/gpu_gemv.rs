@@ -160,6 +160,11 @@ fn gpu_gemv_matches_reference_on_random_shapes() {
         // Many rows: one block per tile.
         let n = 8192 + rng.random_range(1..16);
         check_gemv(&dev, &mut ws, &mut rng, format, 1, n, 4 * 128);
+        // All of a tile's K ranges in one block: 32 tiles of 16 steps (16 ranges, a 16-warp
+        // block where the kernel takes one) and 64 tiles of 8 steps (8 ranges, 8 warps).
+        let m = rng.random_range(1..=8);
+        check_gemv(&dev, &mut ws, &mut rng, format, m, 512, ce * 16 * 16);
+        check_gemv(&dev, &mut ws, &mut rng, format, m, 1024, ce * 16 * 8);
     }
 }
 
@@ -171,17 +176,14 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
     let mut ws = GemvWorkspace::alloc(&dev).unwrap();
     for format in FORMATS {
         let ce = chunk(format);
-        for case in 0..5 {
+        for case in 0..6 {
             let m = rng.random_range(1..=16);
-            let n = if case == 4 {
-                rng.random_range(1..=24)
-            } else {
-                rng.random_range(1..=600)
-            };
-            let k = if case == 4 {
-                ce * 400
-            } else {
-                ce * rng.random_range(1..=80)
+            // Case 4: few tiles, long K (sums across blocks); case 5: 128 tiles of 16 steps
+            // (8 or 16 ranges a tile, all in one block).
+            let (m, n, k) = match case {
+                4 => (m, rng.random_range(1..=24), ce * 400),
+                5 => (m.min(8), 1024, ce * 16 * 16),
+                _ => (m, rng.random_range(1..=600), ce * rng.random_range(1..=80)),
             };
             // w1 and w3 share the NVFP4 global scale, as in ModelOpt exports.
             let g = Some(0.3 / 2688.0);

@@ -33,8 +33,12 @@ pub const MAX_M: usize = 16;
 /// bf16 operand the kernel builds (scale · 2^110); no real weight comes near it.
 pub const MXFP4_MAX_SCALE_BYTE: u8 = 144;
 
-/// Warps of a GEMV block (one (tile, K range) item each).
-pub(crate) const GEMV_WARPS: usize = 4;
+/// Warps of a GEMV block (one (tile, K range) item each) when it holds ranges of several tiles.
+pub(crate) const MIN_BLOCK_WARPS: usize = 4;
+
+/// Most warps of a GEMV block: up to 16 K ranges of one tile are summed in shared memory
+/// (`MAX_BLOCK_WARPS` in gemv_tile.cu).
+pub(crate) const MAX_BLOCK_WARPS: usize = 16;
 
 /// Launch settings, process-wide. The defaults are the engine's; the decode benchmark varies
 /// them to compare configurations within one run.
@@ -715,7 +719,7 @@ struct GemvArgs {
     fp8_br: u32,
     tiles: u32,
     x_stride: u32,
-    pad: u32,
+    group: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -731,21 +735,30 @@ pub(crate) fn sm_count(dev: &Device) -> Result<usize, GpuError> {
 }
 
 /// How a GEMV launch spreads `tiles` tiles of `steps` K steps over the GPU: each tile's steps
-/// are split into `splits` contiguous ranges, one warp each. A 4-warp block holds G ranges of
-/// a tile (G = 4, 2 or 1, the largest dividing `splits`), summed in shared memory; the
-/// `splits / G` sums of a tile meet in the workspace.
+/// are split into `splits` contiguous ranges, one warp each. A block holds G ranges of a tile
+/// (the largest power of two up to `max_warps` that divides `splits`), summed in shared
+/// memory; the `splits / G` sums of a tile meet in the workspace. 8 or 16 ranges make a block
+/// of as many warps; fewer share a 4-warp block with other tiles' ranges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Plan {
     pub splits: usize,
+    /// Largest block the kernel takes, in warps (a power of two, at least 4).
+    pub max_warps: usize,
 }
 
 impl Plan {
     /// Ranges of a tile in one block.
     pub(crate) fn group(&self) -> usize {
-        [4, 2, 1]
-            .into_iter()
-            .find(|g| self.splits.is_multiple_of(*g))
-            .unwrap_or(1)
+        let mut g = self.max_warps;
+        while !self.splits.is_multiple_of(g) {
+            g /= 2;
+        }
+        g
+    }
+
+    /// Warps of each block.
+    pub(crate) fn block_warps(&self) -> usize {
+        self.group().max(MIN_BLOCK_WARPS)
     }
 
     /// Blocks that share one tile's K ranges (more than one: the sum goes through the
@@ -756,7 +769,7 @@ impl Plan {
 
     /// Blocks of the launch.
     pub(crate) fn blocks(&self, tiles: usize) -> usize {
-        tiles.div_ceil(GEMV_WARPS / self.group()) * self.blocks_per_tile()
+        tiles.div_ceil(self.block_warps() / self.group()) * self.blocks_per_tile()
     }
 }
 
@@ -768,13 +781,21 @@ impl Plan {
 /// with 16 one-step ranges, 4.55 us with 8 two-step ones (512 warps); [512, 4096] 4.16 us with
 /// 16, 4.30 us with 8 (256 warps); [8192, 1536] 5.9 us with 4 ranges in one block, 6.9 us
 /// with 3 in three blocks.
-pub(crate) fn plan(tiles: usize, steps: usize, target: usize, min_steps: usize) -> Plan {
+pub(crate) fn plan(
+    tiles: usize,
+    steps: usize,
+    target: usize,
+    min_steps: usize,
+    max_warps: usize,
+) -> Plan {
     let tiles = tiles.max(1);
     let mut p = Plan {
         splits: (target / tiles).clamp(1, steps.max(1)),
+        max_warps,
     };
     let longer = Plan {
         splits: (steps / min_steps.max(1)).max(1),
+        max_warps,
     };
     if p.splits > longer.splits
         && tiles * longer.splits >= target / 5
@@ -799,6 +820,24 @@ pub(crate) fn resident_warps(dev: &Device, kernel: &str, threads: u32) -> Result
         .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
         .map_err(GpuError::driver("reading a kernel's occupancy"))?;
     Ok((blocks as usize).max(1) * threads as usize / 32 * sm_count(dev)?)
+}
+
+/// The largest block `kernel` takes for a GEMV, in warps: 16 or 8 where the kernel allows that
+/// many threads and keeps as many warps resident as in 4-warp blocks, else 4. H200, FP8 with 8
+/// two-step ranges a tile in one 8-warp block instead of two 4-warp blocks that sum through
+/// the workspace: [1024, 4096] 4.54 -> 3.68 us, [4096, 8192] 11.7 -> 10.7 us; [512, 4096] with
+/// 16 ranges in one 16-warp block: 4.13 -> 2.97 us.
+pub(crate) fn max_block_warps(dev: &Device, kernel: &str) -> Result<usize, GpuError> {
+    let f = dev.function(kernel)?;
+    let err = || GpuError::driver(format!("sizing the blocks of {kernel}"));
+    let limit = f.max_threads_per_block().map_err(err())? as usize / 32;
+    let base = resident_warps(dev, kernel, (MIN_BLOCK_WARPS * 32) as u32)?;
+    for warps in [MAX_BLOCK_WARPS, MAX_BLOCK_WARPS / 2] {
+        if warps <= limit && resident_warps(dev, kernel, (warps * 32) as u32)? >= base {
+            return Ok(warps);
+        }
+    }
+    Ok(MIN_BLOCK_WARPS)
 }
 
 /// Dynamic shared memory for staging `bytes` of activations in each block of `kernel`: `bytes`
@@ -935,9 +974,8 @@ fn launch(
         gate_up: w.gate_up,
     };
     let tiles = layout.tiles();
-    let threads = (GEMV_WARPS * 32) as u32;
     let target = match tuning::warps_per_sm() {
-        0 => resident_warps(dev, kernel, threads)?,
+        0 => resident_warps(dev, kernel, (MIN_BLOCK_WARPS * 32) as u32)?,
         w => w * sm_count(dev)?,
     };
     // The FP8 ring holds six sub-steps: two K steps keep it full.
@@ -946,7 +984,14 @@ fn launch(
     } else {
         1
     };
-    let p = plan(tiles, layout.steps(), target, min_steps);
+    let p = plan(
+        tiles,
+        layout.steps(),
+        target,
+        min_steps,
+        max_block_warps(dev, kernel)?,
+    );
+    let threads = (p.block_warps() * 32) as u32;
     // A block's warps share one K range of at most ceil(steps / blocks per tile) steps; its
     // activation rows are staged in shared memory when that costs no resident blocks.
     let range =
@@ -984,7 +1029,7 @@ fn launch(
         fp8_br: br as u32,
         tiles: dim_u32("gemv tiles", tiles)?,
         x_stride: if shared > 0 { x_stride as u32 } else { 0 },
-        pad: 0,
+        group: p.group() as u32,
     };
     let blocks = dim_u32("gemv blocks", p.blocks(tiles))?;
     // SAFETY: GemvArgs mirrors the kernels' argument; the weight's tensors hold whole packed
@@ -1152,45 +1197,75 @@ mod tests {
 
     #[test]
     fn plans_fill_the_gpu_within_bounds() {
-        let one = |splits| Plan { splits };
+        // Kernels that take 4-warp blocks only (BF16 m8) and up to 16 (FP8 / FP4 m8).
+        let one = |splits| Plan {
+            splits,
+            max_warps: 4,
+        };
+        let big = |splits| Plan {
+            splits,
+            max_warps: 16,
+        };
         // 24 warps on each of 132 SMs.
         let full = 24 * 132;
         // lm_head, wq_b: enough tiles, no split.
-        assert_eq!(plan(8080, 32, full, 1), one(1));
-        assert_eq!(plan(2048, 4, full, 1), one(1));
+        assert_eq!(plan(8080, 32, full, 1, 4), one(1));
+        assert_eq!(plan(2048, 4, full, 1, 4), one(1));
         // Pro wo_b [7168, 16384] fp8: 448 tiles of 64 steps -> 7 ranges (sums in the workspace).
-        assert_eq!(plan(448, 64, full, 1), one(7));
+        assert_eq!(plan(448, 64, full, 1, 4), one(7));
         assert_eq!(one(7).group(), 1);
-        // Flash expert w1+w3: 256 tiles of 8 steps -> 8 one-step ranges, two blocks a tile.
-        assert_eq!(plan(256, 8, full, 1), one(8));
-        // wkv [512, 4096] fp8: 32 tiles of 16 steps -> a step per warp.
-        assert_eq!(plan(32, 16, full, 1), one(16));
-        // 1200 tiles: two ranges a tile, in one block.
-        assert_eq!(plan(1200, 14, full, 1), one(2));
-        assert_eq!(one(2).group(), 2);
+        // Flash expert w1+w3: 256 tiles of 8 steps -> 8 one-step ranges: two 4-warp blocks a
+        // tile, or one 8-warp block.
+        assert_eq!(plan(256, 8, full, 1, 4), one(8));
+        assert_eq!((one(8).group(), one(8).blocks_per_tile()), (4, 2));
+        assert_eq!(
+            (big(8).group(), big(8).block_warps(), big(8).blocks(256)),
+            (8, 8, 256)
+        );
+        // wkv [512, 4096] fp8: 32 tiles of 16 steps -> a step per warp, 16 warps a block.
+        assert_eq!(plan(32, 16, full, 1, 16), big(16));
+        assert_eq!((big(16).block_warps(), big(16).blocks(32)), (16, 32));
+        // 1200 tiles: two ranges a tile, in one 4-warp block with another tile's.
+        assert_eq!(plan(1200, 14, full, 1, 16), big(2));
+        assert_eq!(
+            (big(2).group(), big(2).block_warps(), big(2).blocks(9)),
+            (2, 4, 5)
+        );
         // FP8 [1024, 4096], 16 warps a SM: 64 tiles of 16 steps -> 8 two-step ranges; [512, 4096]
         // keeps 16 one-step ranges (two-step ones would leave 256 warps).
         let fp8 = 16 * 132;
-        assert_eq!(plan(64, 16, fp8, 2), one(8));
-        assert_eq!(plan(32, 16, fp8, 2), one(16));
+        assert_eq!(plan(64, 16, fp8, 2, 4), one(8));
+        assert_eq!(plan(64, 16, fp8, 2, 16), big(8));
+        assert_eq!(plan(32, 16, fp8, 2, 4), one(16));
         // [8192, 1536]: 512 tiles of 6 steps keep 4 ranges in one block (3 would need three).
-        assert_eq!(plan(512, 6, fp8, 2), one(4));
+        assert_eq!(plan(512, 6, fp8, 2, 4), one(4));
         // A router-like [32, 16384] bf16: 2 tiles of 128 steps -> 128 one-step ranges.
-        assert_eq!(plan(2, 128, full, 1), one(128));
+        assert_eq!(plan(2, 128, full, 1, 4), one(128));
+        assert_eq!(big(128).blocks_per_tile(), 8);
         assert_eq!(one(1).blocks(9), 3);
         assert_eq!(one(2).blocks(9), 5);
         assert_eq!(one(12).blocks(9), 27);
         assert_eq!(one(7).blocks(9), 21);
         for tiles in 1..3000 {
-            for steps in [1, 3, 5, 64, 4096] {
-                for (target, min_steps) in
-                    [(132, 1), (16 * 132, 1), (full, 1), (16 * 132, 2), (full, 2)]
-                {
-                    let p = plan(tiles, steps, target, min_steps);
+            for steps in [1, 3, 5, 8, 64, 4096] {
+                for (target, min_steps, max_warps) in [
+                    (132, 1, 4),
+                    (16 * 132, 1, 4),
+                    (full, 1, 4),
+                    (16 * 132, 2, 4),
+                    (full, 2, 4),
+                    (16 * 132, 2, 16),
+                    (full, 1, 16),
+                    (full, 1, 8),
+                ] {
+                    let p = plan(tiles, steps, target, min_steps, max_warps);
                     assert!(p.splits >= 1 && p.splits <= steps);
                     // Ranges shorter than min_steps only to keep a fifth of the wave busy or
                     // the tile's sum inside fewer blocks.
-                    let longer = one((steps / min_steps).max(1));
+                    let longer = Plan {
+                        splits: (steps / min_steps).max(1),
+                        max_warps,
+                    };
                     assert!(
                         p.splits <= longer.splits
                             || tiles * longer.splits < target / 5
@@ -1203,6 +1278,11 @@ mod tests {
                     );
                     // Splits only to reach the target, never past it.
                     assert!(p.splits == 1 || tiles * p.splits <= target);
+                    // Blocks of 4, 8 or 16 warps, each holding whole groups of one tile's ranges.
+                    let (g, w) = (p.group(), p.block_warps());
+                    assert!([4, 8, 16].contains(&w) && w <= max_warps.max(4));
+                    assert!(p.splits % g == 0 && w % g == 0);
+                    assert!(p.blocks(tiles) * w / g >= tiles * p.blocks_per_tile());
                 }
             }
         }
