@@ -1281,7 +1281,7 @@ mod tests {
                     // Blocks of 4, 8 or 16 warps, each holding whole groups of one tile's ranges.
                     let (g, w) = (p.group(), p.block_warps());
                     assert!([4, 8, 16].contains(&w) && w <= max_warps.max(4));
-                    assert!(p.splits % g == 0 && w % g == 0);
+                    assert!(p.splits.is_multiple_of(g) && w.is_multiple_of(g));
                     assert!(p.blocks(tiles) * w / g >= tiles * p.blocks_per_tile());
                 }
             }
