@@ -17,6 +17,10 @@
 // output is the same alone and in a batch. Both stream weights with the ring of gemv_tile.cu
 // and, when the launcher reserved the shared memory (`stage`), read their activations (x for
 // gate_up, all of h for down) from a copy staged there once per block.
+// Down launches with programmatic dependent launch: it sorts the expert ids (written before
+// gate_up started) and loads its first weights before it waits for gate_up's h. Gate_up
+// launches plainly (moe.rs says why); its wait is immediate then, and keeps it correct if it
+// is launched early.
 // Expert ids outside [0, experts) select nothing. NVFP4 or MXFP4 weights stacked over experts.
 #include "gemv_tile.cu"
 
@@ -64,6 +68,9 @@ template <int F, int MT>
 __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     using namespace gemv;
     extern __shared__ __align__(16) u16 xs[];
+    // Expert ids and x come from the previous kernel: nothing to prefetch before the wait.
+    pdl_wait();
+    pdl_launch_dependents();
     const u32 pair = blockIdx.y;
     const int e = a.ids[pair];
     if (!valid_expert(e, a.experts)) return;
@@ -174,8 +181,14 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             const u32 st = warp % steps;
             ring_load<F>(lc, sub_begin(st), sub_end(lc, st + 1), ring);
         }
-        // Staged once, while the first items' weights are on their way.
-        if (g0 == 0 && staged) stage_rows(hs, a.inter, a.h, a.inter, pairs, a.inter);
+        // h is gate_up's output: wait for it here, while the first items' weights (constant)
+        // are on their way. The ids were written before gate_up started, so they could be
+        // read above.
+        if (g0 == 0) {
+            pdl_wait();
+            pdl_launch_dependents();
+            if (staged) stage_rows(hs, a.inter, a.h, a.inter, pairs, a.inter);
+        }
         // Each item's loads are issued while the previous item is computed (the ring).
 #pragma unroll 1
         for (u32 it = warp; it < items; it += nw) {
@@ -221,6 +234,8 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
         __syncthreads();
     }
     if (warp != 0) return;
+    // Without a selected expert the loop above never waited.
+    pdl_wait();
 
     for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
         if (OUT_F32) {

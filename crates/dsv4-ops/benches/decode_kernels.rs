@@ -13,14 +13,16 @@
 //! Bytes counted: weights and scales, plus activations read and written.
 //! The ceiling is a 1 GiB device-to-device copy timed with events (read + write bytes).
 //!
-//! GEMVs launch with programmatic dependent launch (each launch streams its first weights
-//! while the previous one finishes), as in the engine's decode graph; the table also gives each
-//! case without it (the MoE launches plainly in both; the format kernels always launch plainly,
-//! so they are timed once). A second table times a few cases at other grid sizes (warps per SM).
+//! GEMVs and the MoE's down kernel launch with programmatic dependent launch (each launch
+//! streams its first weights while the previous one finishes), as in the engine's decode graph;
+//! the table also gives each case without it (the format kernels always launch plainly, so they
+//! are timed once). A second table times a few cases at other grid sizes (warps per SM).
 //!
 //! `cargo bench -p dsv4-ops --bench decode_kernels` (criterion); the tables are printed at the
 //! end and written to `$DSV4_BENCH_TABLE` when set. `DSV4_BENCH_ONLY=Pro/attn` keeps the cases
-//! whose `model/kernel` contains the text (`quantize` keeps the format kernels).
+//! whose `model/kernel` contains the text, or one of several separated by `|` (`quantize`
+//! keeps the format kernels). `DSV4_BENCH_STAGING=off` runs every GEMV and MoE with its
+//! activations read from global memory instead of staged in shared memory.
 
 use std::time::Duration;
 
@@ -395,9 +397,10 @@ fn rotation(bytes: usize, l2: usize) -> (usize, usize) {
 
 impl Bench {
     fn skip(&self, model: &str, name: &str) -> bool {
-        self.only
-            .as_deref()
-            .is_some_and(|f| !format!("{model}/{name}").contains(f))
+        self.only.as_deref().is_some_and(|f| {
+            let case = format!("{model}/{name}");
+            !f.split('|').any(|part| case.contains(part))
+        })
     }
 
     /// Median per-launch time of `timer` (15 replays), also reported to criterion as `id`.
@@ -780,6 +783,9 @@ fn main() -> Res<()> {
         criterion,
         only: std::env::var("DSV4_BENCH_ONLY").ok(),
     };
+    if std::env::var("DSV4_BENCH_STAGING").is_ok_and(|v| v == "off") {
+        tuning::set_staging(false);
+    }
 
     for (model, d, q_rank, heads, groups, inter, idx_heads) in [
         ("Flash", 4096, 1024, 64, 8, 2048, 64),
