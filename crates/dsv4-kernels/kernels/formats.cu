@@ -98,40 +98,36 @@ DSV4_KERNEL void nvfp4_act_quantize(const u16* __restrict__ x, u32 rows, u32 col
 // load time, so simplicity wins over bandwidth here.
 // ------------------------------------------------------------------------------------------
 
-// packed: [rows, ceil(cols/2)]; scales: e4m3 [rows, ceil(cols/16)]; global: f32 [1].
-// value = e2m1 * (block scale * global), the ModelOpt order.
-DSV4_KERNEL void nvfp4_dequant(const u8* __restrict__ packed, const u8* __restrict__ scales,
-                               const float* __restrict__ global, u32 rows, u32 cols, u16* __restrict__ out) {
-    const float g = *global;
+// Both FP4 formats, packed: [rows, ceil(cols/2)]; scales: [rows, ceil(cols/BLOCK)]. One thread
+// per packed byte (two elements, low nibble first); `scale` decodes a block's scale byte.
+template <u32 BLOCK, typename Scale>
+__device__ __forceinline__ void fp4_dequant(const u8* __restrict__ packed, const u8* __restrict__ scales, u32 rows,
+                                            u32 cols, u16* __restrict__ out, Scale scale) {
     const u32 pc = (cols + 1u) / 2u;
-    const u32 sc = (cols + 15u) / 16u;
+    const u32 sc = (cols + BLOCK - 1u) / BLOCK;
     const u64 n = (u64)rows * pc;
     for (u64 i = global_thread(); i < n; i += grid_threads()) {
         const u32 r = (u32)(i / pc);
         const u32 c = 2u * (u32)(i % pc);
         const u32 byte = packed[i];
-        const float s = __fmul_rn(e4m3_to_f32(scales[(u64)r * sc + c / 16u]), g);
+        const float s = scale(scales[(u64)r * sc + c / BLOCK]);
         u16* dst = out + (u64)r * cols + c;
         dst[0] = f32_to_bf16(__fmul_rn(e2m1_to_f32(byte & 15u), s));
         if (c + 1u < cols) dst[1] = f32_to_bf16(__fmul_rn(e2m1_to_f32(byte >> 4), s));
     }
 }
 
-// packed: [rows, ceil(cols/2)]; scales: e8m0 [rows, ceil(cols/32)]. value = e2m1 * 2^(e-127).
+// Scales e4m3 per 16; global: f32 [1]. value = e2m1 * (block scale * global), the ModelOpt order.
+DSV4_KERNEL void nvfp4_dequant(const u8* __restrict__ packed, const u8* __restrict__ scales,
+                               const float* __restrict__ global, u32 rows, u32 cols, u16* __restrict__ out) {
+    const float g = *global;
+    fp4_dequant<16>(packed, scales, rows, cols, out, [g](u8 b) { return __fmul_rn(e4m3_to_f32(b), g); });
+}
+
+// Scales e8m0 per 32. value = e2m1 * 2^(e-127).
 DSV4_KERNEL void mxfp4_dequant(const u8* __restrict__ packed, const u8* __restrict__ scales, u32 rows,
                                u32 cols, u16* __restrict__ out) {
-    const u32 pc = (cols + 1u) / 2u;
-    const u32 sc = (cols + 31u) / 32u;
-    const u64 n = (u64)rows * pc;
-    for (u64 i = global_thread(); i < n; i += grid_threads()) {
-        const u32 r = (u32)(i / pc);
-        const u32 c = 2u * (u32)(i % pc);
-        const u32 byte = packed[i];
-        const float s = e8m0_to_f32(scales[(u64)r * sc + c / 32u]);
-        u16* dst = out + (u64)r * cols + c;
-        dst[0] = f32_to_bf16(__fmul_rn(e2m1_to_f32(byte & 15u), s));
-        if (c + 1u < cols) dst[1] = f32_to_bf16(__fmul_rn(e2m1_to_f32(byte >> 4), s));
-    }
+    fp4_dequant<32>(packed, scales, rows, cols, out, [](u8 b) { return e8m0_to_f32(b); });
 }
 
 // w: e4m3 [rows, cols]; scales: [ceil(rows/br), ceil(cols/bc)] of e8m0 (instruct releases) or

@@ -47,22 +47,19 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return d;
 }
 
+// d += a . b on mma.m16n8k16 with f32 accumulators; A and B in bf16 (BF16 and FP4 weights)
+// or, with F16, in f16 (FP8 weights).
+#define DSV4_MMA(T)                                                                                  \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+        "{%8, %9}, {%0, %1, %2, %3};"                                                                \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                             \
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+template <bool F16 = false>
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    if (F16) DSV4_MMA("f16");
+    else DSV4_MMA("bf16");
 }
-
-// The same MMA on f16 operands (FP8 weights).
-__device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#undef DSV4_MMA
 
 // MMA accumulators: acc[mt][i] and acc[mt][i + 2] hold tile rows g and g + 8 of column
 // (token) mt * 8 + 2 * (lane % 4) + i.
@@ -288,8 +285,8 @@ __device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, 
             u32 l01, l23, h01, h23;
             e4m3x4_to_f16x2(wlo[i], l01, l23);
             e4m3x4_to_f16x2(whi[i], h01, h23);
-            mma_f16(t[0], l01, h01, l23, h23, yl[2 * i], yl[2 * i + 1]);
-            if (MT == 2) mma_f16(t[1], l01, h01, l23, h23, yh[2 * i], yh[2 * i + 1]);
+            mma<true>(t[0], l01, h01, l23, h23, yl[2 * i], yl[2 * i + 1]);
+            if (MT == 2) mma<true>(t[1], l01, h01, l23, h23, yh[2 * i], yh[2 * i + 1]);
         }
         // Block scales (f32, e8m0 ones converted at upload).
         const float fl = __uint_as_float(f.sl), fh = __uint_as_float(f.sh);
