@@ -776,11 +776,13 @@ impl Plan {
 /// Splits of about equal length (at least one step each) so that tiles x splits warps come
 /// close to `target` (a full wave) without passing it, within the workspace's capacity.
 /// Ranges are at least `min_steps` steps long (a kernel whose register ring is deeper than one
-/// step cannot keep a one-step range's loads in flight) as long as that keeps a fifth of the
-/// wave busy and adds no blocks to a tile's cross-block sum. H200, FP8: [1024, 4096] 4.90 us
-/// with 16 one-step ranges, 4.55 us with 8 two-step ones (512 warps); [512, 4096] 4.16 us with
-/// 16, 4.30 us with 8 (256 warps); [8192, 1536] 5.9 us with 4 ranges in one block, 6.9 us
-/// with 3 in three blocks.
+/// step cannot keep a one-step range's loads in flight) as long as that adds no blocks to a
+/// tile's cross-block sum and keeps a third of the wave busy, or a fifth where it takes blocks
+/// out of that sum. H200, FP8: [4096, 2048] 3.9 us with 4 two-step ranges a tile (1024 warps),
+/// 4.4 us with 8 one-step ones in one block; [1024, 4096] 3.3 us with 16 one-step ranges in
+/// one block, 3.7 us with 8 two-step ones (512 warps), and with 4-warp blocks 4.90 us with 16
+/// ranges in four blocks, 4.55 us with 8 in two; [8192, 1536] 5.9 us with 4 ranges in one
+/// block, 6.9 us with 3 in three blocks.
 pub(crate) fn plan(
     tiles: usize,
     steps: usize,
@@ -797,10 +799,14 @@ pub(crate) fn plan(
         splits: (steps / min_steps.max(1)).max(1),
         max_warps,
     };
-    if p.splits > longer.splits
-        && tiles * longer.splits >= target / 5
-        && longer.blocks_per_tile() <= p.blocks_per_tile()
-    {
+    // The warps the longer ranges must keep busy: a fifth of the wave where they also take
+    // blocks out of each tile's sum, a third where they only shorten the ranges.
+    let keep = match longer.blocks_per_tile().cmp(&p.blocks_per_tile()) {
+        std::cmp::Ordering::Less => target / 5,
+        std::cmp::Ordering::Equal => target / 3,
+        std::cmp::Ordering::Greater => usize::MAX,
+    };
+    if p.splits > longer.splits && tiles * longer.splits >= keep {
         p = longer;
     }
     // Sums that leave the block need a counter per tile and a partial per (tile, block).
@@ -1231,11 +1237,14 @@ mod tests {
             (big(2).group(), big(2).block_warps(), big(2).blocks(9)),
             (2, 4, 5)
         );
-        // FP8 [1024, 4096], 16 warps a SM: 64 tiles of 16 steps -> 8 two-step ranges; [512, 4096]
-        // keeps 16 one-step ranges (two-step ones would leave 256 warps).
+        // FP8, 16 warps a SM: [4096, 2048] (256 tiles of 8 steps) -> 4 two-step ranges;
+        // [1024, 4096] (64 tiles of 16 steps) keeps 16 one-step ranges, in one block where the
+        // kernel takes 16 warps (8 two-step ones would leave 512 warps); with 4-warp blocks
+        // the two-step ranges halve the blocks of each tile's sum.
         let fp8 = 16 * 132;
+        assert_eq!(plan(256, 8, fp8, 2, 16), big(4));
+        assert_eq!(plan(64, 16, fp8, 2, 16), big(16));
         assert_eq!(plan(64, 16, fp8, 2, 4), one(8));
-        assert_eq!(plan(64, 16, fp8, 2, 16), big(8));
         assert_eq!(plan(32, 16, fp8, 2, 4), one(16));
         // [8192, 1536]: 512 tiles of 6 steps keep 4 ranges in one block (3 would need three).
         assert_eq!(plan(512, 6, fp8, 2, 4), one(4));
@@ -1260,15 +1269,21 @@ mod tests {
                 ] {
                     let p = plan(tiles, steps, target, min_steps, max_warps);
                     assert!(p.splits >= 1 && p.splits <= steps);
-                    // Ranges shorter than min_steps only to keep a fifth of the wave busy or
-                    // the tile's sum inside fewer blocks.
+                    // Ranges shorter than min_steps only to keep a third of the wave busy (a
+                    // fifth if longer ones would sum in fewer blocks) or the tile's sum inside
+                    // fewer blocks.
                     let longer = Plan {
                         splits: (steps / min_steps).max(1),
                         max_warps,
                     };
+                    let keep = if longer.blocks_per_tile() < p.blocks_per_tile() {
+                        target / 5
+                    } else {
+                        target / 3
+                    };
                     assert!(
                         p.splits <= longer.splits
-                            || tiles * longer.splits < target / 5
+                            || tiles * longer.splits < keep
                             || longer.blocks_per_tile() > p.blocks_per_tile()
                     );
                     assert!(
