@@ -127,21 +127,21 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
 
 // M <= 8 uses one MMA column block (m8), 9 <= M <= 16 two (m16). The m8 kernels are held to
 // a register budget (M8_BLOCKS resident 4-warp blocks per multiprocessor for BF16, whose
-// blocks stay at 4 warps; M8_DEEP_GEMV_BOUNDS for the deeper early-refill rings of FP8 and
-// FP4).
+// blocks stay at 4 warps; for the deeper early-refill rings of FP8 and FP4, blocks of up to
+// MAX_BLOCK_WARPS = 16 warps at 128 registers, the cap of M8_DEEP_BLOCKS 4-warp blocks).
 DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, false>(a); }
 DSV4_KERNEL void gemv_bf16_m16(const GemvArgs a) { gemv_kernel<gemv::BF16, 2, false>(a); }
 DSV4_KERNEL void __launch_bounds__(128, M8_BLOCKS) gemv_swiglu_bf16_m8(const GemvArgs a) { gemv_kernel<gemv::BF16, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_bf16_m16(const GemvArgs a) { gemv_kernel<gemv::BF16, 2, true>(a); }
-DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(512, 1) gemv_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, false>(a); }
 DSV4_KERNEL void gemv_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, false>(a); }
-DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_swiglu_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(512, 1) gemv_swiglu_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, true>(a); }
-DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(512, 1) gemv_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, false>(a); }
 DSV4_KERNEL void gemv_nvfp4_m16(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 2, false>(a); }
-DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_swiglu_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(512, 1) gemv_swiglu_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_nvfp4_m16(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 2, true>(a); }
-DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, false>(a); }
+DSV4_KERNEL void __launch_bounds__(512, 1) gemv_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, false>(a); }
 DSV4_KERNEL void gemv_mxfp4_m16(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 2, false>(a); }
-DSV4_KERNEL void M8_DEEP_GEMV_BOUNDS gemv_swiglu_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, true>(a); }
+DSV4_KERNEL void __launch_bounds__(512, 1) gemv_swiglu_mxfp4_m8(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_mxfp4_m16(const GemvArgs a) { gemv_kernel<gemv::MXFP4, 2, true>(a); }

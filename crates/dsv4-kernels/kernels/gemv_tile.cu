@@ -409,14 +409,13 @@ constexpr u32 MAX_BLOCK_WARPS = 16;
 // BF16: 64 registers, 32 warps, on sm_90 (66 registers and 28 warps measured 10-15% slower);
 // sm_100 code needs a few more and keeps five. FP8 / FP4 rings refill early and hold a copy of
 // a slot: four blocks (128 registers); their GEMVs take blocks of up to 16 warps at the same
-// cap (M8_DEEP_GEMV_BOUNDS).
+// cap (`__launch_bounds__(512, 1)` in gemv.cu).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define M8_BLOCKS 5
 #else
 #define M8_BLOCKS 8
 #endif
 #define M8_DEEP_BLOCKS 4
-#define M8_DEEP_GEMV_BOUNDS __launch_bounds__(gemv::MAX_BLOCK_WARPS * 32, M8_DEEP_BLOCKS * 4 / gemv::MAX_BLOCK_WARPS)
 
 // Sums acc over the G consecutive warps of a block that share a tile (in warp order) into the
 // first of them. Every thread of the block must call it. Returns true in each tile's first warp.
