@@ -31,10 +31,11 @@
 // max(G, 4)): 16 or 8 ranges of a tile fill one block of as many warps, fewer share a 4-warp
 // block with other tiles. The G warps of a tile are summed in shared memory (in warp order,
 // once, at the end), and when splits > G the tile's partial sums go through the workspace:
-// the last one to arrive (per-tile counter) adds them in order and writes the rows. Every reduction has a fixed order, so results never depend
-// on timing. The block's warps share one K range (G consecutive ranges of a tile, or one range
-// of 4 tiles); when the launcher reserved shared memory for it (`x_stride` != 0), the block
-// stages that range of every activation row there once.
+// the last one to arrive (per-tile counter) adds them in order and writes the rows. Every
+// reduction has a fixed order, so results never depend on timing. The block's warps share one
+// K range (the same G consecutive ranges of each of its W / G tiles); when the launcher
+// reserved shared memory for it (`x_stride` != 0), the block stages that range of every
+// activation row there once.
 #include "gemv_tile.cu"
 
 // Kernel arguments (layout mirrored by `GemvArgs` in dsv4_ops::gpu::gemv).

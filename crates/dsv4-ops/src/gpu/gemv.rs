@@ -833,11 +833,11 @@ pub(crate) fn resident_warps(dev: &Device, kernel: &str, threads: u32) -> Result
 /// two-step ranges a tile in one 8-warp block instead of two 4-warp blocks that sum through
 /// the workspace: [1024, 4096] 4.54 -> 3.68 us, [4096, 8192] 11.7 -> 10.7 us; [512, 4096] with
 /// 16 ranges in one 16-warp block: 4.13 -> 2.97 us.
-pub(crate) fn max_block_warps(dev: &Device, kernel: &str) -> Result<usize, GpuError> {
+/// `base` is `resident_warps` of the kernel in 4-warp blocks.
+pub(crate) fn max_block_warps(dev: &Device, kernel: &str, base: usize) -> Result<usize, GpuError> {
     let f = dev.function(kernel)?;
     let err = || GpuError::driver(format!("sizing the blocks of {kernel}"));
     let limit = f.max_threads_per_block().map_err(err())? as usize / 32;
-    let base = resident_warps(dev, kernel, (MIN_BLOCK_WARPS * 32) as u32)?;
     for warps in [MAX_BLOCK_WARPS, MAX_BLOCK_WARPS / 2] {
         if warps <= limit && resident_warps(dev, kernel, (warps * 32) as u32)? >= base {
             return Ok(warps);
@@ -980,8 +980,9 @@ fn launch(
         gate_up: w.gate_up,
     };
     let tiles = layout.tiles();
+    let resident = resident_warps(dev, kernel, (MIN_BLOCK_WARPS * 32) as u32)?;
     let target = match tuning::warps_per_sm() {
-        0 => resident_warps(dev, kernel, (MIN_BLOCK_WARPS * 32) as u32)?,
+        0 => resident,
         w => w * sm_count(dev)?,
     };
     // The FP8 ring holds six sub-steps: two K steps keep it full.
@@ -995,7 +996,7 @@ fn launch(
         layout.steps(),
         target,
         min_steps,
-        max_block_warps(dev, kernel)?,
+        max_block_warps(dev, kernel, resident)?,
     );
     let threads = (p.block_warps() * 32) as u32;
     // A block's warps share one K range of at most ceil(steps / blocks per tile) steps; its
