@@ -7,20 +7,20 @@
 //     Fused gate+up with the clamped SwiGLU epilogue into h[m, topk, inter] (bf16).
 //   moe_down_*: one block per 16-row tile of the output. Every block walks the distinct
 //     selected experts in ascending id order, a group at a time: its warps take the group's
-//     (expert, K step) items in turn and park each item's partial in shared memory, then warp 0
-//     sums each expert's steps in order and adds it, times the token's routing weight, to the
-//     tokens that chose it. Each token's output is therefore a fixed-order sum over its own
-//     experts, independent of timing and of the other tokens' choices, with no atomics. At
-//     decode sizes all selected experts form one group: one barrier per block.
+//     (expert, K step) items in turn and park each item's partial in shared memory, then each
+//     thread takes an output (row, token) and adds, for each expert the token chose, the
+//     expert's steps in order times the token's routing weight. Each token's output is
+//     therefore a fixed-order sum over its own experts, independent of timing and of the other
+//     tokens' choices, with no atomics. At decode sizes all selected experts form one group.
 //
 // The K split of both kernels depends only on the shapes, never on the routing, so a token's
 // output is the same alone and in a batch. Both stream weights with the ring of gemv_tile.cu
 // and, when the launcher reserved the shared memory (`stage`), read their activations (x for
 // gate_up, all of h for down) from a copy staged there once per block.
-// Down launches with programmatic dependent launch: it sorts the expert ids (written before
-// gate_up started) and loads its first weights before it waits for gate_up's h. Gate_up
-// launches plainly (moe.rs says why); its wait is immediate then, and keeps it correct if it
-// is launched early.
+// Down launches with programmatic dependent launch: it reads the expert ids and routing weights
+// (written before gate_up started), sorts the ids and loads its first weights before it waits
+// for gate_up's h. Gate_up launches plainly (moe.rs says why); its wait is immediate then, and
+// keeps it correct if it is launched early.
 // Expert ids outside [0, experts) select nothing. NVFP4 or MXFP4 weights stacked over experts.
 #include "gemv_tile.cu"
 
@@ -47,6 +47,7 @@ struct MoeArgs {
 namespace moe {
 
 constexpr u32 MAX_PAIRS = 256;
+constexpr u32 MAX_M = 16;
 // Shared-memory floats for the down kernel's item partials (32 KiB).
 constexpr u32 PART_FLOATS = 8192;
 
@@ -121,8 +122,15 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     __shared__ int ids[MAX_PAIRS];
     __shared__ unsigned char first[MAX_PAIRS];
     __shared__ int uniq[MAX_PAIRS];
+    // Routing weights by pair and post scales by rank, read once here: read in the final sum,
+    // their L2 round trips would sit between the block's last item and its output.
+    __shared__ float wts[MAX_PAIRS];
+    __shared__ float posts[MAX_PAIRS];
     const u32 pairs = a.m * a.topk;
-    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) ids[i] = a.ids[i];
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        ids[i] = a.ids[i];
+        wts[i] = a.weights[i];
+    }
     __syncthreads();
     // Distinct valid experts, sorted: a pair is the representative of its expert if no earlier
     // pair has it; its rank is the number of smaller representatives.
@@ -139,13 +147,33 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
         u32 rank = 0;
         for (u32 p = 0; p < pairs; ++p) rank += (first[p] && ids[p] < ids[i]);
         uniq[rank] = ids[i];
+        posts[rank] = post_scale<F>(a.g2, ids[i]);
+    }
+    __syncthreads();
+    // Per token, the ranks of its experts in ascending order with their factors (routing weight
+    // summed over the token's slots of the expert, in slot order, times the post scale); experts
+    // of weight 0 are left out. tok_n[t] <= topk entries at tok_*[t * topk].
+    __shared__ u16 tok_rank[MAX_PAIRS];
+    __shared__ float tok_f[MAX_PAIRS];
+    __shared__ u32 tok_n[MAX_M];
+    for (u32 t = threadIdx.x; t < a.m; t += blockDim.x) {
+        u32 n = 0;
+        for (u32 r = 0; r < distinct; ++r) {
+            float w = 0.0f;
+            for (u32 j = 0; j < a.topk; ++j)
+                if (ids[t * a.topk + j] == uniq[r]) w += wts[t * a.topk + j];
+            if (w == 0.0f) continue;
+            tok_rank[t * a.topk + n] = (u16)r;
+            tok_f[t * a.topk + n] = w * posts[r];
+            ++n;
+        }
+        tok_n[t] = n;
     }
     __syncthreads();
 
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const u32 g = lane >> 2;
     const u32 tile = blockIdx.x;
-    const u32 r_lo = tile * 16 + g, r_hi = tile * 16 + 8 + g;
     const u32 chunks = a.inter / 32u, tiles = (a.d + 15) / 16;
     const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
     const bool staged = a.stage & 2u;
@@ -169,8 +197,17 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
                      h_hi, lane);
     };
 
-    float acc[MT][4];
-    zero(acc);
+    // Outputs of the block, PER_ITEM (16 rows x 8 * MT tokens in MMA accumulator order), summed
+    // by all threads at once: thread x holds outputs x, x + blockDim.x, ... (blocks have at least
+    // 128 threads).
+    constexpr u32 OUTS = PER_ITEM / 128;
+    float acc[OUTS];
+#pragma unroll
+    for (u32 c = 0; c < OUTS; ++c) acc[c] = 0.0f;
+    // Output o is accumulator i = (o / 32) % 4 of MMA tile mt = o / 128 in lane o % 32: tile row
+    // (lane / 4) + 8 * (i / 2), token mt * 8 + 2 * (lane % 4) + i % 2.
+    auto out_token = [](u32 o) { return (o / 128) * 8 + 2 * (o % 4) + ((o / 32) & 1); };
+    auto out_row = [&](u32 o) { return tile * 16 + (o % 32) / 4 + 8 * ((o / 64) & 1); };
 
     Ring<F> ring;
     Lane lc, ln;
@@ -182,8 +219,8 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             ring_load<F>(lc, sub_begin(st), sub_end(lc, st + 1), ring);
         }
         // h is gate_up's output: wait for it here, while the first items' weights (constant)
-        // are on their way. The ids were written before gate_up started, so they could be
-        // read above.
+        // are on their way. The ids and routing weights were written before gate_up
+        // started, so they could be read above.
         if (g0 == 0) {
             pdl_wait();
             pdl_launch_dependents();
@@ -210,44 +247,32 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             lc = ln;
         }
         __syncthreads();
-        if (warp == 0) {
-            for (u32 ui = 0; ui < items / steps; ++ui) {
-                const int e = uniq[g0 + ui];
-                const float post = post_scale<F>(a.g2, e);
-                for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
-                    // The token's routing weight for e (all its slots).
-                    float w = 0.0f;
-                    for (u32 j = 0; j < a.topk; ++j)
-                        if (ids[m * a.topk + j] == e) w += a.weights[m * a.topk + j];
-                    if (w == 0.0f) return;  // tokens without e stay untouched
-                    const float f = w * post;
+        // Each output adds its token's experts of this group in ascending order, each expert's
+        // steps in order; tokens without an expert skip it.
+        const u32 g1 = g0 + items / steps;
 #pragma unroll
-                    for (u32 hi = 0; hi < 2; ++hi) {
-                        const u32 idx = mt * 4 + i + 2 * hi;
-                        float tot = 0.0f;
-                        for (u32 st = 0; st < steps; ++st) tot += part[(ui * steps + st) * PER_ITEM + idx * 32 + lane];
-                        acc[mt][i + 2 * hi] = fmaf(f, tot, acc[mt][i + 2 * hi]);
-                    }
-                });
+        for (u32 c = 0; c < OUTS; ++c) {
+            const u32 o = threadIdx.x + c * blockDim.x, m = out_token(o);
+            if (o >= PER_ITEM || m >= a.m) continue;
+            for (u32 k = 0; k < tok_n[m]; ++k) {
+                const u32 r = tok_rank[m * a.topk + k];
+                if (r < g0 || r >= g1) continue;
+                float tot = 0.0f;
+                for (u32 st = 0; st < steps; ++st) tot += part[((r - g0) * steps + st) * PER_ITEM + o];
+                acc[c] = fmaf(tok_f[m * a.topk + k], tot, acc[c]);
             }
         }
         __syncthreads();
     }
-    if (warp != 0) return;
     // Without a selected expert the loop above never waited.
     pdl_wait();
-
-    for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
-        if (OUT_F32) {
-            float* o = static_cast<float*>(a.out);
-            if (r_lo < a.d) o[(u64)m * a.d + r_lo] = acc[mt][i];
-            if (r_hi < a.d) o[(u64)m * a.d + r_hi] = acc[mt][i + 2];
-        } else {
-            u16* o = static_cast<u16*>(a.out);
-            if (r_lo < a.d) o[(u64)m * a.d + r_lo] = f32_to_bf16(acc[mt][i]);
-            if (r_hi < a.d) o[(u64)m * a.d + r_hi] = f32_to_bf16(acc[mt][i + 2]);
-        }
-    });
+#pragma unroll
+    for (u32 c = 0; c < OUTS; ++c) {
+        const u32 o = threadIdx.x + c * blockDim.x, m = out_token(o), r = out_row(o);
+        if (o >= PER_ITEM || m >= a.m || r >= a.d) continue;
+        if (OUT_F32) static_cast<float*>(a.out)[(u64)m * a.d + r] = acc[c];
+        else static_cast<u16*>(a.out)[(u64)m * a.d + r] = f32_to_bf16(acc[c]);
+    }
 }
 
 }  // namespace moe
