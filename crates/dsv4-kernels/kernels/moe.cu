@@ -53,13 +53,6 @@ constexpr u32 PART_FLOATS = 8192;
 
 __device__ __forceinline__ bool valid_expert(int e, u32 experts) { return e >= 0 && (u32)e < experts; }
 
-// First slot of token t that selected e, or -1.
-__device__ __forceinline__ int slot_of(const int* ids, u32 topk, u32 t, int e) {
-    for (u32 j = 0; j < topk; ++j)
-        if (ids[t * topk + j] == e) return (int)j;
-    return -1;
-}
-
 template <int F>
 __device__ __forceinline__ float post_scale(const float* g, int e) {
     return F == gemv::NVFP4 ? __fmul_rn(__ldg(g + e), 65536.0f) : 65536.0f;
@@ -150,24 +143,17 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
         posts[rank] = post_scale<F>(a.g2, ids[i]);
     }
     __syncthreads();
-    // Per token, the ranks of its experts in ascending order with their factors (routing weight
-    // summed over the token's slots of the expert, in slot order, times the post scale); experts
-    // of weight 0 are left out. tok_n[t] <= topk entries at tok_*[t * topk].
-    __shared__ u16 tok_rank[MAX_PAIRS];
-    __shared__ float tok_f[MAX_PAIRS];
-    __shared__ u32 tok_n[MAX_M];
-    for (u32 t = threadIdx.x; t < a.m; t += blockDim.x) {
-        u32 n = 0;
-        for (u32 r = 0; r < distinct; ++r) {
-            float w = 0.0f;
-            for (u32 j = 0; j < a.topk; ++j)
-                if (ids[t * a.topk + j] == uniq[r]) w += wts[t * a.topk + j];
-            if (w == 0.0f) continue;
-            tok_rank[t * a.topk + n] = (u16)r;
-            tok_f[t * a.topk + n] = w * posts[r];
-            ++n;
-        }
-        tok_n[t] = n;
+    // hslot[t * distinct + r]: the first slot of token t that chose expert uniq[r] (0 if none:
+    // that token's column is computed and dropped), so that an item finds its h rows in one
+    // read. Every slot is compared (no early exit): the reads do not wait on each other.
+    __shared__ u8 hslot[MAX_M * MAX_PAIRS];
+    for (u32 i = threadIdx.x; i < a.m * distinct; i += blockDim.x) {
+        const u32 t = i / distinct;
+        const int e = uniq[i % distinct];
+        u32 slot = 0;
+        for (u32 j = a.topk; j-- > 0;)
+            if (ids[t * a.topk + j] == e) slot = j;
+        hslot[i] = (u8)slot;
     }
     __syncthreads();
 
@@ -184,15 +170,13 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     constexpr u32 PER_ITEM = MT * 4 * 32;
     const u32 group = max(1u, (PART_FLOATS / PER_ITEM) / steps);
 
-    // The lane's view of item it of the group at g0: expert uniq[g0 + it / steps]. Tokens
-    // that did not choose the expert read another token's h; those columns are dropped.
+    // The lane's view of item it of the group at g0: expert uniq[g0 + it / steps].
+    const u32 t_lo = min(g, a.m - 1), t_hi = min(g + 8, a.m - 1);
     auto item_lane = [&](u32 g0, u32 it, Lane& L) {
-        const int e = uniq[g0 + it / steps];
-        const u64 t = (u64)e * tiles + tile;
-        const int jl = slot_of(ids, a.topk, min(g, a.m - 1), e);
-        const int jh = slot_of(ids, a.topk, min(g + 8, a.m - 1), e);
-        const u16* h_lo = h + ((u64)min(g, a.m - 1) * a.topk + max(jl, 0)) * a.inter;
-        const u16* h_hi = h + ((u64)min(g + 8, a.m - 1) * a.topk + max(jh, 0)) * a.inter;
+        const u32 r = g0 + it / steps;
+        const u64 t = (u64)uniq[r] * tiles + tile;
+        const u16* h_lo = h + ((u64)t_lo * a.topk + hslot[t_lo * distinct + r]) * a.inter;
+        const u16* h_hi = h + ((u64)t_hi * a.topk + hslot[t_hi * distinct + r]) * a.inter;
         lane_init<F>(L, a.w2 + t * tile_bytes(chunks), a.s2 + t * tile_scale_bytes<F>(chunks), chunks, h_lo,
                      h_hi, lane);
     };
@@ -209,6 +193,29 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     auto out_token = [](u32 o) { return (o / 128) * 8 + 2 * (o % 4) + ((o / 32) & 1); };
     auto out_row = [&](u32 o) { return tile * 16 + (o % 32) / 4 + 8 * ((o / 64) & 1); };
 
+    // Per token, the ranks of its experts in ascending order with their factors (routing weight
+    // summed over the token's slots of the expert, in slot order, times the post scale); experts
+    // of weight 0 are left out. tok_n[t] <= topk entries at tok_*[t * topk]. Built once the
+    // first weights are on their way; read after the first group's barrier.
+    __shared__ u16 tok_rank[MAX_PAIRS];
+    __shared__ float tok_f[MAX_PAIRS];
+    __shared__ u32 tok_n[MAX_M];
+    auto build_token_table = [&]() {
+        for (u32 t = threadIdx.x; t < a.m; t += blockDim.x) {
+            u32 n = 0;
+            for (u32 r = 0; r < distinct; ++r) {
+                float w = 0.0f;
+                for (u32 j = 0; j < a.topk; ++j)
+                    if (ids[t * a.topk + j] == uniq[r]) w += wts[t * a.topk + j];
+                if (w == 0.0f) continue;
+                tok_rank[t * a.topk + n] = (u16)r;
+                tok_f[t * a.topk + n] = w * posts[r];
+                ++n;
+            }
+            tok_n[t] = n;
+        }
+    };
+
     Ring<F> ring;
     Lane lc, ln;
     for (u32 g0 = 0; g0 < distinct; g0 += group) {
@@ -222,6 +229,7 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
         // are on their way. The ids and routing weights were written before gate_up
         // started, so they could be read above.
         if (g0 == 0) {
+            build_token_table();
             pdl_wait();
             pdl_launch_dependents();
             if (staged) stage_rows(hs, a.inter, a.h, a.inter, pairs, a.inter);
