@@ -4,7 +4,8 @@
 
 mod common;
 
-use common::{device, gaussian, rng, to_bf16, POISON, TOL};
+use common::{gaussian, to_bf16, TOL};
+use dsv4_ops::gpu::testing::{device, rng, POISON};
 
 use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};
 use dsv4_ops::codecs::{mxfp4, nvfp4};

@@ -5,7 +5,8 @@
 
 mod common;
 
-use common::{device, gaussian};
+use common::gaussian;
+use dsv4_ops::gpu::testing::device;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};

@@ -3,7 +3,8 @@
 
 mod common;
 
-use common::{device, gaussian, rng, POISON, TOL};
+use common::{gaussian, TOL};
+use dsv4_ops::gpu::testing::{device, rng, POISON};
 
 use dsv4_ops::codecs::{mxfp4, nvfp4};
 use dsv4_ops::gpu::gemv::reference::relative_error;

@@ -18,8 +18,8 @@ mod launch;
 pub mod moe;
 mod pool;
 mod tensor;
-#[cfg(test)]
-pub(crate) mod testing;
+#[cfg(any(test, feature = "test-support"))]
+pub mod testing;
 
 pub use device::Device;
 pub use pool::{BufferInfo, BufferPool, PoolError, Reservation};

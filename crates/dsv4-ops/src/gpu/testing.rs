@@ -1,4 +1,5 @@
-//! Shared pieces of the GPU tests.
+//! Shared pieces of the GPU tests (unit tests, and the integration tests and benches through
+//! the `test-support` feature).
 
 use half::bf16;
 use rand::rngs::StdRng;
@@ -8,7 +9,7 @@ use super::Device;
 
 /// The first GPU. GPU tests are `#[ignore]`d, so this only runs when they were asked for
 /// explicitly; without a GPU that request fails loudly rather than passing.
-pub(crate) fn device() -> Device {
+pub fn device() -> Device {
     let count = Device::count().unwrap_or(0);
     assert!(
         count > 0,
@@ -18,7 +19,7 @@ pub(crate) fn device() -> Device {
 }
 
 /// A fresh generator per test; the seed is printed (and `DSV4_TEST_SEED` replays one).
-pub(crate) fn rng(test: &str) -> StdRng {
+pub fn rng(test: &str) -> StdRng {
     let seed = std::env::var("DSV4_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -28,11 +29,11 @@ pub(crate) fn rng(test: &str) -> StdRng {
 }
 
 /// Byte used to poison outputs before a launch, so unwritten elements show up.
-pub(crate) const POISON: u8 = 0xa5;
+pub const POISON: u8 = 0xa5;
 
 /// Random bf16 values over a wide dynamic range, with exact zeros and (if `specials`)
 /// NaN, infinities and subnormals mixed in.
-pub(crate) fn random_bf16(rng: &mut StdRng, n: usize, specials: bool) -> Vec<bf16> {
+pub fn random_bf16(rng: &mut StdRng, n: usize, specials: bool) -> Vec<bf16> {
     let range_exp: i32 = rng.random_range(-30..30);
     (0..n)
         .map(|_| {
@@ -52,7 +53,7 @@ pub(crate) fn random_bf16(rng: &mut StdRng, n: usize, specials: bool) -> Vec<bf1
 }
 
 /// Blocks of `block` consecutive values, some of them all zero.
-pub(crate) fn zero_some_blocks(rng: &mut StdRng, v: &mut [bf16], block: usize) {
+pub fn zero_some_blocks(rng: &mut StdRng, v: &mut [bf16], block: usize) {
     for chunk in v.chunks_mut(block) {
         if rng.random_range(0..16) == 0 {
             chunk.fill(bf16::ZERO);
@@ -60,13 +61,14 @@ pub(crate) fn zero_some_blocks(rng: &mut StdRng, v: &mut [bf16], block: usize) {
     }
 }
 
-pub(crate) fn random_bytes(rng: &mut StdRng, n: usize) -> Vec<u8> {
+/// `n` uniformly random bytes.
+pub fn random_bytes(rng: &mut StdRng, n: usize) -> Vec<u8> {
     (0..n).map(|_| rng.random()).collect()
 }
 
 /// Bit-exact comparison, except that any NaN matches any NaN (GPU arithmetic returns the
 /// canonical NaN where the CPU propagates the operand's payload).
-pub(crate) fn assert_bf16_eq(what: &str, got: &[bf16], want: &[bf16]) {
+pub fn assert_bf16_eq(what: &str, got: &[bf16], want: &[bf16]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let bad: Vec<usize> = (0..got.len())
         .filter(|&i| {
@@ -86,7 +88,8 @@ pub(crate) fn assert_bf16_eq(what: &str, got: &[bf16], want: &[bf16]) {
     }
 }
 
-pub(crate) fn assert_bytes_eq(what: &str, got: &[u8], want: &[u8]) {
+/// Bit-exact comparison of byte buffers.
+pub fn assert_bytes_eq(what: &str, got: &[u8], want: &[u8]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let bad: Vec<usize> = (0..got.len()).filter(|&i| got[i] != want[i]).collect();
     if let Some(&i) = bad.first() {
