@@ -1,10 +1,14 @@
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use dsv4_kernels::{driver_available, Arch, KernelCache, Kernels};
 
 use super::tensor::{check_elem, numel};
 use super::{DType, DeviceElem, DeviceTensor, GpuError};
+
+/// Resident blocks per multiprocessor by kernel name, then (threads, dynamic shared bytes).
+type Occupancy = HashMap<String, HashMap<(u32, u32), u32>>;
 
 /// One GPU: its context, the single stream all work is issued on, and the loaded kernels.
 ///
@@ -17,6 +21,9 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
+    /// The launchers size every eager launch with occupancy answers, and the driver computes
+    /// each anew: they are kept here.
+    occupancy: Mutex<Occupancy>,
 }
 
 impl Device {
@@ -61,6 +68,7 @@ impl Device {
             ctx,
             stream,
             kernels,
+            occupancy: Mutex::default(),
         })
     }
 
@@ -90,6 +98,37 @@ impl Device {
 
     pub fn function(&self, name: &str) -> Result<&CudaFunction, GpuError> {
         Ok(self.kernels.function(name)?)
+    }
+
+    /// Blocks of `kernel` resident on one multiprocessor at `threads` per block with `dynamic`
+    /// bytes of dynamic shared memory (asked of the driver once per combination).
+    pub(crate) fn resident_blocks(
+        &self,
+        kernel: &str,
+        threads: u32,
+        dynamic: u32,
+    ) -> Result<u32, GpuError> {
+        let known = |map: &Occupancy| {
+            map.get(kernel)
+                .and_then(|by_size| by_size.get(&(threads, dynamic)))
+                .copied()
+        };
+        if let Some(blocks) = known(&self.occupancy.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Ok(blocks);
+        }
+        let blocks = self
+            .function(kernel)?
+            .occupancy_max_active_blocks_per_multiprocessor(threads, dynamic as usize, None)
+            .map_err(GpuError::driver(format!(
+                "reading the occupancy of {kernel}"
+            )))?;
+        self.occupancy
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(kernel.to_string())
+            .or_default()
+            .insert((threads, dynamic), blocks);
+        Ok(blocks)
     }
 
     /// A zero-filled tensor with its own allocation (weights, tests). Activations and

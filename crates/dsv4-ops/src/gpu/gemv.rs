@@ -821,10 +821,7 @@ pub(crate) fn plan(
 
 /// Warps of `kernel` resident on the whole GPU at `threads` per block (one full wave).
 pub(crate) fn resident_warps(dev: &Device, kernel: &str, threads: u32) -> Result<usize, GpuError> {
-    let blocks = dev
-        .function(kernel)?
-        .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
-        .map_err(GpuError::driver("reading a kernel's occupancy"))?;
+    let blocks = dev.resident_blocks(kernel, threads, 0)?;
     Ok((blocks as usize).max(1) * threads as usize / 32 * sm_count(dev)?)
 }
 
@@ -875,10 +872,7 @@ pub(crate) fn staging_bytes(
         )
         .map_err(err())?;
     }
-    let resident = |dynamic| {
-        f.occupancy_max_active_blocks_per_multiprocessor(threads, dynamic, None)
-            .map_err(err())
-    };
+    let resident = |dynamic| dev.resident_blocks(kernel, threads, dynamic as u32);
     if resident(bytes)? < resident(0)? {
         return Ok(0);
     }

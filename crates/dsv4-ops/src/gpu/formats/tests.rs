@@ -91,6 +91,17 @@ fn gpu_device_and_kernels_load() {
     assert_eq!(dev.download(&t).unwrap(), data);
     assert!(dev.upload(DType::F32, &[10, 99], &data).is_err());
     assert!(dev.upload::<f32>(DType::BF16, &[10, 100], &data).is_err());
+    // Cached occupancy answers are the driver's, per block size.
+    let kernel = "nvfp4_dequant";
+    for threads in [128u32, 256, 128] {
+        let direct = dev
+            .function(kernel)
+            .unwrap()
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .unwrap();
+        assert_eq!(dev.resident_blocks(kernel, threads, 0).unwrap(), direct);
+    }
+    assert!(dev.resident_blocks("no_such_kernel", 128, 0).is_err());
 }
 
 #[test]
