@@ -328,7 +328,9 @@ __device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, 
     }
 }
 
-// Ring depth and refill order per format (measured on the H200, docs/perf.md).
+// Ring depth and refill order per format (measured on the H200, docs/perf.md). The GEMV
+// planner keeps FP8 ranges at least two K steps long to fill the six-deep ring (`min_steps` in
+// dsv4_ops::gpu::gemv): change both together.
 template <int F> struct RingOf {
     static constexpr u32 R = F == FP8 ? 6 : U;
     static constexpr bool EARLY = F != BF16;

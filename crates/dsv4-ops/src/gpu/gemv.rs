@@ -979,7 +979,8 @@ fn launch(
         0 => resident,
         w => w * sm_count(dev)?,
     };
-    // The FP8 ring holds six sub-steps: two K steps keep it full.
+    // The FP8 ring holds six sub-steps (`RingOf<FP8>::R` in gemv_tile.cu): two K steps keep it
+    // full.
     let min_steps = if matches!(w.format, GemvFormat::Fp8 { .. }) {
         2
     } else {
