@@ -46,6 +46,8 @@ struct MoeArgs {
 
 namespace moe {
 
+// The launcher's bounds (`MAX_PAIRS`, `MAX_M` in dsv4_ops::gpu::moe): they size the down
+// kernel's shared routing tables, so both sides change together.
 constexpr u32 MAX_PAIRS = 256;
 constexpr u32 MAX_M = 16;
 // Shared-memory floats for the down kernel's item partials (32 KiB).

@@ -20,9 +20,11 @@ use super::{DType, Device, DeviceTensor, GpuError};
 use crate::codecs::mxfp4::Mxfp4Quantized;
 use crate::codecs::nvfp4::Nvfp4Quantized;
 
-/// Largest number of tokens one launch takes.
+/// Largest number of tokens one launch takes (the down kernel's per-token shared tables are
+/// sized for it: `MAX_M` in moe.cu).
 pub const MAX_M: usize = 16;
-/// Largest `M * top_k` (the kernels stage the routing table in shared memory).
+/// Largest `M * top_k` (the kernels stage the routing table in shared memory: `MAX_PAIRS` in
+/// moe.cu).
 pub const MAX_PAIRS: usize = 256;
 /// Largest intermediate size: one expert's down-projection K steps must fit the kernel's
 /// shared-memory partials (32 steps of 512 FP4 values).
