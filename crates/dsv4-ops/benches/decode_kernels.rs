@@ -363,12 +363,13 @@ impl Row {
 }
 
 /// Grid sizes (GEMV warps per SM) timed for the sweep table; the default fills the GPU once.
-const SWEEP_WARPS: [usize; 4] = [12, 16, 20, 32];
+const SWEEP_WARPS: [usize; 6] = [8, 10, 12, 16, 20, 32];
 /// Cases of the sweep table.
-const SWEEP_CASES: [&str; 6] = [
+const SWEEP_CASES: [&str; 7] = [
     "Flash/attn wq_a",
     "Flash/attn wq_b",
     "Flash/shared expert w1+w3",
+    "Pro/shared expert w2",
     "Flash/expert w1+w3 (fused SwiGLU) 2 x [2048, 4096] NVFP4",
     "Pro/attn wo_b",
     "Pro/expert w1+w3 (fused SwiGLU) 2 x [3072, 7168] NVFP4",
