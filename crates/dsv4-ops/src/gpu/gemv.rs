@@ -50,8 +50,8 @@ pub mod tuning {
     static STAGING: AtomicBool = AtomicBool::new(true);
 
     /// Warps per multiprocessor that a GEMV grid (with its K splits) aims for; 0 (the default)
-    /// takes as many as the kernel can keep resident, one full wave. FP8 may use fewer to keep
-    /// its K ranges two steps long (`plan`).
+    /// takes as many as the kernel can keep resident, one full wave. FP8 and FP4 may use fewer to
+    /// keep their K ranges two steps long (`plan`).
     pub fn set_warps_per_sm(warps: usize) {
         WARPS_PER_SM.store(warps, Ordering::Relaxed);
     }
@@ -1218,8 +1218,8 @@ mod tests {
         // Pro wo_b [7168, 16384] fp8: 448 tiles of 64 steps -> 7 ranges (sums in the workspace).
         assert_eq!(plan(448, 64, full, 1, 4), one(7));
         assert_eq!(one(7).group(), 1);
-        // Flash expert w1+w3: 256 tiles of 8 steps -> 8 one-step ranges: two 4-warp blocks a
-        // tile, or one 8-warp block.
+        // 256 tiles of 8 steps with one-step ranges allowed (BF16's rule) -> 8 one-step
+        // ranges: two 4-warp blocks a tile, or one 8-warp block.
         assert_eq!(plan(256, 8, full, 1, 4), one(8));
         assert_eq!((one(8).group(), one(8).blocks_per_tile()), (4, 2));
         assert_eq!(
@@ -1235,7 +1235,8 @@ mod tests {
             (big(2).group(), big(2).block_warps(), big(2).blocks(9)),
             (2, 4, 5)
         );
-        // FP8, 16 warps a SM: [4096, 2048] (256 tiles of 8 steps) -> 4 two-step ranges;
+        // FP8 and FP4 (two steps a range at least), 16 warps a SM: FP8 [4096, 2048] and Flash
+        // expert w1+w3 2 x [2048, 4096] (256 tiles of 8 steps) -> 4 two-step ranges;
         // [1024, 4096] (64 tiles of 16 steps) keeps 16 one-step ranges, in one block where the
         // kernel takes 16 warps (8 two-step ones would leave 512 warps); with 4-warp blocks
         // the two-step ranges halve the blocks of each tile's sum.
