@@ -26,10 +26,13 @@
 // sub-step.
 //
 // Work split: a tile is 16 output rows (8 gate + 8 up rows for SwiGLU); its K steps are split
-// into `splits` contiguous ranges, one warp each. A block of W warps holds G consecutive
-// ranges of W / G tiles (the launcher picks G, a power of two dividing splits, and W =
-// max(G, 4)): 16 or 8 ranges of a tile fill one block of as many warps, fewer share a 4-warp
-// block with other tiles. The G warps of a tile are summed in shared memory (in warp order,
+// into `splits` contiguous ranges (the first steps % splits of them one step longer), one warp
+// each. A block of W warps holds G consecutive ranges of W / G tiles (the launcher picks G, a
+// power of two dividing splits, and W = max(G, 4)): 16 or 8 ranges of a tile fill one block of
+// as many warps, fewer share a 4-warp block with other tiles. The grid's x counts groups of
+// tiles, its y the blocks that share a tile's ranges, and the launcher passes log2 G and the
+// range lengths, so a warp finds its tile and range without an integer division (they were
+// ~170 of the ~300 instructions before the first weight load). The G warps of a tile are summed in shared memory (in warp order,
 // once, at the end), and when splits > G the tile's partial sums go through the workspace:
 // the last one to arrive (per-tile counter) adds them in order and writes the rows. Every
 // reduction has a fixed order, so results never depend on timing. The block's warps share one
@@ -48,13 +51,14 @@ struct GemvArgs {
     u16* y;             // [m, n] bf16
     float* ws;          // split-K partials
     u32* counters;      // split-K arrival counters, one per tile, zero between launches
-    u32 m, n, k, splits;
+    u32 m, n, k;
+    u32 steps_q, steps_r; // K steps = q * splits + r: range i starts at step i * q + min(i, r)
     float post0, post1; // epilogue multipliers of w0 / w1 rows
     float limit;        // SwiGLU clamp
     u32 fp8_br;         // FP8 scale block rows
     u32 tiles;
     u32 x_stride;       // row stride of the staged activations in shared memory; 0: not staged
-    u32 group;          // G: K ranges of a tile in one block (divides splits and the block's warps)
+    u32 group_log2;     // log2 G: K ranges of a tile in one block (G divides splits and the block's warps)
 };
 
 template <int F, int MT, bool SWIGLU>
@@ -65,20 +69,23 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     constexpr u32 HO = SWIGLU ? 0 : 8;    // row offset of the hi half
     constexpr u32 E = Format<F>::ELEMS;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 G = a.group, bpt = a.splits / G;
-    const u32 tile = (blockIdx.x / bpt) * ((blockDim.x >> 5) / G) + warp / G;
-    const u32 split = (blockIdx.x % bpt) * G + warp % G;
+    // Grid: x = groups of tiles, y = the blocks that share each tile's K ranges. Block warps and
+    // G are powers of two, so no index below needs a division.
+    const u32 G = 1u << a.group_log2, bpt = gridDim.y;
+    const u32 tiles_log2 = (31u - __clz(blockDim.x >> 5)) - a.group_log2;
+    const u32 tile = (blockIdx.x << tiles_log2) + (warp >> a.group_log2);
+    const u32 split = blockIdx.y * G + (warp & (G - 1));
     // Warps past the last tile only take part in the staging and the block's reduction.
     const bool live = tile < a.tiles;
     const u32 t = live ? tile : 0;
     const u32 g = lane >> 2;
     const u32 r_lo = t * TR + g, r_hi = t * TR + HO + g;
     const u32 chunks = a.k / E;
-    const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
+    auto range_start = [&](u32 i) { return i * a.steps_q + min(i, a.steps_r); };
     // The block's K range: splits [split0, split0 + G) of its tiles.
-    const u32 split0 = (blockIdx.x % bpt) * G;
-    const u32 k0 = min(a.k, (u32)((u64)steps * split0 / a.splits) * STEP_CHUNKS * E);
-    const u32 k1 = min(a.k, (u32)((u64)steps * (split0 + G) / a.splits) * STEP_CHUNKS * E);
+    const u32 split0 = blockIdx.y * G;
+    const u32 k0 = min(a.k, range_start(split0) * STEP_CHUNKS * E);
+    const u32 k1 = min(a.k, range_start(split0 + G) * STEP_CHUNKS * E);
     const bool staged = a.x_stride != 0;
     const u16* x = staged ? xs - k0 : a.x;
     const u64 x_stride = staged ? a.x_stride : a.k;
@@ -95,8 +102,8 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
         L.fs_hi = a.fs1 + (u64)(min(r_hi, a.n - 1) / a.fp8_br) * groups;
     }
 
-    const u32 s_begin = live ? (u32)((u64)steps * split / a.splits) : 0;
-    const u32 s_end = live ? (u32)((u64)steps * (split + 1) / a.splits) : 0;
+    const u32 s_begin = live ? range_start(split) : 0;
+    const u32 s_end = live ? range_start(split + 1) : 0;
     const u32 j0 = sub_begin(s_begin), j1 = sub_end(L, s_end);
     Ring<F> ring;
     // A branch rather than only the loads' own guards: measured 15-20% faster for FP4.
@@ -111,7 +118,7 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     run_subs<F, MT>(L, j0, j1, ring, acc);
     if (G > 1 && !reduce_warps<MT>(acc, G)) return;
     if (!live) return;
-    if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, blockIdx.x % bpt, bpt, a.m)) return;
+    if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, blockIdx.y, bpt, a.m)) return;
 
     for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
         if (SWIGLU) {

@@ -712,14 +712,15 @@ struct GemvArgs {
     m: u32,
     n: u32,
     k: u32,
-    splits: u32,
+    steps_q: u32,
+    steps_r: u32,
     post0: f32,
     post1: f32,
     limit: f32,
     fp8_br: u32,
     tiles: u32,
     x_stride: u32,
-    group: u32,
+    group_log2: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -768,8 +769,21 @@ impl Plan {
     }
 
     /// Blocks of the launch.
+    #[cfg(test)]
     pub(crate) fn blocks(&self, tiles: usize) -> usize {
-        tiles.div_ceil(self.block_warps() / self.group()) * self.blocks_per_tile()
+        self.tile_blocks(tiles) * self.blocks_per_tile()
+    }
+
+    /// Blocks that hold different tiles (the grid's x; its y is `blocks_per_tile`).
+    pub(crate) fn tile_blocks(&self, tiles: usize) -> usize {
+        tiles.div_ceil(self.block_warps() / self.group())
+    }
+
+    /// Steps of the longest K range one block covers: range i of a tile starts at step
+    /// `i * (steps / splits) + min(i, steps % splits)`, and a block holds G consecutive ranges.
+    pub(crate) fn block_steps(&self, steps: usize) -> usize {
+        let g = self.group();
+        g * (steps / self.splits) + g.min(steps % self.splits)
     }
 }
 
@@ -999,8 +1013,7 @@ fn launch(
     // A block's warps share one K range of at most ceil(steps / blocks per tile) steps; its
     // activation rows are staged in shared memory when that costs no resident blocks.
     let range =
-        (layout.steps().div_ceil(p.blocks_per_tile()) * pack::STEP_CHUNKS * w.format.chunk_elems())
-            .min(w.k);
+        (p.block_steps(layout.steps()) * pack::STEP_CHUNKS * w.format.chunk_elems()).min(w.k);
     let x_stride = range + STAGE_PAD;
     let shared = staging_bytes(dev, kernel, threads, m * x_stride * 2)?;
     let br = match w.format {
@@ -1026,16 +1039,21 @@ fn launch(
         m: m as u32,
         n: dim_u32("gemv n", w.n)?,
         k: dim_u32("gemv k", w.k)?,
-        splits: p.splits as u32,
+        steps_q: (layout.steps() / p.splits) as u32,
+        steps_r: (layout.steps() % p.splits) as u32,
         post0: w.post.0,
         post1: w.post.1,
         limit,
         fp8_br: br as u32,
         tiles: dim_u32("gemv tiles", tiles)?,
         x_stride: if shared > 0 { x_stride as u32 } else { 0 },
-        group: p.group() as u32,
+        group_log2: p.group().trailing_zeros(),
     };
-    let blocks = dim_u32("gemv blocks", p.blocks(tiles))?;
+    let grid = (
+        dim_u32("gemv blocks", p.tile_blocks(tiles))?,
+        p.blocks_per_tile() as u32,
+        1,
+    );
     // SAFETY: GemvArgs mirrors the kernels' argument; the weight's tensors hold whole packed
     // tiles; x and y were checked against (n, k); the kernel uses at most splits * tiles
     // workspace partials and tiles counters (plan bounds both).
@@ -1043,7 +1061,7 @@ fn launch(
         launch_pdl(
             dev,
             kernel,
-            (blocks, 1, 1),
+            grid,
             (threads, shared),
             &args,
             tuning::programmatic_launch(),
@@ -1297,6 +1315,32 @@ mod tests {
                     assert!([4, 8, 16].contains(&w) && w <= max_warps.max(4));
                     assert!(p.splits.is_multiple_of(g) && w.is_multiple_of(g));
                     assert!(p.blocks(tiles) * w / g >= tiles * p.blocks_per_tile());
+                    assert!(g.is_power_of_two() && w.is_power_of_two());
+                }
+            }
+        }
+    }
+
+    /// The kernel's ranges (gemv.cu: range i starts at step i * q + min(i, r)) cover the K
+    /// steps once, differ in length by at most one step, and no block's G ranges pass
+    /// `block_steps`, the length its staged activations are sized for.
+    #[test]
+    fn ranges_tile_k_and_fit_the_staging() {
+        for steps in 1..80 {
+            for splits in 1..=steps {
+                for max_warps in [4, 8, 16] {
+                    let p = Plan { splits, max_warps };
+                    let (q, r) = (steps / splits, steps % splits);
+                    let start = |i: usize| i * q + i.min(r);
+                    assert_eq!((start(0), start(splits)), (0, steps));
+                    for i in 0..splits {
+                        assert!((q..=q + 1).contains(&(start(i + 1) - start(i))));
+                    }
+                    let g = p.group();
+                    let longest = (0..p.blocks_per_tile())
+                        .map(|b| start((b + 1) * g) - start(b * g))
+                        .max();
+                    assert_eq!(longest, Some(p.block_steps(steps)));
                 }
             }
         }
