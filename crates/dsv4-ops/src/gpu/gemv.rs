@@ -1010,8 +1010,8 @@ fn launch(
         max_block_warps(dev, kernel, resident)?,
     );
     let threads = (p.block_warps() * 32) as u32;
-    // A block's warps share one K range of at most ceil(steps / blocks per tile) steps; its
-    // activation rows are staged in shared memory when that costs no resident blocks.
+    // A block's warps share one K range of at most `block_steps` steps; its activation rows
+    // are staged in shared memory when that costs no resident blocks.
     let range =
         (p.block_steps(layout.steps()) * pack::STEP_CHUNKS * w.format.chunk_elems()).min(w.k);
     let x_stride = range + STAGE_PAD;
