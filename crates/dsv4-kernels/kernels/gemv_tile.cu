@@ -328,11 +328,14 @@ __device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, 
     }
 }
 
-// Ring depth and refill order per format (measured on the H200, docs/perf.md). The GEMV
-// planner keeps FP8 ranges at least two K steps long to fill the six-deep ring (`min_steps` in
-// dsv4_ops::gpu::gemv): change both together.
+// Ring depth and refill order per format (measured on the H200, docs/perf.md). The FP8 depth
+// comes from the compile options (`GEMV_FP8_RING` in dsv4_kernels), which the GEMV planner
+// also reads to keep FP8 K ranges long enough to fill the ring.
+#ifndef DSV4_GEMV_FP8_RING
+#error "DSV4_GEMV_FP8_RING must be defined by the compile options"
+#endif
 template <int F> struct RingOf {
-    static constexpr u32 R = F == FP8 ? 6 : U;
+    static constexpr u32 R = F == FP8 ? DSV4_GEMV_FP8_RING : U;
     static constexpr bool EARLY = F != BF16;
 };
 

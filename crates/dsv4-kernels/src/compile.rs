@@ -52,6 +52,11 @@ pub fn nvrtc_version() -> Result<(i32, i32), KernelError> {
     Ok((major, minor))
 }
 
+/// Sub-steps of FP8 weights each GEMV warp keeps in flight (its register ring; a K step is
+/// four sub-steps). The kernels get it as `DSV4_GEMV_FP8_RING`; the GEMV planner keeps FP8 K
+/// ranges long enough to fill it.
+pub const GEMV_FP8_RING: u32 = 6;
+
 /// NVRTC options for a target. Identical for run-time loading and `check-kernels`, so a clean
 /// check means a clean run-time build.
 pub fn compile_options(arch: Arch) -> Vec<String> {
@@ -60,6 +65,7 @@ pub fn compile_options(arch: Arch) -> Vec<String> {
         "--std=c++17".to_string(),
         // Source lines in compute-sanitizer and profiler reports; no effect on the code.
         "--generate-line-info".to_string(),
+        format!("-DDSV4_GEMV_FP8_RING={GEMV_FP8_RING}"),
     ];
     if arch.image_kind() == ImageKind::Cubin {
         // Spills and local-memory arrays are performance bugs: make ptxas say so in the log.

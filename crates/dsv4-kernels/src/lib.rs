@@ -22,7 +22,7 @@ pub use cache::{
 };
 pub use compile::{
     compile_family, compile_options, driver_available, nvrtc_available, nvrtc_version,
-    CompiledImage,
+    CompiledImage, GEMV_FP8_RING,
 };
 pub use cudarc;
 pub use cudarc::driver::CudaFunction;

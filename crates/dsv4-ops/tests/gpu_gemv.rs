@@ -5,7 +5,7 @@
 mod common;
 
 use common::{gaussian, to_bf16, TOL};
-use dsv4_ops::gpu::testing::{device, rng, POISON};
+use dsv4_ops::gpu::testing::{assert_bits_eq, device, rng, POISON};
 
 use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};
 use dsv4_ops::codecs::{mxfp4, nvfp4};
@@ -130,11 +130,10 @@ fn check_gemv(
         gemv::gemv(dev, &x, &w, &mut again, ws).unwrap();
         gemv::tuning::set_staging(true);
         let again = dev.download(&again).unwrap();
-        assert!(
-            got.iter()
-                .zip(&again)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{format} m={m} n={n} k={k}: launches differ (staging {staging})"
+        assert_bits_eq(
+            &format!("{format} m={m} n={n} k={k}: launches (staging {staging})"),
+            &again,
+            &got,
         );
     }
 }
@@ -316,11 +315,10 @@ fn gpu_gemv_chain_waits_for_each_input() {
                 let mut alone = poisoned(&dev, m, dims[i + 1]);
                 gemv::gemv(&dev, &xi, &ws_[i].1, &mut alone, &mut ws).unwrap();
                 let alone = dev.download(&alone).unwrap();
-                assert!(
-                    got.iter()
-                        .zip(&alone)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{format} m={m} stage {i} (round {rep}) differs from the same GEMV run alone"
+                assert_bits_eq(
+                    &format!("{format} m={m} stage {i} (round {rep}) against the GEMV run alone"),
+                    &got,
+                    &alone,
                 );
                 if rep == 0 {
                     let wd = reference::dequantize(ws_[i].0.host(), dims[i + 1], dims[i]).unwrap();

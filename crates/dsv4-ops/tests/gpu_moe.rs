@@ -4,7 +4,7 @@
 mod common;
 
 use common::{gaussian, TOL};
-use dsv4_ops::gpu::testing::{device, rng, POISON};
+use dsv4_ops::gpu::testing::{assert_bits_eq, device, rng, POISON};
 
 use dsv4_ops::codecs::{mxfp4, nvfp4};
 use dsv4_ops::gpu::gemv::reference::relative_error;
@@ -233,12 +233,7 @@ fn gpu_moe_matches_reference_on_random_routings() {
                     tuning::set_staging(staging);
                     let again = run(&dev, &ex, &x, m, &ids, &wts, topk, limit, f32_out);
                     tuning::set_staging(true);
-                    assert!(
-                        got.iter()
-                            .zip(&again)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "launches differ (staging {staging})"
-                    );
+                    assert_bits_eq(&format!("launches (staging {staging})"), &again, &got);
                 }
             }
         }
@@ -272,11 +267,9 @@ fn gpu_moe_token_output_does_not_depend_on_the_other_tokens() {
         2.0,
         true,
     );
-    assert!(
-        batch[t * d..(t + 1) * d]
-            .iter()
-            .zip(&alone)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "token {t} differs alone and in a batch"
+    assert_bits_eq(
+        &format!("token {t} in a batch against alone"),
+        &batch[t * d..(t + 1) * d],
+        &alone,
     );
 }

@@ -1,14 +1,28 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use dsv4_kernels::{driver_available, Arch, KernelCache, Kernels};
 
 use super::tensor::{check_elem, numel};
 use super::{DType, DeviceElem, DeviceTensor, GpuError};
 
-/// Resident blocks per multiprocessor by kernel name, then (threads, dynamic shared bytes).
-type Occupancy = HashMap<String, HashMap<(u32, u32), u32>>;
+/// A kernel's launch limits, read from the driver once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KernelLimits {
+    pub max_threads: u32,
+    /// Static shared memory of a block, in bytes.
+    pub static_shared: usize,
+}
+
+/// What the launchers ask the driver about one kernel.
+#[derive(Default)]
+struct KernelFacts {
+    limits: Option<KernelLimits>,
+    /// Resident blocks per multiprocessor by (threads, dynamic shared bytes).
+    resident: HashMap<(u32, u32), u32>,
+}
 
 /// One GPU: its context, the single stream all work is issued on, and the loaded kernels.
 ///
@@ -21,9 +35,12 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
-    /// The launchers size every eager launch with occupancy answers, and the driver computes
-    /// each anew: they are kept here.
-    occupancy: Mutex<Occupancy>,
+    sm_count: usize,
+    /// Shared memory a block may use once its kernel opts in, in bytes.
+    max_block_shared: usize,
+    /// The launchers size every eager launch with kernel limits and occupancy answers, which
+    /// the driver computes anew on each call: they are kept here, by kernel name.
+    facts: Mutex<HashMap<String, KernelFacts>>,
 }
 
 impl Device {
@@ -61,6 +78,20 @@ impl Device {
         let name = ctx
             .name()
             .map_err(GpuError::driver("reading the device name"))?;
+        let attribute = |a, what: &str| {
+            ctx.attribute(a)
+                .map(|v| v.max(0) as usize)
+                .map_err(GpuError::driver(format!("reading the {what}")))
+        };
+        let sm_count = attribute(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            "multiprocessor count",
+        )?
+        .max(1);
+        let max_block_shared = attribute(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            "shared memory limit per block",
+        )?;
         let kernels = Kernels::load_with(&ctx, cache)?;
         Ok(Device {
             ordinal,
@@ -68,7 +99,9 @@ impl Device {
             ctx,
             stream,
             kernels,
-            occupancy: Mutex::default(),
+            sm_count,
+            max_block_shared,
+            facts: Mutex::default(),
         })
     }
 
@@ -100,6 +133,43 @@ impl Device {
         Ok(self.kernels.function(name)?)
     }
 
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+
+    /// Shared memory (static and dynamic) one block may use, in bytes.
+    pub(crate) fn max_block_shared(&self) -> usize {
+        self.max_block_shared
+    }
+
+    fn facts<R>(&self, kernel: &str, f: impl FnOnce(&mut KernelFacts) -> R) -> R {
+        let mut map = self.facts.lock().unwrap_or_else(|e| e.into_inner());
+        f(map.entry(kernel.to_string()).or_default())
+    }
+
+    /// `kernel`'s block limits. The first call also lets it take dynamic shared memory up to
+    /// the device's per-block limit (past 48 KiB a kernel must opt in), so no launch has to.
+    pub(crate) fn kernel_limits(&self, kernel: &str) -> Result<KernelLimits, GpuError> {
+        if let Some(limits) = self.facts(kernel, |k| k.limits) {
+            return Ok(limits);
+        }
+        let f = self.function(kernel)?;
+        let err = || GpuError::driver(format!("reading the limits of {kernel}"));
+        self.ctx.bind_to_thread().map_err(err())?;
+        let static_shared = f.shared_size_bytes().map_err(err())?.max(0) as usize;
+        let limits = KernelLimits {
+            max_threads: f.max_threads_per_block().map_err(err())?.max(0) as u32,
+            static_shared,
+        };
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            self.max_block_shared.saturating_sub(static_shared) as i32,
+        )
+        .map_err(err())?;
+        self.facts(kernel, |k| k.limits = Some(limits));
+        Ok(limits)
+    }
+
     /// Blocks of `kernel` resident on one multiprocessor at `threads` per block with `dynamic`
     /// bytes of dynamic shared memory (asked of the driver once per combination).
     pub(crate) fn resident_blocks(
@@ -108,12 +178,7 @@ impl Device {
         threads: u32,
         dynamic: u32,
     ) -> Result<u32, GpuError> {
-        let known = |map: &Occupancy| {
-            map.get(kernel)
-                .and_then(|by_size| by_size.get(&(threads, dynamic)))
-                .copied()
-        };
-        if let Some(blocks) = known(&self.occupancy.lock().unwrap_or_else(|e| e.into_inner())) {
+        if let Some(blocks) = self.facts(kernel, |k| k.resident.get(&(threads, dynamic)).copied()) {
             return Ok(blocks);
         }
         let blocks = self
@@ -122,12 +187,7 @@ impl Device {
             .map_err(GpuError::driver(format!(
                 "reading the occupancy of {kernel}"
             )))?;
-        self.occupancy
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(kernel.to_string())
-            .or_default()
-            .insert((threads, dynamic), blocks);
+        self.facts(kernel, |k| k.resident.insert((threads, dynamic), blocks));
         Ok(blocks)
     }
 

@@ -16,8 +16,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use cudarc::driver::sys::{self as cu, CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys as cu;
 use cudarc::driver::DeviceRepr;
+use dsv4_kernels::GEMV_FP8_RING;
 use half::bf16;
 
 use super::launch::dim_u32;
@@ -726,15 +727,6 @@ struct GemvArgs {
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
 unsafe impl DeviceRepr for GemvArgs {}
 
-/// Multiprocessor count, for sizing grids.
-pub(crate) fn sm_count(dev: &Device) -> Result<usize, GpuError> {
-    let n = dev
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(GpuError::driver("reading the multiprocessor count"))?;
-    Ok(n.max(1) as usize)
-}
-
 /// How a GEMV launch spreads `tiles` tiles of `steps` K steps over the GPU: each tile's steps
 /// are split into `splits` contiguous ranges, one warp each. A block holds G ranges of a tile
 /// (the largest power of two up to `max_warps` that divides `splits`), summed in shared
@@ -836,7 +828,7 @@ pub(crate) fn plan(
 /// Warps of `kernel` resident on the whole GPU at `threads` per block (one full wave).
 pub(crate) fn resident_warps(dev: &Device, kernel: &str, threads: u32) -> Result<usize, GpuError> {
     let blocks = dev.resident_blocks(kernel, threads, 0)?;
-    Ok((blocks as usize).max(1) * threads as usize / 32 * sm_count(dev)?)
+    Ok((blocks as usize).max(1) * threads as usize / 32 * dev.sm_count())
 }
 
 /// The largest block `kernel` takes for a GEMV, in warps: 16 or 8 where the kernel allows that
@@ -846,9 +838,7 @@ pub(crate) fn resident_warps(dev: &Device, kernel: &str, threads: u32) -> Result
 /// 16 ranges in one 16-warp block: 4.13 -> 2.97 us.
 /// `base` is `resident_warps` of the kernel in 4-warp blocks.
 pub(crate) fn max_block_warps(dev: &Device, kernel: &str, base: usize) -> Result<usize, GpuError> {
-    let f = dev.function(kernel)?;
-    let err = || GpuError::driver(format!("sizing the blocks of {kernel}"));
-    let limit = f.max_threads_per_block().map_err(err())? as usize / 32;
+    let limit = dev.kernel_limits(kernel)?.max_threads as usize / 32;
     for warps in [MAX_BLOCK_WARPS, MAX_BLOCK_WARPS / 2] {
         if warps <= limit && resident_warps(dev, kernel, (warps * 32) as u32)? >= base {
             return Ok(warps);
@@ -867,24 +857,9 @@ pub(crate) fn staging_bytes(
     threads: u32,
     bytes: usize,
 ) -> Result<u32, GpuError> {
-    let f = dev.function(kernel)?;
-    let err = || GpuError::driver(format!("sizing the shared memory of {kernel}"));
-    dev.context().bind_to_thread().map_err(err())?;
-    let fixed = f.shared_size_bytes().map_err(err())? as usize;
-    let limit = dev
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .map_err(err())? as usize;
-    if !tuning::staging() || bytes == 0 || fixed + bytes > limit {
+    let fixed = dev.kernel_limits(kernel)?.static_shared;
+    if !tuning::staging() || bytes == 0 || fixed + bytes > dev.max_block_shared() {
         return Ok(0);
-    }
-    // Past the default 48 KiB per block a kernel must opt in; allow it the device's limit.
-    if fixed + bytes > DEFAULT_BLOCK_SHARED {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            (limit - fixed) as i32,
-        )
-        .map_err(err())?;
     }
     let resident = |dynamic| dev.resident_blocks(kernel, threads, dynamic as u32);
     if resident(bytes)? < resident(0)? {
@@ -895,9 +870,6 @@ pub(crate) fn staging_bytes(
 
 /// Padding (bf16) after each staged activation row, so rows do not start on the same bank.
 const STAGE_PAD: usize = 8;
-
-/// Shared memory a block may use without opting in.
-const DEFAULT_BLOCK_SHARED: usize = 48 * 1024;
 
 /// Launches `kernel` on the device stream, with programmatic stream serialization when `pdl`
 /// is set: it may then start before the previous kernel in the stream ends, and waits for it
@@ -991,16 +963,16 @@ fn launch(
     let resident = resident_warps(dev, kernel, (MIN_BLOCK_WARPS * 32) as u32)?;
     let target = match tuning::warps_per_sm() {
         0 => resident,
-        w => w * sm_count(dev)?,
+        w => w * dev.sm_count(),
     };
-    // Two K steps a range at least for FP8, whose ring holds six sub-steps (`RingOf<FP8>::R` in
-    // gemv_tile.cu), and for FP4, whose one-step ranges pay a warp's start-up (ring fill,
-    // staging, the in-block sum) for one ring of work: H100, Flash expert w1+w3 2 x [2048, 4096]
-    // NVFP4 5.7 us with 8 one-step ranges a tile, 5.0 us with 4 two-step ones.
-    let min_steps = if matches!(w.format, GemvFormat::Bf16) {
-        1
-    } else {
-        2
+    // Ranges long enough to fill the FP8 ring, and two K steps at least for FP4, whose
+    // one-step ranges pay a warp's start-up (ring fill, staging, the in-block sum) for one ring
+    // of work: H100, Flash expert w1+w3 2 x [2048, 4096] NVFP4 5.7 us with 8 one-step ranges a
+    // tile, 5.0 us with 4 two-step ones.
+    let min_steps = match w.format {
+        GemvFormat::Bf16 => 1,
+        GemvFormat::Fp8 { .. } => (GEMV_FP8_RING as usize).div_ceil(pack::U),
+        GemvFormat::Nvfp4 | GemvFormat::Mxfp4 => 2,
     };
     let p = plan(
         tiles,

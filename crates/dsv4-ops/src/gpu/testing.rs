@@ -88,17 +88,23 @@ pub fn assert_bf16_eq(what: &str, got: &[bf16], want: &[bf16]) {
     }
 }
 
-/// Bit-exact comparison of byte buffers.
-pub fn assert_bytes_eq(what: &str, got: &[u8], want: &[u8]) {
+/// Bit-exact comparison of plain-data buffers (codes, scales, or two launches' outputs, where
+/// even NaN payloads must agree).
+pub fn assert_bits_eq<T: bytemuck::Pod + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    let bad: Vec<usize> = (0..got.len()).filter(|&i| got[i] != want[i]).collect();
+    let bits = |v: &T| bytemuck::bytes_of(v).to_vec();
+    let bad: Vec<usize> = (0..got.len())
+        .filter(|&i| bits(&got[i]) != bits(&want[i]))
+        .collect();
     if let Some(&i) = bad.first() {
         panic!(
-            "{what}: {} of {} bytes differ; first at {i}: got {:#04x}, want {:#04x}",
+            "{what}: {} of {} elements differ; first at {i}: got {:?} (bytes {:02x?}), want {:?} (bytes {:02x?})",
             bad.len(),
             got.len(),
             got[i],
-            want[i]
+            bits(&got[i]),
+            want[i],
+            bits(&want[i])
         );
     }
 }

@@ -9,7 +9,7 @@ use rand::Rng;
 use super::reference as cpu;
 use super::*;
 use crate::gpu::testing::{
-    assert_bf16_eq, assert_bytes_eq, device, random_bf16, random_bytes, rng, zero_some_blocks,
+    assert_bf16_eq, assert_bits_eq, device, random_bf16, random_bytes, rng, zero_some_blocks,
     POISON,
 };
 use crate::gpu::{BufferPool, PoolError};
@@ -27,7 +27,7 @@ impl Exact for bf16 {
 
 impl Exact for u8 {
     fn assert_exact(what: &str, got: &[u8], want: &[u8]) {
-        assert_bytes_eq(what, got, want);
+        assert_bits_eq(what, got, want);
     }
 }
 
@@ -190,12 +190,12 @@ fn gpu_nvfp4_act_quantize_matches_reference() {
             want.weight_scale_2.to_bits(),
             "{what}: global scale"
         );
-        assert_bytes_eq(
+        assert_bits_eq(
             &format!("{what} scales"),
             &dev.download(&out.scales).unwrap(),
             &want.weight_scale,
         );
-        assert_bytes_eq(
+        assert_bits_eq(
             &format!("{what} packed"),
             &dev.download(&out.packed).unwrap(),
             &want.weight,
@@ -258,12 +258,12 @@ fn gpu_nvfp4_act_quantize_replays_in_a_cuda_graph() {
             want.weight_scale_2,
             "replay {replay}"
         );
-        assert_bytes_eq(
+        assert_bits_eq(
             "graph scales",
             &dev.download(&out.scales).unwrap(),
             &want.weight_scale,
         );
-        assert_bytes_eq(
+        assert_bits_eq(
             "graph packed",
             &dev.download(&out.packed).unwrap(),
             &want.weight,
