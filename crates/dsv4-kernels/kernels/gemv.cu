@@ -59,6 +59,8 @@ struct GemvArgs {
     u32 tiles;
     u32 x_stride;       // row stride of the staged activations in shared memory; 0: not staged
     u32 group_log2;     // log2 G: K ranges of a tile in one block (G divides splits and the block's warps)
+    u32 cluster_sum;    // 1: the blocks of a tile are one cluster and sum through `cluster_sum`
+    u32 mail_offset;    // byte offset of the cluster mailbox in dynamic shared memory
 };
 
 template <int F, int MT, bool SWIGLU>
@@ -108,6 +110,8 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     Ring<F> ring;
     // A branch rather than only the loads' own guards: measured 15-20% faster for FP4.
     if (j0 < j1) ring_load<F>(L, j0, j1, ring);
+    __shared__ u64 bars[MAX_BLOCK_TILES];
+    if (a.cluster_sum) cluster_sum_open(bars, 32u * (bpt - 1));
     pdl_wait();
     pdl_launch_dependents();
     if (staged) stage_rows(xs, a.x_stride, a.x + k0, a.k, a.m, k1 - k0);
@@ -118,7 +122,13 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     run_subs<F, MT>(L, j0, j1, ring, acc);
     if (G > 1 && !reduce_warps<MT>(acc, G)) return;
     if (!live) return;
-    if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, blockIdx.y, bpt, a.m)) return;
+    if (a.cluster_sum) {
+        const float4* mail = reinterpret_cast<const float4*>(reinterpret_cast<const u8*>(xs) + a.mail_offset);
+        const u32 block_tiles = 1u << tiles_log2;
+        if (!cluster_sum<MT>(acc, mail, bars, warp >> a.group_log2, block_tiles, blockIdx.y, bpt)) return;
+    } else if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, blockIdx.y, bpt, a.m)) {
+        return;
+    }
 
     for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
         if (SWIGLU) {

@@ -59,6 +59,14 @@ impl Arch {
         }
     }
 
+    /// Whether the device runs thread-block clusters (compute capability 9.0 and later).
+    pub fn has_clusters(&self) -> bool {
+        match self {
+            Arch::Sm90a | Arch::Sm100a => true,
+            Arch::Ptx { major, .. } => *major >= 9,
+        }
+    }
+
     pub fn image_kind(&self) -> ImageKind {
         match self {
             Arch::Sm90a | Arch::Sm100a => ImageKind::Cubin,
@@ -81,6 +89,8 @@ mod tests {
     fn device_to_target() {
         assert_eq!(Arch::for_compute_capability(9, 0), Arch::Sm90a);
         assert_eq!(Arch::for_compute_capability(10, 0), Arch::Sm100a);
+        assert!(Arch::Sm90a.has_clusters() && Arch::for_compute_capability(12, 0).has_clusters());
+        assert!(!Arch::for_compute_capability(8, 9).has_clusters());
         let ada = Arch::for_compute_capability(8, 9);
         assert_eq!(ada.nvrtc_target(), "compute_89");
         assert_eq!(ada.image_kind(), ImageKind::Ptx);

@@ -22,7 +22,9 @@
 //! end and written to `$DSV4_BENCH_TABLE` when set. `DSV4_BENCH_ONLY=Pro/attn` keeps the cases
 //! whose `model/kernel` contains the text, or one of several separated by `|` (`quantize`
 //! keeps the format kernels). `DSV4_BENCH_STAGING=off` runs every GEMV and MoE with its
-//! activations read from global memory instead of staged in shared memory.
+//! activations read from global memory instead of staged in shared memory;
+//! `DSV4_BENCH_CLUSTER_SUM=off` sums every GEMV's tiles that span blocks through the workspace
+//! instead of inside a thread-block cluster.
 
 use std::time::Duration;
 
@@ -786,6 +788,9 @@ fn main() -> Res<()> {
     };
     if std::env::var("DSV4_BENCH_STAGING").is_ok_and(|v| v == "off") {
         tuning::set_staging(false);
+    }
+    if std::env::var("DSV4_BENCH_CLUSTER_SUM").is_ok_and(|v| v == "off") {
+        tuning::set_cluster_sum(false);
     }
 
     for (model, d, q_rank, heads, groups, inter, idx_heads) in [

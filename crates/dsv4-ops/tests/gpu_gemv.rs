@@ -98,8 +98,9 @@ fn f64s(v: &[bf16]) -> Vec<f64> {
     v.iter().map(|x| x.to_f64()).collect()
 }
 
-/// Runs one GEMV on the GPU three times (again, then with activations read from global memory
-/// instead of staged: all bit-identical) and checks it against the reference.
+/// Runs one GEMV on the GPU four times (again, with activations read from global memory
+/// instead of staged, and with cross-block sums through the workspace instead of a cluster:
+/// all bit-identical) and checks it against the reference.
 fn check_gemv(
     dev: &Device,
     ws: &mut GemvWorkspace,
@@ -124,14 +125,18 @@ fn check_gemv(
         err <= TOL,
         "{format} m={m} n={n} k={k}: relative error {err:e} > {TOL:e}"
     );
-    for staging in [true, false] {
+    for (staging, cluster) in [(true, true), (false, true), (true, false)] {
         gemv::tuning::set_staging(staging);
+        gemv::tuning::set_cluster_sum(cluster);
         let mut again = poisoned(dev, m, n);
         gemv::gemv(dev, &x, &w, &mut again, ws).unwrap();
         gemv::tuning::set_staging(true);
+        gemv::tuning::set_cluster_sum(true);
         let again = dev.download(&again).unwrap();
         assert_bits_eq(
-            &format!("{format} m={m} n={n} k={k}: launches (staging {staging})"),
+            &format!(
+                "{format} m={m} n={n} k={k}: launches (staging {staging}, cluster sums {cluster})"
+            ),
             &again,
             &got,
         );
@@ -157,6 +162,13 @@ fn gpu_gemv_matches_reference_on_random_shapes() {
         let k = ce * 16 * rng.random_range(64..=96);
         let m = rng.random_range(1..=3);
         check_gemv(&dev, &mut ws, &mut rng, format, m, n, k);
+        // One tile whose 16-step K ranges fill blocks of 16 warps (where the kernel takes them):
+        // 5 blocks (summed inside a cluster on sm_90 and later) and 12 (through the workspace).
+        for blocks in [5, 12] {
+            let m = rng.random_range(1..=2);
+            let n = rng.random_range(1..=16);
+            check_gemv(&dev, &mut ws, &mut rng, format, m, n, ce * 16 * 16 * blocks);
+        }
         // Many rows: one block per tile.
         let n = 8192 + rng.random_range(1..16);
         check_gemv(&dev, &mut ws, &mut rng, format, 1, n, 4 * 128);
@@ -176,13 +188,16 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
     let mut ws = GemvWorkspace::alloc(&dev).unwrap();
     for format in FORMATS {
         let ce = chunk(format);
-        for case in 0..6 {
+        for case in 0..7 {
             let m = rng.random_range(1..=16);
             // Case 4: few tiles, long K (sums across blocks); case 5: 128 tiles of 16 steps
-            // (8 or 16 ranges a tile, all in one block).
+            // (8 or 16 ranges a tile, all in one block); case 6: one tile whose 16-step ranges
+            // fill 5 blocks of 16 warps (a cluster sum on sm_90 and later, where the kernel takes
+            // such blocks).
             let (m, n, k) = match case {
                 4 => (m, rng.random_range(1..=24), ce * 400),
                 5 => (m.min(8), 1024, ce * 16 * 16),
+                6 => (m.min(2), rng.random_range(1..=8), ce * 16 * 16 * 5),
                 _ => (m, rng.random_range(1..=600), ce * rng.random_range(1..=80)),
             };
             // w1 and w3 share the NVFP4 global scale, as in ModelOpt exports.
@@ -209,6 +224,15 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
             assert!(
                 err <= TOL,
                 "swiglu {format} m={m} n={n} k={k}: relative error {err:e}"
+            );
+            gemv::tuning::set_cluster_sum(false);
+            let mut again = poisoned(&dev, m, n);
+            gemv::gemv_swiglu(&dev, &x, &w13, limit, &mut again, &mut ws).unwrap();
+            gemv::tuning::set_cluster_sum(true);
+            assert_bits_eq(
+                &format!("swiglu {format} m={m} n={n} k={k}: sums through the workspace"),
+                &dev.download(&again).unwrap(),
+                &got,
             );
         }
     }

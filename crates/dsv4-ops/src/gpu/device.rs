@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use dsv4_kernels::{driver_available, Arch, KernelCache, Kernels};
 
@@ -22,6 +22,8 @@ struct KernelFacts {
     limits: Option<KernelLimits>,
     /// Resident blocks per multiprocessor by (threads, dynamic shared bytes).
     resident: HashMap<(u32, u32), u32>,
+    /// Clusters resident on the whole GPU by (threads, dynamic shared bytes, blocks a cluster).
+    clusters: HashMap<(u32, u32, u32), u32>,
 }
 
 /// One GPU: its context, the single stream all work is issued on, and the loaded kernels.
@@ -189,6 +191,51 @@ impl Device {
             )))?;
         self.facts(kernel, |k| k.resident.insert((threads, dynamic), blocks));
         Ok(blocks)
+    }
+
+    /// Clusters of `cluster_y` blocks (along y) of `kernel` resident at once on the whole GPU,
+    /// at `threads` per block with `dynamic` bytes of dynamic shared memory (asked of the
+    /// driver once per combination).
+    pub(crate) fn resident_clusters(
+        &self,
+        kernel: &str,
+        threads: u32,
+        dynamic: u32,
+        cluster_y: u32,
+    ) -> Result<u32, GpuError> {
+        let key = (threads, dynamic, cluster_y);
+        if let Some(n) = self.facts(kernel, |k| k.clusters.get(&key).copied()) {
+            return Ok(n);
+        }
+        let f = self.function(kernel)?;
+        let err = || GpuError::driver(format!("reading the cluster occupancy of {kernel}"));
+        self.ctx.bind_to_thread().map_err(err())?;
+        // SAFETY: a zeroed attribute is a valid C union; the id selects the field set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = 1;
+        attr.value.clusterDim.y = cluster_y;
+        attr.value.clusterDim.z = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: 1,
+            gridDimY: cluster_y,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: dynamic,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: cfg and attr outlive the call; the function belongs to this context.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) }
+            .result()
+            .map_err(err())?;
+        let n = n.max(0) as u32;
+        self.facts(kernel, |k| k.clusters.insert(key, n));
+        Ok(n)
     }
 
     /// A zero-filled tensor with its own allocation (weights, tests). Activations and

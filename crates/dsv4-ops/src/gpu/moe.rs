@@ -468,8 +468,8 @@ pub fn moe_decode(
     // gate_up, all of h [M, top_k, I] for down.
     let up_threads = (UP_WARPS * 32) as u32;
     let down_threads = (warps * 32) as u32;
-    let up_shared = staging_bytes(dev, &gate_up, up_threads, m * d * 2)?;
-    let down_shared = staging_bytes(dev, &down, down_threads, m * topk * experts.inter * 2)?;
+    let up_shared = staging_bytes(dev, &gate_up, up_threads, 0, m * d * 2)?;
+    let down_shared = staging_bytes(dev, &down, down_threads, 0, m * topk * experts.inter * 2)?;
     args.stage = u32::from(up_shared > 0) | (u32::from(down_shared > 0) << 1);
     // The down kernel launches with programmatic serialization (as the GEMVs, `tuning`): it
     // sorts the expert ids and streams its first weights while gate_up finishes. Gate_up
@@ -487,6 +487,7 @@ pub fn moe_decode(
             (up_threads, up_shared),
             &args,
             false,
+            1,
         )
     }?;
     unsafe {
@@ -497,6 +498,7 @@ pub fn moe_decode(
             (down_threads, down_shared),
             &args,
             tuning::programmatic_launch(),
+            1,
         )
     }
 }
