@@ -32,9 +32,11 @@
 // as many warps, fewer share a 4-warp block with other tiles. The grid's x counts groups of
 // tiles, its y the blocks that share a tile's ranges, and the launcher passes log2 G and the
 // range lengths, so a warp finds its tile and range without an integer division (they were
-// ~170 of the ~300 instructions before the first weight load). The G warps of a tile are summed in shared memory (in warp order,
-// once, at the end), and when splits > G the tile's partial sums go through the workspace:
-// the last one to arrive (per-tile counter) adds them in order and writes the rows. Every
+// ~170 of the ~300 instructions before the first weight load). The G warps of a tile are
+// summed in shared memory (in warp order, once, at the end), and when splits > G the tile's
+// block sums meet either in the first block's shared memory, the blocks being one cluster
+// (`cluster_sum`, 2..8 blocks, every cluster of the grid resident at once), or through the
+// workspace, where the last one to arrive (per-tile counter) adds them in order. Every
 // reduction has a fixed order, so results never depend on timing. The block's warps share one
 // K range (the same G consecutive ranges of each of its W / G tiles); when the launcher
 // reserved shared memory for it (`x_stride` != 0), the block stages that range of every
@@ -110,8 +112,7 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     Ring<F> ring;
     // A branch rather than only the loads' own guards: measured 15-20% faster for FP4.
     if (j0 < j1) ring_load<F>(L, j0, j1, ring);
-    __shared__ u64 bars[MAX_BLOCK_TILES];
-    if (a.cluster_sum) cluster_sum_open(bars, 32u * (bpt - 1));
+    if (a.cluster_sum) cluster_sum_open();
     pdl_wait();
     pdl_launch_dependents();
     if (staged) stage_rows(xs, a.x_stride, a.x + k0, a.k, a.m, k1 - k0);
@@ -125,7 +126,7 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     if (a.cluster_sum) {
         const float4* mail = reinterpret_cast<const float4*>(reinterpret_cast<const u8*>(xs) + a.mail_offset);
         const u32 block_tiles = 1u << tiles_log2;
-        if (!cluster_sum<MT>(acc, mail, bars, warp >> a.group_log2, block_tiles, blockIdx.y, bpt)) return;
+        if (!cluster_sum<MT>(acc, mail, warp >> a.group_log2, block_tiles, blockIdx.y, bpt)) return;
     } else if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, blockIdx.y, bpt, a.m)) {
         return;
     }

@@ -484,57 +484,45 @@ __device__ __forceinline__ bool reduce_splits(float (&acc)[MT][4], float* ws, u3
 // Cross-block split-K inside a thread-block cluster (sm_90+). When a tile's ranges span 2..8
 // blocks, the launcher makes those blocks one cluster along the grid's y, and reserves after
 // the staged activations a mailbox of (blocks - 1) x (tiles per block) tile sums. Each block
-// but the first stores its sums into the first block's mailbox (distributed shared memory)
-// and arrives on that block's per-tile mbarrier; the first block waits there and adds them in
-// split order, the workspace path's order, so both give the same bits, without its
-// global-memory fence, atomic and reloads.
-constexpr u32 MAX_BLOCK_TILES = 4;
+// but the first stores its sums into the first block's mailbox (distributed shared memory);
+// the first block adds them in split order, the workspace path's order, so both give the same
+// bits, without its global-memory fence, atomic and reloads. Two cluster barrier phases order
+// it: the first (arrived at the start) makes sure every block runs before its shared memory
+// is written, the second that the stores land before the first block reads them and exits.
+// Threads that leave early leave both barriers' counts.
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// Every thread of every block of the cluster calls this once, before any may exit.
-__device__ __forceinline__ void cluster_sum_open(u64 (&bars)[MAX_BLOCK_TILES], u32 arrivals) {
+// Every thread of every block of the cluster calls this once, at the start.
+__device__ __forceinline__ void cluster_sum_open() {
 #if __CUDA_ARCH__ >= 900
-    if (threadIdx.x < MAX_BLOCK_TILES) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&bars[threadIdx.x])), "r"(arrivals)
-                     : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 #endif
 }
 
 // Called by the one warp per block and tile that holds the block's sum (`slot`: the tile's
 // place in the block). Returns true in the first block, with acc the sum of all splits.
 template <int MT>
-__device__ __forceinline__ bool cluster_sum(float (&acc)[MT][4], const float4* mail, u64 (&bars)[MAX_BLOCK_TILES],
-                                            u32 slot, u32 block_tiles, u32 split, u32 splits) {
+__device__ __forceinline__ bool cluster_sum(float (&acc)[MT][4], const float4* mail, u32 slot, u32 block_tiles,
+                                            u32 split, u32 splits) {
 #if __CUDA_ARCH__ >= 900
     const u32 lane = threadIdx.x & 31u;
-    // Every block's mbarriers are initialised once the whole cluster has arrived.
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
     auto box = [&](u32 p, int mt) { return mail + (((p - 1) * block_tiles + slot) * MT + mt) * 32 + lane; };
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
     if (split != 0) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             u32 to;
-            asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(to) : "r"(smem_addr(box(split, mt))));
+            asm volatile("mapa.shared::cluster.u32 %0, %1, 0;"
+                         : "=r"(to)
+                         : "r"((u32)__cvta_generic_to_shared(box(split, mt))));
             asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(to), "f"(acc[mt][0]),
                          "f"(acc[mt][1]), "f"(acc[mt][2]), "f"(acc[mt][3])
                          : "memory");
         }
-        u32 bar;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(bar) : "r"(smem_addr(&bars[slot])));
-        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+        asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
         return false;
     }
-    u32 done = 0;
-    while (!done)
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(smem_addr(&bars[slot]))
-            : "memory");
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
     for (u32 p = 1; p < splits; ++p)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {

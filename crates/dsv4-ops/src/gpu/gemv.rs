@@ -882,8 +882,7 @@ pub(crate) fn staging_bytes(
     Ok(bytes as u32)
 }
 
-/// Most blocks of a tile that sum inside one cluster (the portable cluster size; the kernel's
-/// mailbox and mbarriers are sized for it, `MAX_BLOCK_TILES` tiles a block).
+/// Most blocks of a tile that sum inside one cluster (the portable cluster size).
 const MAX_CLUSTER_SUM: usize = 8;
 
 /// Padding (bf16) after each staged activation row, so rows do not start on the same bank.
