@@ -29,9 +29,10 @@
 // into `splits` contiguous ranges (the first steps % splits of them one step longer), one warp
 // each. A block of W warps holds G consecutive ranges of W / G tiles (the launcher picks G, a
 // power of two dividing splits, and W = max(G, 4)): 16 or 8 ranges of a tile fill one block of
-// as many warps, fewer share a 4-warp block with other tiles. The grid's x counts groups of
-// tiles, its y the blocks that share a tile's ranges, and the launcher passes log2 G and the
-// range lengths, so a warp finds its tile and range without an integer division (they were
+// as many warps, fewer share a 4-warp block with other tiles; 5..15 ranges may also fill one
+// block of as many warps (G = W = splits). The grid's x counts groups of tiles, its y the
+// blocks that share a tile's ranges, and the launcher passes G, log2 W / G and the range
+// lengths, so a warp finds its tile and range without an integer division (they were
 // ~170 of the ~300 instructions before the first weight load). The G warps of a tile are
 // summed in shared memory (in warp order, once, at the end), and when splits > G the tile's
 // block sums meet either in the first block's shared memory, the blocks being one cluster
@@ -60,7 +61,9 @@ struct GemvArgs {
     u32 fp8_br;         // FP8 scale block rows
     u32 tiles;
     u32 x_stride;       // row stride of the staged activations in shared memory; 0: not staged
-    u32 group_log2;     // log2 G: K ranges of a tile in one block (G divides splits and the block's warps)
+    u32 group;          // G: K ranges of a tile in one block (G divides splits; a power of two unless the
+                        // block holds one tile)
+    u32 tiles_log2;     // log2 of the tiles a block holds (block warps / G)
     u32 cluster_sum;    // 1: the blocks of a tile are one cluster and sum through `cluster_sum`
     u32 mail_offset;    // byte offset of the cluster mailbox in dynamic shared memory
 };
@@ -73,12 +76,13 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     constexpr u32 HO = SWIGLU ? 0 : 8;    // row offset of the hi half
     constexpr u32 E = Format<F>::ELEMS;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    // Grid: x = groups of tiles, y = the blocks that share each tile's K ranges. Block warps and
-    // G are powers of two, so no index below needs a division.
-    const u32 G = 1u << a.group_log2, bpt = gridDim.y;
-    const u32 tiles_log2 = (31u - __clz(blockDim.x >> 5)) - a.group_log2;
-    const u32 tile = (blockIdx.x << tiles_log2) + (warp >> a.group_log2);
-    const u32 split = blockIdx.y * G + (warp & (G - 1));
+    // Grid: x = groups of tiles, y = the blocks that share each tile's K ranges. With several
+    // tiles a block, G is a power of two: the tile's place in the block and the warp's range
+    // in the tile come from shifts and masks, no division.
+    const u32 G = a.group, bpt = gridDim.y;
+    const u32 slot = a.tiles_log2 ? warp >> (__ffs(G) - 1) : 0u;
+    const u32 tile = (blockIdx.x << a.tiles_log2) + slot;
+    const u32 split = blockIdx.y * G + (a.tiles_log2 ? warp & (G - 1) : warp);
     // Warps past the last tile only take part in the staging and the block's reduction.
     const bool live = tile < a.tiles;
     const u32 t = live ? tile : 0;
@@ -125,8 +129,7 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     if (!live) return;
     if (a.cluster_sum) {
         const float4* mail = reinterpret_cast<const float4*>(reinterpret_cast<const u8*>(xs) + a.mail_offset);
-        const u32 block_tiles = 1u << tiles_log2;
-        if (!cluster_sum<MT>(acc, mail, warp >> a.group_log2, block_tiles, blockIdx.y, bpt)) return;
+        if (!cluster_sum<MT>(acc, mail, slot, 1u << a.tiles_log2, blockIdx.y, bpt)) return;
     } else if (!reduce_splits<MT>(acc, a.ws, a.counters, tile, blockIdx.y, bpt, a.m)) {
         return;
     }

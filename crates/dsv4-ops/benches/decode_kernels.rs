@@ -23,8 +23,9 @@
 //! whose `model/kernel` contains the text, or one of several separated by `|` (`quantize`
 //! keeps the format kernels). `DSV4_BENCH_STAGING=off` runs every GEMV and MoE with its
 //! activations read from global memory instead of staged in shared memory;
-//! `DSV4_BENCH_CLUSTER_SUM=off` sums every GEMV's tiles that span blocks through the workspace
-//! instead of inside a thread-block cluster.
+//! `DSV4_BENCH_CLUSTER_SUM=off` and `DSV4_BENCH_WHOLE_TILE=off` turn off the GEMV's two
+//! alternatives to summing a tile's blocks through the workspace (a thread-block cluster, one
+//! whole-tile block).
 
 use std::time::Duration;
 
@@ -791,6 +792,9 @@ fn main() -> Res<()> {
     }
     if std::env::var("DSV4_BENCH_CLUSTER_SUM").is_ok_and(|v| v == "off") {
         tuning::set_cluster_sum(false);
+    }
+    if std::env::var("DSV4_BENCH_WHOLE_TILE").is_ok_and(|v| v == "off") {
+        tuning::set_whole_tile_blocks(false);
     }
 
     for (model, d, q_rank, heads, groups, inter, idx_heads) in [

@@ -98,9 +98,22 @@ fn f64s(v: &[bf16]) -> Vec<f64> {
     v.iter().map(|x| x.to_f64()).collect()
 }
 
-/// Runs one GEMV on the GPU four times (again, with activations read from global memory
-/// instead of staged, and with cross-block sums through the workspace instead of a cluster:
-/// all bit-identical) and checks it against the reference.
+/// Runs `f` with the given launch choices (activations staged, tile sums inside a cluster or
+/// one whole-tile block where possible), then restores the defaults (all on).
+fn with_sums<R>(staging: bool, cluster: bool, whole: bool, f: impl FnOnce() -> R) -> R {
+    gemv::tuning::set_staging(staging);
+    gemv::tuning::set_cluster_sum(cluster);
+    gemv::tuning::set_whole_tile_blocks(whole);
+    let r = f();
+    gemv::tuning::set_staging(true);
+    gemv::tuning::set_cluster_sum(true);
+    gemv::tuning::set_whole_tile_blocks(true);
+    r
+}
+
+/// Runs one GEMV on the GPU five times (again, with activations read from global memory
+/// instead of staged, with the tile sums of a cluster in one whole-tile block instead, and
+/// through the workspace: all bit-identical) and checks it against the reference.
 fn check_gemv(
     dev: &Device,
     ws: &mut GemvWorkspace,
@@ -125,19 +138,23 @@ fn check_gemv(
         err <= TOL,
         "{format} m={m} n={n} k={k}: relative error {err:e} > {TOL:e}"
     );
-    for (staging, cluster) in [(true, true), (false, true), (true, false)] {
-        gemv::tuning::set_staging(staging);
-        gemv::tuning::set_cluster_sum(cluster);
-        let mut again = poisoned(dev, m, n);
-        gemv::gemv(dev, &x, &w, &mut again, ws).unwrap();
-        gemv::tuning::set_staging(true);
-        gemv::tuning::set_cluster_sum(true);
-        let again = dev.download(&again).unwrap();
+    for (staging, cluster, whole) in [
+        (true, true, true),
+        (false, true, true),
+        (true, false, true),
+        (true, false, false),
+    ] {
+        let again = with_sums(staging, cluster, whole, || {
+            let mut again = poisoned(dev, m, n);
+            gemv::gemv(dev, &x, &w, &mut again, ws).unwrap();
+            again
+        });
         assert_bits_eq(
             &format!(
-                "{format} m={m} n={n} k={k}: launches (staging {staging}, cluster sums {cluster})"
+                "{format} m={m} n={n} k={k}: launches (staging {staging}, cluster sums {cluster}, \
+                 whole-tile blocks {whole})"
             ),
-            &again,
+            &dev.download(&again).unwrap(),
             &got,
         );
     }
@@ -169,6 +186,9 @@ fn gpu_gemv_matches_reference_on_random_shapes() {
             let n = rng.random_range(1..=16);
             check_gemv(&dev, &mut ws, &mut rng, format, m, n, ce * 16 * 16 * blocks);
         }
+        // 100 tiles of 7 steps: 7 one-range blocks a tile (a cluster, or one 7-warp block).
+        let m = rng.random_range(1..=4);
+        check_gemv(&dev, &mut ws, &mut rng, format, m, 1600, ce * 16 * 7);
         // Many rows: one block per tile.
         let n = 8192 + rng.random_range(1..16);
         check_gemv(&dev, &mut ws, &mut rng, format, 1, n, 4 * 128);
@@ -188,16 +208,18 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
     let mut ws = GemvWorkspace::alloc(&dev).unwrap();
     for format in FORMATS {
         let ce = chunk(format);
-        for case in 0..7 {
+        for case in 0..8 {
             let m = rng.random_range(1..=16);
             // Case 4: few tiles, long K (sums across blocks); case 5: 128 tiles of 16 steps
             // (8 or 16 ranges a tile, all in one block); case 6: one tile whose 16-step ranges
             // fill 5 blocks of 16 warps (a cluster sum on sm_90 and later, where the kernel takes
-            // such blocks).
+            // such blocks); case 7: 100 tiles of 7 one-range blocks (a cluster, or one 7-warp
+            // block).
             let (m, n, k) = match case {
                 4 => (m, rng.random_range(1..=24), ce * 400),
                 5 => (m.min(8), 1024, ce * 16 * 16),
                 6 => (m.min(2), rng.random_range(1..=8), ce * 16 * 16 * 5),
+                7 => (m.min(4), 800, ce * 16 * 7),
                 _ => (m, rng.random_range(1..=600), ce * rng.random_range(1..=80)),
             };
             // w1 and w3 share the NVFP4 global scale, as in ModelOpt exports.
@@ -225,15 +247,20 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
                 err <= TOL,
                 "swiglu {format} m={m} n={n} k={k}: relative error {err:e}"
             );
-            gemv::tuning::set_cluster_sum(false);
-            let mut again = poisoned(&dev, m, n);
-            gemv::gemv_swiglu(&dev, &x, &w13, limit, &mut again, &mut ws).unwrap();
-            gemv::tuning::set_cluster_sum(true);
-            assert_bits_eq(
-                &format!("swiglu {format} m={m} n={n} k={k}: sums through the workspace"),
-                &dev.download(&again).unwrap(),
-                &got,
-            );
+            for whole in [true, false] {
+                let again = with_sums(true, false, whole, || {
+                    let mut again = poisoned(&dev, m, n);
+                    gemv::gemv_swiglu(&dev, &x, &w13, limit, &mut again, &mut ws).unwrap();
+                    again
+                });
+                assert_bits_eq(
+                    &format!(
+                        "swiglu {format} m={m} n={n} k={k}: no cluster sums (whole-tile blocks {whole})"
+                    ),
+                    &dev.download(&again).unwrap(),
+                    &got,
+                );
+            }
         }
     }
 }

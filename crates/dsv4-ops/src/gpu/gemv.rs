@@ -50,6 +50,7 @@ pub mod tuning {
     static PDL: AtomicBool = AtomicBool::new(true);
     static STAGING: AtomicBool = AtomicBool::new(true);
     static CLUSTER_SUM: AtomicBool = AtomicBool::new(true);
+    static WHOLE_TILE: AtomicBool = AtomicBool::new(true);
 
     /// Warps per multiprocessor that a GEMV grid (with its K splits) aims for; 0 (the default)
     /// takes as many as the kernel can keep resident, one full wave. FP8 and FP4 may use fewer to
@@ -89,6 +90,16 @@ pub mod tuning {
 
     pub fn cluster_sum() -> bool {
         CLUSTER_SUM.load(Ordering::Relaxed)
+    }
+
+    /// Whether a GEMV whose tiles would sum across blocks, one K range a block, may instead give
+    /// each tile one block of 5..=15 warps, one per range (same bits as the other paths).
+    pub fn set_whole_tile_blocks(on: bool) {
+        WHOLE_TILE.store(on, Ordering::Relaxed);
+    }
+
+    pub fn whole_tile_blocks() -> bool {
+        WHOLE_TILE.load(Ordering::Relaxed)
     }
 }
 
@@ -732,7 +743,8 @@ struct GemvArgs {
     fp8_br: u32,
     tiles: u32,
     x_stride: u32,
-    group_log2: u32,
+    group: u32,
+    tiles_log2: u32,
     cluster_sum: u32,
     mail_offset: u32,
 }
@@ -748,7 +760,8 @@ unsafe impl DeviceRepr for GemvArgs {}
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Plan {
     pub splits: usize,
-    /// Largest block the kernel takes, in warps (a power of two, at least 4).
+    /// Largest block the kernel takes, in warps: a power of two, at least 4, or `splits` for
+    /// one block of all of a tile's ranges (`arrange_sums`).
     pub max_warps: usize,
 }
 
@@ -956,6 +969,79 @@ pub(crate) unsafe fn launch_pdl<A: DeviceRepr>(
     .map_err(err)
 }
 
+/// Where a launch's partial sums of one tile meet, and its dynamic shared memory.
+struct Sums {
+    /// The plan, its ranges regrouped into one block per tile where that replaced a
+    /// cross-block sum.
+    plan: Plan,
+    /// The blocks of a tile form one cluster and sum in its first block's shared memory.
+    cluster: bool,
+    /// Bytes of staged activations (0: read from global memory); the mailbox follows.
+    staged: usize,
+    /// Bytes of the cluster mailbox.
+    mail: usize,
+}
+
+/// Chooses how the blocks that share a tile sum their partials, in this order: inside a
+/// cluster (2..=8 blocks, every cluster of the grid resident at once); in one block holding
+/// all of the tile's ranges (5..=15 ranges that were one a block, every tile's block resident
+/// at once); else through the workspace. All three add the ranges in the same order. `k_range` gives a block's K range in elements for a plan, the
+/// activations it stages. H100, Pro attn wq_a [1536, 7168] FP8 (48 clusters of 7 blocks)
+/// 7.0 -> 5.9 us and wkv [512, 7168] 4.8 -> 3.5 us in clusters; where the clusters did not
+/// all fit (96 of 5 blocks for Pro shared w1+w3, nearly a full wave of blocks) they cost
+/// 18.0 -> 22.2 us.
+fn arrange_sums(
+    dev: &Device,
+    kernel: &str,
+    p: Plan,
+    tiles: usize,
+    m: usize,
+    k_range: impl Fn(&Plan) -> usize,
+) -> Result<Sums, GpuError> {
+    let staging = |p: &Plan| m * (k_range(p) + STAGE_PAD) * 2;
+    let threads = |p: &Plan| (p.block_warps() * 32) as u32;
+    let bpt = p.blocks_per_tile();
+    if bpt > 1 && bpt <= MAX_CLUSTER_SUM && dev.arch().has_clusters() && tuning::cluster_sum() {
+        let mail = (bpt - 1) * (p.block_warps() / p.group()) * m.div_ceil(8) * 32 * 16;
+        // Both start 16-byte aligned: the staged row stride is a multiple of 8.
+        let staged = staging_bytes(dev, kernel, threads(&p), mail, staging(&p))? as usize;
+        let dynamic = dim_u32("gemv shared memory", staged + mail)?;
+        let fit = dev.resident_clusters(kernel, threads(&p), dynamic, bpt as u32)?;
+        if fit as usize >= p.tile_blocks(tiles) {
+            return Ok(Sums {
+                plan: p,
+                cluster: true,
+                staged,
+                mail,
+            });
+        }
+    }
+    let whole = Plan {
+        splits: p.splits,
+        max_warps: p.splits,
+    };
+    // Only from one range a block, so that the in-block sum adds the ranges in the order the
+    // cross-block sums would (same bits).
+    let fits_block = p.group() == 1
+        && p.splits > MIN_BLOCK_WARPS
+        && p.splits < MAX_BLOCK_WARPS
+        && p.splits <= dev.kernel_limits(kernel)?.max_threads as usize / 32;
+    let mut p = p;
+    if bpt > 1 && fits_block && tuning::whole_tile_blocks() {
+        let staged = staging_bytes(dev, kernel, threads(&whole), 0, staging(&whole))?;
+        let blocks = dev.resident_blocks(kernel, threads(&whole), staged)? as usize;
+        if blocks * dev.sm_count() >= tiles {
+            p = whole;
+        }
+    }
+    Ok(Sums {
+        plan: p,
+        cluster: false,
+        staged: staging_bytes(dev, kernel, threads(&p), 0, staging(&p))? as usize,
+        mail: 0,
+    })
+}
+
 fn check_x(x: &DeviceTensor<bf16>, k: usize) -> Result<usize, GpuError> {
     let (m, kx) = x.dims2("gemv input x", DType::BF16)?;
     if kx != k {
@@ -1005,41 +1091,15 @@ fn launch(
         GemvFormat::Fp8 { .. } => (GEMV_FP8_RING as usize).div_ceil(pack::U),
         GemvFormat::Nvfp4 | GemvFormat::Mxfp4 => 2,
     };
-    let p = plan(
-        tiles,
-        layout.steps(),
-        target,
-        min_steps,
-        max_block_warps(dev, kernel, resident)?,
-    );
-    let threads = (p.block_warps() * 32) as u32;
-    // A block's warps share one K range of at most `block_steps` steps; its activation rows
-    // are staged in shared memory when that costs no resident blocks.
-    let range =
-        (p.block_steps(layout.steps()) * pack::STEP_CHUNKS * w.format.chunk_elems()).min(w.k);
-    let x_stride = range + STAGE_PAD;
-    // A tile's partial sums meet in a cluster's shared memory where its blocks make one
-    // cluster and all the grid's clusters are resident at once, else in the workspace. H100,
-    // Pro attn wq_a [1536, 7168] FP8 (48 clusters of 7 blocks) 7.1 -> 6.1 us, wkv [512, 7168]
-    // 4.9 -> 3.7 us; where the clusters did not all fit (96 of 5 blocks for Pro shared w1+w3,
-    // nearly a full wave of blocks) 18.0 -> 22.2 us.
-    let bpt = p.blocks_per_tile();
-    let mut cluster =
-        bpt > 1 && bpt <= MAX_CLUSTER_SUM && dev.arch().has_clusters() && tuning::cluster_sum();
-    let mail = (bpt - 1) * (p.block_warps() / p.group()) * m.div_ceil(8) * 32 * 16;
-    let staging = m * x_stride * 2;
-    // Both start 16-byte aligned: x_stride is a multiple of 8.
-    let mut mail_offset = staging_bytes(dev, kernel, threads, mail, staging)? as usize;
-    if cluster {
-        let dynamic = dim_u32("gemv shared memory", mail_offset + mail)?;
-        let fit = dev.resident_clusters(kernel, threads, dynamic, bpt as u32)?;
-        cluster = fit as usize >= p.tile_blocks(tiles);
-    }
-    if !cluster {
-        mail_offset = staging_bytes(dev, kernel, threads, 0, staging)? as usize;
-    }
-    let mail = if cluster { mail } else { 0 };
-    let shared = dim_u32("gemv shared memory", mail_offset + mail)?;
+    let max_warps = max_block_warps(dev, kernel, resident)?;
+    let p = plan(tiles, layout.steps(), target, min_steps, max_warps);
+    let k_range = |p: &Plan| {
+        (p.block_steps(layout.steps()) * pack::STEP_CHUNKS * w.format.chunk_elems()).min(w.k)
+    };
+    let sums = arrange_sums(dev, kernel, p, tiles, m, k_range)?;
+    let (p, threads) = (sums.plan, sums.plan.block_warps() as u32 * 32);
+    let x_stride = k_range(&p) + STAGE_PAD;
+    let shared = dim_u32("gemv shared memory", sums.staged + sums.mail)?;
     let br = match w.format {
         GemvFormat::Fp8 { block, .. } => block.0,
         _ => 1,
@@ -1070,10 +1130,11 @@ fn launch(
         limit,
         fp8_br: br as u32,
         tiles: dim_u32("gemv tiles", tiles)?,
-        x_stride: if mail_offset > 0 { x_stride as u32 } else { 0 },
-        group_log2: p.group().trailing_zeros(),
-        cluster_sum: u32::from(cluster),
-        mail_offset: mail_offset as u32,
+        x_stride: if sums.staged > 0 { x_stride as u32 } else { 0 },
+        group: p.group() as u32,
+        tiles_log2: (p.block_warps() / p.group()).trailing_zeros(),
+        cluster_sum: u32::from(sums.cluster),
+        mail_offset: sums.staged as u32,
     };
     let grid = (
         dim_u32("gemv blocks", p.tile_blocks(tiles))?,
@@ -1091,7 +1152,11 @@ fn launch(
             (threads, shared),
             &args,
             tuning::programmatic_launch(),
-            if cluster { bpt as u32 } else { 1 },
+            if sums.cluster {
+                p.blocks_per_tile() as u32
+            } else {
+                1
+            },
         )
     }
 }
@@ -1295,6 +1360,14 @@ mod tests {
         // A router-like [32, 16384] bf16: 2 tiles of 128 steps -> 128 one-step ranges.
         assert_eq!(plan(2, 128, full, 1, 4), one(128));
         assert_eq!(big(128).blocks_per_tile(), 8);
+        // All of a tile's 5 ranges in one 5-warp block.
+        let whole = Plan {
+            splits: 5,
+            max_warps: 5,
+        };
+        assert_eq!((whole.group(), whole.block_warps()), (5, 5));
+        assert_eq!((whole.blocks_per_tile(), whole.tile_blocks(9)), (1, 9));
+        assert_eq!(whole.block_steps(14), 14);
         assert_eq!(one(1).blocks(9), 3);
         assert_eq!(one(2).blocks(9), 5);
         assert_eq!(one(12).blocks(9), 27);
