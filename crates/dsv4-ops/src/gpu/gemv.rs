@@ -1304,8 +1304,8 @@ mod tests {
 
     #[test]
     fn args_layout_matches_the_cuda_struct() {
-        // 8 pointers, 4 u32, 3 f32, 4 u32 = 108 bytes, padded to the 8-byte alignment.
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 112);
+        // 8 pointers, 5 u32, 3 f32, 7 u32 = 124 bytes, padded to the 8-byte alignment.
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 128);
         assert_eq!(std::mem::align_of::<GemvArgs>(), 8);
     }
 
