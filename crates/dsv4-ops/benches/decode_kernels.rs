@@ -438,9 +438,9 @@ impl Bench {
 
     /// [`Bench::quick`] with programmatic dependent launch off.
     fn quick_without_pdl(&self, batch: usize, enqueue: impl FnMut(usize) -> Res<()>) -> Res<f64> {
-        tuning::set_programmatic_launch(false);
+        tuning::PROGRAMMATIC_LAUNCH.set(false);
         let seconds = self.quick(batch, enqueue);
-        tuning::set_programmatic_launch(true);
+        tuning::PROGRAMMATIC_LAUNCH.set(true);
         seconds
     }
 
@@ -788,13 +788,13 @@ fn main() -> Res<()> {
         only: std::env::var("DSV4_BENCH_ONLY").ok(),
     };
     if std::env::var("DSV4_BENCH_STAGING").is_ok_and(|v| v == "off") {
-        tuning::set_staging(false);
+        tuning::STAGING.set(false);
     }
     if std::env::var("DSV4_BENCH_CLUSTER_SUM").is_ok_and(|v| v == "off") {
-        tuning::set_cluster_sum(false);
+        tuning::CLUSTER_SUM.set(false);
     }
     if std::env::var("DSV4_BENCH_WHOLE_TILE").is_ok_and(|v| v == "off") {
-        tuning::set_whole_tile_blocks(false);
+        tuning::WHOLE_TILE_BLOCKS.set(false);
     }
 
     for (model, d, q_rank, heads, groups, inter, idx_heads) in [

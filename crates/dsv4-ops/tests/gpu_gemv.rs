@@ -101,13 +101,13 @@ fn f64s(v: &[bf16]) -> Vec<f64> {
 /// Runs `f` with the given launch choices (activations staged, tile sums inside a cluster or
 /// one whole-tile block where possible), then restores the defaults (all on).
 fn with_sums<R>(staging: bool, cluster: bool, whole: bool, f: impl FnOnce() -> R) -> R {
-    gemv::tuning::set_staging(staging);
-    gemv::tuning::set_cluster_sum(cluster);
-    gemv::tuning::set_whole_tile_blocks(whole);
+    gemv::tuning::STAGING.set(staging);
+    gemv::tuning::CLUSTER_SUM.set(cluster);
+    gemv::tuning::WHOLE_TILE_BLOCKS.set(whole);
     let r = f();
-    gemv::tuning::set_staging(true);
-    gemv::tuning::set_cluster_sum(true);
-    gemv::tuning::set_whole_tile_blocks(true);
+    gemv::tuning::STAGING.set(true);
+    gemv::tuning::CLUSTER_SUM.set(true);
+    gemv::tuning::WHOLE_TILE_BLOCKS.set(true);
     r
 }
 

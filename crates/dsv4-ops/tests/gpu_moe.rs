@@ -230,9 +230,9 @@ fn gpu_moe_matches_reference_on_random_routings() {
                 );
                 // Again, then with activations read from global memory instead of staged.
                 for staging in [true, false] {
-                    tuning::set_staging(staging);
+                    tuning::STAGING.set(staging);
                     let again = run(&dev, &ex, &x, m, &ids, &wts, topk, limit, f32_out);
-                    tuning::set_staging(true);
+                    tuning::STAGING.set(true);
                     assert_bits_eq(&format!("launches (staging {staging})"), &again, &got);
                 }
             }

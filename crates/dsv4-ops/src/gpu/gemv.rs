@@ -47,10 +47,6 @@ pub mod tuning {
     use super::*;
 
     static WARPS_PER_SM: AtomicUsize = AtomicUsize::new(0);
-    static PDL: AtomicBool = AtomicBool::new(true);
-    static STAGING: AtomicBool = AtomicBool::new(true);
-    static CLUSTER_SUM: AtomicBool = AtomicBool::new(true);
-    static WHOLE_TILE: AtomicBool = AtomicBool::new(true);
 
     /// Warps per multiprocessor that a GEMV grid (with its K splits) aims for; 0 (the default)
     /// takes as many as the kernel can keep resident, one full wave. FP8 and FP4 may use fewer to
@@ -63,44 +59,37 @@ pub mod tuning {
         WARPS_PER_SM.load(Ordering::Relaxed)
     }
 
-    /// Whether GEMV kernels launch with programmatic stream serialization.
-    pub fn set_programmatic_launch(on: bool) {
-        PDL.store(on, Ordering::Relaxed);
+    /// A launch choice that is on unless a benchmark or test turns it off.
+    pub struct Switch(AtomicBool);
+
+    impl Switch {
+        const fn on() -> Switch {
+            Switch(AtomicBool::new(true))
+        }
+
+        pub fn set(&self, on: bool) {
+            self.0.store(on, Ordering::Relaxed);
+        }
+
+        pub fn get(&self) -> bool {
+            self.0.load(Ordering::Relaxed)
+        }
     }
 
-    pub fn programmatic_launch() -> bool {
-        PDL.load(Ordering::Relaxed)
-    }
+    /// GEMV kernels launch with programmatic stream serialization.
+    pub static PROGRAMMATIC_LAUNCH: Switch = Switch::on();
 
-    /// Whether GEMV and MoE kernels may stage their activations in shared memory (they read
-    /// them from global memory otherwise; the results are the same bits).
-    pub fn set_staging(on: bool) {
-        STAGING.store(on, Ordering::Relaxed);
-    }
+    /// GEMV and MoE kernels may stage their activations in shared memory (they read them from
+    /// global memory otherwise; the results are the same bits).
+    pub static STAGING: Switch = Switch::on();
 
-    pub fn staging() -> bool {
-        STAGING.load(Ordering::Relaxed)
-    }
+    /// A GEMV whose tiles span 2..=8 blocks may sum them inside a thread-block cluster (sm_90
+    /// and later; the same bits as the workspace path).
+    pub static CLUSTER_SUM: Switch = Switch::on();
 
-    /// Whether a GEMV whose tiles span 2..=8 blocks sums them inside a thread-block cluster
-    /// (sm_90 and later; the same bits as the workspace path, which is taken otherwise).
-    pub fn set_cluster_sum(on: bool) {
-        CLUSTER_SUM.store(on, Ordering::Relaxed);
-    }
-
-    pub fn cluster_sum() -> bool {
-        CLUSTER_SUM.load(Ordering::Relaxed)
-    }
-
-    /// Whether a GEMV whose tiles would sum across blocks, one K range a block, may instead give
-    /// each tile one block of 5..=15 warps, one per range (same bits as the other paths).
-    pub fn set_whole_tile_blocks(on: bool) {
-        WHOLE_TILE.store(on, Ordering::Relaxed);
-    }
-
-    pub fn whole_tile_blocks() -> bool {
-        WHOLE_TILE.load(Ordering::Relaxed)
-    }
+    /// A GEMV whose tiles would sum across blocks, one K range a block, may instead give each
+    /// tile one block of 5..=15 warps, one per range (the same bits).
+    pub static WHOLE_TILE_BLOCKS: Switch = Switch::on();
 }
 
 /// A weight's number format.
@@ -885,7 +874,7 @@ pub(crate) fn staging_bytes(
     bytes: usize,
 ) -> Result<u32, GpuError> {
     let fixed = dev.kernel_limits(kernel)?.static_shared + other;
-    if !tuning::staging() || bytes == 0 || fixed + bytes > dev.max_block_shared() {
+    if !tuning::STAGING.get() || bytes == 0 || fixed + bytes > dev.max_block_shared() {
         return Ok(0);
     }
     let resident = |dynamic| dev.resident_blocks(kernel, threads, dynamic as u32);
@@ -1001,7 +990,7 @@ fn arrange_sums(
     let staging = |p: &Plan| m * (k_range(p) + STAGE_PAD) * 2;
     let threads = |p: &Plan| (p.block_warps() * 32) as u32;
     let bpt = p.blocks_per_tile();
-    if bpt > 1 && bpt <= MAX_CLUSTER_SUM && dev.arch().has_clusters() && tuning::cluster_sum() {
+    if bpt > 1 && bpt <= MAX_CLUSTER_SUM && dev.arch().has_clusters() && tuning::CLUSTER_SUM.get() {
         let mail = (bpt - 1) * (p.block_warps() / p.group()) * m.div_ceil(8) * 32 * 16;
         // Both start 16-byte aligned: the staged row stride is a multiple of 8.
         let staged = staging_bytes(dev, kernel, threads(&p), mail, staging(&p))? as usize;
@@ -1027,7 +1016,7 @@ fn arrange_sums(
         && p.splits < MAX_BLOCK_WARPS
         && p.splits <= dev.kernel_limits(kernel)?.max_threads as usize / 32;
     let mut p = p;
-    if bpt > 1 && fits_block && tuning::whole_tile_blocks() {
+    if bpt > 1 && fits_block && tuning::WHOLE_TILE_BLOCKS.get() {
         let staged = staging_bytes(dev, kernel, threads(&whole), 0, staging(&whole))?;
         let blocks = dev.resident_blocks(kernel, threads(&whole), staged)? as usize;
         if blocks * dev.sm_count() >= tiles {
@@ -1151,7 +1140,7 @@ fn launch(
             grid,
             (threads, shared),
             &args,
-            tuning::programmatic_launch(),
+            tuning::PROGRAMMATIC_LAUNCH.get(),
             if sums.cluster {
                 p.blocks_per_tile() as u32
             } else {

@@ -497,7 +497,7 @@ pub fn moe_decode(
             (dim_u32("moe tiles", tiles)?, 1, 1),
             (down_threads, down_shared),
             &args,
-            tuning::programmatic_launch(),
+            tuning::PROGRAMMATIC_LAUNCH.get(),
             1,
         )
     }
