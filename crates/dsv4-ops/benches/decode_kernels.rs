@@ -787,14 +787,14 @@ fn main() -> Res<()> {
         criterion,
         only: std::env::var("DSV4_BENCH_ONLY").ok(),
     };
-    if std::env::var("DSV4_BENCH_STAGING").is_ok_and(|v| v == "off") {
-        tuning::STAGING.set(false);
-    }
-    if std::env::var("DSV4_BENCH_CLUSTER_SUM").is_ok_and(|v| v == "off") {
-        tuning::CLUSTER_SUM.set(false);
-    }
-    if std::env::var("DSV4_BENCH_WHOLE_TILE").is_ok_and(|v| v == "off") {
-        tuning::WHOLE_TILE_BLOCKS.set(false);
+    for (var, switch) in [
+        ("DSV4_BENCH_STAGING", &tuning::STAGING),
+        ("DSV4_BENCH_CLUSTER_SUM", &tuning::CLUSTER_SUM),
+        ("DSV4_BENCH_WHOLE_TILE", &tuning::WHOLE_TILE_BLOCKS),
+    ] {
+        if std::env::var(var).is_ok_and(|v| v == "off") {
+            switch.set(false);
+        }
     }
 
     for (model, d, q_rank, heads, groups, inter, idx_heads) in [

@@ -5,6 +5,7 @@ use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use dsv4_kernels::{driver_available, Arch, KernelCache, Kernels};
 
+use super::launch::cluster_attribute;
 use super::tensor::{check_elem, numel};
 use super::{DType, DeviceElem, DeviceTensor, GpuError};
 
@@ -146,6 +147,10 @@ impl Device {
 
     fn facts<R>(&self, kernel: &str, f: impl FnOnce(&mut KernelFacts) -> R) -> R {
         let mut map = self.facts.lock().unwrap_or_else(|e| e.into_inner());
+        // Looked up on every eager launch: the name is copied only the first time.
+        if let Some(known) = map.get_mut(kernel) {
+            return f(known);
+        }
         f(map.entry(kernel.to_string()).or_default())
     }
 
@@ -210,12 +215,7 @@ impl Device {
         let f = self.function(kernel)?;
         let err = || GpuError::driver(format!("reading the cluster occupancy of {kernel}"));
         self.ctx.bind_to_thread().map_err(err())?;
-        // SAFETY: a zeroed attribute is a valid C union; the id selects the field set below.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim.x = 1;
-        attr.value.clusterDim.y = cluster_y;
-        attr.value.clusterDim.z = 1;
+        let mut attr = cluster_attribute(cluster_y);
         let cfg = sys::CUlaunchConfig {
             gridDimX: 1,
             gridDimY: cluster_y,

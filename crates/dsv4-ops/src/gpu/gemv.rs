@@ -21,7 +21,7 @@ use cudarc::driver::DeviceRepr;
 use dsv4_kernels::GEMV_FP8_RING;
 use half::bf16;
 
-use super::launch::dim_u32;
+use super::launch::{cluster_attribute, dim_u32};
 use super::{BufferPool, DType, Device, DeviceTensor, GpuError, Reservation};
 use crate::codecs::fp8_block::ScaleFormat;
 use crate::codecs::mxfp4::Mxfp4Quantized;
@@ -925,10 +925,7 @@ pub(crate) unsafe fn launch_pdl<A: DeviceRepr>(
         n += 1;
     }
     if cluster_y > 1 {
-        attrs[n].id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attrs[n].value.clusterDim.x = 1;
-        attrs[n].value.clusterDim.y = cluster_y;
-        attrs[n].value.clusterDim.z = 1;
+        attrs[n] = cluster_attribute(cluster_y);
         n += 1;
     }
     let cfg = cu::CUlaunchConfig {
@@ -965,6 +962,8 @@ struct Sums {
     plan: Plan,
     /// The blocks of a tile form one cluster and sum in its first block's shared memory.
     cluster: bool,
+    /// Row stride (bf16) of the staged activations: a block's K range plus padding.
+    x_stride: usize,
     /// Bytes of staged activations (0: read from global memory); the mailbox follows.
     staged: usize,
     /// Bytes of the cluster mailbox.
@@ -974,11 +973,11 @@ struct Sums {
 /// Chooses how the blocks that share a tile sum their partials, in this order: inside a
 /// cluster (2..=8 blocks, every cluster of the grid resident at once); in one block holding
 /// all of the tile's ranges (5..=15 ranges that were one a block, every tile's block resident
-/// at once); else through the workspace. All three add the ranges in the same order. `k_range` gives a block's K range in elements for a plan, the
-/// activations it stages. H100, Pro attn wq_a [1536, 7168] FP8 (48 clusters of 7 blocks)
-/// 7.0 -> 5.9 us and wkv [512, 7168] 4.8 -> 3.5 us in clusters; where the clusters did not
-/// all fit (96 of 5 blocks for Pro shared w1+w3, nearly a full wave of blocks) they cost
-/// 18.0 -> 22.2 us.
+/// at once); else through the workspace. All three add the ranges in the same order.
+/// `k_range` gives a block's K range in elements for a plan, the activations it stages.
+/// H100, Pro attn wq_a [1536, 7168] FP8 (48 clusters of 7 blocks) 7.0 -> 5.9 us and wkv
+/// [512, 7168] 4.8 -> 3.5 us in clusters; where the clusters did not all fit (96 of 5 blocks
+/// for Pro shared w1+w3, nearly a full wave of blocks) they cost 18.0 -> 22.2 us.
 fn arrange_sums(
     dev: &Device,
     kernel: &str,
@@ -987,7 +986,8 @@ fn arrange_sums(
     m: usize,
     k_range: impl Fn(&Plan) -> usize,
 ) -> Result<Sums, GpuError> {
-    let staging = |p: &Plan| m * (k_range(p) + STAGE_PAD) * 2;
+    let x_stride = |p: &Plan| k_range(p) + STAGE_PAD;
+    let staging = |p: &Plan| m * x_stride(p) * 2;
     let threads = |p: &Plan| (p.block_warps() * 32) as u32;
     let bpt = p.blocks_per_tile();
     if bpt > 1 && bpt <= MAX_CLUSTER_SUM && dev.arch().has_clusters() && tuning::CLUSTER_SUM.get() {
@@ -1000,6 +1000,7 @@ fn arrange_sums(
             return Ok(Sums {
                 plan: p,
                 cluster: true,
+                x_stride: x_stride(&p),
                 staged,
                 mail,
             });
@@ -1026,6 +1027,7 @@ fn arrange_sums(
     Ok(Sums {
         plan: p,
         cluster: false,
+        x_stride: x_stride(&p),
         staged: staging_bytes(dev, kernel, threads(&p), 0, staging(&p))? as usize,
         mail: 0,
     })
@@ -1087,7 +1089,6 @@ fn launch(
     };
     let sums = arrange_sums(dev, kernel, p, tiles, m, k_range)?;
     let (p, threads) = (sums.plan, sums.plan.block_warps() as u32 * 32);
-    let x_stride = k_range(&p) + STAGE_PAD;
     let shared = dim_u32("gemv shared memory", sums.staged + sums.mail)?;
     let br = match w.format {
         GemvFormat::Fp8 { block, .. } => block.0,
@@ -1119,7 +1120,11 @@ fn launch(
         limit,
         fp8_br: br as u32,
         tiles: dim_u32("gemv tiles", tiles)?,
-        x_stride: if sums.staged > 0 { x_stride as u32 } else { 0 },
+        x_stride: if sums.staged > 0 {
+            sums.x_stride as u32
+        } else {
+            0
+        },
         group: p.group() as u32,
         tiles_log2: (p.block_warps() / p.group()).trailing_zeros(),
         cluster_sum: u32::from(sums.cluster),

@@ -1,5 +1,6 @@
 //! Small helpers shared by launchers.
 
+use cudarc::driver::sys::{CUlaunchAttribute, CUlaunchAttributeID};
 use cudarc::driver::LaunchConfig;
 
 use super::GpuError;
@@ -27,6 +28,17 @@ pub(crate) fn elementwise(work: u64) -> LaunchConfig {
 /// Kernel dimensions are 32-bit.
 pub(crate) fn dim_u32(what: &str, v: usize) -> Result<u32, GpuError> {
     u32::try_from(v).map_err(|_| GpuError::invalid(what, format!("dimension {v} exceeds u32")))
+}
+
+/// The launch attribute that groups blocks into clusters of `y` blocks along the grid's y.
+pub(crate) fn cluster_attribute(y: u32) -> CUlaunchAttribute {
+    // SAFETY: a zeroed attribute is a valid C union; the id selects the field set below.
+    let mut attr: CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = 1;
+    attr.value.clusterDim.y = y;
+    attr.value.clusterDim.z = 1;
+    attr
 }
 
 #[cfg(test)]
