@@ -22,8 +22,8 @@
 // checkpoint order) into an exact f16 pair in one instruction, the activations are converted
 // bf16 -> f16 as they are loaded (exact for |x| in [2^-14, 65504] and 0, which holds for every
 // GEMV input of the model: RMS-normalised vectors, attention outputs, SwiGLU outputs bounded by
-// the clamp), and the 128x128 block scale is applied in f32 to the MMA sums of each 64-column
-// sub-step.
+// the clamp), and the 128x128 block scale is applied in f32 to each MMA's sums (four MMAs of
+// 16 columns a sub-step, each on its own accumulator so that none waits for another).
 //
 // Work split: a tile is 16 output rows (8 gate + 8 up rows for SwiGLU); its K steps are split
 // into `splits` contiguous ranges (the first steps % splits of them one step longer), one warp
