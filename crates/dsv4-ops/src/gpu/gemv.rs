@@ -1006,9 +1006,12 @@ fn arrange_sums(
             });
         }
     }
-    let whole = Plan {
-        splits: p.splits,
-        max_warps: p.splits,
+    let unclustered = |p: Plan, staged: u32| Sums {
+        plan: p,
+        cluster: false,
+        x_stride: x_stride(&p),
+        staged: staged as usize,
+        mail: 0,
     };
     // Only from one range a block, so that the in-block sum adds the ranges in the order the
     // cross-block sums would (same bits).
@@ -1016,21 +1019,19 @@ fn arrange_sums(
         && p.splits > MIN_BLOCK_WARPS
         && p.splits < MAX_BLOCK_WARPS
         && p.splits <= dev.kernel_limits(kernel)?.max_threads as usize / 32;
-    let mut p = p;
     if bpt > 1 && fits_block && tuning::WHOLE_TILE_BLOCKS.get() {
+        let whole = Plan {
+            splits: p.splits,
+            max_warps: p.splits,
+        };
         let staged = staging_bytes(dev, kernel, threads(&whole), 0, staging(&whole))?;
         let blocks = dev.resident_blocks(kernel, threads(&whole), staged)? as usize;
         if blocks * dev.sm_count() >= tiles {
-            p = whole;
+            return Ok(unclustered(whole, staged));
         }
     }
-    Ok(Sums {
-        plan: p,
-        cluster: false,
-        x_stride: x_stride(&p),
-        staged: staging_bytes(dev, kernel, threads(&p), 0, staging(&p))? as usize,
-        mail: 0,
-    })
+    let staged = staging_bytes(dev, kernel, threads(&p), 0, staging(&p))?;
+    Ok(unclustered(p, staged))
 }
 
 fn check_x(x: &DeviceTensor<bf16>, k: usize) -> Result<usize, GpuError> {

@@ -92,7 +92,9 @@ pub fn assert_bf16_eq(what: &str, got: &[bf16], want: &[bf16]) {
 /// even NaN payloads must agree).
 pub fn assert_bits_eq<T: bytemuck::Pod + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    let bits = |v: &T| bytemuck::bytes_of(v).to_vec();
+    fn bits<T: bytemuck::Pod>(v: &T) -> &[u8] {
+        bytemuck::bytes_of(v)
+    }
     let bad: Vec<usize> = (0..got.len())
         .filter(|&i| bits(&got[i]) != bits(&want[i]))
         .collect();
