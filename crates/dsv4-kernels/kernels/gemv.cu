@@ -49,7 +49,8 @@ struct GemvArgs {
     const u16* x;       // [m, k] bf16
     const u8* w;        // packed tiles (plain: W; SwiGLU: W1 and W3 interleaved)
     const u8* s;        // packed NVFP4/MXFP4 scales
-    const float* fs0;   // FP8 scales of W (SwiGLU: of W1), f32 [ceil(n / br), ceil(k / 64)]
+    const float* fs0;   // FP8 scales of W (SwiGLU: of W1), f32 [ceil(n / br), ceil(k / 64) + 1]:
+                        // each row's scales divided by its factor (a power of two), then the factor
     const float* fs1;   // FP8 scales of W (SwiGLU: of W3)
     u16* y;             // [m, n] bf16
     float* ws;          // split-K partials
@@ -68,7 +69,8 @@ struct GemvArgs {
     u32 mail_offset;    // byte offset of the cluster mailbox in dynamic shared memory
 };
 
-template <int F, int MT, bool SWIGLU>
+// PS: FP8 at M = 1 with the block scales folded into the staged activations (stage_prescaled).
+template <int F, int MT, bool SWIGLU, bool PS = false>
 __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     using namespace gemv;
     extern __shared__ __align__(16) u16 xs[];
@@ -95,19 +97,21 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     const u32 k0 = min(a.k, range_start(split0) * STEP_CHUNKS * E);
     const u32 k1 = min(a.k, range_start(split0 + G) * STEP_CHUNKS * E);
     const bool staged = a.x_stride != 0;
-    const u16* x = staged ? xs - k0 : a.x;
+    // PS: lanes of MMA column 1 read the copy scaled for the up rows.
+    const u16* x = staged ? xs - k0 + (PS && SWIGLU && g == 1 ? a.x_stride : 0u) : a.x;
     const u64 x_stride = staged ? a.x_stride : a.k;
 
     Lane L;
     lane_init<F>(L, a.w + (u64)t * tile_bytes(chunks),
                  (F == NVFP4 || F == MXFP4) ? a.s + (u64)t * tile_scale_bytes<F>(chunks) : nullptr, chunks,
                  x + min(g, a.m - 1) * x_stride, x + min(g + 8, a.m - 1) * x_stride, lane);
+    // FP8 scales, expanded at upload to one per 64 columns and normalized per scale row; rows
+    // past N read the last row's (their sums are dropped).
+    const u32 groups = (a.k + 63) / 64;
+    float f_lo = 1.0f, f_hi = 1.0f;
     if (F == FP8) {
-        // Scales expanded at upload to one per 64 columns; rows past N read the last row's
-        // scales (their sums are dropped).
-        const u32 groups = (a.k + 63) / 64;
-        L.fs_lo = a.fs0 + (u64)(min(r_lo, a.n - 1) / a.fp8_br) * groups;
-        L.fs_hi = a.fs1 + (u64)(min(r_hi, a.n - 1) / a.fp8_br) * groups;
+        L.fs_lo = a.fs0 + (u64)(min(r_lo, a.n - 1) / a.fp8_br) * (groups + 1);
+        L.fs_hi = a.fs1 + (u64)(min(r_hi, a.n - 1) / a.fp8_br) * (groups + 1);
     }
 
     const u32 s_begin = live ? range_start(split) : 0;
@@ -115,16 +119,25 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     const u32 j0 = sub_begin(s_begin), j1 = sub_end(L, s_end);
     Ring<F> ring;
     // A branch rather than only the loads' own guards: measured 15-20% faster for FP4.
-    if (j0 < j1) ring_load<F>(L, j0, j1, ring);
+    if (j0 < j1) ring_load<F, PS>(L, j0, j1, ring);
+    if (F == FP8) {
+        f_lo = __ldg(L.fs_lo + groups);
+        f_hi = __ldg(L.fs_hi + groups);
+    }
+    // PS: the scale rows of all of the block's tiles (the launcher checks that they share one).
+    const float* s0 = a.fs0 + (u64)(min((blockIdx.x << a.tiles_log2) * TR, a.n - 1) / a.fp8_br) * (groups + 1);
+    const float* s1 = a.fs1 + (s0 - a.fs0);
+    if (PS) prefetch_scales(s0, s1, k0 / 64, (k1 + 63) / 64);
     if (a.cluster_sum) cluster_sum_open();
     pdl_wait();
     pdl_launch_dependents();
-    if (staged) stage_rows(xs, a.x_stride, a.x + k0, a.k, a.m, k1 - k0);
+    if (PS) stage_prescaled<SWIGLU>(xs, a.x_stride, a.x, k0, k1 - k0, s0, s1);
+    else if (staged) stage_rows(xs, a.x_stride, a.x + k0, a.k, a.m, k1 - k0);
     if (!live && G == 1) return;
 
     float acc[MT][4];
     zero(acc);
-    run_subs<F, MT>(L, j0, j1, ring, acc);
+    run_subs<F, MT, PS>(L, j0, j1, ring, acc);
     if (G > 1 && !reduce_warps<MT>(acc, G)) return;
     if (!live) return;
     if (a.cluster_sum) {
@@ -134,15 +147,19 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
         return;
     }
 
+    const float post0 = a.post0 * f_lo, post1 = a.post1 * f_hi;
     for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
-        if (SWIGLU) {
+        if (SWIGLU && PS) {
+            // Gate sums in column 0 (acc[0][0], row g), up sums in column 1 (acc[0][3], row g + 8).
+            if (r_lo < a.n) a.y[r_lo] = f32_to_bf16(swiglu(acc[0][0] * post0, acc[0][3] * post1, a.limit));
+        } else if (SWIGLU) {
             if (r_lo < a.n) {
-                const float h = swiglu(acc[mt][i] * a.post0, acc[mt][i + 2] * a.post1, a.limit);
+                const float h = swiglu(acc[mt][i] * post0, acc[mt][i + 2] * post1, a.limit);
                 a.y[(u64)m * a.n + r_lo] = f32_to_bf16(h);
             }
         } else {
-            if (r_lo < a.n) a.y[(u64)m * a.n + r_lo] = f32_to_bf16(acc[mt][i] * a.post0);
-            if (r_hi < a.n) a.y[(u64)m * a.n + r_hi] = f32_to_bf16(acc[mt][i + 2] * a.post1);
+            if (r_lo < a.n) a.y[(u64)m * a.n + r_lo] = f32_to_bf16(acc[mt][i] * post0);
+            if (r_hi < a.n) a.y[(u64)m * a.n + r_hi] = f32_to_bf16(acc[mt][i + 2] * post1);
         }
     });
 }
@@ -159,6 +176,9 @@ DSV4_KERNEL void __launch_bounds__(512, 1) gemv_fp8_m8(const GemvArgs a) { gemv_
 DSV4_KERNEL void gemv_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, false>(a); }
 DSV4_KERNEL void __launch_bounds__(512, 1) gemv_swiglu_fp8_m8(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true>(a); }
 DSV4_KERNEL void gemv_swiglu_fp8_m16(const GemvArgs a) { gemv_kernel<gemv::FP8, 2, true>(a); }
+// FP8 at M = 1 with prescaled activations (PS; the launcher's choice where they are staged).
+DSV4_KERNEL void __launch_bounds__(512, 1) gemv_fp8_m1(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, false, true>(a); }
+DSV4_KERNEL void __launch_bounds__(512, 1) gemv_swiglu_fp8_m1(const GemvArgs a) { gemv_kernel<gemv::FP8, 1, true, true>(a); }
 DSV4_KERNEL void __launch_bounds__(512, 1) gemv_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, false>(a); }
 DSV4_KERNEL void gemv_nvfp4_m16(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 2, false>(a); }
 DSV4_KERNEL void __launch_bounds__(512, 1) gemv_swiglu_nvfp4_m8(const GemvArgs a) { gemv_kernel<gemv::NVFP4, 1, true>(a); }

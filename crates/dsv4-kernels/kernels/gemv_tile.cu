@@ -215,7 +215,7 @@ struct Sub {
     u32 sl, sh;
 };
 
-template <int F>
+template <int F, bool PS = false>
 __device__ __forceinline__ void sub_load(const Lane& L, u32 j, Sub& f) {
     const u8* w = L.w + (size_t)(j * 1024u);
     f.wl = ld_stream(w);
@@ -228,7 +228,7 @@ __device__ __forceinline__ void sub_load(const Lane& L, u32 j, Sub& f) {
         const u8* s = L.s + (size_t)(j * 64u);
         f.sl = __ldg(s);
         f.sh = __ldg(s + 32);
-    } else if (F == FP8) {
+    } else if (F == FP8 && !PS) {
         // One scale for the whole quad: its 64 elements lie in one scale block.
         f.sl = __float_as_uint(__ldg(L.fs_lo + j));
         f.sh = __float_as_uint(__ldg(L.fs_hi + j));
@@ -238,13 +238,13 @@ __device__ __forceinline__ void sub_load(const Lane& L, u32 j, Sub& f) {
 // Activations: written by the previous kernel, so plain coherent loads (after pdl_wait).
 __device__ __forceinline__ uint4 ld_act(const u16* p) { return *reinterpret_cast<const uint4*>(p); }
 
-// Adds sub-step j to acc + acc2 (FP4/BF16: in units of the epilogue scale; FP8: final). FP4
+// Adds sub-step j to acc + acc2 (in units of the epilogue scale). FP4
 // alternates its MMAs between the two, so that two accumulation chains run side by side
 // (measured 2-3% faster); FP8 gives each of its four MMAs its own zeroed accumulator and
 // scales them into acc and acc2 alternately, so that no MMA waits for another (H100, Pro
-// shared w2 [7168, 3072]: 9.5 -> 9.1 us; two chains 9.3); BF16 uses acc only (held to 64
-// registers).
-template <int F, int MT>
+// shared w2 [7168, 3072]: 9.5 -> 9.1 us; two chains 9.3); with PS (M = 1) the FP8 block scales
+// are in the staged activations instead; BF16 uses acc only (held to 64 registers).
+template <int F, int MT, bool PS = false>
 __device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, float (&acc)[MT][4],
                                             float (&acc2)[MT][4]) {
     constexpr u32 E = Format<F>::ELEMS;
@@ -270,6 +270,16 @@ __device__ __forceinline__ void sub_compute(const Lane& L, u32 j, const Sub& f, 
             mma(acc[0], wlo[2 * i], whi[2 * i], wlo[2 * i + 1], whi[2 * i + 1], xl[2 * i], xl[2 * i + 1]);
             if (MT == 2)
                 mma(acc[1], wlo[2 * i], whi[2 * i], wlo[2 * i + 1], whi[2 * i + 1], xh[2 * i], xh[2 * i + 1]);
+        }
+    } else if (F == FP8 && PS) {
+        // Activations staged as f16 times the block scales (stage_prescaled): the MMAs
+        // accumulate scaled sums directly, alternating between acc and acc2.
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) {
+            u32 l01, l23, h01, h23;
+            e4m3x4_to_f16x2(wlo[i], l01, l23);
+            e4m3x4_to_f16x2(whi[i], h01, h23);
+            mma<true>((i & 1) ? acc2[0] : acc[0], l01, h01, l23, h23, xl[2 * i], xl[2 * i + 1]);
         }
     } else if (F == FP8) {
         // f16 MMA: codes convert exactly in one instruction per pair, activations once per pair.
@@ -347,22 +357,22 @@ template <int F> struct Ring {
 };
 
 // Loads sub-steps j0 .. j0 + R - 1 (those below j1) into the ring.
-template <int F>
+template <int F, bool PS = false>
 __device__ __forceinline__ void ring_load(const Lane& L, u32 j0, u32 j1, Ring<F>& ring) {
 #pragma unroll
     for (u32 r = 0; r < RingOf<F>::R; ++r)
-        if (j0 + r < j1) sub_load<F>(L, j0 + r, ring.r[r]);
+        if (j0 + r < j1) sub_load<F, PS>(L, j0 + r, ring.r[r]);
 }
 
 // One slot: computes sub-step j of L's tile (if `has`) and refills the slot with sub-step jn of
 // Ln's tile (if `has_next`), in the format's order.
-template <int F, int MT>
+template <int F, int MT, bool PS = false>
 __device__ __forceinline__ void slot_step(const Lane& L, u32 j, bool has, const Lane& Ln, u32 jn, bool has_next,
                                           Sub& slot, float (&acc)[MT][4], float (&acc2)[MT][4]) {
     if (RingOf<F>::EARLY) {
         const Sub cur = slot;
-        if (has_next) sub_load<F>(Ln, jn, slot);
-        if (has) sub_compute<F, MT>(L, j, cur, acc, acc2);
+        if (has_next) sub_load<F, PS>(Ln, jn, slot);
+        if (has) sub_compute<F, MT, PS>(L, j, cur, acc, acc2);
     } else {
         if (has) sub_compute<F, MT>(L, j, slot, acc, acc2);
         if (has_next) sub_load<F>(Ln, jn, slot);
@@ -379,7 +389,7 @@ __device__ __forceinline__ void fold(float (&acc)[MT][4], const float (&acc2)[MT
 }
 
 // Sub-steps [j0, j1) of one tile into acc, the ring already holding j0 .. j0 + R - 1.
-template <int F, int MT>
+template <int F, int MT, bool PS = false>
 __device__ __forceinline__ void run_subs(const Lane& L, u32 j0, u32 j1, Ring<F>& ring, float (&acc)[MT][4]) {
     constexpr u32 R = RingOf<F>::R;
     float acc2[MT][4];
@@ -388,7 +398,7 @@ __device__ __forceinline__ void run_subs(const Lane& L, u32 j0, u32 j1, Ring<F>&
     for (u32 j = j0; j < j1; j += R)
 #pragma unroll
         for (u32 r = 0; r < R; ++r)
-            slot_step<F, MT>(L, j + r, j + r < j1, L, j + R + r, j + R + r < j1, ring.r[r], acc, acc2);
+            slot_step<F, MT, PS>(L, j + r, j + r < j1, L, j + R + r, j + R + r < j1, ring.r[r], acc, acc2);
     fold(acc, acc2);
 }
 
@@ -411,6 +421,60 @@ __device__ __forceinline__ void stage_rows(u16* dst, u32 dst_stride, const u16* 
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
+}
+
+// FP8 at M = 1 (PS): stages the block's K range [k0, k0 + len) of activation row 0 as f16
+// times the block's FP8 scales (one per 64 columns, normalized to at most 1 per scale row):
+// copy 0 with the scale row s0 and, for gate+up (TWO), copy 1 at dst + dst_stride with s1, the
+// up rows' scales. The MMA's column 0 (lanes g = 0) then reads copy 0 and column 1 (g = 1)
+// copy 1, so its sums come out scaled without a multiply per MMA. Exact where |x * s| >= 2^-14
+// (a power-of-two scale; f16 subnormals below).
+template <bool TWO>
+__device__ __forceinline__ void stage_prescaled(u16* dst, u32 dst_stride, const u16* x, u32 k0, u32 len,
+                                                const float* s0, const float* s1) {
+    const u32 pieces = len / 8;
+    for (u32 i0 = threadIdx.x; i0 < pieces; i0 += 2 * blockDim.x) {
+        uint4 v[2];
+        float a[2], b[2];
+#pragma unroll
+        for (u32 u = 0; u < 2; ++u) {
+            const u32 i = i0 + u * blockDim.x;
+            if (i < pieces) {
+                const u32 k = k0 + 8 * i;
+                v[u] = ld_act(x + k);
+                a[u] = __ldg(s0 + k / 64);
+                b[u] = TWO ? __ldg(s1 + k / 64) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (u32 u = 0; u < 2; ++u) {
+            const u32 i = i0 + u * blockDim.x;
+            if (i >= pieces) continue;
+            const u32 w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+            u32 p[4], q[4];
+#pragma unroll
+            for (u32 e = 0; e < 4; ++e) {
+                const float lo = __uint_as_float(w[e] << 16), hi = __uint_as_float(w[e] & 0xffff0000u);
+                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(p[e]) : "f"(hi * a[u]), "f"(lo * a[u]));
+                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(q[e]) : "f"(hi * b[u]), "f"(lo * b[u]));
+            }
+            *reinterpret_cast<uint4*>(dst + 8 * i) = make_uint4(p[0], p[1], p[2], p[3]);
+            if (TWO) *reinterpret_cast<uint4*>(dst + dst_stride + 8 * i) = make_uint4(q[0], q[1], q[2], q[3]);
+        }
+    }
+    __syncthreads();
+}
+
+// Prefetches into L2 the scales [g0, g1) of two scale rows (one thread per 128-byte line), so
+// that stage_prescaled after the wait finds them there: H100, V4-Flash shared expert w2
+// [4096, 2048], 5.1 -> 4.5 us.
+__device__ __forceinline__ void prefetch_scales(const float* s0, const float* s1, u32 g0, u32 g1) {
+    const u32 lines = (g1 - g0 + 31) / 32 + 1;
+    const u32 t = threadIdx.x;
+    if (t < 2 * lines) {
+        const float* s = (t < lines ? s0 : s1) + min(g0 + 32 * (t % lines), g1 - 1);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(s));
+    }
 }
 
 // Most warps of one block whose K ranges reduce_warps sums.

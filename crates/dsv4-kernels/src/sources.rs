@@ -64,6 +64,8 @@ pub const FAMILIES: &[KernelFamily] = &[
             "gemv_swiglu_bf16_m16",
             "gemv_swiglu_fp8_m8",
             "gemv_swiglu_fp8_m16",
+            "gemv_fp8_m1",
+            "gemv_swiglu_fp8_m1",
             "gemv_swiglu_nvfp4_m8",
             "gemv_swiglu_nvfp4_m16",
             "gemv_swiglu_mxfp4_m8",

@@ -25,7 +25,8 @@
 //! activations read from global memory instead of staged in shared memory;
 //! `DSV4_BENCH_CLUSTER_SUM=off` and `DSV4_BENCH_WHOLE_TILE=off` turn off the GEMV's two
 //! alternatives to summing a tile's blocks through the workspace (a thread-block cluster, one
-//! whole-tile block).
+//! whole-tile block); `DSV4_BENCH_PRESCALED=off` keeps FP8 GEMVs at M = 1 off the kernels
+//! with prescaled activations.
 
 use std::time::Duration;
 
@@ -791,6 +792,7 @@ fn main() -> Res<()> {
         ("DSV4_BENCH_STAGING", &tuning::STAGING),
         ("DSV4_BENCH_CLUSTER_SUM", &tuning::CLUSTER_SUM),
         ("DSV4_BENCH_WHOLE_TILE", &tuning::WHOLE_TILE_BLOCKS),
+        ("DSV4_BENCH_PRESCALED", &tuning::PRESCALED),
     ] {
         if std::env::var(var).is_ok_and(|v| v == "off") {
             switch.set(false);

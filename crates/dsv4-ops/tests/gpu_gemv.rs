@@ -111,9 +111,32 @@ fn with_sums<R>(staging: bool, cluster: bool, whole: bool, f: impl FnOnce() -> R
     r
 }
 
+/// Runs `f` with FP8 launches at M = 1 kept off the prescaled kernels, then restores the
+/// default.
+fn without_prescaling<R>(f: impl FnOnce() -> R) -> R {
+    gemv::tuning::PRESCALED.set(false);
+    let r = f();
+    gemv::tuning::PRESCALED.set(true);
+    r
+}
+
+/// Relative error of `y` against the reference `want`, checked against the bound.
+fn check_error(dev: &Device, what: &str, y: &DeviceTensor<bf16>, want: &[f64]) {
+    let err = reference::relative_error(&f64s(&dev.download(y).unwrap()), want);
+    println!("  {what}: rel err {err:.2e}");
+    assert!(err <= TOL, "{what}: relative error {err:e} > {TOL:e}");
+}
+
+/// FP8 at M = 1 with staged activations runs the prescaled kernel, other launches of the same
+/// GEMV another one (other rounding).
+fn prescaled(format: &str, m: usize) -> bool {
+    format.starts_with("fp8") && m == 1
+}
+
 /// Runs one GEMV on the GPU five times (again, with activations read from global memory
 /// instead of staged, with the tile sums of a cluster in one whole-tile block instead, and
-/// through the workspace: all bit-identical) and checks it against the reference.
+/// through the workspace: all bit-identical, but for FP8 at M = 1 without staging, checked
+/// against the reference instead), and once more without the prescaled FP8 kernel.
 fn check_gemv(
     dev: &Device,
     ws: &mut GemvWorkspace,
@@ -149,6 +172,11 @@ fn check_gemv(
             gemv::gemv(dev, &x, &w, &mut again, ws).unwrap();
             again
         });
+        if !staging && prescaled(format, m) {
+            let what = format!("{format} m={m} n={n} k={k} not staged");
+            check_error(dev, &what, &again, &want);
+            continue;
+        }
         assert_bits_eq(
             &format!(
                 "{format} m={m} n={n} k={k}: launches (staging {staging}, cluster sums {cluster}, \
@@ -158,6 +186,17 @@ fn check_gemv(
             &got,
         );
     }
+    let plain = without_prescaling(|| {
+        let mut plain = poisoned(dev, m, n);
+        gemv::gemv(dev, &x, &w, &mut plain, ws).unwrap();
+        plain
+    });
+    check_error(
+        dev,
+        &format!("{format} m={m} n={n} k={k} without prescaling"),
+        &plain,
+        &want,
+    );
 }
 
 #[test]
@@ -208,18 +247,23 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
     let mut ws = GemvWorkspace::alloc(&dev).unwrap();
     for format in FORMATS {
         let ce = chunk(format);
-        for case in 0..8 {
-            let m = rng.random_range(1..=16);
+        for case in 0..9 {
+            let m = if case == 8 {
+                1
+            } else {
+                rng.random_range(1..=16)
+            };
             // Case 4: few tiles, long K (sums across blocks); case 5: 128 tiles of 16 steps
             // (8 or 16 ranges a tile, all in one block); case 6: one tile whose 16-step ranges
             // fill 5 blocks of 16 warps (a cluster sum on sm_90 and later, where the kernel takes
             // such blocks); case 7: 100 tiles of 7 one-range blocks (a cluster, or one 7-warp
-            // block).
+            // block); case 8: the V4-Flash shared expert's 256 tiles of 16 steps at M = 1.
             let (m, n, k) = match case {
                 4 => (m, rng.random_range(1..=24), ce * 400),
                 5 => (m.min(8), 1024, ce * 16 * 16),
                 6 => (m.min(2), rng.random_range(1..=8), ce * 16 * 16 * 5),
                 7 => (m.min(4), 800, ce * 16 * 7),
+                8 => (m, 2048, ce * 16 * 16),
                 _ => (m, rng.random_range(1..=600), ce * rng.random_range(1..=80)),
             };
             // w1 and w3 share the NVFP4 global scale, as in ModelOpt exports.
@@ -261,7 +305,82 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
                     &got,
                 );
             }
+            let plain = without_prescaling(|| {
+                let mut plain = poisoned(&dev, m, n);
+                gemv::gemv_swiglu(&dev, &x, &w13, limit, &mut plain, &mut ws).unwrap();
+                plain
+            });
+            let what = format!("swiglu {format} m={m} n={n} k={k} without prescaling");
+            check_error(&dev, &what, &plain, &want);
         }
+    }
+}
+
+/// FP8 rows of scale blocks whose scales are far apart (2^-30 and 2^20 times the usual) are
+/// each right on their own, plain and gate+up, at M = 1 (prescaled, where the activations are
+/// multiplied by the scales in f16) and at M = 3.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gemv_fp8_is_right_for_scales_of_any_magnitude() {
+    let dev = device();
+    let mut rng = rng("gpu_gemv_fp8_is_right_for_scales_of_any_magnitude");
+    let mut ws = GemvWorkspace::alloc(&dev).unwrap();
+    let (n, k) = (384, 2048);
+    // Row blocks 0 and 2 of 128 rows move by 2^-30 and 2^20 (e8m0 bytes shifted): without a
+    // factor per row, activations times 2^-30 scales would leave f16's range.
+    let shifted = |rng: &mut StdRng| {
+        let Owned::Fp8 {
+            weight,
+            mut scale,
+            format,
+        } = make_weight(rng, "fp8-e8m0", n, k, None)
+        else {
+            unreachable!()
+        };
+        let cols = k / 128;
+        scale[..cols].iter_mut().for_each(|e| *e -= 30);
+        scale[2 * cols..3 * cols].iter_mut().for_each(|e| *e += 20);
+        Owned::Fp8 {
+            weight,
+            scale,
+            format,
+        }
+    };
+    let by_row_block = |what: &str, got: &[bf16], want: &[f64], m: usize| {
+        for b in 0..n / 128 {
+            let rows = |v: &[f64]| -> Vec<f64> {
+                (0..m)
+                    .flat_map(|t| v[t * n + 128 * b..t * n + 128 * (b + 1)].to_vec())
+                    .collect()
+            };
+            let err = reference::relative_error(&rows(&f64s(got)), &rows(want));
+            println!("  {what} m={m} row block {b}: rel err {err:.2e}");
+            assert!(
+                err <= TOL,
+                "{what} m={m} row block {b}: relative error {err:e}"
+            );
+        }
+    };
+    for m in [1, 3] {
+        let o = shifted(&mut rng);
+        let w = GemvWeight::upload(&dev, o.host(), n, k).unwrap();
+        let xh = to_bf16(&gaussian(&mut rng, m * k, 1.0));
+        let x = dev.upload(DType::BF16, &[m, k], &xh).unwrap();
+        let mut y = poisoned(&dev, m, n);
+        gemv::gemv(&dev, &x, &w, &mut y, &mut ws).unwrap();
+        let wd = reference::dequantize(o.host(), n, k).unwrap();
+        let want = reference::gemv(&xh, m, &wd, n, k);
+        by_row_block("fp8", &dev.download(&y).unwrap(), &want, m);
+
+        let (o1, o3) = (shifted(&mut rng), shifted(&mut rng));
+        let w13 = GemvWeight::upload_gate_up(&dev, o1.host(), o3.host(), n, k).unwrap();
+        let w1d = reference::dequantize(o1.host(), n, k).unwrap();
+        let w3d = reference::dequantize(o3.host(), n, k).unwrap();
+        // No clamp: the rows' outputs are 2^100 apart (2^-60 and 2^40 times the usual).
+        let want = reference::gemv_swiglu(&xh, m, &w1d, &w3d, n, k, f64::MAX);
+        let mut h = poisoned(&dev, m, n);
+        gemv::gemv_swiglu(&dev, &x, &w13, f32::MAX, &mut h, &mut ws).unwrap();
+        by_row_block("swiglu fp8", &dev.download(&h).unwrap(), &want, m);
     }
 }
 

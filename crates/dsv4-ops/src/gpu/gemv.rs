@@ -90,6 +90,10 @@ pub mod tuning {
     /// A GEMV whose tiles would sum across blocks, one K range a block, may instead give each
     /// tile one block of 5..=15 warps, one per range (the same bits).
     pub static WHOLE_TILE_BLOCKS: Switch = Switch::on();
+
+    /// An FP8 GEMV at M = 1 whose activations are staged may stage them prescaled
+    /// (`gemv_*fp8_m1`: the block scales folded into f16 activations; other rounding).
+    pub static PRESCALED: Switch = Switch::on();
 }
 
 /// A weight's number format.
@@ -501,7 +505,8 @@ fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuErro
 }
 
 /// FP8 block scales as f32, repeated to one per 64 columns (the span of one lane quad in the
-/// kernel), so the kernel indexes them without a division and never decodes e8m0.
+/// kernel), so the kernel indexes them without a division and never decodes e8m0; see
+/// [`fp8_scale_rows`].
 fn upload_fp8_scale(
     dev: &Device,
     raw: &[u8],
@@ -510,11 +515,40 @@ fn upload_fp8_scale(
     k: usize,
     block: (usize, usize),
 ) -> Result<DeviceTensor<f32>, GpuError> {
+    let (rows, groups) = (n.div_ceil(block.0), k.div_ceil(64));
+    let v = fp8_scale_rows(raw, sf, n, k, block);
+    dev.upload(DType::F32, &[rows, groups + 1], &v)
+}
+
+/// The kernels' FP8 scales, row-major `[ceil(n / br), ceil(k / 64) + 1]`: for each row of scale
+/// blocks, its scales repeated to one per 64 columns and divided by the row's factor, then the
+/// factor, the least power of two at or above the row's largest scale (1 for an all-zero row).
+/// The kernels multiply sums by the factor once at the end; the M = 1 FP8 kernels multiply
+/// activations by the divided scales (at most 1) in f16, where the factor keeps them in range
+/// whatever the scales' magnitude. Dividing by a power of two is exact.
+pub(crate) fn fp8_scale_rows(
+    raw: &[u8],
+    sf: ScaleFormat,
+    n: usize,
+    k: usize,
+    block: (usize, usize),
+) -> Vec<f32> {
     let (rows, cols, groups) = (n.div_ceil(block.0), k.div_ceil(block.1), k.div_ceil(64));
-    let v: Vec<f32> = (0..rows * groups)
-        .map(|i| sf.get(raw, (i / groups) * cols + (i % groups) * 64 / block.1))
-        .collect();
-    dev.upload(DType::F32, &[rows, groups], &v)
+    let mut v = Vec::with_capacity(rows * (groups + 1));
+    for r in 0..rows {
+        let row: Vec<f32> = (0..groups)
+            .map(|g| sf.get(raw, r * cols + g * 64 / block.1))
+            .collect();
+        let most = row.iter().fold(0.0f32, |a, &b| a.max(b));
+        let factor = if most > 0.0 {
+            2f32.powi(most.log2().ceil() as i32)
+        } else {
+            1.0
+        };
+        v.extend(row.iter().map(|s| s / factor));
+        v.push(factor);
+    }
+    v
 }
 
 impl GemvWeight {
@@ -1034,6 +1068,38 @@ fn arrange_sums(
     Ok(unclustered(p, staged))
 }
 
+/// The M = 1 FP8 kernel with prescaled activations and its sums, where the launch stages its
+/// activations (one copy, two for gate+up: one scaled for the gate rows, one for the up rows)
+/// and each block's tiles lie in one row of scale blocks. H100, µs (docs/perf.md round 11):
+/// V4-Flash shared expert w1+w3 2 x [2048, 4096] 7.8 -> 7.0-7.2, attn wq_a [1024, 4096] 3.4 ->
+/// 3.0, Pro shared expert w2 [7168, 3072] 9.0 -> 8.5; Flash shared expert w2 [4096, 2048] 3.9
+/// -> 4.4.
+fn prescaled(
+    dev: &Device,
+    kernel: &str,
+    w: &GemvWeight,
+    m: usize,
+    p: Plan,
+    tiles: usize,
+    k_range: &impl Fn(&Plan) -> usize,
+) -> Result<Option<(String, Sums)>, GpuError> {
+    let GemvFormat::Fp8 { block, .. } = w.format else {
+        return Ok(None);
+    };
+    if m != 1 || !tuning::PRESCALED.get() {
+        return Ok(None);
+    }
+    let kernel = kernel.replace("_m8", "_m1");
+    let copies = if w.gate_up { 2 } else { 1 };
+    let sums = arrange_sums(dev, &kernel, p, tiles, copies, k_range)?;
+    let tile_rows = if w.gate_up { 8 } else { 16 };
+    let block_rows = tile_rows * (sums.plan.block_warps() / sums.plan.group());
+    if sums.staged == 0 || !block.0.is_multiple_of(block_rows) {
+        return Ok(None);
+    }
+    Ok(Some((kernel, sums)))
+}
+
 fn check_x(x: &DeviceTensor<bf16>, k: usize) -> Result<usize, GpuError> {
     let (m, kx) = x.dims2("gemv input x", DType::BF16)?;
     if kx != k {
@@ -1088,7 +1154,14 @@ fn launch(
     let k_range = |p: &Plan| {
         (p.block_steps(layout.steps()) * pack::STEP_CHUNKS * w.format.chunk_elems()).min(w.k)
     };
-    let sums = arrange_sums(dev, kernel, p, tiles, m, k_range)?;
+    let (kernel, sums) = match prescaled(dev, kernel, w, m, p, tiles, &k_range)? {
+        Some(chosen) => chosen,
+        None => (
+            kernel.to_string(),
+            arrange_sums(dev, kernel, p, tiles, m, k_range)?,
+        ),
+    };
+    let kernel = kernel.as_str();
     let (p, threads) = (sums.plan, sums.plan.block_warps() as u32 * 32);
     let shared = dim_u32("gemv shared memory", sums.staged + sums.mail)?;
     let br = match w.format {
@@ -1572,6 +1645,39 @@ mod tests {
         assert!(check_mxfp4_scales("w", &[0, 127, 144]).is_ok());
         let err = check_mxfp4_scales("w", &[127, 145]).unwrap_err();
         assert!(err.to_string().contains("145 at 1"), "{err}");
+    }
+
+    /// Each row of kernel scales is the row's scales over its factor, then the factor: a power
+    /// of two at or above the row's largest scale, so the divided scales are at most 1 and
+    /// multiply back exactly (e8m0 and f32 scales of any magnitude, all-zero rows).
+    #[test]
+    fn fp8_scale_rows_divide_by_a_power_of_two_factor() {
+        // e8m0: a [256, 320] weight in 128 x 128 blocks (2 x 3 scales); rows 2^-100.. and 2^90...
+        let e8 = [27u8, 30, 29, 217, 210, 200];
+        let v = fp8_scale_rows(&e8, ScaleFormat::E8m0, 256, 320, (128, 128));
+        let groups = 5;
+        assert_eq!(v.len(), 2 * (groups + 1));
+        for (r, want_factor) in [(0, 2f32.powi(-97)), (1, 2f32.powi(90))] {
+            let row = &v[r * (groups + 1)..(r + 1) * (groups + 1)];
+            assert_eq!(row[groups], want_factor);
+            for g in 0..groups {
+                let raw = ScaleFormat::E8m0.get(&e8, r * 3 + g * 64 / 128);
+                assert!(
+                    row[g] <= 1.0 && row[g] * row[groups] == raw,
+                    "row {r} group {g}"
+                );
+            }
+        }
+        // f32: a factor above a largest scale that is not a power of two; an all-zero row.
+        let f: Vec<u8> = [3.0f32, 0.75, 0.0, 0.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let v = fp8_scale_rows(&f, ScaleFormat::F32, 2, 256, (1, 128));
+        assert_eq!(
+            v,
+            vec![0.75, 0.75, 0.1875, 0.1875, 4.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        );
     }
 
     #[test]
