@@ -502,12 +502,24 @@ __device__ __forceinline__ bool reduce_warps(float (&acc)[MT][4], u32 G) {
     for (int mt = 0; mt < MT; ++mt) red[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
     __syncthreads();
     if (warp % G != 0) return false;
-    for (u32 w = 1; w < G; ++w)
+    // Eight warps' sums loaded at a time, then added in warp order: H100, V4-Flash shared
+    // expert w1+w3 (8 warps a tile) 7.1 us loading one at a time, 6.9-7.0 us.
+    for (u32 w0 = 1; w0 < G; w0 += 8) {
+        float4 v[8][MT];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const float4 v = red[warp + w][mt][lane];
-            acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
-        }
+        for (u32 u = 0; u < 8; ++u)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                if (w0 + u < G) v[u][mt] = red[warp + w0 + u][mt][lane];
+#pragma unroll
+        for (u32 u = 0; u < 8; ++u)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                if (w0 + u < G) {
+                    acc[mt][0] += v[u][mt].x; acc[mt][1] += v[u][mt].y;
+                    acc[mt][2] += v[u][mt].z; acc[mt][3] += v[u][mt].w;
+                }
+    }
     return true;
 }
 
