@@ -23,7 +23,12 @@
 // bf16 -> f16 as they are loaded (exact for |x| in [2^-14, 65504] and 0, which holds for every
 // GEMV input of the model: RMS-normalised vectors, attention outputs, SwiGLU outputs bounded by
 // the clamp), and the 128x128 block scale is applied in f32 to each MMA's sums (four MMAs of
-// 16 columns a sub-step, each on its own accumulator so that none waits for another).
+// 16 columns a sub-step, each on its own accumulator so that none waits for another). The
+// scales are divided at upload by a power-of-two factor per row of scale blocks, which the
+// epilogue applies. At M = 1 with staged activations (`gemv_*fp8_m1`, PS) the block stages
+// them as f16 already multiplied by those divided scales (at most 1, so in range), one copy
+// per scale row of its tiles (gate and up), and the sub-step is code conversions and MMAs
+// only: the MMA's column 0 reads the gate copy, column 1 the up copy.
 //
 // Work split: a tile is 16 output rows (8 gate + 8 up rows for SwiGLU); its K steps are split
 // into `splits` contiguous ranges (the first steps % splits of them one step longer), one warp
