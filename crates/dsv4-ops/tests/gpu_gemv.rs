@@ -120,11 +120,16 @@ fn without_prescaling<R>(f: impl FnOnce() -> R) -> R {
     r
 }
 
-/// Relative error of `y` against the reference `want`, checked against the bound.
-fn check_error(dev: &Device, what: &str, y: &DeviceTensor<bf16>, want: &[f64]) {
-    let err = reference::relative_error(&f64s(&dev.download(y).unwrap()), want);
+/// Relative error of `got` against the reference `want`, printed and checked against the bound.
+fn check_error(what: &str, got: &[f64], want: &[f64]) {
+    let err = reference::relative_error(got, want);
     println!("  {what}: rel err {err:.2e}");
     assert!(err <= TOL, "{what}: relative error {err:e} > {TOL:e}");
+}
+
+/// check_error on a device tensor.
+fn check_device_error(dev: &Device, what: &str, y: &DeviceTensor<bf16>, want: &[f64]) {
+    check_error(what, &f64s(&dev.download(y).unwrap()), want);
 }
 
 /// FP8 at M = 1 with staged activations runs the prescaled kernel, other launches of the same
@@ -155,12 +160,7 @@ fn check_gemv(
     let got = dev.download(&y).unwrap();
     let wd = reference::dequantize(owned.host(), n, k).unwrap();
     let want = reference::gemv(&xh, m, &wd, n, k);
-    let err = reference::relative_error(&f64s(&got), &want);
-    println!("  {format:9} m={m:2} n={n:6} k={k:6}: rel err {err:.2e}");
-    assert!(
-        err <= TOL,
-        "{format} m={m} n={n} k={k}: relative error {err:e} > {TOL:e}"
-    );
+    check_error(&format!("{format} m={m} n={n} k={k}"), &f64s(&got), &want);
     for (staging, cluster, whole) in [
         (true, true, true),
         (false, true, true),
@@ -174,7 +174,7 @@ fn check_gemv(
         });
         if !staging && prescaled(format, m) {
             let what = format!("{format} m={m} n={n} k={k} not staged");
-            check_error(dev, &what, &again, &want);
+            check_device_error(dev, &what, &again, &want);
             continue;
         }
         assert_bits_eq(
@@ -191,12 +191,8 @@ fn check_gemv(
         gemv::gemv(dev, &x, &w, &mut plain, ws).unwrap();
         plain
     });
-    check_error(
-        dev,
-        &format!("{format} m={m} n={n} k={k} without prescaling"),
-        &plain,
-        &want,
-    );
+    let what = format!("{format} m={m} n={n} k={k} without prescaling");
+    check_device_error(dev, &what, &plain, &want);
 }
 
 #[test]
@@ -283,14 +279,8 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
             let mut h = poisoned(&dev, m, n);
             gemv::gemv_swiglu(&dev, &x, &w13, limit, &mut h, &mut ws).unwrap();
             let got = dev.download(&h).unwrap();
-            let err = reference::relative_error(&f64s(&got), &want);
-            println!(
-                "  swiglu {format:9} m={m:2} n={n:5} k={k:6} limit={limit:.3}: rel err {err:.2e}"
-            );
-            assert!(
-                err <= TOL,
-                "swiglu {format} m={m} n={n} k={k}: relative error {err:e}"
-            );
+            let what = format!("swiglu {format} m={m} n={n} k={k} limit={limit:.3}");
+            check_error(&what, &f64s(&got), &want);
             for whole in [true, false] {
                 let again = with_sums(true, false, whole, || {
                     let mut again = poisoned(&dev, m, n);
@@ -311,7 +301,7 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
                 plain
             });
             let what = format!("swiglu {format} m={m} n={n} k={k} without prescaling");
-            check_error(&dev, &what, &plain, &want);
+            check_device_error(&dev, &what, &plain, &want);
         }
     }
 }
@@ -353,12 +343,8 @@ fn gpu_gemv_fp8_is_right_for_scales_of_any_magnitude() {
                     .flat_map(|t| v[t * n + 128 * b..t * n + 128 * (b + 1)].to_vec())
                     .collect()
             };
-            let err = reference::relative_error(&rows(&f64s(got)), &rows(want));
-            println!("  {what} m={m} row block {b}: rel err {err:.2e}");
-            assert!(
-                err <= TOL,
-                "{what} m={m} row block {b}: relative error {err:e}"
-            );
+            let label = format!("{what} m={m} row block {b}");
+            check_error(&label, &rows(&f64s(got)), &rows(want));
         }
     };
     for m in [1, 3] {
@@ -493,9 +479,8 @@ fn gpu_gemv_chain_waits_for_each_input() {
                 if rep == 0 {
                     let wd = reference::dequantize(ws_[i].0.host(), dims[i + 1], dims[i]).unwrap();
                     let want = reference::gemv(&input, m, &wd, dims[i + 1], dims[i]);
-                    let err = reference::relative_error(&f64s(&got), &want);
-                    println!("  chain {format:9} m={m} stage {i}: rel err {err:.2e}");
-                    assert!(err <= TOL, "{format} stage {i}: relative error {err:e}");
+                    let what = format!("chain {format} m={m} stage {i}");
+                    check_error(&what, &f64s(&got), &want);
                 }
                 input = got;
             }
