@@ -304,9 +304,161 @@ fn linear_suffix(s: &str) -> Option<&'static str> {
     }
 }
 
-/// Whether a key uses transformers naming (`model.` prefix or `lm_head`).
-pub fn is_transformers_key(key: &str) -> bool {
-    key.starts_with("model.") || key.starts_with("lm_head.")
+/// Which key naming a checkpoint uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Naming {
+    /// DeepSeek's own names (official and NVFP4 releases).
+    DeepSeek,
+    /// transformers' in-memory names (`model.layers.N.self_attn...`, stacked experts).
+    Transformers,
+    /// What transformers' `save_pretrained` writes: its conversion mapping reversed, i.e. the
+    /// native names under `model.` except `embed_tokens`, `hc_head.hc_*`, `attn.norm` (the KV
+    /// norm) and an unprefixed `head`.
+    TransformersSaved,
+}
+
+impl Naming {
+    const ALL: [Naming; 3] = [
+        Naming::DeepSeek,
+        Naming::Transformers,
+        Naming::TransformersSaved,
+    ];
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Naming::DeepSeek => "DeepSeek-native",
+            Naming::Transformers => "transformers in-memory",
+            Naming::TransformersSaved => "transformers save_pretrained",
+        }
+    }
+
+    fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// The namings a key can belong to, as a set of [`Naming::bit`]s. Keys every transformers
+/// naming shares (`model.embed_tokens`, `model.norm`, `model.hc_head`) and `head.*` (native and
+/// saved alike) fit more than one.
+pub fn namings_of(key: &str) -> u8 {
+    let (ds, tf, saved) = (
+        Naming::DeepSeek.bit(),
+        Naming::Transformers.bit(),
+        Naming::TransformersSaved.bit(),
+    );
+    if key.starts_with("lm_head.") {
+        return tf;
+    }
+    if key.starts_with("head.") {
+        return ds | saved;
+    }
+    let Some(rest) = key.strip_prefix("model.") else {
+        return ds;
+    };
+    let Some(module) = rest
+        .strip_prefix("layers.")
+        .and_then(|r| r.split_once('.'))
+        .map(|(_, tail)| tail.split('.').next().unwrap_or(tail))
+    else {
+        return tf | saved;
+    };
+    match module {
+        "self_attn"
+        | "mlp"
+        | "input_layernorm"
+        | "post_attention_layernorm"
+        | "attn_hc"
+        | "ffn_hc" => tf,
+        "attn" | "ffn" | "attn_norm" | "ffn_norm" => saved,
+        m if m.starts_with("hc_") => saved,
+        _ => tf | saved,
+    }
+}
+
+/// The namings in a set from [`namings_of`], for messages ("DeepSeek-native or ...").
+pub fn describe_namings(set: u8) -> String {
+    let names: Vec<&str> = Naming::ALL
+        .into_iter()
+        .filter(|n| set & n.bit() != 0)
+        .map(Naming::describe)
+        .collect();
+    names.join(" or ")
+}
+
+/// The one naming that fits every key, or two keys that cannot share one, each with the set
+/// of namings it fits: `(earlier key, its set, later key, its set)`.
+pub fn naming_of_keys<'a>(
+    keys: impl IntoIterator<Item = &'a str>,
+) -> Result<Naming, (&'a str, u8, &'a str, u8)> {
+    let mut fits = Naming::ALL.iter().fold(0, |acc, n| acc | n.bit());
+    // The first key of each distinct set seen, to name the one a later key conflicts with.
+    let mut seen: Vec<(u8, &str)> = Vec::new();
+    for key in keys {
+        let own = namings_of(key);
+        if own & fits == 0 {
+            let (set, earlier) = seen
+                .iter()
+                .find(|(set, _)| set & own == 0)
+                .or(seen.last())
+                .copied()
+                .expect("the full set meets every key's set");
+            return Err((earlier, set, key, own));
+        }
+        fits &= own;
+        if !seen.iter().any(|(set, _)| *set == own) {
+            seen.push((own, key));
+        }
+    }
+    Ok(Naming::ALL
+        .into_iter()
+        .find(|n| fits & n.bit() != 0)
+        .expect("a non-empty set"))
+}
+
+/// Translates a key written by transformers' `save_pretrained` to its native name.
+pub fn translate_saved(key: &str) -> Option<String> {
+    if key.starts_with("head.") {
+        return Some(key.to_string());
+    }
+    let rest = key.strip_prefix("model.")?;
+    if let Some(s) = rest.strip_prefix("embed_tokens.") {
+        return Some(format!("embed.{}", linear_suffix(s)?));
+    }
+    if let Some(leaf) = rest.strip_prefix("hc_head.hc_") {
+        return Some(format!("hc_head_{leaf}"));
+    }
+    let Some(layer_rest) = rest.strip_prefix("layers.") else {
+        return Some(rest.to_string());
+    };
+    let (n, tail) = layer_rest.split_once('.')?;
+    let tail = match tail.strip_prefix("attn.norm.") {
+        Some(s) => format!("attn.kv_norm.{s}"),
+        None => tail.to_string(),
+    };
+    // A quantized save names the FP8 block scale as transformers' FP8 loader does.
+    let tail = match tail.strip_suffix(".weight_scale_inv") {
+        Some(base) => format!("{base}.scale"),
+        None => tail,
+    };
+    Some(format!("layers.{n}.{tail}"))
+}
+
+/// The save_pretrained name of a native key (inverse of [`translate_saved`]).
+pub fn to_transformers_saved(native: &str) -> String {
+    if native.starts_with("head.") {
+        return native.to_string();
+    }
+    if let Some(s) = native.strip_prefix("embed.") {
+        return format!("model.embed_tokens.{s}");
+    }
+    if let Some(leaf) = native.strip_prefix("hc_head_") {
+        return format!("model.hc_head.hc_{leaf}");
+    }
+    let renamed = match native.split_once(".attn.kv_norm.") {
+        Some((layer, s)) => format!("{layer}.attn.norm.{s}"),
+        None => native.to_string(),
+    };
+    format!("model.{renamed}")
 }
 
 /// Whether a key belongs to the MTP block, which inference skips.
@@ -552,8 +704,23 @@ mod tests {
             };
             for n in names {
                 let hf = to_transformers(&n).unwrap_or_else(|| panic!("{n}"));
-                assert!(is_transformers_key(&hf), "{hf}");
+                assert_eq!(
+                    namings_of(&hf) & Naming::Transformers.bit(),
+                    Naming::Transformers.bit(),
+                    "{hf}"
+                );
                 assert_eq!(translate(&hf), native(&n), "{n} -> {hf}");
+                let saved = to_transformers_saved(&n);
+                assert_ne!(
+                    namings_of(&saved) & Naming::TransformersSaved.bit(),
+                    0,
+                    "{saved}"
+                );
+                assert_eq!(
+                    translate_saved(&saved).as_deref(),
+                    Some(n.as_str()),
+                    "{n} -> {saved}"
+                );
             }
         }
         assert_eq!(
@@ -561,6 +728,83 @@ mod tests {
             "model.layers.1.self_attn.q_a_proj.weight_scale_inv"
         );
         assert_eq!(to_transformers("layers.1.bogus"), None);
+    }
+
+    #[test]
+    fn save_pretrained_names_translate() {
+        // As transformers 5.17.0's save_pretrained writes them (tests/fixtures/saved_bf16).
+        let cases = [
+            ("head.weight", "head.weight"),
+            ("model.embed_tokens.weight", "embed.weight"),
+            ("model.norm.weight", "norm.weight"),
+            ("model.hc_head.hc_fn", "hc_head_fn"),
+            (
+                "model.layers.2.attn.norm.weight",
+                "layers.2.attn.kv_norm.weight",
+            ),
+            (
+                "model.layers.2.attn.compressor.norm.weight",
+                "layers.2.attn.compressor.norm.weight",
+            ),
+            (
+                "model.layers.2.attn.wq_a.weight",
+                "layers.2.attn.wq_a.weight",
+            ),
+            (
+                "model.layers.2.attn.wq_a.weight_scale_inv",
+                "layers.2.attn.wq_a.scale",
+            ),
+            ("model.layers.2.hc_attn_fn", "layers.2.hc_attn_fn"),
+            (
+                "model.layers.2.ffn.experts.3.w2.weight",
+                "layers.2.ffn.experts.3.w2.weight",
+            ),
+        ];
+        for (saved, ds) in cases {
+            assert_eq!(translate_saved(saved).as_deref(), Some(ds), "{saved}");
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_naming_is_decided_by_its_keys() {
+        use Naming::*;
+        let decide = |keys: &[&'static str]| naming_of_keys(keys.iter().copied());
+        assert_eq!(decide(&["embed.weight", "head.weight"]), Ok(DeepSeek));
+        assert_eq!(decide(&["head.weight"]), Ok(DeepSeek));
+        assert_eq!(
+            decide(&["lm_head.weight", "model.layers.0.self_attn.sinks"]),
+            Ok(Transformers)
+        );
+        assert_eq!(
+            decide(&[
+                "head.weight",
+                "model.embed_tokens.weight",
+                "model.layers.0.attn.attn_sink"
+            ]),
+            Ok(TransformersSaved)
+        );
+        let (ds, tf, saved) = (DeepSeek.bit(), Transformers.bit(), TransformersSaved.bit());
+        assert_eq!(
+            decide(&[
+                "head.weight",
+                "model.norm.weight",
+                "model.layers.0.self_attn.sinks"
+            ]),
+            Err((
+                "head.weight",
+                ds | saved,
+                "model.layers.0.self_attn.sinks",
+                tf
+            ))
+        );
+        assert_eq!(
+            decide(&["embed.weight", "lm_head.weight"]),
+            Err(("embed.weight", ds, "lm_head.weight", tf))
+        );
+        assert_eq!(
+            describe_namings(ds | saved),
+            "DeepSeek-native or transformers save_pretrained"
+        );
     }
 
     #[test]

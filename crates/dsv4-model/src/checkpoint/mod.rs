@@ -17,6 +17,7 @@ use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 
 pub use blob::Blob;
+pub use layout::Naming;
 use layout::{TensorKind, Translated};
 
 use crate::config::{Config, ConfigError};
@@ -83,15 +84,15 @@ pub enum LoadError {
     },
     #[error("tensor `{tensor}`: {reason}")]
     BadValue { tensor: String, reason: String },
-}
-
-/// Which key naming the checkpoint uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Naming {
-    /// DeepSeek's own names (official and NVFP4 releases).
-    DeepSeek,
-    /// transformers' names (`model.layers.N.self_attn...`, stacked experts).
-    Transformers,
+    #[error("the checkpoint mixes key namings: `{first}` in {first_file} is {first_naming} naming, `{second}` in {second_file} is {second_naming} naming")]
+    MixedNaming {
+        first: String,
+        first_file: PathBuf,
+        first_naming: String,
+        second: String,
+        second_file: PathBuf,
+        second_naming: String,
+    },
 }
 
 /// One stored tensor under its canonical name.
@@ -292,9 +293,26 @@ impl Checkpoint {
         }
         raw.sort_by(|a, b| a.0.cmp(&b.0));
 
+        let skipped_mtp = raw.iter().filter(|(n, _)| layout::is_mtp_key(n)).count();
+        raw.retain(|(n, _)| !layout::is_mtp_key(n));
+        let naming = layout::naming_of_keys(raw.iter().map(|(n, _)| n.as_str())).map_err(
+            |(first, first_set, second, second_set)| {
+                let file = |key: &str| {
+                    let (_, e) = raw.iter().find(|(n, _)| n == key).expect("a listed key");
+                    e.file.to_path_buf()
+                };
+                LoadError::MixedNaming {
+                    first: first.to_string(),
+                    first_file: file(first),
+                    first_naming: layout::describe_namings(first_set),
+                    second: second.to_string(),
+                    second_file: file(second),
+                    second_naming: layout::describe_namings(second_set),
+                }
+            },
+        )?;
+
         let mut tensors: HashMap<String, Entry> = HashMap::with_capacity(raw.len());
-        let mut naming = Naming::DeepSeek;
-        let mut skipped_mtp = 0;
         let mut insert = |name: String, entry: Entry| -> Result<(), LoadError> {
             if let Some(prev) = tensors.get(&name) {
                 return Err(LoadError::Duplicate {
@@ -307,16 +325,12 @@ impl Checkpoint {
             Ok(())
         };
         for (name, entry) in raw {
-            if layout::is_mtp_key(&name) {
-                skipped_mtp += 1;
-                continue;
-            }
-            if !layout::is_transformers_key(&name) {
-                insert(name, entry)?;
-                continue;
-            }
-            naming = Naming::Transformers;
-            match layout::translate(&name) {
+            let translated = match naming {
+                Naming::DeepSeek => Some(Translated::Native(name.clone())),
+                Naming::TransformersSaved => layout::translate_saved(&name).map(Translated::Native),
+                Naming::Transformers => layout::translate(&name),
+            };
+            match translated {
                 Some(Translated::Native(native)) => insert(native, entry)?,
                 Some(Translated::StackedGateUp { layer }) => {
                     for (e, w1, w3) in split_stacked(&config, &entry, true)? {
@@ -336,7 +350,7 @@ impl Checkpoint {
                     return Err(LoadError::UnknownTensor {
                         tensor: name,
                         file: entry.file.to_path_buf(),
-                        reason: "not a DeepSeek-V4 transformers tensor name".into(),
+                        reason: format!("not a DeepSeek-V4 {} tensor name", naming.describe()),
                     })
                 }
             }

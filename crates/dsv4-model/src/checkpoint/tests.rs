@@ -422,10 +422,6 @@ fn unknown_keys_are_rejected_with_a_reason() {
         ("layers.0.ffn.gate.bias", "hash-routed"),
         ("layers.1.attn.wq_a.bias", "layer 1"),
         ("rotary.inv_freq", "not a DeepSeek-V4"),
-        (
-            "model.layers.1.self_attn.rotary_emb.inv_freq",
-            "transformers",
-        ),
     ];
     for (name, reason) in cases {
         let dir = edit(SynthFormat::Official, |raw| {
@@ -441,6 +437,58 @@ fn unknown_keys_are_rejected_with_a_reason() {
         }
         assert!(err.to_string().contains(reason), "{name}: {err}");
     }
+}
+
+#[test]
+fn mixed_namings_name_two_conflicting_keys() {
+    let cases = [
+        (
+            SynthFormat::Official,
+            "model.layers.1.self_attn.rotary_emb.inv_freq",
+            "embed.weight",
+        ),
+        (SynthFormat::Official, "lm_head.weight", "embed.weight"),
+        (
+            SynthFormat::Bf16,
+            "model.layers.1.attn.wq_a.weight",
+            "lm_head.weight",
+        ),
+    ];
+    for (format, extra, earlier) in cases {
+        let dir = edit(format, |raw| {
+            raw.push((extra.into(), Dtype::F32, vec![1], vec![0; 4]))
+        });
+        let err = open_err(dir.path());
+        match &err {
+            LoadError::MixedNaming { first, second, .. } => {
+                let mut pair = [first.as_str(), second.as_str()];
+                pair.sort();
+                let mut want = [earlier, extra];
+                want.sort();
+                assert_eq!(pair, want, "{err}");
+            }
+            e => panic!("{extra}: {e}"),
+        }
+        assert!(err.to_string().contains(SINGLE_FILE), "{err}");
+    }
+}
+
+#[test]
+fn save_pretrained_naming_loads_like_native() {
+    let src = synth(SynthFormat::Official);
+    let saved: Raw = read_raw(src.path())
+        .into_iter()
+        .map(|(n, d, s, b)| (layout::to_transformers_saved(&n), d, s, b))
+        .collect();
+    assert!(saved
+        .iter()
+        .any(|t| t.0 == "model.layers.1.attn.norm.weight"));
+    let dst = with_raw(src.path(), &saved);
+    let a = Checkpoint::open(src.path()).unwrap();
+    let b = Checkpoint::open(dst.path()).unwrap();
+    assert_eq!(b.summary().naming, Naming::TransformersSaved);
+    assert_same_values(&a, &b);
+    assert_eq!(a.summary().formats, b.summary().formats);
 }
 
 #[test]
