@@ -12,7 +12,7 @@ use dsv4_model::chat::{encode_chat, ChatMode, Message};
 use dsv4_model::checkpoint::Checkpoint;
 use dsv4_model::config::Config;
 use dsv4_model::cpu::{CpuModel, Logits};
-use dsv4_model::sampling::Sampler;
+use dsv4_model::sampling::{self, Sampler};
 use dsv4_model::synth::{write_synthetic, SynthFormat};
 use dsv4_model::tokenizer::Tokenizer;
 use dsv4_model::weights::ModelWeights;
@@ -65,8 +65,8 @@ struct GenerateArgs {
     thinking: bool,
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
-    /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    /// 0 = greedy; finite and at least 0.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_temperature)]
     temperature: f32,
     /// Nucleus sampling mass, in (0, 1].
     #[arg(long, default_value_t = 1.0, value_parser = parse_top_p)]
@@ -123,13 +123,14 @@ struct SynthArgs {
     seed: u64,
 }
 
+fn parse_temperature(s: &str) -> Result<f32, String> {
+    let t: f32 = s.parse().map_err(|e| format!("{e}"))?;
+    sampling::check_temperature(t).map_err(|e| e.to_string())
+}
+
 fn parse_top_p(s: &str) -> Result<f32, String> {
     let p: f32 = s.parse().map_err(|e| format!("{e}"))?;
-    if p > 0.0 && p <= 1.0 {
-        Ok(p)
-    } else {
-        Err(format!("{p} is not in (0, 1]"))
-    }
+    sampling::check_top_p(p).map_err(|e| e.to_string())
 }
 
 fn main() -> Result<()> {
@@ -159,6 +160,8 @@ fn load_model(dir: &Path) -> Result<CpuModel> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
+    // The config first: a missing directory or a bad config.json is reported as such.
+    Config::from_dir(&a.model)?;
     let tokenizer = Tokenizer::from_dir(&a.model)?;
     let model = load_model(&a.model)?;
     let cfg = model.config();
@@ -182,7 +185,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
-    let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed);
+    let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed)?;
     let mut state = model.new_state();
     let mut stream = tokenizer.stream();
     let mut out = std::io::stdout().lock();

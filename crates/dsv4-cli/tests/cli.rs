@@ -102,7 +102,7 @@ fn bad_inputs_give_errors_not_panics() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("config.json") && !err.contains("panicked"),
+        err.contains("does not exist") && !err.contains("panicked"),
         "{err}"
     );
 
@@ -123,6 +123,156 @@ fn bad_inputs_give_errors_not_panics() {
         !out.status.success() && err.contains("token id 100000"),
         "{err}"
     );
+}
+
+/// Overwrites every element of tensor `name` (BF16 or F32, in whichever shard holds it) with NaN.
+fn poison(dir: &Path, name: &str) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            continue;
+        }
+        let mut bytes = std::fs::read(&path).unwrap();
+        let (header, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+        let Some(info) = meta.info(name) else {
+            continue;
+        };
+        let nan: &[u8] = match info.dtype {
+            safetensors::Dtype::BF16 => &[0xc0, 0x7f],
+            safetensors::Dtype::F32 => &[0, 0, 0xc0, 0x7f],
+            d => panic!("{name} is {d:?}"),
+        };
+        let (s, e) = info.data_offsets;
+        for chunk in bytes[8 + header + s..8 + header + e].chunks_exact_mut(nan.len()) {
+            chunk.copy_from_slice(nan);
+        }
+        std::fs::write(&path, bytes).unwrap();
+        return;
+    }
+    panic!("no tensor {name} in {}", dir.display());
+}
+
+/// Runs `dsv4 ARGS`, which must fail without a panic and say `expected` on stderr.
+fn fails_saying(args: &[&str], expected: &str) {
+    let out = dsv4(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains(expected) && !err.contains("panicked"),
+        "{args:?}: exit {:?}, stderr: {err}",
+        out.status.code()
+    );
+}
+
+#[test]
+fn bad_settings_configs_and_weights_are_named_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let m = model.to_str().unwrap();
+    let out = dsv4(&["synth", "--preset", "tiny", "--layers", "2", "--out", m]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let gen = |extra: &[&str], expected: &str| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "Hi",
+            "--max-new-tokens",
+            "2",
+        ];
+        args.extend(extra);
+        fails_saying(&args, expected);
+    };
+
+    for t in ["NaN", "inf", "-1"] {
+        gen(
+            &[&format!("--temperature={t}")],
+            "must be finite and at least 0",
+        );
+    }
+    for p in ["0", "1.5", "NaN"] {
+        gen(&[&format!("--top-p={p}")], "must be in (0, 1]");
+    }
+
+    let missing = tmp.path().join("nothing-here");
+    fails_saying(
+        &[
+            "generate",
+            "--model",
+            missing.to_str().unwrap(),
+            "--prompt",
+            "Hi",
+        ],
+        &format!("model directory {} does not exist", missing.display()),
+    );
+
+    let ids = tmp.path().join("ids.txt");
+    write_ids(&ids, &[1, 2, 3, 4, 5]);
+    let out_file = tmp.path().join("logits.safetensors");
+    let config = model.join("config.json");
+    let good_config = std::fs::read_to_string(&config).unwrap();
+    for bad in ["{\"hidden_size\": 64,", "{\"hidden_size\": NaN}"] {
+        std::fs::write(&config, bad).unwrap();
+        let expected = format!("{} is not valid JSON", config.display());
+        gen(&[], &expected);
+        fails_saying(&["info", "--model", m], &expected);
+    }
+    std::fs::write(&config, good_config).unwrap();
+
+    let run_logits = |model: &Path| logits(model, &ids, &out_file, &["--chunks", "2"]);
+    let poisoned = |tensor: &str| {
+        let dir = tmp.path().join(tensor);
+        let out = dsv4(&[
+            "synth",
+            "--preset",
+            "tiny",
+            "--layers",
+            "2",
+            "--out",
+            dir.to_str().unwrap(),
+        ]);
+        assert!(out.status.success());
+        poison(&dir, tensor);
+        dir
+    };
+    for (tensor, expected) in [
+        (
+            "layers.1.ffn_norm.weight",
+            "the output of layer 1 is the first that is non-finite",
+        ),
+        (
+            "head.weight",
+            "every layer's output is finite there: the head made them",
+        ),
+    ] {
+        let dir = poisoned(tensor);
+        let d = dir.to_str().unwrap();
+        fails_saying(
+            &[
+                "generate",
+                "--model",
+                d,
+                "--prompt",
+                "Hi",
+                "--max-new-tokens",
+                "2",
+            ],
+            expected,
+        );
+        let out = run_logits(&dir);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && err.contains("non-finite logits at position 0")
+                && err.contains(expected),
+            "{tensor}: {err}"
+        );
+        assert!(!out_file.exists());
+    }
 }
 
 #[test]

@@ -5,9 +5,13 @@ use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-/// A configuration problem, always naming the offending field.
+/// A configuration problem, always naming the offending file or field.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    #[error("model directory {0} does not exist")]
+    NoDirectory(String),
+    #[error("{0} is not a directory (a model directory holds config.json and the weights)")]
+    NotADirectory(String),
     #[error("cannot read config {path}: {source}")]
     Io {
         path: String,
@@ -18,12 +22,20 @@ pub enum ConfigError {
         path: String,
         source: serde_json::Error,
     },
-    #[error("config field `{field}`: {reason}")]
-    Field { field: String, reason: String },
+    #[error("config {path}: field `{field}`: {reason}")]
+    Field {
+        path: String,
+        field: String,
+        reason: String,
+    },
 }
+
+/// Where a config parsed from a string says it came from, until [`Config::from_dir`] names the file.
+const FROM_STRING: &str = "<string>";
 
 fn field_err(field: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Field {
+        path: FROM_STRING.into(),
         field: field.to_string(),
         reason: reason.into(),
     }
@@ -231,15 +243,27 @@ fn parse_yarn(field: &str, obj: &Map<String, Value>) -> Result<Option<Yarn>, Con
 impl Config {
     /// Reads and validates `<dir>/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Config, ConfigError> {
+        if !dir.exists() {
+            return Err(ConfigError::NoDirectory(dir.display().to_string()));
+        }
+        if !dir.is_dir() {
+            return Err(ConfigError::NotADirectory(dir.display().to_string()));
+        }
         let path = dir.join("config.json");
+        let named = path.display().to_string();
         let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io {
-            path: path.display().to_string(),
+            path: named.clone(),
             source,
         })?;
         Config::from_json_str(&text).map_err(|e| match e {
             ConfigError::Json { source, .. } => ConfigError::Json {
-                path: path.display().to_string(),
+                path: named,
                 source,
+            },
+            ConfigError::Field { field, reason, .. } => ConfigError::Field {
+                path: named,
+                field,
+                reason,
             },
             other => other,
         })
@@ -247,7 +271,7 @@ impl Config {
 
     pub fn from_json_str(text: &str) -> Result<Config, ConfigError> {
         let value: Value = serde_json::from_str(text).map_err(|source| ConfigError::Json {
-            path: "<string>".into(),
+            path: FROM_STRING.into(),
             source,
         })?;
         let obj = value
@@ -1114,10 +1138,42 @@ mod tests {
     }
 
     #[test]
+    fn errors_from_a_directory_name_the_file_or_the_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        let mut bad_field = Config::tiny().to_official_json();
+        bad_field["o_groups"] = json!(3);
+        let cases = [
+            ("{\"hidden_size\": ", "is not valid JSON"),
+            ("{\"hidden_size\": NaN}", "is not valid JSON"),
+            (&*bad_field.to_string(), "field `o_groups`"),
+        ];
+        for (text, what) in cases {
+            std::fs::write(&path, text).unwrap();
+            let err = Config::from_dir(dir.path()).unwrap_err().to_string();
+            assert!(
+                err.contains(&path.display().to_string()) && err.contains(what),
+                "{err}"
+            );
+        }
+        let missing = dir.path().join("nothing-here");
+        let err = Config::from_dir(&missing).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!("model directory {} does not exist", missing.display())
+        );
+        let err = Config::from_dir(&path).unwrap_err().to_string();
+        assert!(err.contains("is not a directory"), "{err}");
+    }
+
+    #[test]
     fn missing_config_file_names_path() {
-        let err = Config::from_dir(Path::new("/nonexistent-dsv4-dir")).unwrap_err();
-        assert!(err
-            .to_string()
-            .contains("/nonexistent-dsv4-dir/config.json"));
+        let dir = tempfile::tempdir().unwrap();
+        let err = Config::from_dir(dir.path()).unwrap_err().to_string();
+        let path = dir.path().join("config.json");
+        assert!(
+            err.contains(&format!("cannot read config {}", path.display())),
+            "{err}"
+        );
     }
 }

@@ -3,6 +3,32 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+#[derive(Debug, thiserror::Error)]
+pub enum SamplingError {
+    #[error("temperature {0} must be finite and at least 0 (0 = greedy)")]
+    Temperature(f32),
+    #[error("top-p {0} must be in (0, 1]")]
+    TopP(f32),
+}
+
+/// `t` if it is a valid temperature: finite and ≥ 0.
+pub fn check_temperature(t: f32) -> Result<f32, SamplingError> {
+    if t.is_finite() && t >= 0.0 {
+        Ok(t)
+    } else {
+        Err(SamplingError::Temperature(t))
+    }
+}
+
+/// `p` if it is a valid nucleus mass: in (0, 1].
+pub fn check_top_p(p: f32) -> Result<f32, SamplingError> {
+    if p > 0.0 && p <= 1.0 {
+        Ok(p)
+    } else {
+        Err(SamplingError::TopP(p))
+    }
+}
+
 pub struct Sampler {
     temperature: f32,
     top_p: f32,
@@ -10,28 +36,26 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// `temperature <= 0` means greedy; `top_p` in (0, 1] keeps the smallest set of most likely
-    /// tokens whose probabilities add up to at least `top_p` (1 keeps all). Same seed, same draws.
-    pub fn new(temperature: f32, top_p: f32, seed: u64) -> Self {
-        assert!(
-            top_p > 0.0 && top_p <= 1.0,
-            "top_p must be in (0, 1], got {top_p}"
-        );
-        Self {
-            temperature,
-            top_p,
+    /// `temperature` 0 means greedy (as does one so small that its inverse overflows); `top_p`
+    /// keeps the smallest set of most likely tokens whose probabilities add up to at least
+    /// `top_p` (1 keeps all). Same seed, same draws.
+    pub fn new(temperature: f32, top_p: f32, seed: u64) -> Result<Self, SamplingError> {
+        Ok(Self {
+            temperature: check_temperature(temperature)?,
+            top_p: check_top_p(top_p)?,
             rng: StdRng::seed_from_u64(seed),
-        }
+        })
     }
 
     pub fn greedy() -> Self {
-        Self::new(0.0, 1.0, 0)
+        Self::new(0.0, 1.0, 0).expect("greedy settings are valid")
     }
 
     /// Picks a token id. NaN logits are never picked.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         assert!(!logits.is_empty(), "no logits to sample from");
-        if self.temperature <= 0.0 {
+        let inv_t = 1.0 / self.temperature;
+        if !inv_t.is_finite() {
             return argmax(logits);
         }
         let max = logits
@@ -39,11 +63,11 @@ impl Sampler {
             .copied()
             .filter(|x| !x.is_nan())
             .fold(f32::NEG_INFINITY, f32::max);
-        if max == f32::NEG_INFINITY {
+        // All masked, or an infinite logit that takes all the mass: the first maximum.
+        if max.is_infinite() {
             return argmax(logits);
         }
         // softmax numerators, shifted by the max so the largest is exp(0) = 1
-        let inv_t = 1.0 / self.temperature;
         let weights: Vec<f32> = logits
             .iter()
             .map(|&x| {
@@ -126,7 +150,7 @@ mod tests {
     fn greedy_picks_argmax() {
         let logits = [0.5, -1.0, 3.25, 3.0, f32::NAN, 2.0];
         assert_eq!(Sampler::greedy().sample(&logits), 2);
-        assert_eq!(Sampler::new(0.0, 0.9, 7).sample(&logits), 2);
+        assert_eq!(Sampler::new(0.0, 0.9, 7).unwrap().sample(&logits), 2);
         assert_eq!(
             argmax(&[1.0, 4.0, 4.0, -2.0]),
             1,
@@ -136,10 +160,29 @@ mod tests {
     }
 
     #[test]
+    fn bad_settings_are_errors() {
+        for t in [f32::NAN, f32::INFINITY, -1.0, -0.0001] {
+            assert!(matches!(
+                Sampler::new(t, 1.0, 0),
+                Err(SamplingError::Temperature(_))
+            ));
+        }
+        for p in [0.0, -0.5, 1.5, f32::NAN] {
+            assert!(matches!(
+                Sampler::new(1.0, p, 0),
+                Err(SamplingError::TopP(_))
+            ));
+        }
+        // A temperature whose inverse overflows samples greedily.
+        let logits = [0.5, 3.0, 2.0];
+        assert_eq!(Sampler::new(1e-45, 1.0, 0).unwrap().sample(&logits), 1);
+    }
+
+    #[test]
     fn tiny_top_p_is_argmax() {
         let logits = logits_of(&[0.3, 0.25, 0.45]);
         for seed in 0..50 {
-            assert_eq!(Sampler::new(1.5, 1e-6, seed).sample(&logits), 2);
+            assert_eq!(Sampler::new(1.5, 1e-6, seed).unwrap().sample(&logits), 2);
         }
     }
 
@@ -147,7 +190,7 @@ mod tests {
     fn same_seed_same_sequence() {
         let logits = logits_of(&PROBS);
         let draw = |seed| {
-            let mut s = Sampler::new(1.0, 0.95, seed);
+            let mut s = Sampler::new(1.0, 0.95, seed).unwrap();
             (0..200).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(draw(42), draw(42));
@@ -157,7 +200,7 @@ mod tests {
     #[test]
     fn frequencies_follow_softmax() {
         let logits = logits_of(&PROBS);
-        let freq = frequencies(&mut Sampler::new(1.0, 1.0, 1), &logits, 40_000);
+        let freq = frequencies(&mut Sampler::new(1.0, 1.0, 1).unwrap(), &logits, 40_000);
         for (f, p) in freq.iter().zip(PROBS) {
             assert!((f - p as f64).abs() < 0.01, "{freq:?}");
         }
@@ -167,7 +210,7 @@ mod tests {
     fn temperature_sharpens() {
         // T = 0.5 squares the probabilities before renormalizing
         let logits = logits_of(&PROBS);
-        let freq = frequencies(&mut Sampler::new(0.5, 1.0, 2), &logits, 40_000);
+        let freq = frequencies(&mut Sampler::new(0.5, 1.0, 2).unwrap(), &logits, 40_000);
         let norm: f32 = PROBS.iter().map(|p| p * p).sum();
         for (f, p) in freq.iter().zip(PROBS) {
             assert!((f - (p * p / norm) as f64).abs() < 0.01, "{freq:?}");
@@ -178,7 +221,7 @@ mod tests {
     fn top_p_keeps_the_nucleus() {
         // sorted: 0.4, 0.3 (cumulative 0.7 >= 0.5) — tokens 0 and 1 are cut
         let logits = logits_of(&PROBS);
-        let freq = frequencies(&mut Sampler::new(1.0, 0.5, 3), &logits, 40_000);
+        let freq = frequencies(&mut Sampler::new(1.0, 0.5, 3).unwrap(), &logits, 40_000);
         assert_eq!(freq[0], 0.0);
         assert_eq!(freq[1], 0.0);
         assert!((freq[2] - 3.0 / 7.0).abs() < 0.01, "{freq:?}");
@@ -188,8 +231,11 @@ mod tests {
     #[test]
     fn masked_and_nan_logits_are_never_sampled() {
         let logits = [f32::NEG_INFINITY, 0.0, f32::NAN, 0.0];
-        let freq = frequencies(&mut Sampler::new(1.0, 1.0, 4), &logits, 2_000);
+        let freq = frequencies(&mut Sampler::new(1.0, 1.0, 4).unwrap(), &logits, 2_000);
         assert_eq!((freq[0], freq[2]), (0.0, 0.0));
         assert!(freq[1] > 0.4 && freq[3] > 0.4, "{freq:?}");
+        let mut s = Sampler::new(1.0, 0.9, 4).unwrap();
+        assert_eq!(s.sample(&[1.0, f32::INFINITY, f32::NAN]), 1);
+        assert_eq!(s.sample(&[f32::NAN, f32::NEG_INFINITY]), 0);
     }
 }

@@ -14,6 +14,8 @@ pub enum TokenizerError {
     },
     #[error("{path} is not a valid tokenizer file: {message}")]
     Parse { path: PathBuf, message: String },
+    #[error("{path} is not valid JSON: {message}")]
+    Json { path: PathBuf, message: String },
     #[error("no {which} token: neither tokenizer_config.json nor config.json in {dir} names one that the tokenizer knows")]
     MissingSpecial { which: &'static str, dir: PathBuf },
     #[error("tokenizer failed: {0}")]
@@ -123,7 +125,7 @@ fn read_optional_json(path: &Path) -> Result<Option<Value>> {
     match fs::read(path) {
         Ok(bytes) => serde_json::from_slice(&bytes)
             .map(Some)
-            .map_err(|e| TokenizerError::Parse {
+            .map_err(|e| TokenizerError::Json {
                 path: path.to_path_buf(),
                 message: e.to_string(),
             }),

@@ -84,15 +84,20 @@ pub enum LoadError {
     },
     #[error("tensor `{tensor}`: {reason}")]
     BadValue { tensor: String, reason: String },
-    #[error("the checkpoint mixes key namings: `{first}` in {first_file} is {first_naming} naming, `{second}` in {second_file} is {second_naming} naming")]
-    MixedNaming {
-        first: String,
-        first_file: PathBuf,
-        first_naming: String,
-        second: String,
-        second_file: PathBuf,
-        second_naming: String,
-    },
+    #[error("the checkpoint mixes key namings: {0}")]
+    MixedNaming(Box<NamingConflict>),
+}
+
+/// Two keys of one checkpoint that no single naming explains.
+#[derive(Debug, thiserror::Error)]
+#[error("`{first}` in {} is {first_naming} naming, `{second}` in {} is {second_naming} naming", first_file.display(), second_file.display())]
+pub struct NamingConflict {
+    pub first: String,
+    pub first_file: PathBuf,
+    pub first_naming: String,
+    pub second: String,
+    pub second_file: PathBuf,
+    pub second_naming: String,
 }
 
 /// One stored tensor under its canonical name.
@@ -301,14 +306,14 @@ impl Checkpoint {
                     let (_, e) = raw.iter().find(|(n, _)| n == key).expect("a listed key");
                     e.file.to_path_buf()
                 };
-                LoadError::MixedNaming {
+                LoadError::MixedNaming(Box::new(NamingConflict {
                     first: first.to_string(),
                     first_file: file(first),
                     first_naming: layout::describe_namings(first_set),
                     second: second.to_string(),
                     second_file: file(second),
                     second_naming: layout::describe_namings(second_set),
-                }
+                }))
             },
         )?;
 

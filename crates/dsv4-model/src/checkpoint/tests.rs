@@ -460,8 +460,8 @@ fn mixed_namings_name_two_conflicting_keys() {
         });
         let err = open_err(dir.path());
         match &err {
-            LoadError::MixedNaming { first, second, .. } => {
-                let mut pair = [first.as_str(), second.as_str()];
+            LoadError::MixedNaming(c) => {
+                let mut pair = [c.first.as_str(), c.second.as_str()];
                 pair.sort();
                 let mut want = [earlier, extra];
                 want.sort();

@@ -33,6 +33,15 @@ pub enum ForwardError {
     ContextLimit { needed: usize, limit: usize },
     #[error("empty input: at least one token is needed")]
     Empty,
+    #[error("non-finite logits at position {position} ({})", match layer {
+        Some(l) => format!("the output of layer {l} is the first that is non-finite there"),
+        None => "every layer's output is finite there: the head made them".to_string(),
+    })]
+    NonFinite {
+        position: usize,
+        /// The first layer whose output at that position is non-finite.
+        layer: Option<usize>,
+    },
 }
 
 /// Which positions' logits a forward call returns.
@@ -162,9 +171,27 @@ impl CpuModel {
                 rest.chunks_exact_mut(d)
                     .for_each(|copy| copy.copy_from_slice(first));
             });
-        for (lw, ls) in self.weights.layers.iter().zip(state.layers.iter_mut()) {
+        // Per token: the first layer whose output is non-finite (cheap next to the layer).
+        let mut first_bad_layer: Vec<Option<usize>> = vec![None; n];
+        for (l, (lw, ls)) in self
+            .weights
+            .layers
+            .iter()
+            .zip(state.layers.iter_mut())
+            .enumerate()
+        {
             self.layer(lw, ls, &mut streams, tokens, state.pos);
+            first_bad_layer
+                .par_iter_mut()
+                .zip(streams.par_chunks(hc))
+                .filter(|(bad, _)| bad.is_none())
+                .for_each(|(bad, row)| {
+                    if row.iter().any(|x| !x.is_finite()) {
+                        *bad = Some(l);
+                    }
+                });
         }
+        let pos0 = state.pos;
         state.pos += n;
 
         let rows: Vec<&[f32]> = match which {
@@ -183,6 +210,16 @@ impl CpuModel {
         let m = rows.len();
         let mut logits = vec![0.0f32; m * c.vocab_size];
         self.weights.head.matmul(&h, m, &mut logits);
+        if let Some(row) = logits
+            .chunks_exact(c.vocab_size)
+            .position(|r| r.iter().any(|x| !x.is_finite()))
+        {
+            let i = row + n - m;
+            return Err(ForwardError::NonFinite {
+                position: pos0 + i,
+                layer: first_bad_layer[i],
+            });
+        }
         Ok(logits)
     }
 

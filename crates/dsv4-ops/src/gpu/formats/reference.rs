@@ -177,6 +177,7 @@ pub fn kv_fp8_dequant(records: &[u8]) -> Result<Vec<bf16>, CodecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn record_layout_matches_flashmla_model1() {
@@ -236,6 +237,38 @@ mod tests {
         );
         assert_eq!(scale_unswizzle_32_4_4(&sw, rows, cols).unwrap(), scales);
         assert!(scale_swizzle_32_4_4(&scales[1..], rows, cols).is_err());
+    }
+
+    proptest! {
+        // Shapes around and between the 128-row and 4-column tile edges.
+        #[test]
+        fn swizzle_round_trips_any_shape(
+            (rows, cols, scales) in (1usize..400, 1usize..40).prop_flat_map(|(r, c)| {
+                (Just(r), Just(c), prop::collection::vec(any::<u8>(), r * c))
+            })
+        ) {
+            let sw = scale_swizzle_32_4_4(&scales, rows, cols).unwrap();
+            let [rp, cp] = swizzled_dims(rows, cols);
+            prop_assert_eq!(sw.len(), rp * cp);
+            prop_assert_eq!(scale_unswizzle_32_4_4(&sw, rows, cols).unwrap(), scales);
+        }
+
+        #[test]
+        fn swizzle_offsets_are_a_bijection_onto_the_padded_layout(rows in 1usize..400, cols in 1usize..40) {
+            let [rp, cp] = swizzled_dims(rows, cols);
+            prop_assert!(rp % 128 == 0 && cp % 4 == 0 && rp >= rows && cp >= cols);
+            prop_assert!(rp < rows + 128 && cp < cols + 4);
+            // Every cell of the padded matrix lands on its own byte, and together they fill it.
+            let mut hit = vec![false; rp * cp];
+            for r in 0..rp {
+                for c in 0..cp {
+                    let o = swizzled_offset(r, c, cols);
+                    prop_assert!(o < hit.len(), "({}, {}) -> {} past {}", r, c, o, hit.len());
+                    prop_assert!(!hit[o], "({}, {}) -> {} twice", r, c, o);
+                    hit[o] = true;
+                }
+            }
+        }
     }
 
     #[test]
