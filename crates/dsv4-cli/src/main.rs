@@ -314,8 +314,10 @@ fn info(dir: &Path) -> Result<()> {
     println!("tensor formats:");
     let summary = ck.summary();
     println!(
-        "  {:?} key names, {} shard(s), {} MTP tensors skipped",
-        summary.naming, summary.shards, summary.skipped_mtp
+        "  {} key names, {} shard(s), {} MTP tensors skipped",
+        summary.naming.describe(),
+        summary.shards,
+        summary.skipped_mtp
     );
     for (format, s) in &summary.formats {
         println!(
