@@ -91,6 +91,12 @@ pub const FAMILIES: &[KernelFamily] = &[
             "moe_down_mxfp4_m16_f32",
         ],
     },
+    KernelFamily {
+        name: "rows",
+        file: "rows.cu",
+        source: include_str!("../kernels/rows.cu"),
+        functions: &["embed_hc_gather", "rms_norm_rows", "rope_rows"],
+    },
 ];
 
 pub fn family(name: &str) -> Option<&'static KernelFamily> {

@@ -2,6 +2,9 @@
 //! "compress" rope for everything inside CSA/HCA layers, both interleaved on the LAST
 //! `rope_dim` channels of a vector.
 
+use dsv4_ops::gpu::rows::reference::rope_rotate;
+use dsv4_ops::gpu::rows::RopeDirection;
+
 use crate::config::{Config, RopeConfig};
 
 /// Inverse frequencies `ω_i`, one per rotated pair.
@@ -62,16 +65,12 @@ impl Rope {
 
     /// Rotates the last `rope_dim` channels of `x` to position `pos`; `inverse` rotates by `-φ`.
     pub fn apply(&self, x: &mut [f32], pos: usize, inverse: bool) {
-        let start = x.len() - self.rope_dim();
-        let p = pos as f32;
-        for (i, &w) in self.inv_freq.iter().enumerate() {
-            let angle = p * w;
-            let (s, c) = angle.sin_cos();
-            let s = if inverse { -s } else { s };
-            let (a, b) = (x[start + 2 * i], x[start + 2 * i + 1]);
-            x[start + 2 * i] = a * c - b * s;
-            x[start + 2 * i + 1] = b * c + a * s;
-        }
+        let direction = if inverse {
+            RopeDirection::Inverse
+        } else {
+            RopeDirection::Forward
+        };
+        rope_rotate(x, &self.inv_freq, pos, direction);
     }
 
     /// Applies [`Rope::apply`] to every `width`-sized vector of `x`.

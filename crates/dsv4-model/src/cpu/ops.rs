@@ -1,20 +1,6 @@
 //! Small f32 primitives shared by the CPU reference layers.
 
-/// `x · rsqrt(mean(x²) + eps)`, times `weight` when given (spec §2).
-pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
-    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let r = 1.0 / (mean_sq + eps).sqrt();
-    match weight {
-        Some(w) => x.iter_mut().zip(w).for_each(|(v, w)| *v = w * (*v * r)),
-        None => x.iter_mut().for_each(|v| *v *= r),
-    }
-}
-
-/// Applies [`rms_norm`] to every `width`-sized row.
-pub fn rms_norm_rows(x: &mut [f32], width: usize, weight: Option<&[f32]>, eps: f32) {
-    x.chunks_exact_mut(width)
-        .for_each(|row| rms_norm(row, weight, eps));
-}
+pub use dsv4_ops::gpu::rows::reference::{rms_norm, rms_norm_rows};
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
@@ -44,17 +30,6 @@ pub fn gather_columns(x: &[f32], stride: usize, start: usize, width: usize) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rms_norm_unit_rms() {
-        let mut x = vec![3.0, -4.0, 0.0, 5.0];
-        rms_norm(&mut x, None, 0.0);
-        let ms = x.iter().map(|v| v * v).sum::<f32>() / 4.0;
-        assert!((ms - 1.0).abs() < 1e-6);
-        let mut y = vec![1.0, 1.0];
-        rms_norm(&mut y, Some(&[2.0, 0.5]), 0.0);
-        assert_eq!(y, vec![2.0, 0.5]);
-    }
 
     #[test]
     fn softplus_is_stable_and_exact() {

@@ -17,6 +17,7 @@ pub mod gemv;
 mod launch;
 pub mod moe;
 mod pool;
+pub mod rows;
 mod tensor;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;

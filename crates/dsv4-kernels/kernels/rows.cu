@@ -1,0 +1,89 @@
+// Row kernels of the decode step: the embedding gather into the mHC streams, RMSNorm, and
+// rotary embedding at a position held in device memory.
+//
+// Token ids and positions are read from device buffers, so a captured graph replays them with
+// whatever the previous step wrote there. Products and sums that the CPU reference rounds one
+// by one are spelled with __f*_rn (no FMA contraction); reductions use a fixed order, so every
+// launch on the same inputs gives the same bits.
+#include "dsv4_common.cuh"
+
+using namespace dsv4;
+
+// Sum over the block in a fixed order (warp butterflies, then warp 0 over the warp sums).
+// Every thread returns the total. `scratch` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warp = threadIdx.x >> 5;
+    const u32 warps = (blockDim.x + 31u) >> 5;
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0u) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// out[t, c*d + j] = table[tokens[t], j] for each of the hc copies c: the mHC streams start as
+// hc copies of the embedding. A token id outside the vocabulary gives a NaN row, never a read
+// past the table.
+DSV4_KERNEL void embed_hc_gather(const u16* __restrict__ table, u32 vocab, u32 d,
+                                 const u32* __restrict__ tokens, u32 n, u32 hc,
+                                 float* __restrict__ out) {
+    const u64 width = (u64)hc * d;
+    const u64 total = (u64)n * width;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u64 t = i / width;
+        const u32 j = (u32)((i % width) % d);
+        const u32 id = tokens[t];
+        out[i] = id < vocab ? bf16_to_f32(table[(u64)id * d + j]) : __uint_as_float(0x7fc00000u);
+    }
+}
+
+// One block per row (grid-stride over rows): out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps).
+// `weight` may be null (no scale). In place when out == x.
+DSV4_KERNEL void rms_norm_rows(const float* x, u32 rows, u32 width, const float* __restrict__ weight,
+                               float eps, float* out) {
+    __shared__ float scratch[32];
+    for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* row = x + (u64)r * width;
+        float s = 0.0f;
+        for (u32 j = threadIdx.x; j < width; j += blockDim.x) s = __fadd_rn(s, __fmul_rn(row[j], row[j]));
+        s = block_sum(s, scratch);
+        const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s, (float)width), eps)));
+        float* dst = out + (u64)r * width;
+        for (u32 j = threadIdx.x; j < width; j += blockDim.x) {
+            const float v = __fmul_rn(row[j], inv);
+            dst[j] = weight ? __fmul_rn(weight[j], v) : v;
+        }
+    }
+}
+
+// Rotates the last rope_dim channels of every width-sized vector of x in place, interleaved
+// pairs (2i, 2i+1) by angle p * inv_freq[i]; `sign` -1 rotates back (the inverse RoPE on the
+// attention output). x is [tokens, heads, width]; token t sits at position pos[0] + t.
+DSV4_KERNEL void rope_rows(float* __restrict__ x, u32 tokens, u32 heads, u32 width, u32 rope_dim,
+                           const float* __restrict__ inv_freq, const u32* __restrict__ pos, float sign) {
+    const u32 half = rope_dim / 2u;
+    const u64 total = (u64)tokens * heads * half;
+    const u32 p0 = pos[0];
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u32 k = (u32)(i % half);
+        const u64 v = i / half;
+        const u32 t = (u32)(v / heads);
+        // The angle rounds to f32 as on the CPU; its sine and cosine are then taken in double
+        // through sincospi, whose argument reduction is exact (sincosf's reduction of large
+        // angles, up to ~1e6 rad here, spills to local memory).
+        const double angle = (double)__fmul_rn((float)(p0 + t), inv_freq[k]);
+        double sd, cd;
+        sincospi(angle * 0.31830988618379067154, &sd, &cd);
+        const float s = __fmul_rn((float)sd, sign);
+        const float c = (float)cd;
+        float* pair = x + v * width + (width - rope_dim) + 2u * k;
+        const float a = pair[0], b = pair[1];
+        pair[0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        pair[1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+}

@@ -1,0 +1,179 @@
+//! Launchers of the row kernels (`kernels/rows.cu`): the embedding gather into the mHC
+//! streams, RMSNorm and rotary embedding. Token ids and positions are device buffers, so the
+//! launches capture into a decode graph that replays with whatever the previous step wrote
+//! there. CPU references: [`reference`].
+
+pub mod reference;
+#[cfg(test)]
+mod tests;
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::launch::{dim_u32, elementwise, THREADS};
+use super::{DType, Device, DeviceTensor, GpuError};
+
+fn launch_err(kernel: &str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError + '_ {
+    move |e| GpuError::Driver {
+        what: format!("launching {kernel}"),
+        source: e,
+    }
+}
+
+/// `out [n, hc·D]` (F32) = `hc` copies of row `tokens[t]` of the BF16 `table [vocab, D]`, for
+/// the `n` ids in `tokens` (U32 `[n]`, on the device). An id outside the vocabulary gives a
+/// NaN row (the host checks prompt ids; sampled ids are always in range).
+pub fn embed_hc_gather(
+    dev: &Device,
+    table: &DeviceTensor<bf16>,
+    tokens: &DeviceTensor<u32>,
+    hc: usize,
+    out: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let (vocab, d) = table.dims2("embedding table", DType::BF16)?;
+    let n = tokens.len();
+    tokens.expect("token ids", DType::U32, &[n])?;
+    out.expect("embedding output", DType::F32, &[n, hc * d])?;
+    let total = (n * hc * d) as u64;
+    if total == 0 {
+        return Ok(());
+    }
+    let (v32, d32, n32, hc32) = (
+        dim_u32("vocab", vocab)?,
+        dim_u32("hidden", d)?,
+        dim_u32("tokens", n)?,
+        dim_u32("hc", hc)?,
+    );
+    let f = dev.function("embed_hc_gather")?;
+    let mut o = out.view_mut();
+    // SAFETY: table [vocab, d], tokens [n], out [n, hc * d], checked above; ids are bounds
+    // checked inside the kernel.
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(table.slice())
+            .arg(&v32)
+            .arg(&d32)
+            .arg(tokens.slice())
+            .arg(&n32)
+            .arg(&hc32)
+            .arg(&mut o)
+            .launch(elementwise(total))
+    }
+    .map_err(launch_err("embed_hc_gather"))?;
+    Ok(())
+}
+
+/// RMSNorm of every row of `x [rows, width]` (F32) into `out` of the same shape:
+/// `weight · x / sqrt(mean(x²) + eps)`, no scale when `weight` is `None`.
+pub fn rms_norm_rows(
+    dev: &Device,
+    x: &DeviceTensor<f32>,
+    weight: Option<&DeviceTensor<f32>>,
+    eps: f32,
+    out: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let (rows, width) = x.dims2("rms_norm input", DType::F32)?;
+    out.expect("rms_norm output", DType::F32, &[rows, width])?;
+    if let Some(w) = weight {
+        w.expect("rms_norm weight", DType::F32, &[width])?;
+    }
+    if rows == 0 || width == 0 {
+        return Ok(());
+    }
+    let (r32, w32) = (dim_u32("rows", rows)?, dim_u32("width", width)?);
+    // Null selects the unscaled norm inside the kernel.
+    let weight_ptr: u64 = weight.map_or(0, DeviceTensor::device_address);
+    let f = dev.function("rms_norm_rows")?;
+    let cfg = LaunchConfig {
+        grid_dim: (r32.min(1 << 16), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut o = out.view_mut();
+    // SAFETY: x and out are [rows, width], weight (when not null) [width], checked above.
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(x.slice())
+            .arg(&r32)
+            .arg(&w32)
+            .arg(&weight_ptr)
+            .arg(&eps)
+            .arg(&mut o)
+            .launch(cfg)
+    }
+    .map_err(launch_err("rms_norm_rows"))?;
+    Ok(())
+}
+
+/// Which way [`rope_rows`] rotates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeDirection {
+    Forward,
+    /// By `-φ`: the inverse RoPE on the attention output.
+    Inverse,
+}
+
+/// Rotates the last `2 · inv_freq.len()` channels of every vector of `x [tokens, heads, width]`
+/// (F32, in place) to its position: token `t` is at `pos[0] + t` (`pos`: U32 `[1]` on the
+/// device). Pairs `(2i, 2i+1)` turn by `position · inv_freq[i]`.
+pub fn rope_rows(
+    dev: &Device,
+    x: &mut DeviceTensor<f32>,
+    inv_freq: &DeviceTensor<f32>,
+    pos: &DeviceTensor<u32>,
+    direction: RopeDirection,
+) -> Result<(), GpuError> {
+    let [tokens, heads, width] = x.shape()[..] else {
+        return Err(GpuError::invalid(
+            "rope input",
+            format!("expected [tokens, heads, width], got {:?}", x.shape()),
+        ));
+    };
+    let half = inv_freq.len();
+    inv_freq.expect("rope inverse frequencies", DType::F32, &[half])?;
+    pos.expect("rope position", DType::U32, &[1])?;
+    x.expect("rope input", DType::F32, &[tokens, heads, width])?;
+    if 2 * half > width {
+        return Err(GpuError::invalid(
+            "rope",
+            format!(
+                "{} rotated channels exceed the vector width {width}",
+                2 * half
+            ),
+        ));
+    }
+    let total = (tokens * heads * half) as u64;
+    if total == 0 {
+        return Ok(());
+    }
+    let dims = [
+        dim_u32("tokens", tokens)?,
+        dim_u32("heads", heads)?,
+        dim_u32("width", width)?,
+        dim_u32("rope dim", 2 * half)?,
+    ];
+    let sign: f32 = match direction {
+        RopeDirection::Forward => 1.0,
+        RopeDirection::Inverse => -1.0,
+    };
+    let f = dev.function("rope_rows")?;
+    let mut xv = x.view_mut();
+    // SAFETY: x [tokens, heads, width] with 2 * half <= width, inv_freq [half], pos [1].
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(&mut xv)
+            .arg(&dims[0])
+            .arg(&dims[1])
+            .arg(&dims[2])
+            .arg(&dims[3])
+            .arg(inv_freq.slice())
+            .arg(pos.slice())
+            .arg(&sign)
+            .launch(elementwise(total))
+    }
+    .map_err(launch_err("rope_rows"))?;
+    Ok(())
+}

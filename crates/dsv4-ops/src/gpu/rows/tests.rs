@@ -1,0 +1,180 @@
+//! GPU tests of the row kernels against their CPU references, on fresh random inputs of
+//! random shapes with outputs poisoned before every launch. The gather is bit-exact; RMSNorm
+//! sums in another order (bound: 1e-5 relative per element) and RoPE's sin/cos may differ by
+//! an ulp (bound: 1e-6 of the pair's magnitude). All `#[ignore]`d: `cargo xtask gpu-test`.
+
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::Rng;
+
+use super::reference as cpu;
+use super::*;
+use crate::gpu::testing::{assert_bits_eq, device, random_bf16, rng, POISON};
+
+/// Normal-ish values of one random magnitude (2^-20 .. 2^20) per call.
+fn random_f32(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    let scale = 2f32.powi(rng.random_range(-20..20));
+    (0..n)
+        .map(|_| (rng.random::<f32>() + rng.random::<f32>() - 1.0) * scale)
+        .collect()
+}
+
+fn poisoned_f32(dev: &Device, shape: &[usize]) -> DeviceTensor<f32> {
+    let mut t = dev.alloc(DType::F32, shape).unwrap();
+    dev.fill_bytes(&mut t, POISON).unwrap();
+    t
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_embed_hc_gather_matches_reference() {
+    let dev = device();
+    let mut rng = rng("gpu_embed_hc_gather_matches_reference");
+    for iter in 0..8 {
+        let vocab = rng.random_range(1..3000);
+        let d = [64, 4096, 7168, rng.random_range(1..300)][iter % 4];
+        let n = rng.random_range(1..20);
+        let hc = rng.random_range(1..5);
+        let table = random_bf16(&mut rng, vocab * d, true);
+        // Mostly valid ids, some past the vocabulary (NaN rows).
+        let tokens: Vec<u32> = (0..n)
+            .map(|_| rng.random_range(0..vocab as u32 + vocab as u32 / 8 + 1))
+            .collect();
+        let want = cpu::embed_hc_gather(&table, d, &tokens, hc);
+        let t = dev.upload(DType::BF16, &[vocab, d], &table).unwrap();
+        let ids = dev.upload(DType::U32, &[n], &tokens).unwrap();
+        let mut out = poisoned_f32(&dev, &[n, hc * d]);
+        embed_hc_gather(&dev, &t, &ids, hc, &mut out).unwrap();
+        let got = dev.download(&out).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        assert_bits_eq(
+            &format!("iter {iter}: vocab {vocab}, d {d}, n {n}, hc {hc}"),
+            &bits(&got),
+            &bits(&want),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_rms_norm_rows_matches_reference() {
+    let dev = device();
+    let mut rng = rng("gpu_rms_norm_rows_matches_reference");
+    for iter in 0..12 {
+        let rows = rng.random_range(1..40);
+        let width = [
+            512,
+            1024,
+            1536,
+            4096,
+            7168,
+            16384,
+            rng.random_range(1..3000),
+        ][iter % 7];
+        let eps = [1e-6f32, 1e-5, 0.0][iter % 3];
+        let mut x = random_f32(&mut rng, rows * width);
+        if iter == 5 {
+            x[width / 2] = f32::NAN; // row 0 must come out all NaN
+        }
+        let weight = (iter % 2 == 0).then(|| random_f32(&mut rng, width));
+        let mut want = x.clone();
+        cpu::rms_norm_rows(&mut want, width, weight.as_deref(), eps);
+
+        let xd = dev.upload(DType::F32, &[rows, width], &x).unwrap();
+        let wd = weight
+            .as_ref()
+            .map(|w| dev.upload(DType::F32, &[width], w).unwrap());
+        let mut out = poisoned_f32(&dev, &[rows, width]);
+        rms_norm_rows(&dev, &xd, wd.as_ref(), eps, &mut out).unwrap();
+        let got = dev.download(&out).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let ok = if w.is_nan() {
+                g.is_nan()
+            } else {
+                (g - w).abs() <= 1e-5 * w.abs()
+            };
+            assert!(
+                ok,
+                "iter {iter} [{rows}, {width}] eps {eps}: element {i}: got {g}, want {w}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_rope_rows_matches_reference_at_device_positions() {
+    let dev = device();
+    let mut rng = rng("gpu_rope_rows_matches_reference_at_device_positions");
+    // (width, rope dim): Flash/Pro attention heads and KV, indexer heads, small fixtures.
+    let shapes = [(512, 64), (128, 64), (32, 16), (64, 64), (96, 2)];
+    for iter in 0..10 {
+        let (width, rope_dim) = shapes[iter % shapes.len()];
+        let tokens = rng.random_range(1..17);
+        let heads = rng.random_range(1..65);
+        // Positions up to 2^20 (a million-token context); f32 holds them exactly.
+        let pos0 = rng.random_range(0..1usize << 20);
+        let inv_freq: Vec<f32> = (0..rope_dim / 2)
+            .map(|i| {
+                10000f32.powf(-(2.0 * i as f32) / rope_dim as f32) * rng.random_range(0.05..1.0)
+            })
+            .collect();
+        let direction = if iter % 2 == 0 {
+            RopeDirection::Forward
+        } else {
+            RopeDirection::Inverse
+        };
+        let x = random_f32(&mut rng, tokens * heads * width);
+        let mut want = x.clone();
+        cpu::rope_rows(&mut want, heads, width, &inv_freq, pos0, direction);
+
+        let mut xd = dev.upload(DType::F32, &[tokens, heads, width], &x).unwrap();
+        let fd = dev.upload(DType::F32, &[rope_dim / 2], &inv_freq).unwrap();
+        let pd = dev.upload(DType::U32, &[1], &[pos0 as u32]).unwrap();
+        rope_rows(&dev, &mut xd, &fd, &pd, direction).unwrap();
+        let got = dev.download(&xd).unwrap();
+        let what = format!("iter {iter}: [{tokens}, {heads}, {width}] rope {rope_dim} at {pos0}");
+        for (v, ((g, w), orig)) in got
+            .chunks_exact(width)
+            .zip(want.chunks_exact(width))
+            .zip(x.chunks_exact(width))
+            .enumerate()
+        {
+            let nope = width - rope_dim;
+            assert_eq!(
+                &g[..nope],
+                &orig[..nope],
+                "{what}: vector {v} NoPE channels"
+            );
+            for k in (nope..width).step_by(2) {
+                let mag = orig[k].abs() + orig[k + 1].abs();
+                for j in [k, k + 1] {
+                    assert!(
+                        (g[j] - w[j]).abs() <= 1e-6 * mag,
+                        "{what}: vector {v} channel {j}: got {}, want {}",
+                        g[j],
+                        w[j]
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_row_launchers_reject_bad_shapes() {
+    let dev = device();
+    let table = dev.upload(DType::BF16, &[4, 8], &[bf16::ONE; 32]).unwrap();
+    let ids = dev.upload(DType::U32, &[2], &[0u32, 1]).unwrap();
+    let mut out = dev.alloc(DType::F32, &[2, 15]).unwrap();
+    assert!(embed_hc_gather(&dev, &table, &ids, 2, &mut out).is_err());
+    let x = dev.alloc::<f32>(DType::F32, &[2, 8]).unwrap();
+    let w = dev.alloc::<f32>(DType::F32, &[7]).unwrap();
+    let mut y = dev.alloc(DType::F32, &[2, 8]).unwrap();
+    assert!(rms_norm_rows(&dev, &x, Some(&w), 1e-6, &mut y).is_err());
+    let mut v = dev.alloc(DType::F32, &[1, 2, 8]).unwrap();
+    let freq = dev.alloc::<f32>(DType::F32, &[5]).unwrap();
+    let pos = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
+    assert!(rope_rows(&dev, &mut v, &freq, &pos, RopeDirection::Forward).is_err());
+}
