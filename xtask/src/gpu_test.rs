@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-const DEFAULT_PACKAGES: &[&str] = &["dsv4-kernels", "dsv4-ops"];
+const DEFAULT_PACKAGES: &[&str] = &["dsv4-kernels", "dsv4-ops", "dsv4-graph"];
 const OUT_DIR: &str = ".device-bin";
 const SCRIPT: &str = "run-gpu-tests.sh";
 
@@ -71,6 +71,9 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
         } else {
             format!("{crate_name}-{target}")
         };
+        if !has_gpu_tests(exe)? {
+            continue;
+        }
         let dest = out.join(&name);
         std::fs::copy(exe, &dest).map_err(|e| format!("cannot copy {exe}: {e}"))?;
         // Debug info is most of the size; symbols stay for backtraces.
@@ -112,6 +115,24 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     println!("  compute-sanitizer --tool memcheck --error-exitcode 99 {OUT_DIR}/B --ignored --test-threads=1 gpu");
     println!("  compute-sanitizer --tool racecheck --error-exitcode 99 {OUT_DIR}/B --ignored --test-threads=1 gpu");
     Ok(())
+}
+
+/// Whether a test binary holds GPU tests (listing them needs no GPU). Binaries without any
+/// are not staged: compute-sanitizer fails a program that never calls CUDA.
+fn has_gpu_tests(exe: &str) -> Result<bool, String> {
+    let out = Command::new(exe)
+        .args(["--list", "--ignored", "gpu"])
+        .output()
+        .map_err(|e| format!("cannot list the tests of {exe}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "listing the tests of {exe} failed ({})",
+            out.status
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.ends_with(": test")))
 }
 
 /// `name` from a package id: `path+file:///.../dsv4-ops#0.1.0` (cargo >= 1.77) or

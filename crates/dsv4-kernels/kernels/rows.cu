@@ -1,5 +1,5 @@
-// Row kernels of the decode step: the embedding gather into the mHC streams, RMSNorm, and
-// rotary embedding at a position held in device memory.
+// Row kernels of the decode step: the embedding gather into the mHC streams, RMSNorm,
+// rotary embedding at a position held in device memory, and the step that advances it.
 //
 // Token ids and positions are read from device buffers, so a captured graph replays them with
 // whatever the previous step wrote there. Products and sums that the CPU reference rounds one
@@ -86,4 +86,10 @@ DSV4_KERNEL void rope_rows(float* __restrict__ x, u32 tokens, u32 heads, u32 wid
         pair[0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
         pair[1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
     }
+}
+
+// pos[0] += n: a decode step moves its own position forward, so graph replays walk the
+// sequence without the host.
+DSV4_KERNEL void advance_position(u32* __restrict__ pos, u32 n) {
+    if (blockIdx.x == 0u && threadIdx.x == 0u) pos[0] += n;
 }

@@ -95,7 +95,12 @@ pub const FAMILIES: &[KernelFamily] = &[
         name: "rows",
         file: "rows.cu",
         source: include_str!("../kernels/rows.cu"),
-        functions: &["embed_hc_gather", "rms_norm_rows", "rope_rows"],
+        functions: &[
+            "embed_hc_gather",
+            "rms_norm_rows",
+            "rope_rows",
+            "advance_position",
+        ],
     },
 ];
 

@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute, CUstreamCaptureStatus};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use dsv4_kernels::{driver_available, Arch, KernelCache, Kernels};
 
@@ -238,6 +238,24 @@ impl Device {
         Ok(n)
     }
 
+    /// Whether the stream is being captured into a CUDA graph.
+    pub fn is_capturing(&self) -> Result<bool, GpuError> {
+        let status = self
+            .stream
+            .capture_status()
+            .map_err(GpuError::driver("reading the stream's capture status"))?;
+        Ok(status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Host-side work (allocation, copies to or from pageable memory, waiting) has no place in
+    /// a captured step: it is refused with an error instead of breaking the capture.
+    fn refuse_in_capture(&self, what: &'static str) -> Result<(), GpuError> {
+        if self.is_capturing()? {
+            return Err(GpuError::InCapture { what });
+        }
+        Ok(())
+    }
+
     /// A zero-filled tensor with its own allocation (weights, tests). Activations and
     /// workspaces belong in a [`BufferPool`](super::BufferPool).
     pub fn alloc<T: DeviceElem>(
@@ -245,6 +263,7 @@ impl Device {
         dtype: DType,
         shape: &[usize],
     ) -> Result<DeviceTensor<T>, GpuError> {
+        self.refuse_in_capture("allocating")?;
         check_elem::<T>("alloc", dtype)?;
         let n = numel("alloc", shape)?;
         let slice = self
@@ -264,6 +283,7 @@ impl Device {
         shape: &[usize],
         data: &[T],
     ) -> Result<DeviceTensor<T>, GpuError> {
+        self.refuse_in_capture("uploading")?;
         check_elem::<T>("upload", dtype)?;
         let n = numel("upload", shape)?;
         if n != data.len() {
@@ -285,6 +305,7 @@ impl Device {
         dst: &mut DeviceTensor<T>,
         data: &[T],
     ) -> Result<(), GpuError> {
+        self.refuse_in_capture("copying host data to the device")?;
         if dst.len() != data.len() {
             return Err(GpuError::invalid(
                 "write",
@@ -299,6 +320,7 @@ impl Device {
 
     /// Waits for the stream and copies the tensor to the host.
     pub fn download<T: DeviceElem>(&self, src: &DeviceTensor<T>) -> Result<Vec<T>, GpuError> {
+        self.refuse_in_capture("copying to the host")?;
         let mut out = vec![T::default(); src.len()];
         self.stream
             .memcpy_dtoh(src.slice(), &mut out[..])
@@ -328,6 +350,7 @@ impl Device {
     }
 
     pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.refuse_in_capture("waiting for the stream")?;
         self.stream
             .synchronize()
             .map_err(GpuError::driver("synchronizing the stream"))

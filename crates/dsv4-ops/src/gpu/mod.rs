@@ -59,6 +59,8 @@ pub enum GpuError {
     },
     #[error("{what}: {detail}")]
     Invalid { what: String, detail: String },
+    #[error("{what} while the stream is captured into a CUDA graph: a captured step must not allocate, copy to or from the host, or wait")]
+    InCapture { what: &'static str },
 }
 
 impl GpuError {

@@ -115,35 +115,31 @@ pub enum RopeDirection {
     Inverse,
 }
 
-/// Rotates the last `2 · inv_freq.len()` channels of every vector of `x [tokens, heads, width]`
-/// (F32, in place) to its position: token `t` is at `pos[0] + t` (`pos`: U32 `[1]` on the
-/// device). Pairs `(2i, 2i+1)` turn by `position · inv_freq[i]`.
+/// Rotates the last `2 · inv_freq.len()` channels of every `width`-sized vector of
+/// `x [tokens, heads · width]` (F32, in place) to its position: token `t` is at `pos[0] + t`
+/// (`pos`: U32 `[1]` on the device). Pairs `(2i, 2i+1)` turn by `position · inv_freq[i]`.
 pub fn rope_rows(
     dev: &Device,
     x: &mut DeviceTensor<f32>,
+    width: usize,
     inv_freq: &DeviceTensor<f32>,
     pos: &DeviceTensor<u32>,
     direction: RopeDirection,
 ) -> Result<(), GpuError> {
-    let [tokens, heads, width] = x.shape()[..] else {
-        return Err(GpuError::invalid(
-            "rope input",
-            format!("expected [tokens, heads, width], got {:?}", x.shape()),
-        ));
-    };
+    let (tokens, cols) = x.dims2("rope input", DType::F32)?;
     let half = inv_freq.len();
     inv_freq.expect("rope inverse frequencies", DType::F32, &[half])?;
     pos.expect("rope position", DType::U32, &[1])?;
-    x.expect("rope input", DType::F32, &[tokens, heads, width])?;
-    if 2 * half > width {
+    if width == 0 || cols % width != 0 || 2 * half > width {
         return Err(GpuError::invalid(
             "rope",
             format!(
-                "{} rotated channels exceed the vector width {width}",
+                "rows of {cols} are not whole vectors of width {width} with {} rotated channels",
                 2 * half
             ),
         ));
     }
+    let heads = cols / width;
     let total = (tokens * heads * half) as u64;
     if total == 0 {
         return Ok(());
@@ -160,7 +156,7 @@ pub fn rope_rows(
     };
     let f = dev.function("rope_rows")?;
     let mut xv = x.view_mut();
-    // SAFETY: x [tokens, heads, width] with 2 * half <= width, inv_freq [half], pos [1].
+    // SAFETY: x [tokens, heads * width] with 2 * half <= width, inv_freq [half], pos [1].
     unsafe {
         dev.stream()
             .launch_builder(f)
@@ -175,5 +171,23 @@ pub fn rope_rows(
             .launch(elementwise(total))
     }
     .map_err(launch_err("rope_rows"))?;
+    Ok(())
+}
+
+/// `pos[0] += n` on the device (`pos`: U32 `[1]`): the step that moves a captured decode graph
+/// to its next position.
+pub fn advance_position(dev: &Device, pos: &mut DeviceTensor<u32>, n: u32) -> Result<(), GpuError> {
+    pos.expect("position", DType::U32, &[1])?;
+    let f = dev.function("advance_position")?;
+    let mut p = pos.view_mut();
+    // SAFETY: pos holds one u32.
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(&mut p)
+            .arg(&n)
+            .launch(elementwise(1))
+    }
+    .map_err(launch_err("advance_position"))?;
     Ok(())
 }

@@ -128,10 +128,12 @@ fn gpu_rope_rows_matches_reference_at_device_positions() {
         let mut want = x.clone();
         cpu::rope_rows(&mut want, heads, width, &inv_freq, pos0, direction);
 
-        let mut xd = dev.upload(DType::F32, &[tokens, heads, width], &x).unwrap();
+        let mut xd = dev
+            .upload(DType::F32, &[tokens, heads * width], &x)
+            .unwrap();
         let fd = dev.upload(DType::F32, &[rope_dim / 2], &inv_freq).unwrap();
         let pd = dev.upload(DType::U32, &[1], &[pos0 as u32]).unwrap();
-        rope_rows(&dev, &mut xd, &fd, &pd, direction).unwrap();
+        rope_rows(&dev, &mut xd, width, &fd, &pd, direction).unwrap();
         let got = dev.download(&xd).unwrap();
         let what = format!("iter {iter}: [{tokens}, {heads}, {width}] rope {rope_dim} at {pos0}");
         for (v, ((g, w), orig)) in got
@@ -163,7 +165,7 @@ fn gpu_rope_rows_matches_reference_at_device_positions() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
-fn gpu_row_launchers_reject_bad_shapes() {
+fn gpu_row_launchers_reject_bad_shapes_and_positions_advance() {
     let dev = device();
     let table = dev.upload(DType::BF16, &[4, 8], &[bf16::ONE; 32]).unwrap();
     let ids = dev.upload(DType::U32, &[2], &[0u32, 1]).unwrap();
@@ -173,8 +175,14 @@ fn gpu_row_launchers_reject_bad_shapes() {
     let w = dev.alloc::<f32>(DType::F32, &[7]).unwrap();
     let mut y = dev.alloc(DType::F32, &[2, 8]).unwrap();
     assert!(rms_norm_rows(&dev, &x, Some(&w), 1e-6, &mut y).is_err());
-    let mut v = dev.alloc(DType::F32, &[1, 2, 8]).unwrap();
+    let mut v = dev.alloc(DType::F32, &[1, 16]).unwrap();
     let freq = dev.alloc::<f32>(DType::F32, &[5]).unwrap();
-    let pos = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
-    assert!(rope_rows(&dev, &mut v, &freq, &pos, RopeDirection::Forward).is_err());
+    let mut pos = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
+    assert!(rope_rows(&dev, &mut v, 8, &freq, &pos, RopeDirection::Forward).is_err());
+    assert!(rope_rows(&dev, &mut v, 6, &freq, &pos, RopeDirection::Forward).is_err());
+    let freq = dev.alloc::<f32>(DType::F32, &[4]).unwrap();
+    rope_rows(&dev, &mut v, 8, &freq, &pos, RopeDirection::Forward).unwrap();
+    advance_position(&dev, &mut pos, 5).unwrap();
+    advance_position(&dev, &mut pos, 2).unwrap();
+    assert_eq!(dev.download(&pos).unwrap(), vec![7]);
 }

@@ -1,0 +1,166 @@
+//! A step captured once and replayed: embedding gather of the device token, RMSNorm, RoPE at
+//! the device position, position advance. Replays must be bit-identical to eager launches,
+//! follow the token and position buffers (not the values seen at capture), walk the position
+//! forward by themselves, and a captured step must not be able to do host-side work.
+
+use dsv4_graph::{GraphError, StepGraph};
+use dsv4_ops::gpu::rows::{self, reference, RopeDirection};
+use dsv4_ops::gpu::testing::{assert_bits_eq, device, random_bf16, rng};
+use dsv4_ops::gpu::{DType, Device, DeviceTensor, GpuError};
+use half::bf16;
+use rand::Rng;
+
+const VOCAB: usize = 1000;
+const D: usize = 512;
+const HC: usize = 4;
+const ROPE: usize = 64;
+const EPS: f32 = 1e-6;
+
+struct Step {
+    table: DeviceTensor<bf16>,
+    weight: DeviceTensor<f32>,
+    inv_freq: DeviceTensor<f32>,
+    token: DeviceTensor<u32>,
+    pos: DeviceTensor<u32>,
+    streams: DeviceTensor<f32>,
+    normed: DeviceTensor<f32>,
+}
+
+fn run(dev: &Device, s: &mut Step) -> Result<(), GpuError> {
+    rows::embed_hc_gather(dev, &s.table, &s.token, HC, &mut s.streams)?;
+    rows::rms_norm_rows(dev, &s.streams, Some(&s.weight), EPS, &mut s.normed)?;
+    rows::rope_rows(
+        dev,
+        &mut s.normed,
+        D,
+        &s.inv_freq,
+        &s.pos,
+        RopeDirection::Forward,
+    )?;
+    rows::advance_position(dev, &mut s.pos, 1)
+}
+
+/// The step on the CPU: what the output must be within the kernels' stated bounds.
+fn reference_step(
+    table: &[bf16],
+    weight: &[f32],
+    inv_freq: &[f32],
+    token: u32,
+    pos: usize,
+) -> Vec<f32> {
+    let mut x = reference::embed_hc_gather(table, D, &[token], HC);
+    reference::rms_norm_rows(&mut x, HC * D, Some(weight), EPS);
+    reference::rope_rows(&mut x, HC, D, inv_freq, pos, RopeDirection::Forward);
+    x
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_step_graph_replays_bit_identically_and_walks_positions() {
+    let dev = device();
+    let mut rng = rng("gpu_step_graph_replays_bit_identically_and_walks_positions");
+    let table = random_bf16(&mut rng, VOCAB * D, false);
+    let weight: Vec<f32> = (0..HC * D).map(|_| rng.random_range(0.5..1.5)).collect();
+    let inv_freq: Vec<f32> = (0..ROPE / 2)
+        .map(|i| 10000f32.powf(-(2.0 * i as f32) / ROPE as f32))
+        .collect();
+    let mut s = Step {
+        table: dev.upload(DType::BF16, &[VOCAB, D], &table).unwrap(),
+        weight: dev.upload(DType::F32, &[HC * D], &weight).unwrap(),
+        inv_freq: dev.upload(DType::F32, &[ROPE / 2], &inv_freq).unwrap(),
+        token: dev.upload(DType::U32, &[1], &[3]).unwrap(),
+        pos: dev.upload(DType::U32, &[1], &[0]).unwrap(),
+        streams: dev.alloc(DType::F32, &[1, HC * D]).unwrap(),
+        normed: dev.alloc(DType::F32, &[1, HC * D]).unwrap(),
+    };
+    run(&dev, &mut s).unwrap();
+    dev.synchronize().unwrap();
+    let graph = StepGraph::capture(&dev, || run(&dev, &mut s)).unwrap();
+    assert_eq!(graph.nodes(), 4, "one node per launch");
+
+    let close = |what: &str, got: &[f32], want: &[f32]| {
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = got
+            .iter()
+            .zip(want)
+            .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+        assert!(diff <= 1e-5 * scale, "{what}: max|Δ| {diff} vs max {scale}");
+    };
+
+    // Replay against eager launches on the same token and position.
+    for round in 0..6 {
+        let token = rng.random_range(0..VOCAB as u32);
+        let pos = rng.random_range(0..1u32 << 20);
+        dev.write(&mut s.token, &[token]).unwrap();
+        dev.write(&mut s.pos, &[pos]).unwrap();
+        graph.replay().unwrap();
+        let replayed = dev.download(&s.normed).unwrap();
+        assert_eq!(
+            dev.download(&s.pos).unwrap(),
+            vec![pos + 1],
+            "round {round}"
+        );
+        dev.write(&mut s.pos, &[pos]).unwrap();
+        run(&dev, &mut s).unwrap();
+        let eager = dev.download(&s.normed).unwrap();
+        assert_bits_eq(&format!("round {round}"), &bits(&replayed), &bits(&eager));
+        let want = reference_step(&table, &weight, &inv_freq, token, pos as usize);
+        close(&format!("round {round} vs CPU"), &replayed, &want);
+    }
+
+    // Back-to-back replays walk the position with no host write between them.
+    let (token, start) = (17u32, 1000u32);
+    dev.write(&mut s.token, &[token]).unwrap();
+    dev.write(&mut s.pos, &[start]).unwrap();
+    for k in 0..50u32 {
+        graph.replay().unwrap();
+        if k % 10 == 9 {
+            let got = dev.download(&s.normed).unwrap();
+            let want = reference_step(&table, &weight, &inv_freq, token, (start + k) as usize);
+            close(&format!("replay {k}"), &got, &want);
+        }
+    }
+    assert_eq!(dev.download(&s.pos).unwrap(), vec![start + 50]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_captured_step_cannot_do_host_work() {
+    let dev = device();
+    let mut t = dev.alloc::<f32>(DType::F32, &[4]).unwrap();
+    let refused = |r: Result<StepGraph, GraphError>| match r {
+        Err(GraphError::Step(GpuError::InCapture { what })) => what,
+        Err(e) => panic!("expected an in-capture refusal, got {e}"),
+        Ok(_) => panic!("a step doing host work was captured"),
+    };
+    assert_eq!(
+        refused(StepGraph::capture(&dev, || dev
+            .alloc::<f32>(DType::F32, &[4])
+            .map(drop))),
+        "allocating"
+    );
+    assert_eq!(
+        refused(StepGraph::capture(&dev, || dev.download(&t).map(drop))),
+        "copying to the host"
+    );
+    assert_eq!(
+        refused(StepGraph::capture(&dev, || dev.synchronize())),
+        "waiting for the stream"
+    );
+    assert_eq!(
+        refused(StepGraph::capture(&dev, || dev.write(&mut t, &[1.0; 4]))),
+        "copying host data to the device"
+    );
+    // Each abandoned capture was ended: the stream works as before.
+    assert!(!dev.is_capturing().unwrap());
+    dev.write(&mut t, &[1.0, 2.0, 3.0, 4.0]).unwrap();
+    assert_eq!(dev.download(&t).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    assert!(matches!(
+        StepGraph::capture(&dev, || Ok(())),
+        Err(GraphError::Empty)
+    ));
+}
