@@ -113,4 +113,21 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Sum over the block in a fixed order (warp butterflies, then warp 0 over the warp sums).
+// Every thread returns the total. `scratch` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warp = threadIdx.x >> 5;
+    const u32 warps = (blockDim.x + 31u) >> 5;
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0u) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 }  // namespace dsv4

@@ -102,6 +102,12 @@ pub const FAMILIES: &[KernelFamily] = &[
             "advance_position",
         ],
     },
+    KernelFamily {
+        name: "mhc",
+        file: "mhc.cu",
+        source: include_str!("../kernels/mhc.cu"),
+        functions: &["hc_pre", "hc_head", "hc_post"],
+    },
 ];
 
 pub fn family(name: &str) -> Option<&'static KernelFamily> {

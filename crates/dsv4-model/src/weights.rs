@@ -4,12 +4,23 @@
 use crate::checkpoint::{Checkpoint, LoadError};
 use crate::config::{Config, LayerKind};
 use crate::linear::Linear;
+use dsv4_ops::gpu::mhc::reference::HcSite;
 
 /// mHC parameters of one site: `fn [mix, n·D]`, `base [mix]`, `scale [3]` (or `[1]` for the head).
 pub struct HcWeights {
     pub fn_: Vec<f32>,
     pub base: Vec<f32>,
     pub scale: Vec<f32>,
+}
+
+impl HcWeights {
+    pub fn site(&self) -> HcSite<'_> {
+        HcSite {
+            fn_: &self.fn_,
+            base: &self.base,
+            scale: &self.scale,
+        }
+    }
 }
 
 /// A token compressor (spec §6): projections to `κ·c`, gate position bias, output norm.

@@ -8,7 +8,6 @@
 
 mod attention;
 mod compressor;
-mod mhc;
 mod moe;
 mod ops;
 
@@ -22,7 +21,7 @@ use crate::rope::Rope;
 use crate::weights::{AttentionWeights, LayerWeights, ModelWeights};
 use attention::{attend, index_scores, top_k, Window};
 use compressor::CompressorState;
-use mhc::{hc_head, hc_post, hc_pre, HcMix, HcParams};
+use dsv4_ops::gpu::mhc::reference::{hc_head, hc_post, hc_pre, HcMix, HcParams};
 use ops::{gather_columns, rms_norm, rms_norm_rows};
 
 #[derive(Debug, thiserror::Error)]
@@ -202,7 +201,7 @@ impl CpuModel {
         let h: Vec<f32> = rows
             .par_iter()
             .flat_map_iter(|x| {
-                let mut y = hc_head(&self.weights.hc_head, x, &p);
+                let mut y = hc_head(&self.weights.hc_head.site(), x, &p);
                 rms_norm(&mut y, Some(&self.weights.norm), c.rms_norm_eps);
                 y
             })
@@ -234,8 +233,10 @@ impl CpuModel {
         let c = &self.config;
         let (d, hc) = (c.hidden_size, c.hc_dim());
         let p = self.hc_params();
-        let (mixes, mut x): (Vec<HcMix>, Vec<Vec<f32>>) =
-            streams.par_chunks(hc).map(|s| hc_pre(hc_w, s, &p)).unzip();
+        let (mixes, mut x): (Vec<HcMix>, Vec<Vec<f32>>) = streams
+            .par_chunks(hc)
+            .map(|s| hc_pre(&hc_w.site(), s, &p))
+            .unzip();
         x.iter_mut()
             .for_each(|row| rms_norm(row, Some(norm), c.rms_norm_eps));
         let y = sublayer(&x.concat());

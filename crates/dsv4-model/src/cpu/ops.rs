@@ -1,14 +1,6 @@
 //! Small f32 primitives shared by the CPU reference layers.
 
-pub use dsv4_ops::gpu::rows::reference::{rms_norm, rms_norm_rows};
-
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
+pub use dsv4_ops::gpu::rows::reference::{dot, rms_norm, rms_norm_rows, sigmoid};
 
 pub fn silu(x: f32) -> f32 {
     x * sigmoid(x)

@@ -15,6 +15,7 @@ mod device;
 pub mod formats;
 pub mod gemv;
 mod launch;
+pub mod mhc;
 pub mod moe;
 mod pool;
 pub mod rows;

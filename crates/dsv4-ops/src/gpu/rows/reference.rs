@@ -21,6 +21,14 @@ pub fn embed_hc_gather(table: &[bf16], d: usize, tokens: &[u32], hc: usize) -> V
         .collect()
 }
 
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// `x · rsqrt(mean(x²) + eps)`, times `weight` when given (spec §2).
 pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
     let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;

@@ -1,8 +1,16 @@
-//! Manifold-constrained hyper-connections (spec §4): collapse the `n` residual streams into a
-//! sub-layer input, then expand the sub-layer output back with a Sinkhorn-projected mixer.
+//! CPU reference of the mHC kernels, used by the model's CPU forward too: manifold-constrained
+//! hyper-connections (spec §4) collapse the `n` residual streams into a sub-layer input, then
+//! expand the sub-layer output back with a Sinkhorn-projected mixer.
 
-use super::ops::{dot, rms_norm, sigmoid};
-use crate::weights::HcWeights;
+use crate::gpu::rows::reference::{dot, rms_norm, sigmoid};
+
+/// One site's parameters: `fn_ [mix, n·D]`, `base [mix]`, `scale [3]` (`[1]` for the head).
+#[derive(Clone, Copy, Debug)]
+pub struct HcSite<'a> {
+    pub fn_: &'a [f32],
+    pub base: &'a [f32],
+    pub scale: &'a [f32],
+}
 
 /// Mixing weights of one site for one token.
 pub struct HcMix {
@@ -63,9 +71,9 @@ pub fn sinkhorn(logits: &mut [f32], n: usize, iters: usize, eps: f32) {
 }
 
 /// Computes the site's mix for one token (`streams` = `[n, D]`) and the collapsed input.
-pub fn hc_pre(w: &HcWeights, streams: &[f32], p: &HcParams) -> (HcMix, Vec<f32>) {
+pub fn hc_pre(w: &HcSite, streams: &[f32], p: &HcParams) -> (HcMix, Vec<f32>) {
     let n = p.n;
-    let mu = mix_logits(&w.fn_, streams, p.norm_eps);
+    let mu = mix_logits(w.fn_, streams, p.norm_eps);
     let pre: Vec<f32> = (0..n)
         .map(|i| sigmoid(w.scale[0] * mu[i] + w.base[i]) + p.hc_eps)
         .collect();
@@ -96,8 +104,8 @@ pub fn hc_post(streams: &mut [f32], y: &[f32], mix: &HcMix) {
 }
 
 /// Final collapse before the output norm (pre weights only).
-pub fn hc_head(w: &HcWeights, streams: &[f32], p: &HcParams) -> Vec<f32> {
-    let mu = mix_logits(&w.fn_, streams, p.norm_eps);
+pub fn hc_head(w: &HcSite, streams: &[f32], p: &HcParams) -> Vec<f32> {
+    let mu = mix_logits(w.fn_, streams, p.norm_eps);
     let pre: Vec<f32> = (0..p.n)
         .map(|i| sigmoid(w.scale[0] * mu[i] + w.base[i]) + p.hc_eps)
         .collect();

@@ -1,0 +1,205 @@
+//! Launchers of the mHC kernels (`kernels/mhc.cu`): per token, the mix projection of the
+//! RMS-normalized streams with Sinkhorn and the collapse ([`hc_pre`], [`hc_head`]), and the
+//! expansion back ([`hc_post`]). Four streams (every DeepSeek-V4 model). CPU references:
+//! [`reference`].
+
+pub mod reference;
+#[cfg(test)]
+mod tests;
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::launch::{dim_u32, elementwise, THREADS};
+use super::{DType, Device, DeviceTensor, GpuError};
+use reference::{HcParams, HcSite};
+
+/// The stream count the kernels are built for.
+pub const HC: usize = 4;
+/// Mixing logits of a layer site: `HC` pre, `HC` post, `HC × HC` comb.
+pub const MIX: usize = (2 + HC) * HC;
+
+fn launch_err(kernel: &str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError + '_ {
+    move |e| GpuError::Driver {
+        what: format!("launching {kernel}"),
+        source: e,
+    }
+}
+
+fn check_streams(p: &HcParams) -> Result<(), GpuError> {
+    if p.n != HC {
+        return Err(GpuError::invalid(
+            "mHC",
+            format!(
+                "the kernels are built for {HC} streams, the model has {}",
+                p.n
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One site's parameters on the device: `fn_ [mix, HC·D]`, `base [mix]`, `scale [3]` (layer
+/// sites, mix = [`MIX`]) or `[1]` (the head, mix = [`HC`]).
+pub struct DeviceHcSite {
+    pub fn_: DeviceTensor<f32>,
+    pub base: DeviceTensor<f32>,
+    pub scale: DeviceTensor<f32>,
+}
+
+impl DeviceHcSite {
+    pub fn upload(dev: &Device, site: &HcSite, d: usize) -> Result<DeviceHcSite, GpuError> {
+        let mix = site.base.len();
+        Ok(DeviceHcSite {
+            fn_: dev.upload(DType::F32, &[mix, HC * d], site.fn_)?,
+            base: dev.upload(DType::F32, &[mix], site.base)?,
+            scale: dev.upload(DType::F32, &[site.scale.len()], site.scale)?,
+        })
+    }
+
+    fn check(&self, mix: usize, scales: usize, d: usize) -> Result<(), GpuError> {
+        self.fn_.expect("mHC fn", DType::F32, &[mix, HC * d])?;
+        self.base.expect("mHC base", DType::F32, &[mix])?;
+        self.scale.expect("mHC scale", DType::F32, &[scales])
+    }
+}
+
+/// Outputs of [`hc_pre`] for `n` tokens: the sub-layer input `x [n, D]` and the mix the
+/// matching [`hc_post`] applies, `post [n, HC]` and `comb [n, HC·HC]`.
+pub struct HcPreOut {
+    pub x: DeviceTensor<f32>,
+    pub post: DeviceTensor<f32>,
+    pub comb: DeviceTensor<f32>,
+}
+
+/// One block per token, at most 2^16 blocks (grid-stride over tokens).
+fn per_token(n: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.clamp(1, 1 << 16), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `streams [n, HC·D]` → the site's collapsed input and mix (spec §4), all on the device.
+pub fn hc_pre(
+    dev: &Device,
+    streams: &DeviceTensor<f32>,
+    site: &DeviceHcSite,
+    p: &HcParams,
+    out: &mut HcPreOut,
+) -> Result<(), GpuError> {
+    check_streams(p)?;
+    let (n, width) = streams.dims2("mHC streams", DType::F32)?;
+    let d = width / HC;
+    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
+    site.check(MIX, 3, d)?;
+    out.x.expect("mHC input", DType::F32, &[n, d])?;
+    out.post.expect("mHC post", DType::F32, &[n, HC])?;
+    out.comb.expect("mHC comb", DType::F32, &[n, HC * HC])?;
+    if n == 0 || d == 0 {
+        return Ok(());
+    }
+    let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
+    let iters = dim_u32("sinkhorn iterations", p.sinkhorn_iters)?;
+    let f = dev.function("hc_pre")?;
+    let (mut x, mut post, mut comb) = (out.x.view_mut(), out.post.view_mut(), out.comb.view_mut());
+    // SAFETY: streams [n, 4d], fn [24, 4d], base [24], scale [3], outputs [n, d], [n, 4],
+    // [n, 16], all checked above.
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(streams.slice())
+            .arg(&n32)
+            .arg(&d32)
+            .arg(site.fn_.slice())
+            .arg(site.base.slice())
+            .arg(site.scale.slice())
+            .arg(&iters)
+            .arg(&p.hc_eps)
+            .arg(&p.norm_eps)
+            .arg(&mut x)
+            .arg(&mut post)
+            .arg(&mut comb)
+            .launch(per_token(n32))
+    }
+    .map_err(launch_err("hc_pre"))?;
+    Ok(())
+}
+
+/// The final collapse before the output norm: `streams [n, HC·D]` → `x [n, D]` with the head
+/// site's pre weights (`fn_ [HC, HC·D]`, `base [HC]`, `scale [1]`).
+pub fn hc_head(
+    dev: &Device,
+    streams: &DeviceTensor<f32>,
+    site: &DeviceHcSite,
+    p: &HcParams,
+    x: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    check_streams(p)?;
+    let (n, width) = streams.dims2("mHC streams", DType::F32)?;
+    let d = width / HC;
+    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
+    site.check(HC, 1, d)?;
+    x.expect("mHC head output", DType::F32, &[n, d])?;
+    if n == 0 || d == 0 {
+        return Ok(());
+    }
+    let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
+    let f = dev.function("hc_head")?;
+    let mut xv = x.view_mut();
+    // SAFETY: streams [n, 4d], fn [4, 4d], base [4], scale [1], x [n, d], checked above.
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(streams.slice())
+            .arg(&n32)
+            .arg(&d32)
+            .arg(site.fn_.slice())
+            .arg(site.base.slice())
+            .arg(site.scale.slice())
+            .arg(&p.hc_eps)
+            .arg(&p.norm_eps)
+            .arg(&mut xv)
+            .launch(per_token(n32))
+    }
+    .map_err(launch_err("hc_head"))?;
+    Ok(())
+}
+
+/// `out[t, j] = post[t, j] · y[t] + Σ_i comb[t, i, j] · streams[t, i]`: the sub-layer output
+/// `y [n, D]` expanded back into new streams `out [n, HC·D]` (a buffer other than `streams`).
+pub fn hc_post(
+    dev: &Device,
+    streams: &DeviceTensor<f32>,
+    y: &DeviceTensor<f32>,
+    mix: &HcPreOut,
+    out: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let (n, d) = y.dims2("mHC sub-layer output", DType::F32)?;
+    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
+    mix.post.expect("mHC post", DType::F32, &[n, HC])?;
+    mix.comb.expect("mHC comb", DType::F32, &[n, HC * HC])?;
+    out.expect("mHC new streams", DType::F32, &[n, HC * d])?;
+    let total = (n * HC * d) as u64;
+    if total == 0 {
+        return Ok(());
+    }
+    let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
+    let f = dev.function("hc_post")?;
+    let mut o = out.view_mut();
+    // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16].
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(streams.slice())
+            .arg(y.slice())
+            .arg(mix.post.slice())
+            .arg(mix.comb.slice())
+            .arg(&n32)
+            .arg(&d32)
+            .arg(&mut o)
+            .launch(elementwise(total))
+    }
+    .map_err(launch_err("hc_post"))?;
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! GPU tests of the mHC kernels against their CPU references on fresh random inputs. The
+//! mix logits are summed in another order and expf may differ by an ulp, so hc_pre and hc_head
+//! are held to bounds (post and comb within 1e-5, the collapsed input within 1e-5 of its
+//! largest magnitude); hc_post, given the same mix, is bit-exact. All `#[ignore]`d:
+//! `cargo xtask gpu-test`.
+
+use rand::rngs::StdRng;
+use rand::Rng;
+
+use super::reference as cpu;
+use super::*;
+use crate::gpu::testing::{assert_bits_eq, device, rng, POISON};
+
+fn uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// A site's parameters as the fixtures draw them: fn ~ 1/sqrt(fan-in), base in ±1, scale ~ 1.
+fn random_site(rng: &mut StdRng, mix: usize, scales: usize, d: usize) -> [Vec<f32>; 3] {
+    let w = HC * d;
+    let a = (3.0 / w as f32).sqrt();
+    [
+        uniform(rng, mix * w, -a, a),
+        uniform(rng, mix, -1.0, 1.0),
+        uniform(rng, scales, 0.5, 1.5),
+    ]
+}
+
+fn poisoned(dev: &Device, shape: &[usize]) -> DeviceTensor<f32> {
+    let mut t = dev.alloc(DType::F32, shape).unwrap();
+    dev.fill_bytes(&mut t, POISON).unwrap();
+    t
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}: element {i}: got {g}, want {w} (tolerance {tol})"
+        );
+    }
+}
+
+fn params() -> HcParams {
+    HcParams {
+        n: HC,
+        sinkhorn_iters: 20,
+        hc_eps: 1e-6,
+        norm_eps: 1e-6,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_hc_pre_and_head_match_reference() {
+    let dev = device();
+    let mut rng = rng("gpu_hc_pre_and_head_match_reference");
+    let p = params();
+    for iter in 0..8 {
+        let d = [64, 4096, 7168, rng.random_range(1..700)][iter % 4];
+        let n = rng.random_range(1..9);
+        let scale = [1.0, 30.0, 0.01][iter % 3];
+        let streams = uniform(&mut rng, n * HC * d, -scale, scale);
+        let [fn_, base, sc] = random_site(&mut rng, MIX, 3, d);
+        let site = HcSite {
+            fn_: &fn_,
+            base: &base,
+            scale: &sc,
+        };
+        let [hfn, hbase, hsc] = random_site(&mut rng, HC, 1, d);
+        let head = HcSite {
+            fn_: &hfn,
+            base: &hbase,
+            scale: &hsc,
+        };
+
+        let sd = dev.upload(DType::F32, &[n, HC * d], &streams).unwrap();
+        let site_d = DeviceHcSite::upload(&dev, &site, d).unwrap();
+        let head_d = DeviceHcSite::upload(&dev, &head, d).unwrap();
+        let mut out = HcPreOut {
+            x: poisoned(&dev, &[n, d]),
+            post: poisoned(&dev, &[n, HC]),
+            comb: poisoned(&dev, &[n, HC * HC]),
+        };
+        hc_pre(&dev, &sd, &site_d, &p, &mut out).unwrap();
+        let mut hx = poisoned(&dev, &[n, d]);
+        hc_head(&dev, &sd, &head_d, &p, &mut hx).unwrap();
+        let (x, post, comb) = (
+            dev.download(&out.x).unwrap(),
+            dev.download(&out.post).unwrap(),
+            dev.download(&out.comb).unwrap(),
+        );
+        let hx = dev.download(&hx).unwrap();
+        for t in 0..n {
+            let s = &streams[t * HC * d..(t + 1) * HC * d];
+            let (mix, want_x) = cpu::hc_pre(&site, s, &p);
+            let what = format!("iter {iter} token {t} of {n}, d {d}");
+            assert_close(
+                &format!("{what} post"),
+                &post[t * HC..(t + 1) * HC],
+                &mix.post,
+                1e-5,
+            );
+            let c = &comb[t * HC * HC..(t + 1) * HC * HC];
+            assert_close(&format!("{what} comb"), c, &mix.comb, 1e-5);
+            let max = want_x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_close(
+                &format!("{what} x"),
+                &x[t * d..(t + 1) * d],
+                &want_x,
+                1e-5 * max,
+            );
+            let want_h = cpu::hc_head(&head, s, &p);
+            let max = want_h.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_close(
+                &format!("{what} head"),
+                &hx[t * d..(t + 1) * d],
+                &want_h,
+                1e-5 * max,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_hc_post_matches_reference_bit_for_bit() {
+    let dev = device();
+    let mut rng = rng("gpu_hc_post_matches_reference_bit_for_bit");
+    for iter in 0..6 {
+        let d = [64, 4096, 7168, rng.random_range(1..700)][iter % 4];
+        let n = rng.random_range(1..9);
+        let streams = uniform(&mut rng, n * HC * d, -3.0, 3.0);
+        let y = uniform(&mut rng, n * d, -3.0, 3.0);
+        let post = uniform(&mut rng, n * HC, 0.0, 2.0);
+        let comb = uniform(&mut rng, n * HC * HC, 0.0, 1.0);
+        let mut want = streams.clone();
+        for t in 0..n {
+            let mix = cpu::HcMix {
+                post: post[t * HC..(t + 1) * HC].to_vec(),
+                comb: comb[t * HC * HC..(t + 1) * HC * HC].to_vec(),
+            };
+            cpu::hc_post(
+                &mut want[t * HC * d..(t + 1) * HC * d],
+                &y[t * d..(t + 1) * d],
+                &mix,
+            );
+        }
+        let mix = HcPreOut {
+            x: dev.alloc(DType::F32, &[n, d]).unwrap(),
+            post: dev.upload(DType::F32, &[n, HC], &post).unwrap(),
+            comb: dev.upload(DType::F32, &[n, HC * HC], &comb).unwrap(),
+        };
+        let sd = dev.upload(DType::F32, &[n, HC * d], &streams).unwrap();
+        let yd = dev.upload(DType::F32, &[n, d], &y).unwrap();
+        let mut out = poisoned(&dev, &[n, HC * d]);
+        hc_post(&dev, &sd, &yd, &mix, &mut out).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        assert_bits_eq(
+            &format!("iter {iter}: n {n}, d {d}"),
+            &bits(&dev.download(&out).unwrap()),
+            &bits(&want),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_mhc_launchers_reject_other_stream_counts_and_shapes() {
+    let dev = device();
+    let d = 8;
+    let sd = dev.alloc::<f32>(DType::F32, &[2, HC * d]).unwrap();
+    let [fn_, base, sc] = random_site(&mut rng("mhc shapes"), MIX, 3, d);
+    let site = DeviceHcSite::upload(
+        &dev,
+        &HcSite {
+            fn_: &fn_,
+            base: &base,
+            scale: &sc,
+        },
+        d,
+    )
+    .unwrap();
+    let mut out = HcPreOut {
+        x: dev.alloc(DType::F32, &[2, d]).unwrap(),
+        post: dev.alloc(DType::F32, &[2, HC]).unwrap(),
+        comb: dev.alloc(DType::F32, &[2, HC * HC]).unwrap(),
+    };
+    hc_pre(&dev, &sd, &site, &params(), &mut out).unwrap();
+    let three = HcParams { n: 3, ..params() };
+    assert!(hc_pre(&dev, &sd, &site, &three, &mut out).is_err());
+    let mut head_x = dev.alloc(DType::F32, &[2, d]).unwrap();
+    assert!(
+        hc_head(&dev, &sd, &site, &params(), &mut head_x).is_err(),
+        "a layer site is not a head"
+    );
+    let mut wrong = dev.alloc(DType::F32, &[2, HC * d + 1]).unwrap();
+    assert!(hc_post(&dev, &sd, &out.x, &out, &mut wrong).is_err());
+}
