@@ -108,6 +108,12 @@ pub const FAMILIES: &[KernelFamily] = &[
         source: include_str!("../kernels/mhc.cu"),
         functions: &["hc_pre", "hc_head", "hc_post"],
     },
+    KernelFamily {
+        name: "router",
+        file: "router.cu",
+        source: include_str!("../kernels/router.cu"),
+        functions: &["route_topk"],
+    },
 ];
 
 pub fn family(name: &str) -> Option<&'static KernelFamily> {

@@ -1,6 +1,7 @@
 //! Attention pieces (spec §5, §7): the sliding-window ring, sink softmax over window ∪
 //! compressed keys (K = V), and the Lightning Indexer's top-k.
 
+pub use dsv4_ops::gpu::router::reference::top_k;
 use rayon::prelude::*;
 
 use super::ops::dot;
@@ -69,18 +70,6 @@ pub fn index_scores(q: &[f32], weights: &[f32], keys: &[f32], c: usize) -> Vec<f
         .collect()
 }
 
-/// Indices of the `k` largest scores; ties go to the lowest index (spec §15).
-pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..scores.len()).collect();
-    let order = |a: &usize, b: &usize| scores[*b].total_cmp(&scores[*a]).then(a.cmp(b));
-    if k < idx.len() {
-        idx.select_nth_unstable_by(k, order);
-        idx.truncate(k);
-    }
-    idx.sort_unstable();
-    idx
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,13 +97,5 @@ mod tests {
         assert!((out[0] - 0.5).abs() < 1e-6 && out[1] == 0.0);
         attend(&[0.0, 0.0], &keys, &[-1e4], &mut out);
         assert!((out[0] - 1.0).abs() < 1e-6);
-    }
-
-    #[test]
-    fn top_k_breaks_ties_by_lowest_index() {
-        let s = [0.0, 3.0, 0.0, 3.0, 0.0, 1.0];
-        assert_eq!(top_k(&s, 2), vec![1, 3]);
-        assert_eq!(top_k(&s, 4), vec![0, 1, 3, 5]);
-        assert_eq!(top_k(&s, 10), vec![0, 1, 2, 3, 4, 5]);
     }
 }

@@ -6,11 +6,6 @@ pub fn silu(x: f32) -> f32 {
     x * sigmoid(x)
 }
 
-/// `ln(1 + eˣ)` without overflow.
-pub fn softplus(x: f32) -> f32 {
-    x.max(0.0) + (-x.abs()).exp().ln_1p()
-}
-
 /// Copies column block `[start, start + width)` of every row of a `[rows, stride]` matrix.
 pub fn gather_columns(x: &[f32], stride: usize, start: usize, width: usize) -> Vec<f32> {
     x.chunks_exact(stride)
@@ -22,14 +17,6 @@ pub fn gather_columns(x: &[f32], stride: usize, start: usize, width: usize) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn softplus_is_stable_and_exact() {
-        assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
-        assert_eq!(softplus(200.0), 200.0);
-        assert!(softplus(-200.0) >= 0.0 && softplus(-200.0) < 1e-30);
-        assert!((softplus(1.5) - (1.0f32 + 1.5f32.exp()).ln()).abs() < 1e-6);
-    }
 
     #[test]
     fn gather_columns_picks_blocks() {

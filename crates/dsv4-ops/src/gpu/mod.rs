@@ -18,6 +18,7 @@ mod launch;
 pub mod mhc;
 pub mod moe;
 mod pool;
+pub mod router;
 pub mod rows;
 mod tensor;
 #[cfg(any(test, feature = "test-support"))]

@@ -29,6 +29,11 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// `ln(1 + eˣ)` without overflow.
+pub fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
 /// `x · rsqrt(mean(x²) + eps)`, times `weight` when given (spec §2).
 pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
     let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
@@ -91,6 +96,14 @@ mod tests {
         let mut y = vec![1.0, 1.0];
         rms_norm(&mut y, Some(&[2.0, 0.5]), 0.0);
         assert_eq!(y, vec![2.0, 0.5]);
+    }
+
+    #[test]
+    fn softplus_is_stable_and_exact() {
+        assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
+        assert_eq!(softplus(200.0), 200.0);
+        assert!(softplus(-200.0) >= 0.0 && softplus(-200.0) < 1e-30);
+        assert!((softplus(1.5) - (1.0f32 + 1.5f32.exp()).ln()).abs() < 1e-6);
     }
 
     #[test]

@@ -1,0 +1,88 @@
+//! CPU reference of the router kernel, used by the model's CPU forward too (spec §8):
+//! sqrt-softplus scores, hash or learned (bias-for-selection) top-k, normalized weights.
+
+use crate::gpu::rows::reference::softplus;
+
+/// How a layer picks its experts.
+#[derive(Clone, Copy, Debug)]
+pub enum RouteBy<'a> {
+    /// Experts fixed per token id: `tid2eid [vocab, k]`, in table order.
+    Hash { tid2eid: &'a [u32] },
+    /// The top k of score + bias (the bias selects only; ties to the lowest expert).
+    Learned { bias: &'a [f32] },
+}
+
+/// Indices of the `k` largest scores; ties go to the lowest index (spec §15).
+pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..scores.len()).collect();
+    let order = |a: &usize, b: &usize| scores[*b].total_cmp(&scores[*a]).then(a.cmp(b));
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k, order);
+        idx.truncate(k);
+    }
+    idx.sort_unstable();
+    idx
+}
+
+/// Selected experts and their combine weights for one token with router `logits [E]`.
+pub fn route(logits: &[f32], by: RouteBy, token: u32, k: usize, scaling: f32) -> Vec<(usize, f32)> {
+    let scores: Vec<f32> = logits.iter().map(|&z| softplus(z).sqrt()).collect();
+    let chosen: Vec<usize> = match by {
+        RouteBy::Hash { tid2eid } => {
+            let t = token as usize;
+            tid2eid[t * k..(t + 1) * k]
+                .iter()
+                .map(|&e| e as usize)
+                .collect()
+        }
+        RouteBy::Learned { bias } => {
+            let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+            top_k(&biased, k)
+        }
+    };
+    let total: f32 = chosen.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
+    chosen
+        .into_iter()
+        .map(|e| (e, scores[e] / total * scaling))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_breaks_ties_by_lowest_index() {
+        let s = [0.0, 3.0, 0.0, 3.0, 0.0, 1.0];
+        assert_eq!(top_k(&s, 2), vec![1, 3]);
+        assert_eq!(top_k(&s, 4), vec![0, 1, 3, 5]);
+        assert_eq!(top_k(&s, 10), vec![0, 1, 2, 3, 4, 5]);
+    }
+    #[test]
+    fn learned_routing_selects_with_bias_but_weights_without() {
+        let bias = [0.0, 10.0, 0.0, 0.0];
+        let logits = [3.0, -2.0, 1.0, 0.5];
+        let got = route(&logits, RouteBy::Learned { bias: &bias }, 0, 2, 1.5);
+        // The bias lifts expert 1 into the top 2; its weight still uses the unbiased score.
+        let s: Vec<f32> = logits.iter().map(|&z| softplus(z).sqrt()).collect();
+        assert_eq!(got.iter().map(|e| e.0).collect::<Vec<_>>(), vec![0, 1]);
+        let total = s[0] + s[1];
+        assert!((got[0].1 - s[0] / total * 1.5).abs() < 1e-6);
+        assert!((got[1].1 - s[1] / total * 1.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn hash_routing_uses_the_token_row() {
+        let tid2eid = [0, 1, 3, 2];
+        let got = route(
+            &[0.0, 0.0, 1.0, 2.0],
+            RouteBy::Hash { tid2eid: &tid2eid },
+            1,
+            2,
+            1.0,
+        );
+        assert_eq!(got.iter().map(|e| e.0).collect::<Vec<_>>(), vec![3, 2]);
+        let sum: f32 = got.iter().map(|e| e.1).sum();
+        assert!((sum - 1.0).abs() < 1e-6);
+    }
+}
