@@ -1,7 +1,7 @@
 //! Small helpers shared by launchers.
 
 use cudarc::driver::sys::{CUlaunchAttribute, CUlaunchAttributeID};
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{DriverError, LaunchConfig};
 
 use super::GpuError;
 
@@ -23,6 +23,14 @@ pub(crate) fn grid_for(work: u64, per_block: u64, threads: u32) -> LaunchConfig 
 /// One thread per item.
 pub(crate) fn elementwise(work: u64) -> LaunchConfig {
     grid_for(work, THREADS as u64, THREADS)
+}
+
+/// The error of a failed launch of `kernel`.
+pub(crate) fn launch_err(kernel: &str) -> impl FnOnce(DriverError) -> GpuError + '_ {
+    move |source| GpuError::Driver {
+        what: format!("launching {kernel}"),
+        source,
+    }
 }
 
 /// Kernel dimensions are 32-bit.

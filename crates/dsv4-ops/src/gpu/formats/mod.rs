@@ -9,17 +9,10 @@ mod tests;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::launch::{dim_u32, elementwise, grid_for};
+use super::launch::{dim_u32, elementwise, grid_for, launch_err};
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 pub use crate::codecs::fp8_block::ScaleFormat;
 pub use reference::{swizzled_dims, KV_DIM, KV_RECORD};
-
-fn launch_err(kernel: &str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError + '_ {
-    move |e| GpuError::Driver {
-        what: format!("launching {kernel}"),
-        source: e,
-    }
-}
 
 /// Output buffers of [`nvfp4_quantize_act`] for `[rows, cols]` activations.
 pub struct Nvfp4Act {

@@ -9,7 +9,7 @@ mod tests;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::launch::{dim_u32, elementwise, THREADS};
+use super::launch::{dim_u32, elementwise, launch_err, THREADS};
 use super::{DType, Device, DeviceTensor, GpuError};
 use reference::{HcParams, HcSite};
 
@@ -18,14 +18,8 @@ pub const HC: usize = 4;
 /// Mixing logits of a layer site: `HC` pre, `HC` post, `HC × HC` comb.
 pub const MIX: usize = (2 + HC) * HC;
 
-fn launch_err(kernel: &str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError + '_ {
-    move |e| GpuError::Driver {
-        what: format!("launching {kernel}"),
-        source: e,
-    }
-}
-
-fn check_streams(p: &HcParams) -> Result<(), GpuError> {
+/// `(tokens, D)` of `streams [n, HC·D]`, once the model's stream count is the kernels'.
+fn stream_dims(streams: &DeviceTensor<f32>, p: &HcParams) -> Result<(usize, usize), GpuError> {
     if p.n != HC {
         return Err(GpuError::invalid(
             "mHC",
@@ -35,7 +29,10 @@ fn check_streams(p: &HcParams) -> Result<(), GpuError> {
             ),
         ));
     }
-    Ok(())
+    let (n, width) = streams.dims2("mHC streams", DType::F32)?;
+    let d = width / HC;
+    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
+    Ok((n, d))
 }
 
 /// One site's parameters on the device: `fn_ [mix, HC·D]`, `base [mix]`, `scale [3]` (layer
@@ -88,10 +85,7 @@ pub fn hc_pre(
     p: &HcParams,
     out: &mut HcPreOut,
 ) -> Result<(), GpuError> {
-    check_streams(p)?;
-    let (n, width) = streams.dims2("mHC streams", DType::F32)?;
-    let d = width / HC;
-    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
+    let (n, d) = stream_dims(streams, p)?;
     site.check(MIX, 3, d)?;
     out.x.expect("mHC input", DType::F32, &[n, d])?;
     out.post.expect("mHC post", DType::F32, &[n, HC])?;
@@ -135,10 +129,7 @@ pub fn hc_head(
     p: &HcParams,
     x: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    check_streams(p)?;
-    let (n, width) = streams.dims2("mHC streams", DType::F32)?;
-    let d = width / HC;
-    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
+    let (n, d) = stream_dims(streams, p)?;
     site.check(HC, 1, d)?;
     x.expect("mHC head output", DType::F32, &[n, d])?;
     if n == 0 || d == 0 {

@@ -8,7 +8,7 @@ mod tests;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::launch::dim_u32;
+use super::launch::{dim_u32, launch_err};
 use super::{DType, Device, DeviceTensor, GpuError};
 
 /// The largest experts-per-token the kernel holds (DeepSeek-V4 uses 6).
@@ -91,9 +91,6 @@ pub fn route_topk(
             .arg(&mut wv)
             .launch(cfg)
     }
-    .map_err(|source| GpuError::Driver {
-        what: "launching route_topk".into(),
-        source,
-    })?;
+    .map_err(launch_err("route_topk"))?;
     Ok(())
 }

@@ -10,15 +10,8 @@ mod tests;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::launch::{dim_u32, elementwise, THREADS};
+use super::launch::{dim_u32, elementwise, launch_err, THREADS};
 use super::{DType, Device, DeviceTensor, GpuError};
-
-fn launch_err(kernel: &str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError + '_ {
-    move |e| GpuError::Driver {
-        what: format!("launching {kernel}"),
-        source: e,
-    }
-}
 
 /// `out [n, hc·D]` (F32) = `hc` copies of row `tokens[t]` of the BF16 `table [vocab, D]`, for
 /// the `n` ids in `tokens` (U32 `[n]`, on the device). An id outside the vocabulary gives a
