@@ -114,6 +114,12 @@ pub const FAMILIES: &[KernelFamily] = &[
         source: include_str!("../kernels/router.cu"),
         functions: &["route_topk"],
     },
+    KernelFamily {
+        name: "sample",
+        file: "sample.cu",
+        source: include_str!("../kernels/sample.cu"),
+        functions: &["sample_weights", "sample_pick"],
+    },
 ];
 
 pub fn family(name: &str) -> Option<&'static KernelFamily> {

@@ -20,6 +20,7 @@ pub mod moe;
 mod pool;
 pub mod router;
 pub mod rows;
+pub mod sample;
 mod tensor;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;

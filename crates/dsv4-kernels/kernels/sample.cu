@@ -1,0 +1,168 @@
+// Next-token sampling on the device, so a decode graph needs no host decision: greedy
+// (argmax, ties to the lowest id, NaN never wins) or temperature + top-p with a counter-based
+// draw from (seed, position). The position is read from the device buffer the step advances,
+// so every replay draws afresh.
+//
+// Two kernels, one block each: sample_weights writes w = exp((z - max) / T); sample_pick finds
+// the top-p threshold on w by bisection over float bits, draws u in [0, 1) and walks the kept
+// weights in id order. Every sum has a fixed order (per-thread id ranges, a pairwise tree over
+// the threads, a sequential scan by thread 0) that the CPU reference reproduces exactly.
+#include "dsv4_common.cuh"
+
+using namespace dsv4;
+
+#define SAMPLE_THREADS 1024u
+
+// Max of z, NaN ignored (fmaxf); -inf when every value is NaN or -inf.
+__device__ float block_max(const float* __restrict__ z, u32 vocab, float* scratch) {
+    float m = __uint_as_float(0xff800000u);
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, z[i]);
+    m = warp_max(m);
+    __syncthreads();
+    if ((threadIdx.x & 31u) == 0u) scratch[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = threadIdx.x < (blockDim.x >> 5) ? scratch[threadIdx.x] : __uint_as_float(0xff800000u);
+    return warp_max(m);  // lanes of warp 0 hold it; broadcast below
+}
+
+DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_weights(const float* __restrict__ z, u32 vocab, float inv_t,
+                                                                  float* __restrict__ w) {
+    __shared__ float scratch[32];
+    __shared__ float max_all;
+    const float m = block_max(z, vocab, scratch);
+    if (threadIdx.x == 0u) max_all = m;
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = z[i];
+        w[i] = isnan(v) ? 0.0f : expf(__fmul_rn(__fsub_rn(v, max_all), inv_t));
+    }
+}
+
+__device__ __forceinline__ u64 splitmix64(u64 x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// Sum of the kept weights (w >= tau) of this thread's id range, then the pairwise tree over
+// the threads: for stride 512, 256, ..., 1, part[i] += part[i + stride]. Every thread returns it.
+__device__ float kept_mass(const float* __restrict__ w, u32 lo, u32 hi, float tau, float* part) {
+    float s = 0.0f;
+    for (u32 i = lo; i < hi; i++)
+        if (w[i] >= tau) s = __fadd_rn(s, w[i]);
+    __syncthreads();
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (u32 stride = SAMPLE_THREADS / 2u; stride > 0u; stride >>= 1) {
+        if (threadIdx.x < stride) part[threadIdx.x] = __fadd_rn(part[threadIdx.x], part[threadIdx.x + stride]);
+        __syncthreads();
+    }
+    return part[0];
+}
+
+// Argmax of z: the largest value, the lowest id among equals; NaN never wins; id 0 when no
+// value exceeds -inf (as sampling::argmax).
+__device__ u32 block_argmax(const float* __restrict__ z, u32 vocab, float* vals, u32* ids) {
+    float best = __uint_as_float(0xff800000u);
+    u32 best_i = 0xffffffffu;
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x)
+        if (z[i] > best) {
+            best = z[i];
+            best_i = i;
+        }
+    vals[threadIdx.x] = best;
+    ids[threadIdx.x] = best_i;
+    __syncthreads();
+    for (u32 stride = SAMPLE_THREADS / 2u; stride > 0u; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            const float v = vals[threadIdx.x + stride];
+            const u32 j = ids[threadIdx.x + stride];
+            const u32 i = ids[threadIdx.x];
+            if (j != 0xffffffffu && (i == 0xffffffffu || v > vals[threadIdx.x] || (v == vals[threadIdx.x] && j < i))) {
+                vals[threadIdx.x] = v;
+                ids[threadIdx.x] = j;
+            }
+        }
+        __syncthreads();
+    }
+    return ids[0] == 0xffffffffu ? 0u : ids[0];
+}
+
+// Writes token[0]. greedy != 0 (temperature 0) takes the argmax of z; so does a row whose
+// weights sum to zero or overflow.
+DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __restrict__ z, const float* __restrict__ w,
+                                                               u32 vocab, u32 greedy, float top_p, u64 seed,
+                                                               const u32* __restrict__ pos, u32* __restrict__ token) {
+    __shared__ float part[SAMPLE_THREADS];
+    __shared__ u32 ids[SAMPLE_THREADS];
+    const u32 chunk = (vocab + SAMPLE_THREADS - 1u) / SAMPLE_THREADS;
+    const u32 lo = min(threadIdx.x * chunk, vocab);
+    const u32 hi = min(lo + chunk, vocab);
+    if (greedy) {
+        const u32 t = block_argmax(z, vocab, part, ids);
+        if (threadIdx.x == 0u) token[0] = t;
+        return;
+    }
+    const float total = kept_mass(w, lo, hi, 0.0f, part);
+    if (!(total > 0.0f && isfinite(total))) {
+        const u32 t = block_argmax(z, vocab, part, ids);
+        if (threadIdx.x == 0u) token[0] = t;
+        return;
+    }
+    // The largest tau (as float bits, monotonic for w >= 0) whose kept mass reaches top_p * total.
+    u32 tau_bits = 0u;
+    if (top_p < 1.0f) {
+        const float need = __fmul_rn(top_p, total);
+        u32 a = 0u, b = 0x3f800001u;  // mass(bits a) >= need holds; w <= 1 < bits b
+        while (b - a > 1u) {
+            const u32 mid = a + (b - a) / 2u;
+            if (kept_mass(w, lo, hi, __uint_as_float(mid), part) >= need) a = mid; else b = mid;
+        }
+        tau_bits = a;
+    }
+    const float tau = __uint_as_float(tau_bits);
+    // Per-thread kept sums, scanned in id order by thread 0, which then walks the range the
+    // draw lands in.
+    float s = 0.0f;
+    for (u32 i = lo; i < hi; i++)
+        if (w[i] >= tau) s = __fadd_rn(s, w[i]);
+    __syncthreads();
+    part[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x == 0u) {
+        float kept = 0.0f;
+        for (u32 t = 0; t < SAMPLE_THREADS; t++) kept = __fadd_rn(kept, part[t]);
+        const u64 r = splitmix64(seed ^ splitmix64((u64)pos[0]));
+        const float target = __fmul_rn((float)(r >> 40) * (1.0f / 16777216.0f), kept);
+        float acc = 0.0f;
+        u32 chosen = 0xffffffffu;
+        for (u32 t = 0; t < SAMPLE_THREADS && chosen == 0xffffffffu; t++) {
+            const float next = __fadd_rn(acc, part[t]);
+            if (!(target < next)) {
+                acc = next;
+                continue;
+            }
+            const u32 a = min(t * chunk, vocab), b = min(a + chunk, vocab);
+            for (u32 i = a; i < b; i++) {
+                if (w[i] >= tau && w[i] > 0.0f) {
+                    acc = __fadd_rn(acc, w[i]);
+                    if (target < acc) {
+                        chosen = i;
+                        break;
+                    }
+                }
+            }
+        }
+        // Rounding can leave the target just past the last kept weight: take that token.
+        if (chosen == 0xffffffffu) {
+            chosen = 0u;
+            for (u32 i = vocab; i-- > 0u;)
+                if (w[i] >= tau && w[i] > 0.0f) {
+                    chosen = i;
+                    break;
+                }
+        }
+        token[0] = chosen;
+    }
+}

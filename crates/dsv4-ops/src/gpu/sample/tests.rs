@@ -1,0 +1,85 @@
+//! GPU tests of the device sampler: the weights within 4 ulps of the reference's (expf's 2-ulp
+//! bound plus the host's), and
+//! given the device's own weights, the same token as the reference bit for bit, on random
+//! logits of real and small vocabularies. All `#[ignore]`d: `cargo xtask gpu-test`.
+
+use rand::Rng;
+
+use super::reference as cpu;
+use super::*;
+use crate::gpu::testing::{device, rng};
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_sampler_matches_reference() {
+    let dev = device();
+    let mut rng = rng("gpu_sampler_matches_reference");
+    let mut distinct = std::collections::HashSet::new();
+    for iter in 0..40 {
+        let vocab = [129_280, 512, 1000, 7, 2048][iter % 5];
+        let settings = Sampling {
+            temperature: [0.0, 0.7, 1.0, 1.5][iter % 4],
+            top_p: [1.0, 0.9, 0.5, 1e-6, 0.95][iter % 5],
+            seed: rng.random(),
+        };
+        let spread = rng.random_range(1.0..12.0);
+        let mut z: Vec<f32> = (0..vocab)
+            .map(|_| rng.random_range(-spread..spread))
+            .collect();
+        if iter % 7 == 3 {
+            z[vocab / 2] = f32::NAN;
+        }
+        let position: u32 = rng.random_range(0..1 << 20);
+        let zd = dev.upload(DType::F32, &[vocab], &z).unwrap();
+        let pd = dev.upload(DType::U32, &[1], &[position]).unwrap();
+        let mut wd = dev.alloc::<f32>(DType::F32, &[vocab]).unwrap();
+        let mut td = dev.upload(DType::U32, &[1], &[u32::MAX]).unwrap();
+        sample(&dev, &zd, &settings, &pd, &mut wd, &mut td).unwrap();
+        let got = dev.download(&td).unwrap()[0];
+        let what = format!("iter {iter}: vocab {vocab}, {settings:?}, position {position}");
+        let greedy = settings.temperature == 0.0;
+        let w = if greedy {
+            vec![0.0; vocab]
+        } else {
+            let w = dev.download(&wd).unwrap();
+            let want = cpu::sample_weights(&z, 1.0 / settings.temperature);
+            for (i, (g, r)) in w.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - r).abs() <= 4.8e-7 * r.abs() + 1e-38,
+                    "{what}: weight {i}: {g} vs {r}"
+                );
+            }
+            w
+        };
+        let want = cpu::sample_pick(&z, &w, greedy, settings.top_p, settings.seed, position);
+        assert_eq!(got, want, "{what}");
+        assert!(z[got as usize].is_finite(), "{what}: picked a NaN logit");
+        distinct.insert(got);
+    }
+    assert!(distinct.len() > 10, "the draws should differ: {distinct:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_sampler_rejects_bad_settings() {
+    let dev = device();
+    let z = dev.alloc::<f32>(DType::F32, &[8]).unwrap();
+    let pos = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
+    let mut w = dev.alloc::<f32>(DType::F32, &[8]).unwrap();
+    let mut t = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
+    for (temperature, top_p) in [(f32::NAN, 1.0), (-1.0, 1.0), (1.0, 0.0), (1.0, 1.5)] {
+        let s = Sampling {
+            temperature,
+            top_p,
+            seed: 0,
+        };
+        assert!(sample(&dev, &z, &s, &pos, &mut w, &mut t).is_err(), "{s:?}");
+    }
+    let mut short = dev.alloc::<f32>(DType::F32, &[7]).unwrap();
+    let s = Sampling {
+        temperature: 1.0,
+        top_p: 1.0,
+        seed: 0,
+    };
+    assert!(sample(&dev, &z, &s, &pos, &mut short, &mut t).is_err());
+}
