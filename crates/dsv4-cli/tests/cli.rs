@@ -163,30 +163,40 @@ fn fails_saying(args: &[&str], expected: &str) {
     );
 }
 
-#[test]
-fn bad_settings_configs_and_weights_are_named_errors() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
-    let m = model.to_str().unwrap();
-    let out = dsv4(&["synth", "--preset", "tiny", "--layers", "2", "--out", m]);
+/// A 2-layer tiny synthetic checkpoint in `dir`.
+fn synth_tiny(dir: &Path) {
+    let d = dir.to_str().unwrap();
+    let out = dsv4(&["synth", "--preset", "tiny", "--layers", "2", "--out", d]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let gen = |extra: &[&str], expected: &str| {
-        let mut args = vec![
-            "generate",
-            "--model",
-            m,
-            "--prompt",
-            "Hi",
-            "--max-new-tokens",
-            "2",
-        ];
-        args.extend(extra);
-        fails_saying(&args, expected);
-    };
+}
+
+/// `dsv4 generate` on `model` with `extra` flags must fail saying `expected`.
+fn generate_fails(model: &Path, extra: &[&str], expected: &str) {
+    let m = model.to_str().unwrap();
+    let mut args = vec![
+        "generate",
+        "--model",
+        m,
+        "--prompt",
+        "Hi",
+        "--max-new-tokens",
+        "2",
+    ];
+    args.extend(extra);
+    fails_saying(&args, expected);
+}
+
+#[test]
+fn bad_settings_configs_and_weights_are_named_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let m = model.to_str().unwrap();
+    synth_tiny(&model);
+    let gen = |extra: &[&str], expected: &str| generate_fails(&model, extra, expected);
 
     for t in ["NaN", "inf", "-1"] {
         gen(
@@ -199,14 +209,9 @@ fn bad_settings_configs_and_weights_are_named_errors() {
     }
 
     let missing = tmp.path().join("nothing-here");
-    fails_saying(
-        &[
-            "generate",
-            "--model",
-            missing.to_str().unwrap(),
-            "--prompt",
-            "Hi",
-        ],
+    generate_fails(
+        &missing,
+        &[],
         &format!("model directory {} does not exist", missing.display()),
     );
 
@@ -226,16 +231,7 @@ fn bad_settings_configs_and_weights_are_named_errors() {
     let run_logits = |model: &Path| logits(model, &ids, &out_file, &["--chunks", "2"]);
     let poisoned = |tensor: &str| {
         let dir = tmp.path().join(tensor);
-        let out = dsv4(&[
-            "synth",
-            "--preset",
-            "tiny",
-            "--layers",
-            "2",
-            "--out",
-            dir.to_str().unwrap(),
-        ]);
-        assert!(out.status.success());
+        synth_tiny(&dir);
         poison(&dir, tensor);
         dir
     };
@@ -250,19 +246,7 @@ fn bad_settings_configs_and_weights_are_named_errors() {
         ),
     ] {
         let dir = poisoned(tensor);
-        let d = dir.to_str().unwrap();
-        fails_saying(
-            &[
-                "generate",
-                "--model",
-                d,
-                "--prompt",
-                "Hi",
-                "--max-new-tokens",
-                "2",
-            ],
-            expected,
-        );
+        generate_fails(&dir, &[], expected);
         let out = run_logits(&dir);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(

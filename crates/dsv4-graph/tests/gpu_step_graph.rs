@@ -163,4 +163,15 @@ fn gpu_captured_step_cannot_do_host_work() {
         StepGraph::capture(&dev, || Ok(())),
         Err(GraphError::Empty)
     ));
+    // A capture inside a captured step is refused; the outer capture goes on.
+    let mut pos = dev.upload(DType::U32, &[1], &[0u32]).unwrap();
+    let mut inner = None;
+    let outer = StepGraph::capture(&dev, || {
+        inner = Some(StepGraph::capture(&dev, || Ok(())));
+        rows::advance_position(&dev, &mut pos, 1)
+    })
+    .unwrap();
+    assert!(matches!(inner, Some(Err(GraphError::Nested))));
+    outer.replay().unwrap();
+    assert_eq!(dev.download(&pos).unwrap(), vec![1]);
 }

@@ -45,15 +45,21 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
     return x ^ (x >> 31);
 }
 
-// Sum of the kept weights (w >= tau) of this thread's id range, then the pairwise tree over
-// the threads: for stride 512, 256, ..., 1, part[i] += part[i + stride]. Every thread returns it.
-__device__ float kept_mass(const float* __restrict__ w, u32 lo, u32 hi, float tau, float* part) {
+// Writes the sum of the kept weights (w >= tau) of this thread's id range, summed in id
+// order, to part[threadIdx.x] (after a barrier, so part may still be in use before the call).
+__device__ __forceinline__ void thread_kept_sum(const float* __restrict__ w, u32 lo, u32 hi, float tau, float* part) {
     float s = 0.0f;
     for (u32 i = lo; i < hi; i++)
         if (w[i] >= tau) s = __fadd_rn(s, w[i]);
     __syncthreads();
     part[threadIdx.x] = s;
     __syncthreads();
+}
+
+// The kept mass: per-thread sums, then the pairwise tree over the threads (for stride 512,
+// 256, ..., 1, part[i] += part[i + stride]). Every thread returns it.
+__device__ float kept_mass(const float* __restrict__ w, u32 lo, u32 hi, float tau, float* part) {
+    thread_kept_sum(w, lo, hi, tau, part);
     for (u32 stride = SAMPLE_THREADS / 2u; stride > 0u; stride >>= 1) {
         if (threadIdx.x < stride) part[threadIdx.x] = __fadd_rn(part[threadIdx.x], part[threadIdx.x + stride]);
         __syncthreads();
@@ -124,12 +130,7 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
     const float tau = __uint_as_float(tau_bits);
     // Per-thread kept sums, scanned in id order by thread 0, which then walks the range the
     // draw lands in.
-    float s = 0.0f;
-    for (u32 i = lo; i < hi; i++)
-        if (w[i] >= tau) s = __fadd_rn(s, w[i]);
-    __syncthreads();
-    part[threadIdx.x] = s;
-    __syncthreads();
+    thread_kept_sum(w, lo, hi, tau, part);
     if (threadIdx.x == 0u) {
         float kept = 0.0f;
         for (u32 t = 0; t < SAMPLE_THREADS; t++) kept = __fadd_rn(kept, part[t]);

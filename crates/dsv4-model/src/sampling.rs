@@ -3,31 +3,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-#[derive(Debug, thiserror::Error)]
-pub enum SamplingError {
-    #[error("temperature {0} must be finite and at least 0 (0 = greedy)")]
-    Temperature(f32),
-    #[error("top-p {0} must be in (0, 1]")]
-    TopP(f32),
-}
-
-/// `t` if it is a valid temperature: finite and ≥ 0.
-pub fn check_temperature(t: f32) -> Result<f32, SamplingError> {
-    if t.is_finite() && t >= 0.0 {
-        Ok(t)
-    } else {
-        Err(SamplingError::Temperature(t))
-    }
-}
-
-/// `p` if it is a valid nucleus mass: in (0, 1].
-pub fn check_top_p(p: f32) -> Result<f32, SamplingError> {
-    if p > 0.0 && p <= 1.0 {
-        Ok(p)
-    } else {
-        Err(SamplingError::TopP(p))
-    }
-}
+pub use dsv4_ops::gpu::sample::{check_temperature, check_top_p, SamplingError};
 
 pub struct Sampler {
     temperature: f32,

@@ -3,7 +3,9 @@
 //! shared expert (FP8), lm_head (BF16) and the six-expert grouped MoE of a Flash layer; next to
 //! cuBLAS BF16 GEMV on a matrix of the same byte size. Also the format kernels: the NVFP4
 //! activation quantizer at M = 1 and 16 on the hidden and expert-intermediate widths, and the
-//! load-time NVFP4 / MXFP4 / FP8 dequantize of one Flash expert matrix.
+//! load-time NVFP4 / MXFP4 / FP8 dequantize of one Flash expert matrix. And the per-token
+//! kernels of the decode step (`step` cases): an mHC site's hc_pre and hc_post, RoPE on the
+//! queries, routing, sampling.
 //!
 //! Method: each measurement is a CUDA graph of back-to-back launches, replayed and timed with
 //! CUDA events; the time per launch is the replay time over the launch count. Launches rotate
@@ -44,6 +46,7 @@ use dsv4_ops::gpu::bandwidth::measure_copy_bandwidth;
 use dsv4_ops::gpu::formats::{self, Fp8Scales, Nvfp4Act};
 use dsv4_ops::gpu::gemv::{self, tuning, GemvWeight, GemvWorkspace, HostWeight};
 use dsv4_ops::gpu::moe::{self, MoeExperts, MoeFormat, MoeOut};
+use dsv4_ops::gpu::{mhc, router, rows, sample};
 use dsv4_ops::gpu::{DType, Device, DeviceTensor};
 use half::bf16;
 
@@ -73,6 +76,13 @@ impl Bits {
             .map(|b| lo + b % (hi - lo + 1))
             .collect()
     }
+    /// Uniform in [-1, 1).
+    fn f32s(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            .collect()
+    }
+
     fn bf16s(&mut self, n: usize) -> Vec<bf16> {
         // |v| in [2^-8, 2^-4): sign, exponent 119..122, random mantissa.
         (0..n)
@@ -87,6 +97,7 @@ impl Bits {
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Fmt {
+    F32,
     Bf16,
     Fp8,
     Nvfp4,
@@ -96,6 +107,7 @@ enum Fmt {
 impl Fmt {
     fn label(self) -> &'static str {
         match self {
+            Fmt::F32 => "F32",
             Fmt::Bf16 => "BF16",
             Fmt::Fp8 => "FP8 128x128 e8m0",
             Fmt::Nvfp4 => "NVFP4",
@@ -115,6 +127,7 @@ enum Owned {
 impl Owned {
     fn random(bits: &mut Bits, fmt: Fmt, n: usize, k: usize) -> Owned {
         match fmt {
+            Fmt::F32 => unreachable!("no F32 weights are benched"),
             Fmt::Bf16 => Owned::Bf16(bits.bf16s(n * k)),
             Fmt::Fp8 => {
                 // No NaN codes (0x7f / 0xff).
@@ -190,6 +203,203 @@ impl FormatLaunch for ActQuantize {
 
     fn launch(&mut self, dev: &Device) -> Res<()> {
         formats::nvfp4_quantize_act(dev, &self.x, &mut self.out)?;
+        Ok(())
+    }
+}
+
+/// The per-token kernels of a decode step at M = 1, each on its own inputs and outputs.
+enum StepOp {
+    /// One mHC site: the mix projection of the 4 streams, Sinkhorn and collapse.
+    HcPre {
+        streams: DeviceTensor<f32>,
+        site: mhc::DeviceHcSite,
+        out: mhc::HcPreOut,
+    },
+    /// The expansion back into 4 streams.
+    HcPost {
+        streams: DeviceTensor<f32>,
+        y: DeviceTensor<f32>,
+        mix: mhc::HcPreOut,
+        out: DeviceTensor<f32>,
+    },
+    /// RoPE on the 64 rotary channels of every attention head's query.
+    Rope {
+        q: DeviceTensor<f32>,
+        inv_freq: DeviceTensor<f32>,
+        pos: DeviceTensor<u32>,
+    },
+    /// Learned top-6 routing over the layer's experts.
+    Route {
+        logits: DeviceTensor<f32>,
+        token: DeviceTensor<u32>,
+        bias: DeviceTensor<f32>,
+        ids: DeviceTensor<i32>,
+        weights: DeviceTensor<f32>,
+    },
+    /// Temperature 0.7 + top-p 0.9 over the vocabulary.
+    Sample {
+        logits: DeviceTensor<f32>,
+        pos: DeviceTensor<u32>,
+        weights: DeviceTensor<f32>,
+        token: DeviceTensor<u32>,
+    },
+}
+
+const STEP_PARAMS: mhc::reference::HcParams = mhc::reference::HcParams {
+    n: mhc::HC,
+    sinkhorn_iters: 20,
+    hc_eps: 1e-6,
+    norm_eps: 1e-6,
+};
+
+impl StepOp {
+    fn f32s(dev: &Device, bits: &mut Bits, shape: &[usize]) -> Res<DeviceTensor<f32>> {
+        Ok(dev.upload(DType::F32, shape, &bits.f32s(shape.iter().product()))?)
+    }
+
+    /// `which` in hc_pre, hc_post, rope, route, sample; `d` the hidden size, `heads` the
+    /// attention heads, `experts` the routed experts.
+    fn random(
+        dev: &Device,
+        bits: &mut Bits,
+        which: &str,
+        d: usize,
+        heads: usize,
+        experts: usize,
+    ) -> Res<StepOp> {
+        let hc = mhc::HC;
+        let mut f = |shape: &[usize]| Self::f32s(dev, bits, shape);
+        let pre_out =
+            |f: &mut dyn FnMut(&[usize]) -> Res<DeviceTensor<f32>>| -> Res<mhc::HcPreOut> {
+                Ok(mhc::HcPreOut {
+                    x: f(&[1, d])?,
+                    post: f(&[1, hc])?,
+                    comb: f(&[1, hc * hc])?,
+                })
+            };
+        Ok(match which {
+            "hc_pre" => {
+                let streams = f(&[1, hc * d])?;
+                let site = mhc::DeviceHcSite {
+                    fn_: f(&[mhc::MIX, hc * d])?,
+                    base: f(&[mhc::MIX])?,
+                    scale: f(&[3])?,
+                };
+                StepOp::HcPre {
+                    streams,
+                    site,
+                    out: pre_out(&mut f)?,
+                }
+            }
+            "hc_post" => StepOp::HcPost {
+                streams: f(&[1, hc * d])?,
+                y: f(&[1, d])?,
+                mix: pre_out(&mut f)?,
+                out: f(&[1, hc * d])?,
+            },
+            "rope" => StepOp::Rope {
+                q: f(&[1, heads * 512])?,
+                inv_freq: f(&[32])?,
+                pos: dev.upload(DType::U32, &[1], &[123_456u32])?,
+            },
+            "route" => StepOp::Route {
+                logits: f(&[1, experts])?,
+                token: dev.upload(DType::U32, &[1], &[7u32])?,
+                bias: f(&[experts])?,
+                ids: dev.alloc(DType::I32, &[1, 6])?,
+                weights: f(&[1, 6])?,
+            },
+            _ => StepOp::Sample {
+                logits: dev.upload(
+                    DType::F32,
+                    &[129_280],
+                    &bits
+                        .f32s(129_280)
+                        .iter()
+                        .map(|v| 8.0 * v)
+                        .collect::<Vec<_>>(),
+                )?,
+                pos: dev.upload(DType::U32, &[1], &[99u32])?,
+                weights: dev.alloc(DType::F32, &[129_280])?,
+                token: dev.alloc(DType::U32, &[1])?,
+            },
+        })
+    }
+}
+
+impl FormatLaunch for StepOp {
+    /// Inputs read once and outputs written once (the sampler's bisection re-reads its
+    /// weights from L2; they count once).
+    fn bytes(&self) -> usize {
+        match self {
+            StepOp::HcPre { streams, site, out } => {
+                streams.num_bytes()
+                    + site.fn_.num_bytes()
+                    + out.x.num_bytes()
+                    + out.comb.num_bytes()
+            }
+            StepOp::HcPost {
+                streams, y, out, ..
+            } => streams.num_bytes() + y.num_bytes() + out.num_bytes(),
+            StepOp::Rope { q, .. } => 2 * q.num_bytes() / 8,
+            StepOp::Route { logits, bias, .. } => logits.num_bytes() + bias.num_bytes(),
+            StepOp::Sample {
+                logits, weights, ..
+            } => logits.num_bytes() + 2 * weights.num_bytes(),
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            StepOp::HcPre { streams, .. } | StepOp::HcPost { streams, .. } => streams.shape(),
+            StepOp::Rope { q, .. } => q.shape(),
+            StepOp::Route { logits, .. } | StepOp::Sample { logits, .. } => logits.shape(),
+        }
+    }
+
+    fn launch(&mut self, dev: &Device) -> Res<()> {
+        match self {
+            StepOp::HcPre { streams, site, out } => {
+                mhc::hc_pre(dev, streams, site, &STEP_PARAMS, out)?
+            }
+            StepOp::HcPost {
+                streams,
+                y,
+                mix,
+                out,
+            } => mhc::hc_post(dev, streams, y, mix, out)?,
+            StepOp::Rope { q, inv_freq, pos } => {
+                rows::rope_rows(dev, q, 512, inv_freq, pos, rows::RopeDirection::Forward)?
+            }
+            StepOp::Route {
+                logits,
+                token,
+                bias,
+                ids,
+                weights,
+            } => router::route_topk(
+                dev,
+                logits,
+                token,
+                router::DeviceRouteBy::Learned { bias },
+                2.5,
+                ids,
+                weights,
+            )?,
+            StepOp::Sample {
+                logits,
+                pos,
+                weights,
+                token,
+            } => {
+                let s = sample::Sampling {
+                    temperature: 0.7,
+                    top_p: 0.9,
+                    seed: 1,
+                };
+                sample::sample(dev, logits, &s, pos, weights, token)?
+            }
+        }
         Ok(())
     }
 }
@@ -847,6 +1057,14 @@ fn main() -> Res<()> {
                     ActQuantize::random(dev, bits, rows, cols)
                 })?;
             }
+        }
+        // The per-token kernels of the step (RoPE on the 64 rotary channels of each head's
+        // query; the route over the layer's experts; sampling over the vocabulary).
+        let experts = if model == "Flash" { 256 } else { 384 };
+        for which in ["hc_pre", "hc_post", "rope", "route", "sample"] {
+            b.format_case(model, &format!("step {which}"), Fmt::F32, |dev, bits| {
+                StepOp::random(dev, bits, which, d, heads, experts)
+            })?;
         }
         // Dequantize runs at load time, once per matrix: one Flash expert per format will do.
         if model == "Flash" {

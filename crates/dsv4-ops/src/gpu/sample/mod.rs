@@ -12,6 +12,32 @@ use super::launch::{dim_u32, launch_err};
 use super::{DType, Device, DeviceTensor, GpuError};
 use reference::THREADS;
 
+#[derive(Debug, thiserror::Error)]
+pub enum SamplingError {
+    #[error("temperature {0} must be finite and at least 0 (0 = greedy)")]
+    Temperature(f32),
+    #[error("top-p {0} must be in (0, 1]")]
+    TopP(f32),
+}
+
+/// `t` if it is a valid temperature: finite and ≥ 0.
+pub fn check_temperature(t: f32) -> Result<f32, SamplingError> {
+    if t.is_finite() && t >= 0.0 {
+        Ok(t)
+    } else {
+        Err(SamplingError::Temperature(t))
+    }
+}
+
+/// `p` if it is a valid nucleus mass: in (0, 1].
+pub fn check_top_p(p: f32) -> Result<f32, SamplingError> {
+    if p > 0.0 && p <= 1.0 {
+        Ok(p)
+    } else {
+        Err(SamplingError::TopP(p))
+    }
+}
+
 /// How the next token is chosen; fixed when a step is captured.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sampling {
@@ -49,17 +75,9 @@ pub fn sample(
     weights: &mut DeviceTensor<f32>,
     token: &mut DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
-    let valid =
-        s.temperature.is_finite() && s.temperature >= 0.0 && s.top_p > 0.0 && s.top_p <= 1.0;
-    if !valid {
-        return Err(GpuError::invalid(
-            "sampling",
-            format!(
-                "temperature {} must be finite and >= 0, top-p {} in (0, 1]",
-                s.temperature, s.top_p
-            ),
-        ));
-    }
+    check_temperature(s.temperature)
+        .and(check_top_p(s.top_p))
+        .map_err(|e| GpuError::invalid("sampling", e.to_string()))?;
     let vocab = logits.len();
     logits.expect("sampling logits", DType::F32, &[vocab])?;
     weights.expect("sampling weights", DType::F32, &[vocab])?;
