@@ -13,8 +13,13 @@ pub struct Oracle {
     pub vocab: usize,
 }
 
+/// `$DSV4_FIXTURES` when set (test binaries run on another machine than the one that built
+/// them), else `tests/fixtures` of the source tree.
 pub fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+    match std::env::var_os("DSV4_FIXTURES") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures"),
+    }
 }
 
 /// Every fixture folder (one holding `oracle.safetensors`), sorted by name.

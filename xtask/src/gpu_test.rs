@@ -165,6 +165,8 @@ if ! ldconfig -p | grep -q 'libnvrtc.so.13'; then
     if [ -e "$d/libnvrtc.so.13" ]; then export LD_LIBRARY_PATH="$d${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"; break; fi
   done
 fi
+# Oracle fixtures of the tree the script sits in.
+export DSV4_FIXTURES=${{DSV4_FIXTURES:-$here/../tests/fixtures}}
 # A private kernel cache: the first binary compiles (cold), the sanitizer runs reuse it.
 export DSV4_KERNEL_CACHE=${{DSV4_KERNEL_CACHE:-$(mktemp -d)}}
 

@@ -8,14 +8,18 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use dsv4_graph::{eager_launch, eager_step, DecodeGraph};
 use dsv4_model::chat::{encode_chat, ChatMode, Message};
 use dsv4_model::checkpoint::Checkpoint;
 use dsv4_model::config::Config;
 use dsv4_model::cpu::{CpuModel, Logits};
+use dsv4_model::gpu::{GpuModel, GpuOptions};
 use dsv4_model::sampling::{self, Sampler};
 use dsv4_model::synth::{write_synthetic, SynthFormat};
 use dsv4_model::tokenizer::Tokenizer;
 use dsv4_model::weights::ModelWeights;
+use dsv4_ops::gpu::sample::Sampling;
+use dsv4_ops::gpu::Device;
 
 #[derive(Parser)]
 #[command(name = "dsv4", version, about = "DeepSeek-V4 (Flash / Pro) inference")]
@@ -30,6 +34,9 @@ enum Command {
     Generate(GenerateArgs),
     /// Write the logits of every position of a token-id sequence (for parity checks).
     Logits(LogitsArgs),
+    /// Time prefill and decode on the GPU (with and without the decode graph) against the
+    /// copy-bandwidth roofline, on a checkpoint or a synthetic model of a preset's widths.
+    Bench(BenchArgs),
     /// Describe a checkpoint: layer schedule, tensor formats, parameters, bytes per token.
     Info {
         /// Checkpoint directory (config.json, safetensors, tokenizer.json).
@@ -73,6 +80,50 @@ struct GenerateArgs {
     top_p: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    gpu: GpuArgs,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    Cuda,
+    Cpu,
+}
+
+#[derive(clap::Args)]
+struct GpuArgs {
+    /// Where the model runs; default: cuda when a GPU is present, else cpu.
+    #[arg(long, value_enum)]
+    backend: Option<Backend>,
+    /// Positions the GPU sequence state holds; default: what fits in free GPU memory.
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Issue the decode step's launches one by one instead of replaying its CUDA graph.
+    #[arg(long)]
+    no_graph: bool,
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Checkpoint directory; without it, a synthetic model (--synth).
+    #[arg(long, conflicts_with = "synth")]
+    model: Option<PathBuf>,
+    /// Preset whose widths the synthetic model has.
+    #[arg(long, value_enum, default_value = "flash")]
+    synth: Preset,
+    /// Layers of the synthetic model.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Format of the synthetic model.
+    #[arg(long, value_enum, default_value = "nvfp4")]
+    format: Format,
+    #[arg(long, default_value_t = 1024)]
+    prompt: usize,
+    #[arg(long, default_value_t = 32)]
+    decode: usize,
+    /// Positions the GPU sequence state holds; default: prompt + decode.
+    #[arg(long)]
+    max_context: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -89,6 +140,8 @@ struct LogitsArgs {
     /// Without it: one full prefill.
     #[arg(long, value_delimiter = ',')]
     chunks: Option<Vec<usize>>,
+    #[command(flatten)]
+    gpu: GpuArgs,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -137,6 +190,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),
+        Command::Bench(a) => bench(a),
         Command::Info { model } => info(&model),
         Command::Synth(a) => synth(a),
         Command::Kernels {
@@ -159,12 +213,79 @@ fn load_model(dir: &Path) -> Result<CpuModel> {
     Ok(model)
 }
 
+/// The backend asked for, or cuda when a GPU is present; says which when it chose.
+fn backend(asked: Option<Backend>) -> Result<Backend> {
+    if let Some(b) = asked {
+        return Ok(b);
+    }
+    let gpus = Device::count().unwrap_or(0);
+    let b = if gpus > 0 {
+        Backend::Cuda
+    } else {
+        Backend::Cpu
+    };
+    eprintln!(
+        "backend: {} ({gpus} CUDA device(s) found; --backend chooses)",
+        match b {
+            Backend::Cuda => "cuda",
+            Backend::Cpu => "cpu",
+        }
+    );
+    Ok(b)
+}
+
+fn load_gpu_model(dir: &Path, max_context: Option<usize>) -> Result<GpuModel> {
+    let dev = std::sync::Arc::new(Device::new(0).context("opening CUDA device 0")?);
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("uploading {bar:30} {pos}/{len} layers {elapsed}").unwrap(),
+    );
+    let model = GpuModel::load(dir, dev, GpuOptions { max_context }, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })
+    .with_context(|| format!("loading {} onto the GPU", dir.display()))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "{}: context capacity {} tokens, {:.3} GB of weights read per decode step",
+        model.device().name(),
+        model.capacity(),
+        model.step_weight_bytes() as f64 / 1e9
+    );
+    Ok(model)
+}
+
+/// Streams the tokens `next` yields until EOS or `max` tokens; returns how many it took.
+fn stream_tokens(
+    tokenizer: &Tokenizer,
+    eos: &[u32],
+    max: usize,
+    mut next: impl FnMut(usize) -> Result<u32>,
+) -> Result<usize> {
+    let mut stream = tokenizer.stream();
+    let mut out = std::io::stdout().lock();
+    let mut generated = 0;
+    while generated < max {
+        let token = next(generated)?;
+        generated += 1;
+        if eos.contains(&token) {
+            break;
+        }
+        if let Some(text) = stream.push(token)? {
+            out.write_all(text.as_bytes())?;
+            out.flush()?;
+        }
+    }
+    if let Some(text) = stream.finish()? {
+        out.write_all(text.as_bytes())?;
+    }
+    writeln!(out)?;
+    Ok(generated)
+}
+
 fn generate(a: GenerateArgs) -> Result<()> {
     // The config first: a missing directory or a bad config.json is reported as such.
-    Config::from_dir(&a.model)?;
+    let cfg = Config::from_dir(&a.model)?;
     let tokenizer = Tokenizer::from_dir(&a.model)?;
-    let model = load_model(&a.model)?;
-    let cfg = model.config();
     let prompt_ids = if a.chat {
         let mode = if a.thinking {
             ChatMode::Thinking
@@ -185,35 +306,55 @@ fn generate(a: GenerateArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
-    let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed)?;
-    let mut state = model.new_state();
-    let mut stream = tokenizer.stream();
-    let mut out = std::io::stdout().lock();
-
-    let t0 = Instant::now();
-    let mut logits = model.forward(&mut state, &prompt_ids, Logits::Last)?;
-    let prefill_s = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    let mut generated = 0;
-    while generated < a.max_new_tokens {
-        let token = sampler.sample(&logits);
-        generated += 1;
-        if cfg.eos_token_ids.contains(&token) {
-            break;
+    let backend = backend(a.gpu.backend)?;
+    let (prefill_s, t1, generated) = match backend {
+        Backend::Cpu => {
+            let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed)?;
+            let model = load_model(&a.model)?;
+            let t0 = Instant::now();
+            let mut state = model.new_state();
+            let mut logits = model.forward(&mut state, &prompt_ids, Logits::Last)?;
+            let prefill_s = t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            let mut last = None;
+            let generated =
+                stream_tokens(&tokenizer, &cfg.eos_token_ids, a.max_new_tokens, |_| {
+                    if let Some(t) = last {
+                        logits = model.forward(&mut state, &[t], Logits::Last)?;
+                    }
+                    let t = sampler.sample(&logits);
+                    last = Some(t);
+                    Ok(t)
+                })?;
+            (prefill_s, t1, generated)
         }
-        if let Some(text) = stream.push(token)? {
-            out.write_all(text.as_bytes())?;
-            out.flush()?;
+        Backend::Cuda => {
+            let mut model = load_gpu_model(&a.model, a.gpu.max_context.or(Some(needed)))?;
+            let s = Sampling {
+                temperature: a.temperature,
+                top_p: a.top_p,
+                seed: a.seed,
+            };
+            let t0 = Instant::now();
+            model.prefill(&prompt_ids, &s)?;
+            let first = model.read_token()?;
+            let prefill_s = t0.elapsed().as_secs_f64();
+            let graph = if a.gpu.no_graph {
+                None
+            } else {
+                Some(DecodeGraph::capture(&mut model, &s)?)
+            };
+            let t1 = Instant::now();
+            let generated = stream_tokens(&tokenizer, &cfg.eos_token_ids, a.max_new_tokens, |i| {
+                Ok(match (i, &graph) {
+                    (0, _) => first,
+                    (_, Some(g)) => g.step(&mut model)?,
+                    (_, None) => eager_step(&mut model, &s)?,
+                })
+            })?;
+            (prefill_s, t1, generated)
         }
-        if generated == a.max_new_tokens {
-            break;
-        }
-        logits = model.forward(&mut state, &[token], Logits::Last)?;
-    }
-    if let Some(text) = stream.finish()? {
-        out.write_all(text.as_bytes())?;
-    }
-    writeln!(out)?;
+    };
     let decode_s = t1.elapsed().as_secs_f64();
     eprintln!(
         "prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.2} tok/s)",
@@ -223,6 +364,135 @@ fn generate(a: GenerateArgs) -> Result<()> {
         generated,
         decode_s,
         generated as f64 / decode_s
+    );
+    Ok(())
+}
+
+/// Times `steps` decode steps enqueued back to back by `launch`: (device ms per step, host µs
+/// per step spent enqueuing).
+fn time_decode(
+    model: &mut GpuModel,
+    steps: usize,
+    mut launch: impl FnMut(&mut GpuModel) -> Result<()>,
+) -> Result<(f64, f64)> {
+    model.device().synchronize()?;
+    let t = Instant::now();
+    for _ in 0..steps {
+        launch(model)?;
+    }
+    let host = t.elapsed().as_secs_f64();
+    model.device().synchronize()?;
+    let total = t.elapsed().as_secs_f64();
+    Ok((total * 1e3 / steps as f64, host * 1e6 / steps as f64))
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    if a.prompt == 0 || a.decode == 0 {
+        bail!("--prompt and --decode must be positive");
+    }
+    let synth_dir = match &a.model {
+        Some(_) => None,
+        None => {
+            let mut config = match a.synth {
+                Preset::Tiny => Config::tiny(),
+                Preset::Flash => Config::flash(),
+                Preset::Pro => Config::pro(),
+            };
+            if a.layers == 0 || a.layers > config.num_layers {
+                bail!("--layers {} must be in 1..={}", a.layers, config.num_layers);
+            }
+            config = config.truncated(a.layers);
+            // Learned routing in every layer (hash layers read one fixed table).
+            config.num_hash_layers = 0;
+            // RAM-backed when the machine has /dev/shm: nothing lasting is written.
+            let root = Path::new("/dev/shm");
+            let root = if root.is_dir() {
+                root.to_path_buf()
+            } else {
+                std::env::temp_dir()
+            };
+            let dir = root.join(format!("dsv4-bench-{}", std::process::id()));
+            let format = match a.format {
+                Format::Bf16 => SynthFormat::Bf16,
+                Format::Official => SynthFormat::Official,
+                Format::Nvfp4 => SynthFormat::Nvfp4,
+            };
+            let t = Instant::now();
+            let bytes = write_synthetic(&config, format, &dir, 0, &mut |_, _| {})?;
+            eprintln!(
+                "synthetic model: {:.2} GB written to {} in {:.1} s",
+                bytes as f64 / 1e9,
+                dir.display(),
+                t.elapsed().as_secs_f64()
+            );
+            Some(dir)
+        }
+    };
+    let dir = a
+        .model
+        .clone()
+        .or(synth_dir.clone())
+        .expect("a model directory");
+    let context = a.max_context.unwrap_or(a.prompt + 2 * a.decode + 1);
+    let loaded = load_gpu_model(&dir, Some(context));
+    if let Some(d) = &synth_dir {
+        std::fs::remove_dir_all(d).with_context(|| format!("removing {}", d.display()))?;
+    }
+    let mut model = loaded?;
+    let cfg = model.config().clone();
+    let schedule: Vec<&str> = cfg.layers.iter().map(|k| k.name()).collect();
+    let dev = model.device().clone();
+    let bw = dsv4_ops::gpu::bandwidth::measure_copy_bandwidth(&dev, 1 << 30, 20)?;
+    let bytes = model.step_weight_bytes() as f64;
+    let roofline_ms = bytes / bw.bytes_per_second * 1e3;
+    println!("device: {}", dev.name());
+    println!(
+        "model: {} · {} layers [{}] · hidden {} · experts {} top-{}",
+        dir.display(),
+        cfg.num_layers,
+        schedule.join(", "),
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        cfg.experts_per_token
+    );
+    println!(
+        "copy bandwidth {:.0} GB/s; a decode step reads {:.3} GB of weights: roofline {:.3} ms",
+        bw.bytes_per_second / 1e9,
+        bytes / 1e9,
+        roofline_ms
+    );
+    let prompt: Vec<u32> = (0..a.prompt)
+        .map(|i| ((i as u64 * 7919 + 13) % cfg.vocab_size as u64) as u32)
+        .collect();
+    let s = Sampling {
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let t = Instant::now();
+    model.prefill(&prompt, &s)?;
+    model.read_token()?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    println!(
+        "prefill: {} tokens in {:.3} s, {:.1} tok/s (chunks of {})",
+        a.prompt,
+        prefill_s,
+        a.prompt as f64 / prefill_s,
+        dsv4_model::gpu::MAX_CHUNK
+    );
+    let (eager_ms, eager_host) = time_decode(&mut model, a.decode, |m| Ok(eager_launch(m, &s)?))?;
+    let graph = DecodeGraph::capture(&mut model, &s)?;
+    let (graph_ms, graph_host) = time_decode(&mut model, a.decode, |m| Ok(graph.replay(m)?))?;
+    let pct = |ms: f64| roofline_ms / ms * 100.0;
+    println!(
+        "decode eager: {eager_ms:.3} ms/token ({:.1}% of roofline), host {eager_host:.1} µs/step",
+        pct(eager_ms)
+    );
+    println!(
+        "decode graph: {graph_ms:.3} ms/token ({:.1}% of roofline), host {graph_host:.1} µs/step, \
+         {} nodes per step",
+        pct(graph_ms),
+        graph.nodes()
     );
     Ok(())
 }
@@ -252,18 +522,34 @@ fn logits(a: LogitsArgs) -> Result<()> {
             ids.len()
         );
     }
-    let model = load_model(&a.model)?;
-    let mut state = model.new_state();
-    let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
-    let mut start = 0;
-    for len in chunks
+    let lengths: Vec<usize> = chunks
         .into_iter()
         .chain(std::iter::repeat_n(1, ids.len() - prefill))
-    {
-        all.extend(model.forward(&mut state, &ids[start..start + len], Logits::All)?);
-        start += len;
-    }
-    let shape = vec![ids.len(), model.config().vocab_size];
+        .collect();
+    let (all, vocab) = match backend(a.gpu.backend)? {
+        Backend::Cpu => {
+            let model = load_model(&a.model)?;
+            let mut state = model.new_state();
+            let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
+            let mut start = 0;
+            for len in lengths {
+                all.extend(model.forward(&mut state, &ids[start..start + len], Logits::All)?);
+                start += len;
+            }
+            (all, model.config().vocab_size)
+        }
+        Backend::Cuda => {
+            let mut model = load_gpu_model(&a.model, a.gpu.max_context.or(Some(ids.len())))?;
+            let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
+            let mut start = 0;
+            for len in lengths {
+                all.extend(model.forward(&ids[start..start + len], Logits::All)?);
+                start += len;
+            }
+            (all, model.config().vocab_size)
+        }
+    };
+    let shape = vec![ids.len(), vocab];
     let view = safetensors::tensor::TensorView::new(
         safetensors::Dtype::F32,
         shape,
@@ -272,9 +558,8 @@ fn logits(a: LogitsArgs) -> Result<()> {
     safetensors::serialize_to_file([("logits", view)], None, &a.out)
         .with_context(|| format!("writing {}", a.out.display()))?;
     eprintln!(
-        "wrote logits [{}, {}] to {}",
+        "wrote logits [{}, {vocab}] to {}",
         ids.len(),
-        model.config().vocab_size,
         a.out.display()
     );
     Ok(())

@@ -5,6 +5,8 @@
 
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, DriverError};
+use dsv4_model::gpu::{GpuModel, GpuModelError};
+use dsv4_ops::gpu::sample::Sampling;
 use dsv4_ops::gpu::{Device, GpuError};
 
 #[derive(Debug, thiserror::Error)]
@@ -81,4 +83,66 @@ impl StepGraph {
     pub fn nodes(&self) -> usize {
         self.nodes
     }
+}
+
+/// A [`GpuModel`]'s decode step captured once: each [`DecodeGraph::step`] replays it (the
+/// token in the device buffer through every layer, the head and the sampler, which writes the
+/// next token where the following replay reads it) and reads the sampled token back.
+pub struct DecodeGraph {
+    graph: StepGraph,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+    #[error(transparent)]
+    Model(#[from] GpuModelError),
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+impl DecodeGraph {
+    /// Captures `model`'s decode step with `sampling`. Run a prefill first, so every kernel
+    /// of the step is loaded.
+    pub fn capture(model: &mut GpuModel, sampling: &Sampling) -> Result<DecodeGraph, GraphError> {
+        let dev = model.device().clone();
+        let graph = StepGraph::capture(&dev, || model.launch_decode_step(sampling))?;
+        Ok(DecodeGraph { graph })
+    }
+
+    /// One replay, enqueued without waiting: decodes the token in the device buffer and
+    /// leaves the sampled next one there (replays back to back stream several tokens).
+    pub fn replay(&self, model: &mut GpuModel) -> Result<(), DecodeError> {
+        model.check_decode(1)?;
+        self.graph.replay()?;
+        model.note_decoded(1);
+        Ok(())
+    }
+
+    /// One replay, then the sampled token read back.
+    pub fn step(&self, model: &mut GpuModel) -> Result<u32, DecodeError> {
+        self.replay(model)?;
+        Ok(model.read_token()?)
+    }
+
+    /// Kernel launches (and other nodes) per step.
+    pub fn nodes(&self) -> usize {
+        self.graph.nodes()
+    }
+}
+
+/// The same step without a graph: the launches issued one by one (comparison, debugging),
+/// enqueued without waiting.
+pub fn eager_launch(model: &mut GpuModel, sampling: &Sampling) -> Result<(), DecodeError> {
+    model.check_decode(1)?;
+    model.launch_decode_step(sampling)?;
+    model.note_decoded(1);
+    Ok(())
+}
+
+/// [`eager_launch`], then the sampled token read back.
+pub fn eager_step(model: &mut GpuModel, sampling: &Sampling) -> Result<u32, DecodeError> {
+    eager_launch(model, sampling)?;
+    Ok(model.read_token()?)
 }

@@ -2,6 +2,7 @@
 // (the device token id's row of tid2eid) or learned routing (top k of score + bias, ties to
 // the lowest expert, returned in ascending expert order), and the combine weights
 // score / sum(scores) * scale. One warp per token; everything stays on the device.
+// Also the gate projection before it (gate_logits_*, at the end), in f32.
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
@@ -92,4 +93,118 @@ DSV4_KERNEL void route_topk(const float* __restrict__ logits, u32 n, u32 e, u32 
             }
         }
     }
+}
+
+// ---- the gate projection ----
+//
+// logits[t, e] = x[t] . w[e] in f32 (the MoE gate; its logits are never rounded to bf16: top-k
+// gaps can be ~3e-4 relative). One block of 4 warps per expert row and group of up to 64 tokens
+// (grid (E, ceil(T / 64))): the block's threads take the row's 8-element chunks in turn (16-byte
+// loads, so a block step reads 2 KB of a bf16 row), each weight load serving 8 tokens at a time.
+// Each thread sums its chunks in order (fmaf), then a butterfly over the warp and the 4 warps in
+// order: one fixed order that depends on D only, so a token's logits do not depend on the other
+// tokens of the launch. The row stays in L1 for the block's later token tiles.
+namespace gate {
+
+constexpr u32 THREADS = 128;
+constexpr u32 WARPS = THREADS / 32;
+constexpr u32 TOKENS = 64;  // tokens a block takes (the launcher's GATE_TOKENS)
+constexpr u32 TILE = 8;     // tokens one pass over the row serves
+
+__device__ __forceinline__ void load8(const u16* p, float (&f)[8]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    f[0] = __uint_as_float(v.x << 16);
+    f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16);
+    f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16);
+    f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16);
+    f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x;
+    f[1] = a.y;
+    f[2] = a.z;
+    f[3] = a.w;
+    f[4] = b.x;
+    f[5] = b.y;
+    f[6] = b.z;
+    f[7] = b.w;
+}
+
+// Tokens t0..t0+nt (nt <= TT) against the row `w` of expert e.
+template <int TT, typename W>
+__device__ __forceinline__ void tile(const float* __restrict__ x, u32 d, const W* __restrict__ w, u32 experts,
+                                     u32 e, u32 t0, u32 nt, float* __restrict__ logits,
+                                     float (&scratch)[WARPS][TILE]) {
+    const float* xr[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) xr[t] = x + (u64)(t0 + min((u32)t, nt - 1u)) * d;
+    float acc[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+    const u32 n8 = d / 8u;
+#pragma unroll 4
+    for (u32 c = threadIdx.x; c < n8; c += THREADS) {
+        float wf[8];
+        load8(w + (u64)c * 8u, wf);
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            float xf[8];
+            load8(xr[t] + (u64)c * 8u, xf);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[t] = fmaf(wf[i], xf[i], acc[t]);
+        }
+    }
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+        float v = acc[t];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0u) scratch[warp][t] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < nt) {
+        float s = scratch[0][threadIdx.x];
+#pragma unroll
+        for (u32 q = 1; q < WARPS; ++q) s = __fadd_rn(s, scratch[q][threadIdx.x]);
+        logits[(u64)(t0 + threadIdx.x) * experts + e] = s;
+    }
+    __syncthreads();  // scratch is reused by the next tile
+}
+
+template <typename W>
+__device__ __forceinline__ void logits_of_row(const float* __restrict__ x, u32 n, u32 d, const W* __restrict__ w,
+                                              u32 experts, float* __restrict__ logits) {
+    __shared__ float scratch[WARPS][TILE];
+    const u32 e = blockIdx.x;
+    const W* row = w + (u64)e * d;
+    const u32 end = min(n, (blockIdx.y + 1u) * TOKENS);
+    for (u32 t0 = blockIdx.y * TOKENS; t0 < end; t0 += TILE) {
+        const u32 nt = min(TILE, end - t0);
+        if (nt > 4u) tile<8>(x, d, row, experts, e, t0, nt, logits, scratch);
+        else if (nt > 2u) tile<4>(x, d, row, experts, e, t0, nt, logits, scratch);
+        else if (nt == 2u) tile<2>(x, d, row, experts, e, t0, nt, logits, scratch);
+        else tile<1>(x, d, row, experts, e, t0, nt, logits, scratch);
+    }
+}
+
+}  // namespace gate
+
+// x [n, d] f32, w [experts, d] bf16 or f32 (d a multiple of 8), logits [n, experts] f32.
+DSV4_KERNEL void __launch_bounds__(128) gate_logits_bf16(const float* __restrict__ x, u32 n, u32 d,
+                                                         const u16* __restrict__ w, u32 experts,
+                                                         float* __restrict__ logits) {
+    gate::logits_of_row(x, n, d, w, experts, logits);
+}
+
+DSV4_KERNEL void __launch_bounds__(128) gate_logits_f32(const float* __restrict__ x, u32 n, u32 d,
+                                                        const float* __restrict__ w, u32 experts,
+                                                        float* __restrict__ logits) {
+    gate::logits_of_row(x, n, d, w, experts, logits);
 }

@@ -76,3 +76,36 @@ DSV4_KERNEL void rope_rows(float* __restrict__ x, u32 tokens, u32 heads, u32 wid
 DSV4_KERNEL void advance_position(u32* __restrict__ pos, u32 n) {
     if (blockIdx.x == 0u && threadIdx.x == 0u) pos[0] += n;
 }
+
+// dst[t, dst_col + j] = src[t, src_col + j] for t < rows, j < width (or += with `accumulate`,
+// f32 destinations only), converting between f32 and bf16 (round to nearest even): the
+// activation casts around the bf16 GEMVs, the gather of one attention group's columns and the
+// placement of its projection.
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(u16 v) { return bf16_to_f32(v); }
+__device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_f32(u16* p, float v) { *p = f32_to_bf16(v); }
+
+template <typename S, typename D>
+__device__ __forceinline__ void copy_cols(const S* __restrict__ src, u32 src_stride, u32 src_col,
+                                          D* __restrict__ dst, u32 dst_stride, u32 dst_col, u32 rows,
+                                          u32 width, u32 accumulate) {
+    const u64 total = (u64)rows * width;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u64 t = i / width;
+        const u32 j = (u32)(i % width);
+        const float v = to_f32(src[t * src_stride + src_col + j]);
+        D* out = dst + t * dst_stride + dst_col + j;
+        store_f32(out, accumulate ? __fadd_rn(to_f32(*out), v) : v);
+    }
+}
+
+#define COPY_COLS(NAME, S, D)                                                                        \
+    DSV4_KERNEL void NAME(const S* src, u32 src_stride, u32 src_col, D* dst, u32 dst_stride,         \
+                          u32 dst_col, u32 rows, u32 width, u32 accumulate) {                        \
+        copy_cols<S, D>(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate); \
+    }
+COPY_COLS(copy_cols_f32_f32, float, float)
+COPY_COLS(copy_cols_f32_bf16, float, u16)
+COPY_COLS(copy_cols_bf16_f32, u16, float)
+COPY_COLS(copy_cols_bf16_bf16, u16, u16)

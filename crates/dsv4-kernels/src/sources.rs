@@ -92,6 +92,12 @@ pub const FAMILIES: &[KernelFamily] = &[
         ],
     },
     KernelFamily {
+        name: "moe_bf16",
+        file: "moe_bf16.cu",
+        source: include_str!("../kernels/moe_bf16.cu"),
+        functions: &["moe_bf16_gate_up", "moe_bf16_down"],
+    },
+    KernelFamily {
         name: "rows",
         file: "rows.cu",
         source: include_str!("../kernels/rows.cu"),
@@ -100,6 +106,10 @@ pub const FAMILIES: &[KernelFamily] = &[
             "rms_norm_rows",
             "rope_rows",
             "advance_position",
+            "copy_cols_f32_f32",
+            "copy_cols_f32_bf16",
+            "copy_cols_bf16_f32",
+            "copy_cols_bf16_bf16",
         ],
     },
     KernelFamily {
@@ -112,7 +122,20 @@ pub const FAMILIES: &[KernelFamily] = &[
         name: "router",
         file: "router.cu",
         source: include_str!("../kernels/router.cu"),
-        functions: &["route_topk"],
+        functions: &["route_topk", "gate_logits_bf16", "gate_logits_f32"],
+    },
+    KernelFamily {
+        name: "attention",
+        file: "attention.cu",
+        source: include_str!("../kernels/attention.cu"),
+        functions: &[
+            "compressor_emit",
+            "compressor_store",
+            "index_scores",
+            "index_select",
+            "attention_heads",
+            "window_write",
+        ],
     },
     KernelFamily {
         name: "sample",

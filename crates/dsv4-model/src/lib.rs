@@ -5,6 +5,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
+pub mod gpu;
 pub mod linear;
 pub mod rope;
 pub mod sampling;

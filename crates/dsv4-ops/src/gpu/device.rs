@@ -349,6 +349,13 @@ impl Device {
         }
     }
 
+    /// `(free, total)` bytes of device memory.
+    pub fn memory_info(&self) -> Result<(usize, usize), GpuError> {
+        self.ctx
+            .mem_get_info()
+            .map_err(GpuError::driver("reading free memory"))
+    }
+
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.refuse_in_capture("waiting for the stream")?;
         self.stream

@@ -733,6 +733,16 @@ impl GemvWorkspace {
         })
     }
 
+    /// The workspace [`Self::reserve`]d as `name`, from the sealed pool (for a sizing pass
+    /// that reserved it and dropped the reservation; see [`BufferPool::take_named`]).
+    pub fn take_named(pool: &mut BufferPool, name: &str) -> Result<GemvWorkspace, GpuError> {
+        let (p, c) = Self::shapes();
+        Ok(GemvWorkspace {
+            partials: pool.take_named(&format!("{name}.partials"), DType::F32, &p)?,
+            counters: pool.take_named(&format!("{name}.counters"), DType::U32, &c)?,
+        })
+    }
+
     /// A separately allocated workspace (tests, benchmarks).
     pub fn alloc(dev: &Device) -> Result<GemvWorkspace, GpuError> {
         let (p, c) = Self::shapes();

@@ -10,6 +10,7 @@
 //!    reference on fresh random inputs of random shapes (see `gpu::testing`), plus CPU-only
 //!    tests of the reference itself.
 
+pub mod attention;
 pub mod bandwidth;
 mod device;
 pub mod formats;
@@ -17,6 +18,7 @@ pub mod gemv;
 mod launch;
 pub mod mhc;
 pub mod moe;
+pub mod moe_bf16;
 mod pool;
 pub mod router;
 pub mod rows;
@@ -72,7 +74,7 @@ impl GpuError {
         move |source| GpuError::Driver { what, source }
     }
 
-    pub(crate) fn invalid(what: impl Into<String>, detail: impl Into<String>) -> GpuError {
+    pub fn invalid(what: impl Into<String>, detail: impl Into<String>) -> GpuError {
         GpuError::Invalid {
             what: what.into(),
             detail: detail.into(),

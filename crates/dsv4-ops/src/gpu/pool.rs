@@ -28,6 +28,14 @@ pub enum PoolError {
     TooLarge { name: String },
     #[error("reservation `{name}` belongs to another pool")]
     ForeignReservation { name: String },
+    #[error("no buffer `{name}` of {dtype:?} {shape:?} is reserved in this pool")]
+    NotReserved {
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+    },
+    #[error("buffer `{name}` is taken twice")]
+    TakenTwice { name: String },
 }
 
 /// A reserved buffer, redeemed once with [`BufferPool::take`] after sealing.
@@ -59,6 +67,8 @@ enum State {
 pub struct BufferPool {
     id: u64,
     buffers: Vec<BufferInfo>,
+    /// Whether each buffer was handed out by [`BufferPool::take_named`].
+    taken: Vec<bool>,
     end: usize,
     state: State,
 }
@@ -80,6 +90,7 @@ impl BufferPool {
         BufferPool {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             buffers: Vec::new(),
+            taken: Vec::new(),
             end: 0,
             state: State::Open,
         }
@@ -124,6 +135,7 @@ impl BufferPool {
             offset,
             bytes,
         });
+        self.taken.push(false);
         Ok(Reservation {
             pool: self.id,
             index: self.buffers.len() - 1,
@@ -201,6 +213,41 @@ impl BufferPool {
     }
 }
 
+impl BufferPool {
+    /// The buffer reserved as `name` with exactly `dtype` and `shape`, once, after sealing:
+    /// a sizing pass reserves by name and a second pass over the same code takes the buffers.
+    pub fn take_named<T: DeviceElem>(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<DeviceTensor<T>, GpuError> {
+        let index = self
+            .buffers
+            .iter()
+            .position(|b| b.name == name && b.dtype == dtype && b.shape == shape)
+            .ok_or_else(|| PoolError::NotReserved {
+                name: name.to_string(),
+                dtype,
+                shape: shape.to_vec(),
+            })?;
+        if self.taken[index] {
+            return Err(PoolError::TakenTwice {
+                name: name.to_string(),
+            }
+            .into());
+        }
+        let tensor = self.take(Reservation {
+            pool: self.id,
+            index,
+            name: name.to_string(),
+            _elem: PhantomData,
+        })?;
+        self.taken[index] = true;
+        Ok(tensor)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,5 +314,34 @@ mod tests {
             pool.take(b),
             Err(GpuError::Pool(PoolError::ForeignReservation { .. }))
         ));
+    }
+
+    #[test]
+    fn take_named_checks_name_shape_and_once() {
+        let mut pool = BufferPool::new();
+        let _ = pool.reserve::<f32>("a", DType::F32, &[2, 3]).unwrap();
+        pool.freeze().unwrap();
+        let err = pool
+            .take_named::<f32>("a", DType::F32, &[3, 2])
+            .unwrap_err();
+        assert!(
+            matches!(err, GpuError::Pool(PoolError::NotReserved { .. })),
+            "{err}"
+        );
+        let err = pool
+            .take_named::<f32>("b", DType::F32, &[2, 3])
+            .unwrap_err();
+        assert!(
+            matches!(err, GpuError::Pool(PoolError::NotReserved { .. })),
+            "{err}"
+        );
+        // Frozen without an allocation: the buffer cannot be handed out yet.
+        let err = pool
+            .take_named::<f32>("a", DType::F32, &[2, 3])
+            .unwrap_err();
+        assert!(
+            matches!(err, GpuError::Pool(PoolError::NotSealed { .. })),
+            "{err}"
+        );
     }
 }

@@ -177,6 +177,52 @@ impl<T: DeviceElem> DeviceTensor<T> {
         Ok(self)
     }
 
+    /// A tensor of `shape` over this pool tensor's elements from `offset` on: the same device
+    /// memory (work on it is ordered by the one stream), so fixed-address buffers sized for the
+    /// largest chunk serve every chunk length, and a row of a batch can be read alone.
+    pub fn view(&self, offset: usize, shape: &[usize]) -> Result<DeviceTensor<T>, GpuError> {
+        let Storage::Pooled { slice, _backing } = &self.storage else {
+            return Err(GpuError::invalid("view", "only pool tensors have views"));
+        };
+        let n = numel("view", shape)?;
+        if offset.checked_add(n).is_none_or(|end| end > self.len()) {
+            return Err(GpuError::invalid(
+                "view",
+                format!(
+                    "{shape:?} from element {offset} lies outside a tensor of shape {:?}",
+                    self.shape
+                ),
+            ));
+        }
+        let (ptr, _sync) = slice.device_ptr(slice.stream());
+        let start = ptr + (offset * std::mem::size_of::<T>()) as u64;
+        // SAFETY: [start, start + n) lies inside this tensor's range of the live pool
+        // allocation, which the view keeps alive through `_backing`; the view leaks its slice on
+        // drop instead of freeing it.
+        let view = unsafe { slice.stream().upgrade_device_ptr::<T>(start, n) };
+        Ok(DeviceTensor::pooled(
+            self.dtype,
+            shape.to_vec(),
+            view,
+            _backing.clone(),
+        ))
+    }
+
+    /// The first `rows` rows of a pool tensor `[R, ...]`, as `[rows, ...]`.
+    pub fn rows(&self, rows: usize) -> Result<DeviceTensor<T>, GpuError> {
+        let mut shape = self.shape.clone();
+        match shape.first_mut() {
+            Some(r) => *r = rows,
+            None => {
+                return Err(GpuError::invalid(
+                    "rows view",
+                    "a scalar tensor has no rows",
+                ))
+            }
+        }
+        self.view(0, &shape)
+    }
+
     pub(crate) fn expect(&self, what: &str, dtype: DType, shape: &[usize]) -> Result<(), GpuError> {
         if self.dtype != dtype {
             return Err(GpuError::DType {

@@ -1,18 +1,24 @@
-//! Launcher of the router kernel (`kernels/router.cu`): from the gate logits to the expert
-//! ids and combine weights that the grouped MoE reads, on the device (hash routing reads the
-//! device token ids). CPU reference: [`reference`].
+//! Launchers of the router kernels (`kernels/router.cu`): the gate projection in f32
+//! ([`gate_logits`]), then from the gate logits to the expert ids and combine weights that the
+//! grouped MoE reads, on the device (hash routing reads the device token ids). CPU reference:
+//! [`reference`].
 
 pub mod reference;
 #[cfg(test)]
 mod tests;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::bf16;
 
 use super::launch::{dim_u32, launch_err};
 use super::{DType, Device, DeviceTensor, GpuError};
 
 /// The largest experts-per-token the kernel holds (DeepSeek-V4 uses 6).
 pub const MAX_TOP_K: usize = 16;
+/// The gate's width D must be a multiple of this (16-byte loads of the rows).
+pub const GATE_DIM_MULTIPLE: usize = 8;
+/// Tokens one gate block takes (`gate::TOKENS` in router.cu); the grid's y covers the rest.
+const GATE_TOKENS: usize = 64;
 
 /// How a layer picks its experts, on the device.
 #[derive(Clone, Copy, Debug)]
@@ -92,5 +98,92 @@ pub fn route_topk(
             .launch(cfg)
     }
     .map_err(launch_err("route_topk"))?;
+    Ok(())
+}
+
+/// The MoE gate weight `[E, D]`, as the checkpoint stores it.
+#[derive(Clone, Copy, Debug)]
+pub enum GateWeight<'a> {
+    Bf16(&'a DeviceTensor<bf16>),
+    F32(&'a DeviceTensor<f32>),
+}
+
+/// `logits [T, E]` F32 = `x [T, D]` F32 · Wᵀ, with the gate weight `w [E, D]` in BF16 or F32:
+/// f32 products and sums, never rounded to bf16 (top-k gaps are ~3e-4 relative). Each logit is
+/// summed in one fixed order that depends on D only, so a token's logits are the same alone and
+/// in a batch. D must be a multiple of [`GATE_DIM_MULTIPLE`].
+pub fn gate_logits(
+    dev: &Device,
+    x: &DeviceTensor<f32>,
+    w: GateWeight<'_>,
+    logits: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let (t, d) = x.dims2("gate input x", DType::F32)?;
+    let (kernel, (e, wd), w_addr) = match w {
+        GateWeight::Bf16(w) => (
+            "gate_logits_bf16",
+            w.dims2("gate weight", DType::BF16)?,
+            w.device_address(),
+        ),
+        GateWeight::F32(w) => (
+            "gate_logits_f32",
+            w.dims2("gate weight", DType::F32)?,
+            w.device_address(),
+        ),
+    };
+    if wd != d {
+        return Err(GpuError::Shape {
+            what: "gate weight".to_string(),
+            expected: vec![e, d],
+            found: vec![e, wd],
+        });
+    }
+    if !d.is_multiple_of(GATE_DIM_MULTIPLE) {
+        return Err(GpuError::invalid(
+            "gate_logits",
+            format!("width D = {d} is not a multiple of {GATE_DIM_MULTIPLE}"),
+        ));
+    }
+    logits.expect("gate logits", DType::F32, &[t, e])?;
+    if t == 0 || e == 0 {
+        return Ok(());
+    }
+    let dims = [
+        dim_u32("gate tokens", t)?,
+        dim_u32("gate width", d)?,
+        dim_u32("gate experts", e)?,
+    ];
+    let token_blocks = t.div_ceil(GATE_TOKENS);
+    if token_blocks > u16::MAX as usize {
+        return Err(GpuError::invalid(
+            "gate_logits",
+            format!(
+                "{t} tokens: at most {} a launch",
+                u16::MAX as usize * GATE_TOKENS
+            ),
+        ));
+    }
+    // One 4-warp block per expert row and group of 64 tokens.
+    let cfg = LaunchConfig {
+        grid_dim: (dims[2], token_blocks as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function(kernel)?;
+    let mut lv = logits.view_mut();
+    // SAFETY: x [t, d], w [e, d] of the kernel's element type (d a multiple of 8, so the
+    // 16-byte loads are aligned), logits [t, e], checked above.
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(x.slice())
+            .arg(&dims[0])
+            .arg(&dims[1])
+            .arg(&w_addr)
+            .arg(&dims[2])
+            .arg(&mut lv)
+            .launch(cfg)
+    }
+    .map_err(launch_err(kernel))?;
     Ok(())
 }

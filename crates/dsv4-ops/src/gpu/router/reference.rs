@@ -12,6 +12,44 @@ pub enum RouteBy<'a> {
     Learned { bias: &'a [f32] },
 }
 
+/// `logits [t, e]` = `x [t, d]` · `wᵀ` with the gate weight `w [e, d]` (BF16 weights converted
+/// to f32 first): each logit one [`dot16`], as the model's CPU gate (`Linear::matmul`).
+pub fn gate_logits(x: &[f32], w: &[f32], t: usize, e: usize, d: usize) -> Vec<f32> {
+    assert_eq!(x.len(), t * d, "gate input length");
+    assert_eq!(w.len(), e * d, "gate weight length");
+    (0..t)
+        .flat_map(|i| {
+            let xt = &x[i * d..(i + 1) * d];
+            (0..e).map(move |r| dot16(&w[r * d..(r + 1) * d], xt))
+        })
+        .collect()
+}
+
+/// The dot product of the model's `Linear::matmul`: 16 independent f32 accumulators (lane `k`
+/// sums the products at indices `≡ k mod 16` in order) combined in a fixed tree.
+pub fn dot16(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..16 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    for (k, (x, y)) in ta.iter().zip(tb).enumerate() {
+        acc[k] += x * y;
+    }
+    let mut width = 8;
+    while width > 0 {
+        for k in 0..width {
+            acc[k] += acc[k + width];
+        }
+        width /= 2;
+    }
+    acc[0]
+}
+
 /// Indices of the `k` largest scores; ties go to the lowest index (spec §15).
 pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..scores.len()).collect();
@@ -50,6 +88,38 @@ pub fn route(logits: &[f32], by: RouteBy, token: u32, k: usize, scaling: f32) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gate_logits_are_token_major_dots_of_each_row() {
+        // T = 2, E = 3, D = 20 (a remainder past the 16 lanes); small integers, so exact.
+        let (t, e, d) = (2, 3, 20);
+        let x: Vec<f32> = (0..t * d).map(|i| (i % 7) as f32 - 3.0).collect();
+        let w: Vec<f32> = (0..e * d).map(|i| (i % 5) as f32 - 2.0).collect();
+        let got = gate_logits(&x, &w, t, e, d);
+        for i in 0..t {
+            for r in 0..e {
+                let want: f32 = (0..d).map(|c| x[i * d + c] * w[r * d + c]).sum();
+                assert_eq!(got[i * e + r], want, "[{i}, {r}]");
+            }
+        }
+    }
+
+    #[test]
+    fn dot16_is_close_to_the_exact_dot() {
+        let n = 7168 + 5;
+        let a: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0)
+            .collect();
+        let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.61).sin()).collect();
+        let exact: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+        let mag: f64 = a
+            .iter()
+            .zip(&b)
+            .map(|(&x, &y)| (x as f64 * y as f64).abs())
+            .sum();
+        assert!(((dot16(&a, &b) as f64) - exact).abs() <= 1e-6 * mag);
+        assert_eq!(dot16(&[], &[]), 0.0);
+    }
 
     #[test]
     fn top_k_breaks_ties_by_lowest_index() {

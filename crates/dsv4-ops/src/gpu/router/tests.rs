@@ -1,15 +1,18 @@
 //! GPU tests of the router against its CPU reference on fresh random logits: the same experts
 //! in the same order (tokens whose k-th and (k+1)-th biased scores lie within 1e-5 of each
 //! other are skipped: expf/log1pf may move a score by an ulp), weights within 1e-6 relative.
+//! The gate projection: within 1e-5 of Σ|x·w| per logit, bit-identical across launches and
+//! batch sizes.
 //! All `#[ignore]`d: `cargo xtask gpu-test`.
 
+use half::bf16;
 use rand::seq::SliceRandom;
 use rand::Rng;
 
 use super::reference::{self as cpu, RouteBy};
 use super::*;
 use crate::gpu::rows::reference::softplus;
-use crate::gpu::testing::{device, rng, POISON};
+use crate::gpu::testing::{assert_bits_eq, device, rng, POISON};
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
@@ -119,4 +122,130 @@ fn gpu_route_topk_rejects_bad_shapes() {
         route_topk(&dev, &logits, &tokens, hash, 1.0, &mut ids, &mut w).is_err(),
         "tid2eid width"
     );
+}
+
+/// Normal-ish f32 values of one random magnitude (2^-8 .. 2^8) per call.
+fn random_f32(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
+    let scale = 2f32.powi(rng.random_range(-8..8));
+    (0..n)
+        .map(|_| (rng.random::<f32>() + rng.random::<f32>() - 1.0) * scale)
+        .collect()
+}
+
+/// Runs gate_logits on the first `t` tokens of `x` into poisoned logits.
+fn run_gate(dev: &Device, x: &[f32], t: usize, d: usize, w: GateWeight<'_>, e: usize) -> Vec<f32> {
+    let xd = dev.upload(DType::F32, &[t, d], &x[..t * d]).unwrap();
+    let mut logits = dev.alloc::<f32>(DType::F32, &[t, e]).unwrap();
+    dev.fill_bytes(&mut logits, POISON).unwrap();
+    gate_logits(dev, &xd, w, &mut logits).unwrap();
+    dev.download(&logits).unwrap()
+}
+
+/// The gate projection against its reference: `|got − want| ≤ 1e-5 · Σ_d |x_d · w_d|` per logit
+/// (both are f32 sums of D products in different orders), bit-identical across launches and
+/// for token 0 alone.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gate_logits_matches_reference() {
+    let dev = device();
+    let mut rng = rng("gpu_gate_logits_matches_reference");
+    let mut worst = 0f64;
+    for iter in 0..16 {
+        // (experts, D): Flash, Pro, the fixtures, random.
+        let (e, d) = match iter % 5 {
+            0 => (256, 4096),
+            1 => (384, 7168),
+            2 => (8, 64),
+            3 => (16, 80),
+            _ => (rng.random_range(1..40), 8 * rng.random_range(1..200)),
+        };
+        let t = if iter % 4 == 3 {
+            rng.random_range(17..200)
+        } else {
+            rng.random_range(1..=16)
+        };
+        let bf16_weight = iter % 2 == 0;
+        let x = random_f32(&mut rng, t * d);
+        let (wb, wf): (Vec<bf16>, Vec<f32>) = if bf16_weight {
+            let wb: Vec<bf16> = random_f32(&mut rng, e * d)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let wf = wb.iter().map(|v| v.to_f32()).collect();
+            (wb, wf)
+        } else {
+            (Vec::new(), random_f32(&mut rng, e * d))
+        };
+        let (wbd, wfd);
+        let w = if bf16_weight {
+            wbd = dev.upload(DType::BF16, &[e, d], &wb).unwrap();
+            GateWeight::Bf16(&wbd)
+        } else {
+            wfd = dev.upload(DType::F32, &[e, d], &wf).unwrap();
+            GateWeight::F32(&wfd)
+        };
+        let what = format!("iter {iter}: T {t}, E {e}, D {d}, bf16 weight {bf16_weight}");
+        let got = run_gate(&dev, &x, t, d, w, e);
+        let want = cpu::gate_logits(&x, &wf, t, e, d);
+        for i in 0..t {
+            for r in 0..e {
+                let mag: f64 = (0..d)
+                    .map(|c| (x[i * d + c] as f64 * wf[r * d + c] as f64).abs())
+                    .sum();
+                let (g, w) = (got[i * e + r], want[i * e + r]);
+                let err = (g as f64 - w as f64).abs();
+                assert!(
+                    err <= 1e-5 * mag,
+                    "{what}: logit [{i}, {r}] = {g} vs {w} (bound {})",
+                    1e-5 * mag
+                );
+                if mag > 0.0 {
+                    worst = worst.max(err / mag);
+                }
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let again = run_gate(&dev, &x, t, d, w, e);
+        assert_bits_eq(
+            &format!("{what}: second launch"),
+            &bits(&again),
+            &bits(&got),
+        );
+        let alone = run_gate(&dev, &x, 1, d, w, e);
+        assert_bits_eq(
+            &format!("{what}: token 0 alone"),
+            &bits(&alone),
+            &bits(&got[..e]),
+        );
+    }
+    println!("largest error / Σ|x·w|: {worst:.3e} (bound 1e-5)");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gate_logits_rejects_bad_shapes() {
+    let dev = device();
+    let x = dev.alloc::<f32>(DType::F32, &[2, 16]).unwrap();
+    let w = dev.alloc::<bf16>(DType::BF16, &[4, 16]).unwrap();
+    let w24 = dev.alloc::<f32>(DType::F32, &[4, 24]).unwrap();
+    let mut logits = dev.alloc::<f32>(DType::F32, &[2, 4]).unwrap();
+    gate_logits(&dev, &x, GateWeight::Bf16(&w), &mut logits).unwrap();
+    assert!(
+        gate_logits(&dev, &x, GateWeight::F32(&w24), &mut logits).is_err(),
+        "weight width"
+    );
+    let mut l5 = dev.alloc::<f32>(DType::F32, &[2, 5]).unwrap();
+    assert!(
+        gate_logits(&dev, &x, GateWeight::Bf16(&w), &mut l5).is_err(),
+        "logits shape"
+    );
+    let x12 = dev.alloc::<f32>(DType::F32, &[2, 12]).unwrap();
+    let w12 = dev.alloc::<bf16>(DType::BF16, &[4, 12]).unwrap();
+    assert!(
+        gate_logits(&dev, &x12, GateWeight::Bf16(&w12), &mut logits).is_err(),
+        "D not a multiple of 8"
+    );
+    let x0 = dev.alloc::<f32>(DType::F32, &[0, 16]).unwrap();
+    let mut l0 = dev.alloc::<f32>(DType::F32, &[0, 4]).unwrap();
+    gate_logits(&dev, &x0, GateWeight::Bf16(&w), &mut l0).unwrap();
 }

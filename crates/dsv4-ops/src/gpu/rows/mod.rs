@@ -1,5 +1,6 @@
 //! Launchers of the row kernels (`kernels/rows.cu`): the embedding gather into the mHC
-//! streams, RMSNorm and rotary embedding. Token ids and positions are device buffers, so the
+//! streams, RMSNorm, rotary embedding and the column copies that cast activations between
+//! F32 and BF16. Token ids and positions are device buffers, so the
 //! launches capture into a decode graph that replays with whatever the previous step wrote
 //! there. CPU references: [`reference`].
 
@@ -11,7 +12,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::launch::{dim_u32, elementwise, launch_err, THREADS};
-use super::{DType, Device, DeviceTensor, GpuError};
+use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
 /// `out [n, hc·D]` (F32) = `hc` copies of row `tokens[t]` of the BF16 `table [vocab, D]`, for
 /// the `n` ids in `tokens` (U32 `[n]`, on the device). An id outside the vocabulary gives a
@@ -182,5 +183,98 @@ pub fn advance_position(dev: &Device, pos: &mut DeviceTensor<u32>, n: u32) -> Re
             .launch(elementwise(1))
     }
     .map_err(launch_err("advance_position"))?;
+    Ok(())
+}
+
+/// An activation element type [`copy_cols`] converts between.
+pub trait ActElem: DeviceElem {
+    const DTYPE: DType;
+    const NAME: &'static str;
+}
+
+impl ActElem for f32 {
+    const DTYPE: DType = DType::F32;
+    const NAME: &'static str = "f32";
+}
+
+impl ActElem for bf16 {
+    const DTYPE: DType = DType::BF16;
+    const NAME: &'static str = "bf16";
+}
+
+/// Columns `[col, col + width)` of a 2-D tensor.
+#[derive(Clone, Copy, Debug)]
+pub struct Cols {
+    pub col: usize,
+    pub width: usize,
+}
+
+impl Cols {
+    /// Every column of a tensor `width` wide.
+    pub fn all(width: usize) -> Cols {
+        Cols { col: 0, width }
+    }
+}
+
+/// `dst[t, dst_col + j] = src[t, src.col + j]` for every row and `j < src.width` (or `+=` with
+/// `accumulate`, F32 destinations only), converting F32 ↔ BF16 (round to nearest even).
+/// `src` and `dst` have the same number of rows.
+pub fn copy_cols<S: ActElem, D: ActElem>(
+    dev: &Device,
+    src: &DeviceTensor<S>,
+    cols: Cols,
+    dst: &mut DeviceTensor<D>,
+    dst_col: usize,
+    accumulate: bool,
+) -> Result<(), GpuError> {
+    let (rows, src_w) = src.dims2("copy_cols source", S::DTYPE)?;
+    let (dst_rows, dst_w) = dst.dims2("copy_cols destination", D::DTYPE)?;
+    if dst_rows != rows || cols.col + cols.width > src_w || dst_col + cols.width > dst_w {
+        return Err(GpuError::invalid(
+            "copy_cols",
+            format!(
+                "{} columns from {} of [{rows}, {src_w}] to {dst_col} of [{dst_rows}, {dst_w}]",
+                cols.width, cols.col
+            ),
+        ));
+    }
+    if accumulate && D::DTYPE != DType::F32 {
+        return Err(GpuError::invalid(
+            "copy_cols",
+            "only F32 destinations accumulate",
+        ));
+    }
+    let total = (rows * cols.width) as u64;
+    if total == 0 {
+        return Ok(());
+    }
+    let a = [
+        dim_u32("source width", src_w)?,
+        dim_u32("source column", cols.col)?,
+        dim_u32("destination width", dst_w)?,
+        dim_u32("destination column", dst_col)?,
+        dim_u32("rows", rows)?,
+        dim_u32("columns", cols.width)?,
+        u32::from(accumulate),
+    ];
+    let name = format!("copy_cols_{}_{}", S::NAME, D::NAME);
+    let f = dev.function(&name)?;
+    let mut d = dst.view_mut();
+    // SAFETY: both tensors are [rows, width] with the column ranges inside, checked above.
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(src.slice())
+            .arg(&a[0])
+            .arg(&a[1])
+            .arg(&mut d)
+            .arg(&a[2])
+            .arg(&a[3])
+            .arg(&a[4])
+            .arg(&a[5])
+            .arg(&a[6])
+            .launch(elementwise(total))
+    }
+    .map_err(launch_err("copy_cols"))?;
     Ok(())
 }

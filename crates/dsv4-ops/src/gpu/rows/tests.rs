@@ -186,3 +186,98 @@ fn gpu_row_launchers_reject_bad_shapes_and_positions_advance() {
     advance_position(&dev, &mut pos, 2).unwrap();
     assert_eq!(dev.download(&pos).unwrap(), vec![7]);
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_copy_cols_matches_reference() {
+    let dev = device();
+    let mut rng = rng("gpu_copy_cols_matches_reference");
+    let to_bf16 = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+    let from_bf16 = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+    let round_bf16 = |x: f32| bf16::from_f32(x).to_f32();
+    for iter in 0..12 {
+        let rows = rng.random_range(1..17);
+        let (src_w, dst_w) = (rng.random_range(1..700), rng.random_range(1..700));
+        let width = rng.random_range(1..=src_w.min(dst_w));
+        let col = rng.random_range(0..=src_w - width);
+        let dst_col = rng.random_range(0..=dst_w - width);
+        let src = random_f32(&mut rng, rows * src_w);
+        let dst0 = random_f32(&mut rng, rows * dst_w);
+        let what =
+            format!("iter {iter}: [{rows}, {src_w}] cols {col}+{width} -> {dst_col} of {dst_w}");
+        let cols = Cols { col, width };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        // f32 -> f32, plain and accumulating.
+        for accumulate in [false, true] {
+            let mut want = dst0.clone();
+            cpu::copy_cols(
+                &src,
+                src_w,
+                col,
+                width,
+                &mut want,
+                dst_w,
+                dst_col,
+                accumulate,
+                |x| x,
+            );
+            let s = dev.upload(DType::F32, &[rows, src_w], &src).unwrap();
+            let mut d = dev.upload(DType::F32, &[rows, dst_w], &dst0).unwrap();
+            copy_cols(&dev, &s, cols, &mut d, dst_col, accumulate).unwrap();
+            assert_bits_eq(&what, &bits(&dev.download(&d).unwrap()), &bits(&want));
+        }
+        // f32 -> bf16.
+        let dst_b = to_bf16(&dst0);
+        let mut want = from_bf16(&dst_b);
+        cpu::copy_cols(
+            &src, src_w, col, width, &mut want, dst_w, dst_col, false, round_bf16,
+        );
+        let s = dev.upload(DType::F32, &[rows, src_w], &src).unwrap();
+        let mut d = dev.upload(DType::BF16, &[rows, dst_w], &dst_b).unwrap();
+        copy_cols(&dev, &s, cols, &mut d, dst_col, false).unwrap();
+        assert_bits_eq(
+            &what,
+            &bits(&from_bf16(&dev.download(&d).unwrap())),
+            &bits(&want),
+        );
+        // bf16 -> f32 (accumulating) and bf16 -> bf16.
+        let src_b = to_bf16(&src);
+        let mut want = dst0.clone();
+        cpu::copy_cols(
+            &from_bf16(&src_b),
+            src_w,
+            col,
+            width,
+            &mut want,
+            dst_w,
+            dst_col,
+            true,
+            |x| x,
+        );
+        let s = dev.upload(DType::BF16, &[rows, src_w], &src_b).unwrap();
+        let mut d = dev.upload(DType::F32, &[rows, dst_w], &dst0).unwrap();
+        copy_cols(&dev, &s, cols, &mut d, dst_col, true).unwrap();
+        assert_bits_eq(&what, &bits(&dev.download(&d).unwrap()), &bits(&want));
+        let mut want = from_bf16(&dst_b);
+        cpu::copy_cols(
+            &from_bf16(&src_b),
+            src_w,
+            col,
+            width,
+            &mut want,
+            dst_w,
+            dst_col,
+            false,
+            round_bf16,
+        );
+        let mut d = dev.upload(DType::BF16, &[rows, dst_w], &dst_b).unwrap();
+        copy_cols(&dev, &s, cols, &mut d, dst_col, false).unwrap();
+        assert_bits_eq(
+            &what,
+            &bits(&from_bf16(&dev.download(&d).unwrap())),
+            &bits(&want),
+        );
+        // A BF16 destination never accumulates.
+        assert!(copy_cols(&dev, &s, cols, &mut d, dst_col, true).is_err());
+    }
+}

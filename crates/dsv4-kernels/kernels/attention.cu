@@ -1,0 +1,493 @@
+// Attention of the decode / chunked-prefill step (spec §5-§7), everything positional read from
+// the device: `pos[0]` is the position of the chunk's first token, token t of the chunk sits at
+// p = pos[0] + t. Shapes and capacities are launch constants; counts that depend on the
+// position (visible window keys, visible compressed entries, closing compressor windows) are
+// worked out inside the kernels, so a captured graph replays at any position.
+//
+// - compressor_emit / compressor_store: the token compressors (spec §6). emit writes the entry
+//   of every window that closes inside the chunk (one block per closing window), reading each
+//   window row from the chunk's projections or from the state of earlier chunks; store then
+//   moves the chunk's rows (and, with overlap, the A-halves of the last closed window) into
+//   the state. Two launches, so no block reads a state row another one overwrites.
+// - index_scores / index_select: the Lightning Indexer (spec §7). Scores are computed with the
+//   CPU's operation order (sequential dot products, sequential sum over heads), so they are
+//   bit-identical to the CPU reference; the top-k is a 4-pass 8-bit radix select over the
+//   total-order key of the float bits (the order of f32::total_cmp), then a compaction in index
+//   order that takes the lowest indices among the keys equal to the threshold.
+// - attention_heads: sink softmax over the window ∪ compressed keys (K = V) for G heads of one
+//   token per block; its 8 warps take interleaved keys with an online softmax each and merge
+//   in warp order, so the result does not depend on timing.
+// - window_write: the chunk's keys into the sliding-window ring.
+#include "dsv4_common.cuh"
+
+using namespace dsv4;
+
+#define NEG_INF __uint_as_float(0xff800000u)
+#define NEG_ZERO __uint_as_float(0x80000000u)
+
+// ---------------------------------------------------------------------------------------------
+// Compressor
+// ---------------------------------------------------------------------------------------------
+
+// Gate logit and value of window row r (position q) at channel `ch` of the κc-wide rows: from
+// the chunk's projections when q >= pos0 (gate + ape[r], one rounding as on the CPU), else
+// from the open-window state written by earlier chunks (its gate already holds ape).
+__device__ __forceinline__ void comp_row(u32 q, u32 r, u32 ch, u32 pos0, u32 kc, const float* __restrict__ kv_proj,
+                                         const float* __restrict__ gate_proj, const float* __restrict__ ape,
+                                         const float* __restrict__ st_kv, const float* __restrict__ st_gate, float& z,
+                                         float& v) {
+    if (q >= pos0) {
+        const u64 i = (u64)(q - pos0) * kc + ch;
+        v = kv_proj[i];
+        z = __fadd_rn(gate_proj[i], ape[(u64)r * kc + ch]);
+    } else {
+        v = st_kv[(u64)r * kc + ch];
+        z = st_gate[(u64)r * kc + ch];
+    }
+}
+
+// Slot i of entry e's pooling at channel j (0 <= j < c): slots [0, ratio) are the previous
+// window's rows through their A-half (from the chunk, from the open-window state when that
+// window closes inside this chunk, else from prev_*), slots [ratio, 2 ratio) this window's rows
+// through their B-half (the whole row without overlap, b_off = 0).
+__device__ __forceinline__ void comp_slot(u32 i, u32 j, u32 ws, u32 ratio, u32 c, u32 kc, u32 b_off, u32 pos0,
+                                          bool prev_in_state, const float* __restrict__ kv_proj,
+                                          const float* __restrict__ gate_proj, const float* __restrict__ ape,
+                                          const float* __restrict__ st_kv, const float* __restrict__ st_gate,
+                                          const float* __restrict__ prev_kv, const float* __restrict__ prev_gate,
+                                          float& z, float& v) {
+    if (i >= ratio) {
+        const u32 r = i - ratio;
+        comp_row(ws + r, r, b_off + j, pos0, kc, kv_proj, gate_proj, ape, st_kv, st_gate, z, v);
+        return;
+    }
+    const u32 q = ws - ratio + i;
+    if (q >= pos0 || prev_in_state) {
+        comp_row(q, i, j, pos0, kc, kv_proj, gate_proj, ape, st_kv, st_gate, z, v);
+    } else {
+        z = prev_gate[(u64)i * c + j];
+        v = prev_kv[(u64)i * c + j];
+    }
+}
+
+// One block per window that closes inside the chunk (block b: the b-th closing position).
+// Entry e = (p + 1) / ratio - 1 pools, per channel j, the softmax of the gate logits over the
+// window's rows (with overlap: the previous window's A-half rows first, then this window's
+// B-half rows; no previous half for e = 0) weighting the values, with the CPU's order of
+// operations (max, then the sum of exp, then the sum of value * (exp / sum)). Then the
+// weighted RMSNorm over c channels and the forward RoPE at position e * ratio on the last
+// rope_dim channels. Entries past `cap` are not written. Dynamic shared memory: c floats.
+DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict__ kv_proj,
+                                                        const float* __restrict__ gate_proj, u32 tokens,
+                                                        const float* __restrict__ ape, u32 ratio, u32 c, u32 overlap,
+                                                        const float* __restrict__ norm, float eps,
+                                                        const float* __restrict__ inv_freq, u32 rope_dim,
+                                                        const u32* __restrict__ pos, const float* __restrict__ st_kv,
+                                                        const float* __restrict__ st_gate,
+                                                        const float* __restrict__ prev_kv,
+                                                        const float* __restrict__ prev_gate, u32 cap,
+                                                        float* __restrict__ entries) {
+    extern __shared__ float pooled[];
+    __shared__ float scratch[32];
+    const u32 pos0 = pos[0];
+    const u32 first = (ratio - 1u - pos0 % ratio);  // chunk offset of the first closing token
+    const u32 off = first + blockIdx.x * ratio;
+    if (off >= tokens) return;
+    const u32 p = pos0 + off;
+    const u32 e = (p + 1u) / ratio - 1u;
+    if (e >= cap) return;
+    const u32 ws = e * ratio;  // first position of window e
+    const u32 kc = overlap ? 2u * c : c;
+    const u32 b_off = overlap ? c : 0u;
+    const bool has_prev = overlap && e > 0u;
+    // Window e - 1 closed before this chunk (its A-halves moved to prev_*) unless it closes
+    // inside it (ws - 1 >= pos0), in which case its older rows are still the open-window state.
+    const bool prev_in_state = has_prev && ws - 1u >= pos0;
+
+    const u32 s0 = has_prev ? 0u : ratio;
+    for (u32 j = threadIdx.x; j < c; j += blockDim.x) {
+        float mx = NEG_INF;
+        for (u32 i = s0; i < 2u * ratio; i++) {
+            float z, v;
+            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, kv_proj, gate_proj, ape, st_kv, st_gate,
+                      prev_kv, prev_gate, z, v);
+            mx = fmaxf(mx, z);
+        }
+        float sum = NEG_ZERO;
+        for (u32 i = s0; i < 2u * ratio; i++) {
+            float z, v;
+            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, kv_proj, gate_proj, ape, st_kv, st_gate,
+                      prev_kv, prev_gate, z, v);
+            sum = __fadd_rn(sum, expf(__fsub_rn(z, mx)));
+        }
+        float o = NEG_ZERO;
+        for (u32 i = s0; i < 2u * ratio; i++) {
+            float z, v;
+            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, kv_proj, gate_proj, ape, st_kv, st_gate,
+                      prev_kv, prev_gate, z, v);
+            o = __fadd_rn(o, __fmul_rn(v, __fdiv_rn(expf(__fsub_rn(z, mx)), sum)));
+        }
+        pooled[j] = o;
+    }
+    // Weighted RMSNorm: out = norm * (x * r), r = 1 / sqrt(mean(x^2) + eps).
+    __syncthreads();
+    float ss = 0.0f;
+    for (u32 j = threadIdx.x; j < c; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(pooled[j], pooled[j]));
+    ss = block_sum(ss, scratch);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)c), eps)));
+    for (u32 j = threadIdx.x; j < c; j += blockDim.x) pooled[j] = __fmul_rn(norm[j], __fmul_rn(pooled[j], inv));
+    __syncthreads();
+    // RoPE at the window's first position (as rope_rows: f32 angle, sine and cosine in double).
+    float* dst = entries + (u64)e * c;
+    const u32 rope_start = c - rope_dim;
+    for (u32 j = threadIdx.x; j < rope_start; j += blockDim.x) dst[j] = pooled[j];
+    for (u32 i = threadIdx.x; i < rope_dim / 2u; i += blockDim.x) {
+        const double angle = (double)__fmul_rn((float)ws, inv_freq[i]);
+        double sd, cd;
+        sincospi(angle * 0.31830988618379067154, &sd, &cd);
+        const float s = (float)sd, co = (float)cd;
+        const float a = pooled[rope_start + 2u * i], b = pooled[rope_start + 2u * i + 1u];
+        dst[rope_start + 2u * i] = __fsub_rn(__fmul_rn(a, co), __fmul_rn(b, s));
+        dst[rope_start + 2u * i + 1u] = __fadd_rn(__fmul_rn(b, co), __fmul_rn(a, s));
+    }
+}
+
+// After compressor_emit: one thread per state element (row r, channel j of the κc-wide rows).
+// With overlap, when a window closed inside the chunk, prev_* (j < c) takes the A-half of
+// row r of the last such window, from the chunk or from the old state element this same
+// thread reads before overwriting it. Then row r takes the chunk's last token at a position
+// ≡ r (mod ratio), if any (gate + ape).
+DSV4_KERNEL void compressor_store(const float* __restrict__ kv_proj, const float* __restrict__ gate_proj,
+                                  u32 tokens, const float* __restrict__ ape, u32 ratio, u32 c, u32 overlap,
+                                  const u32* __restrict__ pos, float* __restrict__ st_kv,
+                                  float* __restrict__ st_gate, float* __restrict__ prev_kv,
+                                  float* __restrict__ prev_gate) {
+    const u32 kc = overlap ? 2u * c : c;
+    const u64 total = (u64)ratio * kc;
+    const u32 pos0 = pos[0];
+    const u32 first = ratio - 1u - pos0 % ratio;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u32 r = (u32)(i / kc);
+        const u32 j = (u32)(i % kc);
+        if (overlap && j < c && first < tokens) {
+            const u32 last = first + (tokens - 1u - first) / ratio * ratio;  // chunk offset
+            const u32 ws = pos0 + last + 1u - ratio;
+            const u32 q = ws + r;
+            float z, v;
+            comp_row(q, r, j, pos0, kc, kv_proj, gate_proj, ape, st_kv, st_gate, z, v);
+            prev_kv[(u64)r * c + j] = v;
+            prev_gate[(u64)r * c + j] = z;
+        }
+        // The last chunk offset t with (pos0 + t) % ratio == r.
+        const u32 o = (r + ratio - pos0 % ratio) % ratio;  // first such offset
+        if (o < tokens) {
+            const u32 t = o + (tokens - 1u - o) / ratio * ratio;
+            const u64 src = (u64)t * kc + j;
+            st_kv[i] = kv_proj[src];
+            st_gate[i] = __fadd_rn(gate_proj[src], ape[i]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lightning Indexer
+// ---------------------------------------------------------------------------------------------
+
+#define IDX_THREADS 128u
+#define IDX_WARPS (IDX_THREADS / 32u)
+#define IDX_EPW 4u        // entries a warp scores at once
+#define IDX_PER_BLOCK 512u  // entries a block scores
+#define IDX_MAX_HEADS 64u
+#define IDX_MAX_C 128u
+
+// Block (x, t): entries [x * 512, (x + 1) * 512) ∩ [0, n_vis) for token t. q_t sits in shared
+// memory as [c][nh]; a warp stages 4 entries as [c][4] and each lane computes, for heads lane and
+// lane + 32, the four dot products sequentially over the channels (the CPU's order). The terms
+// max(dot, 0) * scale * w_h (w_h = weight * wscale, rounded as on the CPU) go to shared memory
+// and lanes 0..3 sum one entry's terms in head order, so scores are bit-identical to the CPU.
+DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __restrict__ q,
+                                                             const float* __restrict__ weights,
+                                                             const float* __restrict__ entries, u32 cap, u32 nh,
+                                                             u32 c, u32 ratio, const u32* __restrict__ pos,
+                                                             float scale, float wscale, float* __restrict__ scores) {
+    __shared__ float q_s[IDX_MAX_C * IDX_MAX_HEADS];
+    __shared__ float4 k_s[IDX_WARPS][IDX_MAX_C];
+    __shared__ float terms[IDX_WARPS][IDX_EPW][IDX_MAX_HEADS];
+    __shared__ float w_s[IDX_MAX_HEADS];
+    const u32 t = blockIdx.y;
+    const u32 p = pos[0] + t;
+    const u32 n_vis = min((p + 1u) / ratio, cap);
+    const u32 lo = blockIdx.x * IDX_PER_BLOCK;
+    if (lo >= n_vis) return;
+    const u32 hi = min(lo + IDX_PER_BLOCK, n_vis);
+    const float* qt = q + (u64)t * nh * c;
+    for (u32 i = threadIdx.x; i < nh * c; i += blockDim.x) {
+        const u32 h = i / c, ch = i % c;
+        q_s[ch * nh + h] = qt[i];
+    }
+    for (u32 h = threadIdx.x; h < nh; h += blockDim.x) w_s[h] = __fmul_rn(weights[(u64)t * nh + h], wscale);
+    __syncthreads();
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    float* out = scores + (u64)t * cap;
+    for (u32 e0 = lo + warp * IDX_EPW; e0 < hi; e0 += IDX_WARPS * IDX_EPW) {
+        // Stage entries e0..e0+3 (missing ones as zeros; their scores are not written).
+        for (u32 ch = lane; ch < c; ch += 32u) {
+            float v[IDX_EPW];
+#pragma unroll
+            for (u32 x = 0; x < IDX_EPW; x++) v[x] = e0 + x < hi ? entries[(u64)(e0 + x) * c + ch] : 0.0f;
+            k_s[warp][ch] = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        __syncwarp();
+#pragma unroll
+        for (u32 hh = 0; hh < 2u; hh++) {
+            const u32 h = lane + 32u * hh;
+            if (h >= nh) break;
+            float d0 = NEG_ZERO, d1 = NEG_ZERO, d2 = NEG_ZERO, d3 = NEG_ZERO;
+            for (u32 ch = 0; ch < c; ch++) {
+                const float qv = q_s[ch * nh + h];
+                const float4 k = k_s[warp][ch];
+                d0 = __fadd_rn(d0, __fmul_rn(qv, k.x));
+                d1 = __fadd_rn(d1, __fmul_rn(qv, k.y));
+                d2 = __fadd_rn(d2, __fmul_rn(qv, k.z));
+                d3 = __fadd_rn(d3, __fmul_rn(qv, k.w));
+            }
+            const float w = w_s[h];
+            terms[warp][0][h] = __fmul_rn(__fmul_rn(fmaxf(d0, 0.0f), scale), w);
+            terms[warp][1][h] = __fmul_rn(__fmul_rn(fmaxf(d1, 0.0f), scale), w);
+            terms[warp][2][h] = __fmul_rn(__fmul_rn(fmaxf(d2, 0.0f), scale), w);
+            terms[warp][3][h] = __fmul_rn(__fmul_rn(fmaxf(d3, 0.0f), scale), w);
+        }
+        __syncwarp();
+        if (lane < IDX_EPW && e0 + lane < hi) {
+            float s = NEG_ZERO;
+            for (u32 h = 0; h < nh; h++) s = __fadd_rn(s, terms[warp][lane][h]);
+            out[e0 + lane] = s;
+        }
+        __syncwarp();  // k_s and terms are rewritten by the next step
+    }
+}
+
+#define SEL_THREADS 1024u
+
+// Ascending in the order of f32::total_cmp (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
+__device__ __forceinline__ u32 order_key(float x) {
+    const u32 u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// One block per token: selected[t, :] = the k largest of scores[t, 0..n_vis) in ascending index
+// order (ties to the lowest index), -1 past n_vis when n_vis < k. The threshold key is found
+// by a radix select (4 passes of 8 bits, integer histograms: order-independent); then each
+// thread takes a contiguous index range, an exclusive scan of the per-thread counts gives each
+// range's first output slot, and the keys equal to the threshold are taken in index order
+// until the count still needed is reached.
+DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __restrict__ scores, u32 cap, u32 ratio,
+                                                             const u32* __restrict__ pos, u32 k,
+                                                             int* __restrict__ selected) {
+    __shared__ u32 hist[256];
+    __shared__ u32 gt_s[SEL_THREADS];
+    __shared__ u32 eq_s[SEL_THREADS];
+    __shared__ u32 sh_prefix, sh_krem;
+    const u32 t = blockIdx.x;
+    const u32 p = pos[0] + t;
+    const u32 n = min((p + 1u) / ratio, cap);
+    const float* s = scores + (u64)t * cap;
+    int* out = selected + (u64)t * k;
+    if (n <= k) {
+        for (u32 i = threadIdx.x; i < k; i += blockDim.x) out[i] = i < n ? (int)i : -1;
+        return;
+    }
+    u32 prefix = 0u, mask = 0u, krem = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) hist[b] = 0u;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+            const u32 key = order_key(s[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0u) {
+            u32 above = 0u;
+            for (int b = 255; b >= 0; b--) {
+                if (above + hist[b] >= krem) {
+                    sh_prefix = prefix | ((u32)b << shift);
+                    sh_krem = krem - above;
+                    break;
+                }
+                above += hist[b];
+            }
+        }
+        __syncthreads();
+        prefix = sh_prefix;
+        krem = sh_krem;
+        mask |= 255u << shift;
+    }
+    // `prefix` is the k-th largest key; every larger key is taken, and the first `krem` equal ones.
+    const u32 chunk = (n + SEL_THREADS - 1u) / SEL_THREADS;
+    const u32 lo = min(threadIdx.x * chunk, n), hi = min(lo + chunk, n);
+    u32 gt = 0u, eq = 0u;
+    for (u32 i = lo; i < hi; i++) {
+        const u32 key = order_key(s[i]);
+        gt += key > prefix;
+        eq += key == prefix;
+    }
+    gt_s[threadIdx.x] = gt;
+    eq_s[threadIdx.x] = eq;
+    __syncthreads();
+    for (u32 o = 1u; o < SEL_THREADS; o <<= 1) {  // inclusive scans (Hillis-Steele)
+        const u32 a = threadIdx.x >= o ? gt_s[threadIdx.x - o] : 0u;
+        const u32 b = threadIdx.x >= o ? eq_s[threadIdx.x - o] : 0u;
+        __syncthreads();
+        gt_s[threadIdx.x] += a;
+        eq_s[threadIdx.x] += b;
+        __syncthreads();
+    }
+    u32 eq_seen = eq_s[threadIdx.x] - eq;
+    u32 slot = gt_s[threadIdx.x] - gt + min(eq_seen, krem);
+    for (u32 i = lo; i < hi; i++) {
+        const u32 key = order_key(s[i]);
+        bool take = key > prefix;
+        if (key == prefix) take = eq_seen++ < krem;
+        if (take) out[slot++] = (int)i;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+// ---------------------------------------------------------------------------------------------
+
+#define ATT_THREADS 256u
+#define ATT_WARPS (ATT_THREADS / 32u)
+#define ATT_MAX_G 4u    // heads a block handles
+#define ATT_MAX_CPL 16u  // channels a lane holds: d <= 512
+
+// Block (x, t): heads [x * G, (x + 1) * G) of token t at p = pos[0] + t. Keys j in order: the
+// window positions max(0, p - W + 1) ..= p (from this chunk's kv when >= pos[0], else from the
+// ring slot position % W), then the compressed keys: mode 1 every visible entry
+// [0, min((p + 1) / ratio, cap)), mode 2 the k ids of selected[t] (-1 or an id >= cap: none).
+// Warp w takes keys w, w + 8, ...: per key the lanes hold d / 32 channels, each head's score is
+// a warp butterfly sum, and the head's running max, sum and weighted values are updated online.
+// The warps then merge in warp order through shared memory, the sink joins the denominator.
+DSV4_KERNEL void __launch_bounds__(ATT_THREADS) attention_heads(
+    const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
+    const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
+    const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, u32 g, float scale,
+    float* __restrict__ out) {
+    __shared__ float q_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
+    __shared__ float acc_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
+    __shared__ float m_s[ATT_MAX_G], l_s[ATT_MAX_G];
+    const u32 t = blockIdx.y;
+    const u32 h0 = blockIdx.x * g;
+    const u32 pos0 = pos[0];
+    const u32 p = pos0 + t;
+    const u32 n_w = min(p + 1u, wsize);
+    const u32 n_c = mode == 1u ? min((p + 1u) / ratio, cap) : mode == 2u ? k : 0u;
+    const u32 n = n_w + n_c;
+    const float* qt = q + ((u64)t * heads + h0) * d;
+    for (u32 i = threadIdx.x; i < g * d; i += blockDim.x) q_s[i] = qt[i];
+    __syncthreads();
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 cpl = d / 32u;
+    float m[ATT_MAX_G], l[ATT_MAX_G], acc[ATT_MAX_G][ATT_MAX_CPL];
+#pragma unroll
+    for (u32 h = 0; h < ATT_MAX_G; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (u32 x = 0; x < ATT_MAX_CPL; x++) acc[h][x] = 0.0f;
+    }
+    for (u32 j = warp; j < n; j += ATT_WARPS) {
+        const float* key;
+        if (j < n_w) {
+            const u32 kp = p + 1u - n_w + j;
+            key = kp >= pos0 ? kv + (u64)(kp - pos0) * d : window + (u64)(kp % wsize) * d;
+        } else if (mode == 1u) {
+            key = entries + (u64)(j - n_w) * d;
+        } else {
+            const int id = sel[(u64)t * k + (j - n_w)];
+            if (id < 0 || (u32)id >= cap) continue;  // warp-uniform
+            key = entries + (u64)id * d;
+        }
+        float kr[ATT_MAX_CPL];
+#pragma unroll
+        for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[x] = x < cpl ? key[lane + 32u * x] : 0.0f;
+#pragma unroll
+        for (u32 h = 0; h < ATT_MAX_G; h++) {
+            if (h >= g) break;
+            float s = 0.0f;
+#pragma unroll
+            for (u32 x = 0; x < ATT_MAX_CPL; x++)
+                if (x < cpl) s = __fadd_rn(s, __fmul_rn(q_s[h * d + lane + 32u * x], kr[x]));
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+            s = __fmul_rn(s, scale);
+            const float mn = fmaxf(m[h], s);
+            const float alpha = m[h] == mn ? 1.0f : expf(__fsub_rn(m[h], mn));
+            const float pr = expf(__fsub_rn(s, mn));
+            l[h] = __fadd_rn(__fmul_rn(l[h], alpha), pr);
+#pragma unroll
+            for (u32 x = 0; x < ATT_MAX_CPL; x++) acc[h][x] = __fadd_rn(__fmul_rn(acc[h][x], alpha), __fmul_rn(pr, kr[x]));
+            m[h] = mn;
+        }
+    }
+    // Merge the warps' partial softmaxes in warp order.
+    for (u32 w = 0; w < ATT_WARPS; w++) {
+        if (warp == w) {
+#pragma unroll
+            for (u32 h = 0; h < ATT_MAX_G; h++) {
+                if (h >= g) break;
+                if (w == 0u) {
+#pragma unroll
+                    for (u32 x = 0; x < ATT_MAX_CPL; x++)
+                        if (x < cpl) acc_s[h * d + lane + 32u * x] = acc[h][x];
+                    __syncwarp();
+                    if (lane == 0u) {
+                        m_s[h] = m[h];
+                        l_s[h] = l[h];
+                    }
+                } else {
+                    const float mo = m_s[h], lo = l_s[h];
+                    const float mn = fmaxf(mo, m[h]);
+                    const float a = mo == mn ? 1.0f : expf(__fsub_rn(mo, mn));
+                    const float b = m[h] == mn ? 1.0f : expf(__fsub_rn(m[h], mn));
+#pragma unroll
+                    for (u32 x = 0; x < ATT_MAX_CPL; x++) {
+                        if (x < cpl) {
+                            float* o = &acc_s[h * d + lane + 32u * x];
+                            *o = __fadd_rn(__fmul_rn(*o, a), __fmul_rn(acc[h][x], b));
+                        }
+                    }
+                    __syncwarp();
+                    if (lane == 0u) {
+                        m_s[h] = mn;
+                        l_s[h] = __fadd_rn(__fmul_rn(lo, a), __fmul_rn(l[h], b));
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // The sink: a zero-valued key of logit sink[h] (it may exceed every score).
+    for (u32 i = threadIdx.x; i < g * d; i += blockDim.x) {
+        const u32 h = i / d;
+        const float mo = m_s[h], sk = sink[h0 + h];
+        const float mf = fmaxf(mo, sk);
+        const float a = mo == mf ? 1.0f : expf(__fsub_rn(mo, mf));
+        const float denom = __fadd_rn(__fmul_rn(l_s[h], a), expf(__fsub_rn(sk, mf)));
+        out[((u64)t * heads + h0) * d + i] = __fdiv_rn(__fmul_rn(acc_s[i], a), denom);
+    }
+}
+
+// ring[(pos0 + t) % W] = kv[t] for the last min(T, W) rows t of the chunk.
+DSV4_KERNEL void window_write(const float* __restrict__ kv, u32 tokens, u32 d, const u32* __restrict__ pos, u32 wsize,
+                              float* __restrict__ window) {
+    const u32 rows = min(tokens, wsize);
+    const u32 skip = tokens - rows;
+    const u64 total = (u64)rows * d;
+    const u32 pos0 = pos[0];
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u32 t = skip + (u32)(i / d);
+        const u32 ch = (u32)(i % d);
+        window[(u64)((pos0 + t) % wsize) * d + ch] = kv[(u64)t * d + ch];
+    }
+}

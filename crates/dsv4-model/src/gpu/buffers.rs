@@ -1,0 +1,286 @@
+//! Everything the GPU forward writes, in one buffer pool: the sequence state (token ids,
+//! position, window rings, compressor windows and entries, indexer keys) and the activations of
+//! a chunk of up to [`MAX_CHUNK`] tokens. Sizes depend only on the config and the context
+//! capacity, so the same code runs twice: a sizing pass reserves every buffer by name in the
+//! open pool, and after sealing a second pass takes them (fixed addresses for graph replays).
+
+use dsv4_ops::gpu::attention::CompressorBuffers;
+use dsv4_ops::gpu::gemv::GemvWorkspace;
+use dsv4_ops::gpu::{BufferPool, DeviceElem, DeviceTensor, GpuError};
+use half::bf16;
+
+use crate::config::{Config, LayerKind};
+
+/// Most tokens one forward launch sequence takes (the small-M GEMV and MoE kernels' limit).
+pub const MAX_CHUNK: usize = 16;
+
+/// How [`Buffers::build`] gets a buffer: reserved in the open pool, or taken from it sealed.
+pub trait Stage {
+    type Buf<E: DeviceElem>;
+    type Workspace;
+    fn buf<E: DeviceElem>(&mut self, name: &str, shape: &[usize])
+        -> Result<Self::Buf<E>, GpuError>;
+    fn workspace(&mut self, name: &str) -> Result<Self::Workspace, GpuError>;
+}
+
+/// Reserves in an open pool (owned, so buffer types carry no lifetime).
+pub struct Sizing(pub BufferPool);
+
+impl Stage for Sizing {
+    type Buf<E: DeviceElem> = ();
+    type Workspace = ();
+    fn buf<E: DeviceElem>(&mut self, name: &str, shape: &[usize]) -> Result<(), GpuError> {
+        let _ = self.0.reserve::<E>(name, E::DTYPES[0], shape)?;
+        Ok(())
+    }
+    fn workspace(&mut self, name: &str) -> Result<(), GpuError> {
+        let _ = GemvWorkspace::reserve(&mut self.0, name)?;
+        Ok(())
+    }
+}
+
+/// Takes from the sealed pool.
+pub struct Taking(pub BufferPool);
+
+impl Stage for Taking {
+    type Buf<E: DeviceElem> = DeviceTensor<E>;
+    type Workspace = GemvWorkspace;
+    fn buf<E: DeviceElem>(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<DeviceTensor<E>, GpuError> {
+        self.0.take_named(name, E::DTYPES[0], shape)
+    }
+    fn workspace(&mut self, name: &str) -> Result<GemvWorkspace, GpuError> {
+        GemvWorkspace::take_named(&mut self.0, name)
+    }
+}
+
+/// One compressor's state (see [`CompressorBuffers`]).
+pub struct CompState<S: Stage> {
+    kv: S::Buf<f32>,
+    gate: S::Buf<f32>,
+    prev_kv: S::Buf<f32>,
+    prev_gate: S::Buf<f32>,
+    entries: S::Buf<f32>,
+}
+
+impl<S: Stage> CompState<S> {
+    fn build(
+        s: &mut S,
+        name: &str,
+        ratio: usize,
+        width: usize,
+        overlap: bool,
+        capacity: usize,
+    ) -> Result<Self, GpuError> {
+        let row = if overlap { 2 * width } else { width };
+        Ok(CompState {
+            kv: s.buf(&format!("{name}.kv"), &[ratio, row])?,
+            gate: s.buf(&format!("{name}.gate"), &[ratio, row])?,
+            prev_kv: s.buf(&format!("{name}.prev_kv"), &[ratio, width])?,
+            prev_gate: s.buf(&format!("{name}.prev_gate"), &[ratio, width])?,
+            entries: s.buf(&format!("{name}.entries"), &[capacity.max(1), width])?,
+        })
+    }
+}
+
+impl CompState<Taking> {
+    /// The launchers' view of the state (the same memory).
+    pub fn buffers(&self) -> Result<CompressorBuffers, GpuError> {
+        let whole = |t: &DeviceTensor<f32>| t.view(0, t.shape());
+        Ok(CompressorBuffers {
+            kv: whole(&self.kv)?,
+            gate: whole(&self.gate)?,
+            prev_kv: whole(&self.prev_kv)?,
+            prev_gate: whole(&self.prev_gate)?,
+            entries: whole(&self.entries)?,
+        })
+    }
+
+    pub fn entries(&self) -> &DeviceTensor<f32> {
+        &self.entries
+    }
+}
+
+/// The Lightning Indexer's compressor, score scratch and choice.
+pub struct IndexState<S: Stage> {
+    pub comp: CompState<S>,
+    pub scores: S::Buf<f32>,
+    pub selected: S::Buf<i32>,
+}
+
+pub struct LayerState<S: Stage> {
+    pub window: S::Buf<f32>,
+    pub comp: Option<CompState<S>>,
+    pub index: Option<IndexState<S>>,
+}
+
+/// Activations of one chunk, `[MAX_CHUNK, width]` each (views of the first rows serve shorter
+/// chunks).
+pub struct Acts<S: Stage> {
+    /// The chunk's token ids; a decode step reads and the sampler writes element 0.
+    pub tokens: S::Buf<u32>,
+    /// Position of the chunk's first token.
+    pub pos: S::Buf<u32>,
+    /// The mHC streams, ping-ponged by each site's expansion.
+    pub streams: [S::Buf<f32>; 2],
+    pub x: S::Buf<f32>,
+    pub post: S::Buf<f32>,
+    pub comb: S::Buf<f32>,
+    pub xn: S::Buf<f32>,
+    pub xb: S::Buf<bf16>,
+    pub qa_b: S::Buf<bf16>,
+    pub qa: S::Buf<f32>,
+    pub qa_n: S::Buf<f32>,
+    pub qab: S::Buf<bf16>,
+    pub q_b: S::Buf<bf16>,
+    pub q: S::Buf<f32>,
+    pub q_n: S::Buf<f32>,
+    pub kv_b: S::Buf<bf16>,
+    pub kv: S::Buf<f32>,
+    pub kv_n: S::Buf<f32>,
+    /// Compressor projections (kv, gate), up to `2·head_dim` wide.
+    pub comp_b: [S::Buf<bf16>; 2],
+    pub comp: [S::Buf<f32>; 2],
+    pub iq_b: S::Buf<bf16>,
+    pub iq: S::Buf<f32>,
+    pub iw: S::Buf<f32>,
+    pub attn: S::Buf<f32>,
+    pub group_in: S::Buf<bf16>,
+    pub group_out: S::Buf<bf16>,
+    pub z: S::Buf<bf16>,
+    pub y_b: S::Buf<bf16>,
+    pub y: S::Buf<f32>,
+    pub gate: S::Buf<f32>,
+    pub ids: S::Buf<i32>,
+    pub weights: S::Buf<f32>,
+    /// Routed-expert intermediates: BF16 for the FP4 grouped MoE, F32 for BF16 experts.
+    pub h_b: S::Buf<bf16>,
+    pub h: S::Buf<f32>,
+    pub moe: S::Buf<f32>,
+    pub shared_h: S::Buf<bf16>,
+    pub shared_y: S::Buf<bf16>,
+    pub logits_b: S::Buf<bf16>,
+    pub logits: S::Buf<f32>,
+    pub sample_weights: S::Buf<f32>,
+    pub ws: S::Workspace,
+}
+
+pub struct Buffers<S: Stage> {
+    pub acts: Acts<S>,
+    pub layers: Vec<LayerState<S>>,
+}
+
+impl<S: Stage> Buffers<S> {
+    /// Every buffer for `config` with room for `capacity` positions; `shared_inter` is the
+    /// shared expert's intermediate width.
+    pub fn build(
+        s: &mut S,
+        c: &Config,
+        capacity: usize,
+        shared_inter: usize,
+    ) -> Result<Self, GpuError> {
+        let m = MAX_CHUNK;
+        let (d, hd, q_all) = (c.hidden_size, c.head_dim, c.num_heads * c.head_dim);
+        let (ni, ic) = (c.index_n_heads, c.index_head_dim);
+        let (k, inter) = (c.experts_per_token, c.moe_intermediate_size);
+        let acts = Acts {
+            tokens: s.buf("tokens", &[m])?,
+            pos: s.buf("pos", &[1])?,
+            streams: [
+                s.buf("streams.0", &[m, c.hc_dim()])?,
+                s.buf("streams.1", &[m, c.hc_dim()])?,
+            ],
+            x: s.buf("x", &[m, d])?,
+            post: s.buf("hc.post", &[m, c.hc_mult])?,
+            comb: s.buf("hc.comb", &[m, c.hc_mult * c.hc_mult])?,
+            xn: s.buf("xn", &[m, d])?,
+            xb: s.buf("xb", &[m, d])?,
+            qa_b: s.buf("qa_b", &[m, c.q_lora_rank])?,
+            qa: s.buf("qa", &[m, c.q_lora_rank])?,
+            qa_n: s.buf("qa_n", &[m, c.q_lora_rank])?,
+            qab: s.buf("qab", &[m, c.q_lora_rank])?,
+            q_b: s.buf("q_b", &[m, q_all])?,
+            q: s.buf("q", &[m, q_all])?,
+            q_n: s.buf("q_n", &[m, q_all])?,
+            kv_b: s.buf("kv_b", &[m, hd])?,
+            kv: s.buf("kv", &[m, hd])?,
+            kv_n: s.buf("kv_n", &[m, hd])?,
+            comp_b: [
+                s.buf("comp_kv_b", &[m, 2 * hd.max(ic)])?,
+                s.buf("comp_gate_b", &[m, 2 * hd.max(ic)])?,
+            ],
+            comp: [
+                s.buf("comp_kv", &[m, 2 * hd.max(ic)])?,
+                s.buf("comp_gate", &[m, 2 * hd.max(ic)])?,
+            ],
+            iq_b: s.buf("iq_b", &[m, ni * ic])?,
+            iq: s.buf("iq", &[m, ni * ic])?,
+            iw: s.buf("iw", &[m, ni])?,
+            attn: s.buf("attn", &[m, q_all])?,
+            group_in: s.buf("group_in", &[m, q_all / c.o_groups])?,
+            group_out: s.buf("group_out", &[m, c.o_lora_rank])?,
+            z: s.buf("z", &[m, c.o_groups * c.o_lora_rank])?,
+            y_b: s.buf("y_b", &[m, d])?,
+            y: s.buf("y", &[m, d])?,
+            gate: s.buf("gate", &[m, c.n_routed_experts])?,
+            ids: s.buf("ids", &[m, k])?,
+            weights: s.buf("route_weights", &[m, k])?,
+            h_b: s.buf("h_b", &[m, k, inter])?,
+            h: s.buf("h", &[m, k, inter])?,
+            moe: s.buf("moe", &[m, d])?,
+            shared_h: s.buf("shared_h", &[m, shared_inter])?,
+            shared_y: s.buf("shared_y", &[m, d])?,
+            logits_b: s.buf("logits_b", &[m, c.vocab_size])?,
+            logits: s.buf("logits", &[m, c.vocab_size])?,
+            sample_weights: s.buf("sample_weights", &[c.vocab_size])?,
+            ws: s.workspace("gemv")?,
+        };
+        let layers = c
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, &kind)| {
+                let name = |part: &str| format!("layers.{l}.{part}");
+                let window = s.buf(&name("window"), &[c.sliding_window, hd])?;
+                let comp = match kind {
+                    LayerKind::Sliding => None,
+                    LayerKind::Csa { ratio } | LayerKind::Hca { ratio } => Some(CompState::build(
+                        s,
+                        &name("compressor"),
+                        ratio,
+                        hd,
+                        matches!(kind, LayerKind::Csa { .. }),
+                        capacity / ratio,
+                    )?),
+                };
+                let index = match kind {
+                    LayerKind::Csa { ratio } => {
+                        let cap = (capacity / ratio).max(1);
+                        Some(IndexState {
+                            comp: CompState::build(s, &name("indexer"), ratio, ic, true, cap)?,
+                            scores: s.buf(&name("indexer.scores"), &[m, cap])?,
+                            selected: s.buf(&name("indexer.selected"), &[m, c.index_topk])?,
+                        })
+                    }
+                    _ => None,
+                };
+                Ok(LayerState {
+                    window,
+                    comp,
+                    index,
+                })
+            })
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        Ok(Buffers { acts, layers })
+    }
+}
+
+/// Bytes the pool takes for `capacity` positions.
+pub fn pool_bytes(c: &Config, capacity: usize, shared_inter: usize) -> Result<usize, GpuError> {
+    let mut s = Sizing(BufferPool::new());
+    Buffers::build(&mut s, c, capacity, shared_inter)?;
+    Ok(s.0.total_bytes())
+}

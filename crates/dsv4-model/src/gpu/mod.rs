@@ -1,0 +1,895 @@
+//! The model on one GPU. Weights are uploaded once into the kernels' layouts; the sequence
+//! state and every activation live in one sealed buffer pool; a forward chunk is a fixed list
+//! of launches on the device's stream that reads the token ids and the position from device
+//! buffers and advances the position itself. So a decode step (layers, head, sampling into the
+//! token buffer) issues the same launches at every position and can be captured once as a CUDA
+//! graph and replayed (`dsv4-graph`); run eagerly it is the same launches.
+//!
+//! Activations are F32 between kernels and BF16 into the GEMVs (W8A16 / W4A16 / BF16 weights);
+//! the MoE gate and the indexer's head weights run in F32 on F32 inputs, since their outputs
+//! choose experts and entries.
+
+mod buffers;
+mod upload;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use dsv4_ops::gpu::attention::{self, Compressed};
+use dsv4_ops::gpu::gemv::{gemv, gemv_swiglu, GemvWeight};
+use dsv4_ops::gpu::mhc::reference::HcParams;
+use dsv4_ops::gpu::mhc::{hc_head, hc_post, hc_pre, DeviceHcSite, HcPreOut};
+use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
+use dsv4_ops::gpu::moe_bf16::moe_bf16;
+use dsv4_ops::gpu::router::{gate_logits, route_topk, DeviceRouteBy, GateWeight};
+use dsv4_ops::gpu::rows::{
+    advance_position, copy_cols, embed_hc_gather, rms_norm_rows, rope_rows, Cols, RopeDirection,
+};
+use dsv4_ops::gpu::sample::{sample, Sampling};
+use dsv4_ops::gpu::{BufferPool, DType, Device, DeviceTensor, GpuError};
+use half::bf16;
+
+use crate::checkpoint::{Checkpoint, LoadError};
+use crate::config::{Config, LayerKind};
+use crate::cpu::{ForwardError, Logits};
+use crate::linear::{Linear, LinearData};
+use crate::rope::Rope;
+use crate::weights::{ModelWeights, Routing};
+pub use buffers::MAX_CHUNK;
+use buffers::{Buffers, Sizing, Taking};
+use upload::RoutedExperts;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuModelError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    #[error(
+        "too little GPU memory: the sequence state and activations for a context of {context} \
+         tokens need {need} bytes, {free} bytes are free after the weights"
+    )]
+    OutOfMemory {
+        context: usize,
+        need: usize,
+        free: usize,
+    },
+    #[error("sequence of {needed} tokens exceeds the GPU context capacity of {capacity} (--max-context)")]
+    Capacity { needed: usize, capacity: usize },
+}
+
+/// Load-time choices.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GpuOptions {
+    /// Positions the sequence state holds; `None` takes what fits (up to the model's limit).
+    pub max_context: Option<usize>,
+}
+
+/// A BF16 or F32 matrix for the F32 kernels (MoE gate, indexer head weights).
+enum Dense {
+    Bf16(DeviceTensor<bf16>),
+    F32(DeviceTensor<f32>),
+}
+
+impl Dense {
+    fn upload(dev: &Device, lin: &Linear) -> Result<Dense, GpuError> {
+        Ok(match lin.data() {
+            LinearData::Bf16(_) => {
+                let v: Vec<bf16> = lin.to_f32().iter().map(|&x| bf16::from_f32(x)).collect();
+                Dense::Bf16(dev.upload(DType::BF16, &[lin.rows(), lin.cols()], &v)?)
+            }
+            _ => Dense::F32(upload::dense_f32(dev, lin)?),
+        })
+    }
+
+    fn weight(&self) -> GateWeight<'_> {
+        match self {
+            Dense::Bf16(t) => GateWeight::Bf16(t),
+            Dense::F32(t) => GateWeight::F32(t),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Dense::Bf16(t) => t.num_bytes(),
+            Dense::F32(t) => t.num_bytes(),
+        }
+    }
+}
+
+struct DevCompressor {
+    wkv: GemvWeight,
+    wgate: GemvWeight,
+    ape: DeviceTensor<f32>,
+    norm: DeviceTensor<f32>,
+    overlap: bool,
+}
+
+struct DevIndexer {
+    wq_b: GemvWeight,
+    weights_proj: Dense,
+    compressor: DevCompressor,
+}
+
+struct DevAttention {
+    wq_a: GemvWeight,
+    q_norm: DeviceTensor<f32>,
+    wq_b: GemvWeight,
+    wkv: GemvWeight,
+    kv_norm: DeviceTensor<f32>,
+    /// One weight per output group.
+    wo_a: Vec<GemvWeight>,
+    wo_b: GemvWeight,
+    sink: DeviceTensor<f32>,
+    compressor: Option<DevCompressor>,
+    indexer: Option<DevIndexer>,
+}
+
+enum DevRouting {
+    Hash(DeviceTensor<u32>),
+    Learned(DeviceTensor<f32>),
+}
+
+struct DevMoe {
+    gate: Dense,
+    routing: DevRouting,
+    experts: RoutedExperts,
+    shared_w13: GemvWeight,
+    shared_w2: GemvWeight,
+}
+
+struct DevLayer {
+    kind: LayerKind,
+    attn_norm: DeviceTensor<f32>,
+    ffn_norm: DeviceTensor<f32>,
+    hc_attn: DeviceHcSite,
+    hc_ffn: DeviceHcSite,
+    attn: DevAttention,
+    moe: DevMoe,
+}
+
+struct DevWeights {
+    embed: DeviceTensor<bf16>,
+    head: GemvWeight,
+    norm: DeviceTensor<f32>,
+    hc_head: DeviceHcSite,
+    layers: Vec<DevLayer>,
+    rope_main: DeviceTensor<f32>,
+    rope_compress: DeviceTensor<f32>,
+}
+
+fn upload_compressor(
+    dev: &Device,
+    name: &str,
+    w: &crate::weights::CompressorWeights,
+) -> Result<DevCompressor, GpuError> {
+    Ok(DevCompressor {
+        wkv: upload::linear(dev, &format!("{name}.wkv"), &w.wkv)?,
+        wgate: upload::linear(dev, &format!("{name}.wgate"), &w.wgate)?,
+        ape: dev.upload(DType::F32, &[w.ratio, w.ape.len() / w.ratio], &w.ape)?,
+        norm: upload::vector(dev, &w.norm)?,
+        overlap: w.overlap,
+    })
+}
+
+fn upload_layer(
+    dev: &Device,
+    c: &Config,
+    l: usize,
+    lw: &crate::weights::LayerWeights,
+) -> Result<DevLayer, GpuError> {
+    let p = format!("layers.{l}");
+    let a = &lw.attn;
+    let (g, r) = (c.o_groups, c.o_lora_rank);
+    let attn = DevAttention {
+        wq_a: upload::linear(dev, &format!("{p}.attn.wq_a"), &a.wq_a)?,
+        q_norm: upload::vector(dev, &a.q_norm)?,
+        wq_b: upload::linear(dev, &format!("{p}.attn.wq_b"), &a.wq_b)?,
+        wkv: upload::linear(dev, &format!("{p}.attn.wkv"), &a.wkv)?,
+        kv_norm: upload::vector(dev, &a.kv_norm)?,
+        wo_a: (0..g)
+            .map(|grp| {
+                upload::rows(
+                    dev,
+                    &format!("{p}.attn.wo_a"),
+                    &a.wo_a,
+                    grp * r..(grp + 1) * r,
+                )
+            })
+            .collect::<Result<_, _>>()?,
+        wo_b: upload::linear(dev, &format!("{p}.attn.wo_b"), &a.wo_b)?,
+        sink: upload::vector(dev, &a.sink)?,
+        compressor: a
+            .compressor
+            .as_ref()
+            .map(|cw| upload_compressor(dev, &format!("{p}.attn.compressor"), cw))
+            .transpose()?,
+        indexer: a
+            .indexer
+            .as_ref()
+            .map(|iw| -> Result<DevIndexer, GpuError> {
+                Ok(DevIndexer {
+                    wq_b: upload::linear(dev, &format!("{p}.attn.indexer.wq_b"), &iw.wq_b)?,
+                    weights_proj: Dense::upload(dev, &iw.weights_proj)?,
+                    compressor: upload_compressor(
+                        dev,
+                        &format!("{p}.attn.indexer.compressor"),
+                        &iw.compressor,
+                    )?,
+                })
+            })
+            .transpose()?,
+    };
+    let m = &lw.moe;
+    let routing = match &m.routing {
+        Routing::Hash { tid2eid } => DevRouting::Hash(dev.upload(
+            DType::U32,
+            &[tid2eid.len() / c.experts_per_token, c.experts_per_token],
+            tid2eid,
+        )?),
+        Routing::Learned { bias } => DevRouting::Learned(upload::vector(dev, bias)?),
+    };
+    let (shared_w13, shared_w2) =
+        upload::expert(dev, &format!("{p}.ffn.shared_experts"), &m.shared)?;
+    Ok(DevLayer {
+        kind: lw.kind,
+        attn_norm: upload::vector(dev, &lw.attn_norm)?,
+        ffn_norm: upload::vector(dev, &lw.ffn_norm)?,
+        hc_attn: upload::hc_site(dev, &lw.hc_attn, c.hidden_size)?,
+        hc_ffn: upload::hc_site(dev, &lw.hc_ffn, c.hidden_size)?,
+        attn,
+        moe: DevMoe {
+            gate: Dense::upload(dev, &m.gate)?,
+            routing,
+            experts: upload::routed_experts(dev, &format!("{p}.ffn.experts"), &m.experts)?,
+            shared_w13,
+            shared_w2,
+        },
+    })
+}
+
+/// The first `n` rows of a `[MAX_CHUNK, ...]` buffer.
+fn rows<T: dsv4_ops::gpu::DeviceElem>(
+    t: &DeviceTensor<T>,
+    n: usize,
+) -> Result<DeviceTensor<T>, GpuError> {
+    t.rows(n)
+}
+
+/// `[n, width]` over the front of a buffer (buffers shared by several widths).
+fn cols<T: dsv4_ops::gpu::DeviceElem>(
+    t: &DeviceTensor<T>,
+    n: usize,
+    width: usize,
+) -> Result<DeviceTensor<T>, GpuError> {
+    t.view(0, &[n, width])
+}
+
+/// `dst = src` converted (F32 ↔ BF16), all columns.
+fn cast<S: dsv4_ops::gpu::rows::ActElem, D: dsv4_ops::gpu::rows::ActElem>(
+    dev: &Device,
+    src: &DeviceTensor<S>,
+    dst: &mut DeviceTensor<D>,
+) -> Result<(), GpuError> {
+    let w = src.shape()[1];
+    copy_cols(dev, src, Cols::all(w), dst, 0, false)
+}
+
+pub struct GpuModel {
+    config: Config,
+    dev: Arc<Device>,
+    w: DevWeights,
+    bufs: Buffers<Taking>,
+    _pool: BufferPool,
+    capacity: usize,
+    /// Tokens processed (mirrors the device position, which the device advances).
+    len: usize,
+    hc: HcParams,
+    weight_bytes: usize,
+}
+
+impl GpuModel {
+    /// Opens a checkpoint and uploads it to `dev`; `on_layer(done, total)` reports progress.
+    pub fn load(
+        dir: &Path,
+        dev: Arc<Device>,
+        opts: GpuOptions,
+        on_layer: impl FnMut(usize, usize),
+    ) -> Result<GpuModel, GpuModelError> {
+        let ck = Checkpoint::open(dir)?;
+        let weights = ModelWeights::load(&ck, |_, _| {})?;
+        GpuModel::new(ck.config().clone(), &weights, dev, opts, on_layer)
+    }
+
+    /// Uploads `weights` (of `config`) to `dev` and sets up the sequence state.
+    pub fn new(
+        config: Config,
+        weights: &ModelWeights,
+        dev: Arc<Device>,
+        opts: GpuOptions,
+        mut on_layer: impl FnMut(usize, usize),
+    ) -> Result<GpuModel, GpuModelError> {
+        let c = &config;
+        let layers = weights
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, lw)| {
+                let layer = upload_layer(&dev, c, l, lw);
+                on_layer(l + 1, c.num_layers);
+                layer
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let w = DevWeights {
+            embed: upload::embedding(&dev, &weights.embed)?,
+            head: upload::linear(&dev, "head", &weights.head)?,
+            norm: upload::vector(&dev, &weights.norm)?,
+            hc_head: upload::hc_site(&dev, &weights.hc_head, c.hidden_size)?,
+            layers,
+            rope_main: upload::vector(&dev, Rope::for_layer(c, false).inv_freq())?,
+            rope_compress: upload::vector(&dev, Rope::for_layer(c, true).inv_freq())?,
+        };
+        let weight_bytes = step_bytes(c, &w);
+        let shared_inter = weights.layers[0].moe.shared.w1.rows();
+        let (free, _) = dev.memory_info()?;
+        let capacity = choose_capacity(c, opts.max_context, shared_inter, free)?;
+        let mut sizing = Sizing(BufferPool::new());
+        Buffers::build(&mut sizing, c, capacity, shared_inter)?;
+        let mut pool = sizing.0;
+        pool.seal(&dev)?;
+        let mut taking = Taking(pool);
+        let bufs = Buffers::build(&mut taking, c, capacity, shared_inter)?;
+        let pool = taking.0;
+        Ok(GpuModel {
+            hc: HcParams {
+                n: c.hc_mult,
+                sinkhorn_iters: c.hc_sinkhorn_iters,
+                hc_eps: c.hc_eps,
+                norm_eps: c.rms_norm_eps,
+            },
+            config,
+            dev,
+            w,
+            bufs,
+            _pool: pool,
+            capacity,
+            len: 0,
+            weight_bytes,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// Positions the sequence state holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Tokens processed so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Weight bytes one decode step reads (every dense weight, the selected experts, the head).
+    pub fn step_weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Forgets the sequence: position 0 (state buffers are overwritten before they are read).
+    pub fn reset(&mut self) -> Result<(), GpuError> {
+        self.dev.write(&mut self.bufs.acts.pos, &[0])?;
+        self.len = 0;
+        Ok(())
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), GpuModelError> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(ForwardError::Empty.into());
+        }
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(ForwardError::TokenOutOfRange {
+                token,
+                vocab: c.vocab_size,
+            }
+            .into());
+        }
+        let needed = self.len + tokens.len();
+        if needed > c.max_position_embeddings {
+            return Err(ForwardError::ContextLimit {
+                needed,
+                limit: c.max_position_embeddings,
+            }
+            .into());
+        }
+        if needed > self.capacity {
+            return Err(GpuModelError::Capacity {
+                needed,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs `tokens` (in chunks of at most [`MAX_CHUNK`]) and returns the requested logits
+    /// (`[n, vocab]` or the last token's `[vocab]`), as the CPU forward does.
+    pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>, GpuModelError> {
+        self.check_tokens(tokens)?;
+        let vocab = self.config.vocab_size;
+        let mut out = Vec::new();
+        for chunk in tokens.chunks(MAX_CHUNK) {
+            let n = chunk.len();
+            let mut ids = rows(&self.bufs.acts.tokens, n)?;
+            self.dev.write(&mut ids, chunk)?;
+            self.launch_chunk(n)?;
+            self.len += n;
+            let logits = self.dev.download(&rows(&self.bufs.acts.logits, n)?)?;
+            match which {
+                Logits::All => out.extend_from_slice(&logits),
+                Logits::Last => out = logits[(n - 1) * vocab..].to_vec(),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Runs `prompt` and samples the first new token into the device token buffer (read it
+    /// with [`Self::read_token`]); then [`Self::launch_decode_step`] continues from it.
+    pub fn prefill(&mut self, prompt: &[u32], s: &Sampling) -> Result<(), GpuModelError> {
+        self.check_tokens(prompt)?;
+        let chunks: Vec<&[u32]> = prompt.chunks(MAX_CHUNK).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let n = chunk.len();
+            let mut ids = rows(&self.bufs.acts.tokens, n)?;
+            self.dev.write(&mut ids, chunk)?;
+            if i + 1 == chunks.len() {
+                // Sampled with the last prompt token's position as the key, as a decode step
+                // samples with its own token's.
+                self.launch_layers_and_head(n)?;
+                if n > 1 {
+                    self.launch_advance(n - 1)?;
+                }
+                self.launch_sample(n - 1, s)?;
+                self.launch_advance(1)?;
+            } else {
+                self.launch_chunk(n)?;
+            }
+            self.len += n;
+        }
+        Ok(())
+    }
+
+    /// Room for `steps` more decode steps?
+    pub fn check_decode(&self, steps: usize) -> Result<(), GpuModelError> {
+        let needed = self.len + steps;
+        if needed > self.capacity || needed > self.config.max_position_embeddings {
+            return Err(GpuModelError::Capacity {
+                needed,
+                capacity: self.capacity.min(self.config.max_position_embeddings),
+            });
+        }
+        Ok(())
+    }
+
+    /// One decode step's launches: the token in the device buffer through every layer and the
+    /// head, the next token sampled into the same buffer, the position advanced. Identical at
+    /// every position, so it is what a graph captures; the caller accounts for the step with
+    /// [`Self::note_decoded`] (checked first with [`Self::check_decode`]).
+    pub fn launch_decode_step(&mut self, s: &Sampling) -> Result<(), GpuError> {
+        self.launch_layers_and_head(1)?;
+        self.launch_sample(0, s)?;
+        self.launch_advance(1)
+    }
+
+    /// Records that `steps` decode steps ran (eagerly or as graph replays).
+    pub fn note_decoded(&mut self, steps: usize) {
+        self.len += steps;
+    }
+
+    /// The token the last step sampled (waits for the device).
+    pub fn read_token(&self) -> Result<u32, GpuError> {
+        Ok(self.dev.download(&rows(&self.bufs.acts.tokens, 1)?)?[0])
+    }
+
+    /// The logits of the last step's row `row` (waits for the device).
+    pub fn read_logits(&self, row: usize) -> Result<Vec<f32>, GpuError> {
+        let v = self.config.vocab_size;
+        self.dev
+            .download(&self.bufs.acts.logits.view(row * v, &[v])?)
+    }
+
+    fn launch_chunk(&mut self, n: usize) -> Result<(), GpuError> {
+        self.launch_layers_and_head(n)?;
+        self.launch_advance(n)
+    }
+
+    fn launch_advance(&mut self, n: usize) -> Result<(), GpuError> {
+        advance_position(&self.dev, &mut self.bufs.acts.pos, n as u32)
+    }
+
+    fn launch_sample(&mut self, row: usize, s: &Sampling) -> Result<(), GpuError> {
+        let a = &mut self.bufs.acts;
+        let v = self.config.vocab_size;
+        let logits = a.logits.view(row * v, &[v])?;
+        let mut token = rows(&a.tokens, 1)?;
+        sample(
+            &self.dev,
+            &logits,
+            s,
+            &a.pos,
+            &mut a.sample_weights,
+            &mut token,
+        )
+    }
+
+    /// Embedding, every layer and the head for the `n` tokens in the token buffer at the
+    /// device position; logits into `acts.logits[..n]`.
+    fn launch_layers_and_head(&mut self, n: usize) -> Result<(), GpuError> {
+        let dev = &*self.dev;
+        let c = &self.config;
+        let a = &mut self.bufs.acts;
+        let tokens = rows(&a.tokens, n)?;
+        let mut s0 = rows(&a.streams[0], n)?;
+        embed_hc_gather(dev, &self.w.embed, &tokens, c.hc_mult, &mut s0)?;
+        let mut cur = 0;
+        for (lw, ls) in self.w.layers.iter().zip(self.bufs.layers.iter_mut()) {
+            let src = rows(&a.streams[cur], n)?;
+            let mut dst = rows(&a.streams[1 - cur], n)?;
+            let mix = site_pre(
+                dev,
+                &self.hc,
+                a,
+                n,
+                &src,
+                &lw.hc_attn,
+                &lw.attn_norm,
+                c.rms_norm_eps,
+            )?;
+            attention_layer(dev, c, &self.w, lw, ls, a, n)?;
+            hc_post(dev, &src, &rows(&a.y, n)?, &mix, &mut dst)?;
+            cur = 1 - cur;
+            let src = rows(&a.streams[cur], n)?;
+            let mut dst = rows(&a.streams[1 - cur], n)?;
+            let mix = site_pre(
+                dev,
+                &self.hc,
+                a,
+                n,
+                &src,
+                &lw.hc_ffn,
+                &lw.ffn_norm,
+                c.rms_norm_eps,
+            )?;
+            moe_layer(dev, c, lw, a, n, &tokens)?;
+            hc_post(dev, &src, &rows(&a.moe, n)?, &mix, &mut dst)?;
+            cur = 1 - cur;
+        }
+        // Head: collapse, norm, lm_head.
+        let streams = rows(&a.streams[cur], n)?;
+        let mut x = rows(&a.x, n)?;
+        hc_head(dev, &streams, &self.w.hc_head, &self.hc, &mut x)?;
+        let mut xn = rows(&a.xn, n)?;
+        rms_norm_rows(dev, &x, Some(&self.w.norm), c.rms_norm_eps, &mut xn)?;
+        let mut xb = rows(&a.xb, n)?;
+        cast(dev, &xn, &mut xb)?;
+        let mut lb = rows(&a.logits_b, n)?;
+        gemv(dev, &xb, &self.w.head, &mut lb, &mut a.ws)?;
+        cast(dev, &lb, &mut rows(&a.logits, n)?)
+    }
+}
+
+/// A site's collapse and norm: `acts.xn` (F32) and `acts.xb` (BF16) hold the sub-layer input;
+/// returns the mix for the expansion.
+#[allow(clippy::too_many_arguments)]
+fn site_pre(
+    dev: &Device,
+    p: &HcParams,
+    a: &mut buffers::Acts<Taking>,
+    n: usize,
+    streams: &DeviceTensor<f32>,
+    site: &DeviceHcSite,
+    norm: &DeviceTensor<f32>,
+    eps: f32,
+) -> Result<HcPreOut, GpuError> {
+    let mut mix = HcPreOut {
+        x: rows(&a.x, n)?,
+        post: rows(&a.post, n)?,
+        comb: rows(&a.comb, n)?,
+    };
+    hc_pre(dev, streams, site, p, &mut mix)?;
+    let mut xn = rows(&a.xn, n)?;
+    rms_norm_rows(dev, &mix.x, Some(norm), eps, &mut xn)?;
+    cast(dev, &xn, &mut rows(&a.xb, n)?)?;
+    Ok(mix)
+}
+
+/// `out (F32) = x (BF16) · Wᵀ` through the BF16 output buffer `tmp`.
+fn linear_f32(
+    dev: &Device,
+    x: &DeviceTensor<bf16>,
+    w: &GemvWeight,
+    tmp: &DeviceTensor<bf16>,
+    out: &DeviceTensor<f32>,
+    ws: &mut dsv4_ops::gpu::gemv::GemvWorkspace,
+) -> Result<(DeviceTensor<f32>, usize), GpuError> {
+    let n = x.shape()[0];
+    let mut t = cols(tmp, n, w.n())?;
+    gemv(dev, x, w, &mut t, ws)?;
+    let mut o = cols(out, n, w.n())?;
+    cast(dev, &t, &mut o)?;
+    Ok((o, w.n()))
+}
+
+/// Attention sub-layer of `n` tokens: `acts.xn`/`acts.xb` in, `acts.y` out.
+fn attention_layer(
+    dev: &Device,
+    c: &Config,
+    w: &DevWeights,
+    lw: &DevLayer,
+    ls: &mut buffers::LayerState<Taking>,
+    a: &mut buffers::Acts<Taking>,
+    n: usize,
+) -> Result<(), GpuError> {
+    let at = &lw.attn;
+    let eps = c.rms_norm_eps;
+    let (hd, q_all) = (c.head_dim, c.num_heads * c.head_dim);
+    let rope = if lw.kind == LayerKind::Sliding {
+        &w.rope_main
+    } else {
+        &w.rope_compress
+    };
+    let xb = rows(&a.xb, n)?;
+    // Query latent: wq_a, q_norm.
+    let (qa, _) = linear_f32(dev, &xb, &at.wq_a, &a.qa_b, &a.qa, &mut a.ws)?;
+    let mut qa_n = rows(&a.qa_n, n)?;
+    rms_norm_rows(dev, &qa, Some(&at.q_norm), eps, &mut qa_n)?;
+    let mut qab = rows(&a.qab, n)?;
+    cast(dev, &qa_n, &mut qab)?;
+    // Queries: wq_b, per-head norm, rope.
+    let (q, _) = linear_f32(dev, &qab, &at.wq_b, &a.q_b, &a.q, &mut a.ws)?;
+    let mut q_n = a.q_n.view(0, &[n * c.num_heads, hd])?;
+    rms_norm_rows(
+        dev,
+        &q.reshape(&[n * c.num_heads, hd])?,
+        None,
+        eps,
+        &mut q_n,
+    )?;
+    let mut q_n = q_n.reshape(&[n, q_all])?;
+    rope_rows(dev, &mut q_n, hd, rope, &a.pos, RopeDirection::Forward)?;
+    // The shared key/value: wkv, kv_norm, rope.
+    let (kv, _) = linear_f32(dev, &xb, &at.wkv, &a.kv_b, &a.kv, &mut a.ws)?;
+    let mut kv_n = rows(&a.kv_n, n)?;
+    rms_norm_rows(dev, &kv, Some(&at.kv_norm), eps, &mut kv_n)?;
+    rope_rows(dev, &mut kv_n, hd, rope, &a.pos, RopeDirection::Forward)?;
+    // Compressors update every token and emit entries at their boundaries.
+    if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
+        compress(dev, c, w, cw, st.buffers()?, a, n)?;
+    }
+    if let (Some(iw), Some(ist)) = (&at.indexer, &mut ls.index) {
+        compress(dev, c, w, &iw.compressor, ist.comp.buffers()?, a, n)?;
+        let (mut iq, _) = linear_f32(dev, &qab, &iw.wq_b, &a.iq_b, &a.iq, &mut a.ws)?;
+        rope_rows(
+            dev,
+            &mut iq,
+            c.index_head_dim,
+            &w.rope_compress,
+            &a.pos,
+            RopeDirection::Forward,
+        )?;
+        let mut iwt = rows(&a.iw, n)?;
+        gate_logits(dev, &rows(&a.xn, n)?, iw.weights_proj.weight(), &mut iwt)?;
+        let ratio = lw.kind.ratio();
+        let mut sel = rows(&ist.selected, n)?;
+        attention::index_topk(
+            dev,
+            &iq,
+            &iwt,
+            ist.comp.entries(),
+            ratio,
+            &a.pos,
+            &mut rows(&ist.scores, n)?,
+            &mut sel,
+        )?;
+    }
+    let selected;
+    let compressed = match (&ls.comp, &ls.index) {
+        (Some(st), Some(ist)) => {
+            selected = rows(&ist.selected, n)?;
+            Compressed::Selected {
+                entries: st.entries(),
+                selected: &selected,
+            }
+        }
+        (Some(st), None) => Compressed::All {
+            entries: st.entries(),
+            ratio: lw.kind.ratio(),
+        },
+        _ => Compressed::None,
+    };
+    let mut out = rows(&a.attn, n)?;
+    attention::attention(
+        dev, &q_n, &kv_n, &ls.window, compressed, &at.sink, &a.pos, &mut out,
+    )?;
+    rope_rows(dev, &mut out, hd, rope, &a.pos, RopeDirection::Inverse)?;
+    attention::window_write(dev, &kv_n, &a.pos, &mut ls.window)?;
+    // Grouped output projection: group g's heads through its rows of wo_a, then wo_b.
+    let gw = q_all / c.o_groups;
+    let r = c.o_lora_rank;
+    let mut z = rows(&a.z, n)?;
+    for (g, wg) in at.wo_a.iter().enumerate() {
+        let mut gin = rows(&a.group_in, n)?;
+        copy_cols(
+            dev,
+            &out,
+            Cols {
+                col: g * gw,
+                width: gw,
+            },
+            &mut gin,
+            0,
+            false,
+        )?;
+        let mut gout = rows(&a.group_out, n)?;
+        gemv(dev, &gin, wg, &mut gout, &mut a.ws)?;
+        copy_cols(dev, &gout, Cols::all(r), &mut z, g * r, false)?;
+    }
+    let mut yb = rows(&a.y_b, n)?;
+    gemv(dev, &z, &at.wo_b, &mut yb, &mut a.ws)?;
+    cast(dev, &yb, &mut rows(&a.y, n)?)
+}
+
+/// A compressor's projections of `acts.xb` and its state update.
+fn compress(
+    dev: &Device,
+    c: &Config,
+    w: &DevWeights,
+    cw: &DevCompressor,
+    mut st: attention::CompressorBuffers,
+    a: &mut buffers::Acts<Taking>,
+    n: usize,
+) -> Result<(), GpuError> {
+    let xb = rows(&a.xb, n)?;
+    let (kv, _) = linear_f32(dev, &xb, &cw.wkv, &a.comp_b[0], &a.comp[0], &mut a.ws)?;
+    let (gate, _) = linear_f32(dev, &xb, &cw.wgate, &a.comp_b[1], &a.comp[1], &mut a.ws)?;
+    attention::compressor_update(
+        dev,
+        &kv,
+        &gate,
+        &cw.ape,
+        &cw.norm,
+        &w.rope_compress,
+        c.rms_norm_eps,
+        cw.overlap,
+        &a.pos,
+        &mut st,
+    )
+}
+
+/// MoE sub-layer of `n` tokens: `acts.xn`/`acts.xb` in, `acts.moe` out (routed + shared).
+fn moe_layer(
+    dev: &Device,
+    c: &Config,
+    lw: &DevLayer,
+    a: &mut buffers::Acts<Taking>,
+    n: usize,
+    tokens: &DeviceTensor<u32>,
+) -> Result<(), GpuError> {
+    let m = &lw.moe;
+    let xb = rows(&a.xb, n)?;
+    let mut logits = rows(&a.gate, n)?;
+    gate_logits(dev, &rows(&a.xn, n)?, m.gate.weight(), &mut logits)?;
+    let by = match &m.routing {
+        DevRouting::Hash(t) => DeviceRouteBy::Hash { tid2eid: t },
+        DevRouting::Learned(b) => DeviceRouteBy::Learned { bias: b },
+    };
+    let (mut ids, mut wts) = (rows(&a.ids, n)?, rows(&a.weights, n)?);
+    route_topk(
+        dev,
+        &logits,
+        tokens,
+        by,
+        c.routed_scaling_factor,
+        &mut ids,
+        &mut wts,
+    )?;
+    let mut out = rows(&a.moe, n)?;
+    match &m.experts {
+        RoutedExperts::Fp4(e) => {
+            let mut h = rows(&a.h_b, n)?;
+            moe_decode(
+                dev,
+                &xb,
+                &ids,
+                &wts,
+                e,
+                c.swiglu_limit,
+                &mut h,
+                MoeOut::F32(&mut out),
+            )?;
+        }
+        RoutedExperts::Bf16(e) => {
+            let mut h = rows(&a.h, n)?;
+            moe_bf16(dev, &xb, &ids, &wts, e, c.swiglu_limit, &mut h, &mut out)?;
+        }
+    }
+    let mut sh = rows(&a.shared_h, n)?;
+    gemv_swiglu(dev, &xb, &m.shared_w13, c.swiglu_limit, &mut sh, &mut a.ws)?;
+    let mut sy = rows(&a.shared_y, n)?;
+    gemv(dev, &sh, &m.shared_w2, &mut sy, &mut a.ws)?;
+    copy_cols(dev, &sy, Cols::all(c.hidden_size), &mut out, 0, true)
+}
+
+/// Weight bytes a decode step reads: every dense weight of every layer, the selected experts
+/// (`experts_per_token` of each layer), the head and one embedding row.
+fn step_bytes(c: &Config, w: &DevWeights) -> usize {
+    let g = |x: &GemvWeight| x.bytes();
+    let comp = |x: &DevCompressor| g(&x.wkv) + g(&x.wgate);
+    let layers: usize = w
+        .layers
+        .iter()
+        .map(|l| {
+            let a = &l.attn;
+            g(&a.wq_a)
+                + g(&a.wq_b)
+                + g(&a.wkv)
+                + a.wo_a.iter().map(g).sum::<usize>()
+                + g(&a.wo_b)
+                + a.compressor.as_ref().map_or(0, comp)
+                + a.indexer.as_ref().map_or(0, |i| {
+                    g(&i.wq_b) + i.weights_proj.bytes() + comp(&i.compressor)
+                })
+                + l.moe.gate.bytes()
+                + c.experts_per_token * l.moe.experts.expert_bytes()
+                + g(&l.moe.shared_w13)
+                + g(&l.moe.shared_w2)
+        })
+        .sum();
+    layers + g(&w.head) + c.hidden_size * 2
+}
+
+/// The context capacity: the one asked for (an error if it does not fit), else the most that
+/// fits in 90% of the free memory, up to the model's limit, in whole 128-token units.
+fn choose_capacity(
+    c: &Config,
+    asked: Option<usize>,
+    shared_inter: usize,
+    free: usize,
+) -> Result<usize, GpuModelError> {
+    let budget = free / 10 * 9;
+    if let Some(ctx) = asked {
+        let need = buffers::pool_bytes(c, ctx, shared_inter)?;
+        if need > budget {
+            return Err(GpuModelError::OutOfMemory {
+                context: ctx,
+                need,
+                free,
+            });
+        }
+        return Ok(ctx);
+    }
+    let unit = 128;
+    let fixed = buffers::pool_bytes(c, 0, shared_inter)?;
+    let probe = 1 << 16;
+    let per_unit = (buffers::pool_bytes(c, probe, shared_inter)? - fixed).div_ceil(probe / unit);
+    if fixed + per_unit > budget {
+        return Err(GpuModelError::OutOfMemory {
+            context: unit,
+            need: fixed + per_unit,
+            free,
+        });
+    }
+    let units = (budget - fixed) / per_unit.max(1);
+    Ok((units * unit).min(c.max_position_embeddings))
+}

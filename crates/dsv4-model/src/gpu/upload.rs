@@ -1,0 +1,284 @@
+//! Checkpoint weights → the device layouts the kernels read, once, at load: linears as
+//! [`GemvWeight`] tiles (FP8 block, NVFP4, MXFP4 and BF16 kept as they are; F32 and F16 become
+//! BF16), routed experts stacked per layer (NVFP4 / MXFP4 for the grouped MoE, BF16 otherwise),
+//! small tensors as F32.
+
+use std::ops::Range;
+
+use dsv4_ops::codecs::mxfp4::{self, Mxfp4Quantized};
+use dsv4_ops::codecs::nvfp4::{self, Nvfp4Quantized};
+use dsv4_ops::gpu::gemv::{GemvWeight, HostWeight};
+use dsv4_ops::gpu::mhc::DeviceHcSite;
+use dsv4_ops::gpu::moe::{HostExperts, MoeExperts};
+use dsv4_ops::gpu::moe_bf16::Bf16Experts;
+use dsv4_ops::gpu::{DType, Device, DeviceTensor, GpuError};
+use half::bf16;
+
+use crate::linear::{Linear, LinearData};
+use crate::weights::{ExpertWeights, HcWeights};
+
+/// One linear's rows in a format [`GemvWeight::upload`] takes, owned on the host.
+enum HostRows {
+    Bf16(Vec<bf16>),
+    Fp8 {
+        weight: Vec<u8>,
+        scale: Vec<u8>,
+        format: dsv4_ops::codecs::fp8_block::ScaleFormat,
+        block: (usize, usize),
+    },
+    Nvfp4(Nvfp4Quantized),
+    Mxfp4(Mxfp4Quantized),
+}
+
+impl HostRows {
+    fn weight(&self) -> HostWeight<'_> {
+        match self {
+            HostRows::Bf16(v) => HostWeight::Bf16(v),
+            HostRows::Fp8 {
+                weight,
+                scale,
+                format,
+                block,
+            } => HostWeight::Fp8 {
+                weight,
+                scale,
+                format: *format,
+                block: *block,
+            },
+            HostRows::Nvfp4(q) => HostWeight::Nvfp4(q),
+            HostRows::Mxfp4(q) => HostWeight::Mxfp4(q),
+        }
+    }
+}
+
+fn unsupported(name: &str, detail: String) -> GpuError {
+    GpuError::invalid(name, detail)
+}
+
+/// Rows `rows` of `lin` (all of them for a whole linear) in its own format; F32 and F16 are
+/// rounded to BF16.
+fn host_rows(name: &str, lin: &Linear, rows: Range<usize>) -> Result<HostRows, GpuError> {
+    let c = lin.cols();
+    let n = rows.len();
+    let bf16_rows = || {
+        let mut row = vec![0f32; c];
+        let mut out = Vec::with_capacity(n * c);
+        for r in rows.clone() {
+            lin.dequant_row(r, &mut row);
+            out.extend(row.iter().map(|&v| bf16::from_f32(v)));
+        }
+        out
+    };
+    Ok(match lin.data() {
+        LinearData::F32(_) | LinearData::Bf16(_) | LinearData::F16(_) => {
+            HostRows::Bf16(bf16_rows())
+        }
+        LinearData::Fp8Block {
+            weight,
+            scale,
+            scale_format,
+            block_rows,
+            block_cols,
+        } => {
+            if !rows.start.is_multiple_of(*block_rows)
+                || (!rows.end.is_multiple_of(*block_rows) && rows.end != lin.rows())
+            {
+                return Err(unsupported(
+                    name,
+                    format!("rows {rows:?} do not start and end on {block_rows}-row scale blocks"),
+                ));
+            }
+            let srow = c.div_ceil(*block_cols) * scale_format.bytes();
+            let sblocks = rows.start / block_rows..rows.end.div_ceil(*block_rows);
+            HostRows::Fp8 {
+                weight: weight.bytes()[rows.start * c..rows.end * c].to_vec(),
+                scale: scale.bytes()[sblocks.start * srow..sblocks.end * srow].to_vec(),
+                format: *scale_format,
+                block: (*block_rows, *block_cols),
+            }
+        }
+        LinearData::Mxfp4 { weight, scale } => {
+            let (pc, sc) = (c.div_ceil(2), c.div_ceil(mxfp4::BLOCK));
+            HostRows::Mxfp4(Mxfp4Quantized {
+                weight: weight.bytes()[rows.start * pc..rows.end * pc].to_vec(),
+                scale: scale.bytes()[rows.start * sc..rows.end * sc].to_vec(),
+            })
+        }
+        LinearData::Nvfp4 {
+            weight,
+            weight_scale,
+            weight_scale_2,
+            ..
+        } => {
+            let (pc, sc) = (c.div_ceil(2), c.div_ceil(nvfp4::BLOCK));
+            HostRows::Nvfp4(Nvfp4Quantized {
+                weight: weight.bytes()[rows.start * pc..rows.end * pc].to_vec(),
+                weight_scale: weight_scale.bytes()[rows.start * sc..rows.end * sc].to_vec(),
+                weight_scale_2: *weight_scale_2,
+            })
+        }
+    })
+}
+
+fn named(name: &str) -> impl FnOnce(GpuError) -> GpuError + '_ {
+    move |e| GpuError::invalid(name, e.to_string())
+}
+
+/// A whole linear for [`dsv4_ops::gpu::gemv::gemv`].
+pub fn linear(dev: &Device, name: &str, lin: &Linear) -> Result<GemvWeight, GpuError> {
+    rows(dev, name, lin, 0..lin.rows())
+}
+
+/// Rows `rows` of a linear (one group of a grouped projection).
+pub fn rows(
+    dev: &Device,
+    name: &str,
+    lin: &Linear,
+    rows: Range<usize>,
+) -> Result<GemvWeight, GpuError> {
+    let n = rows.len();
+    let h = host_rows(name, lin, rows)?;
+    GemvWeight::upload(dev, h.weight(), n, lin.cols()).map_err(named(name))
+}
+
+/// A SwiGLU block's gate and up projections, interleaved for `gemv_swiglu`, and its down
+/// projection.
+pub fn expert(
+    dev: &Device,
+    name: &str,
+    w: &ExpertWeights,
+) -> Result<(GemvWeight, GemvWeight), GpuError> {
+    let (n, k) = (w.w1.rows(), w.w1.cols());
+    let h1 = host_rows(name, &w.w1, 0..n)?;
+    let h3 = host_rows(name, &w.w3, 0..n)?;
+    let w13 =
+        GemvWeight::upload_gate_up(dev, h1.weight(), h3.weight(), n, k).map_err(named(name))?;
+    Ok((w13, linear(dev, name, &w.w2)?))
+}
+
+/// A layer's routed experts on the device (a few per model: their sizes do not matter).
+#[allow(clippy::large_enum_variant)]
+pub enum RoutedExperts {
+    /// NVFP4 or MXFP4, for the grouped MoE kernels.
+    Fp4(MoeExperts),
+    Bf16(Bf16Experts),
+}
+
+impl RoutedExperts {
+    pub fn expert_bytes(&self) -> usize {
+        match self {
+            RoutedExperts::Fp4(e) => e.expert_bytes(),
+            RoutedExperts::Bf16(e) => e.expert_bytes(),
+        }
+    }
+}
+
+pub fn routed_experts(
+    dev: &Device,
+    name: &str,
+    experts: &[ExpertWeights],
+) -> Result<RoutedExperts, GpuError> {
+    let (d, inter) = (experts[0].w1.cols(), experts[0].w1.rows());
+    let all = |pick: fn(&ExpertWeights) -> &Linear| -> Result<Vec<HostRows>, GpuError> {
+        experts
+            .iter()
+            .map(|e| {
+                let l = pick(e);
+                host_rows(name, l, 0..l.rows())
+            })
+            .collect()
+    };
+    let (w1, w3, w2) = (all(|e| &e.w1)?, all(|e| &e.w3)?, all(|e| &e.w2)?);
+    fn nvfp4(v: Vec<HostRows>) -> Option<Vec<Nvfp4Quantized>> {
+        v.into_iter()
+            .map(|h| match h {
+                HostRows::Nvfp4(q) => Some(q),
+                _ => None,
+            })
+            .collect()
+    }
+    fn mxfp4(v: Vec<HostRows>) -> Option<Vec<Mxfp4Quantized>> {
+        v.into_iter()
+            .map(|h| match h {
+                HostRows::Mxfp4(q) => Some(q),
+                _ => None,
+            })
+            .collect()
+    }
+    fn bf16s(v: &[HostRows]) -> Option<Vec<&[bf16]>> {
+        v.iter()
+            .map(|h| match h {
+                HostRows::Bf16(q) => Some(q.as_slice()),
+                _ => None,
+            })
+            .collect()
+    }
+    let mixed = || {
+        unsupported(
+            name,
+            format!(
+                "routed experts in {} (the GPU takes NVFP4, MXFP4 or BF16/F16/F32 experts, one \
+                 format for all)",
+                experts[0].w1.format_name()
+            ),
+        )
+    };
+    let uploaded = match &w1[0] {
+        HostRows::Bf16(_) => match (bf16s(&w1), bf16s(&w3), bf16s(&w2)) {
+            (Some(a), Some(b), Some(c)) => {
+                Bf16Experts::upload(dev, &a, &b, &c, d, inter).map(RoutedExperts::Bf16)
+            }
+            _ => return Err(mixed()),
+        },
+        HostRows::Nvfp4(_) => match (nvfp4(w1), nvfp4(w3), nvfp4(w2)) {
+            (Some(w1), Some(w3), Some(w2)) => {
+                let host = HostExperts::Nvfp4 {
+                    w1: &w1,
+                    w3: &w3,
+                    w2: &w2,
+                };
+                MoeExperts::upload(dev, host, d, inter).map(RoutedExperts::Fp4)
+            }
+            _ => return Err(mixed()),
+        },
+        HostRows::Mxfp4(_) => match (mxfp4(w1), mxfp4(w3), mxfp4(w2)) {
+            (Some(w1), Some(w3), Some(w2)) => {
+                let host = HostExperts::Mxfp4 {
+                    w1: &w1,
+                    w3: &w3,
+                    w2: &w2,
+                };
+                MoeExperts::upload(dev, host, d, inter).map(RoutedExperts::Fp4)
+            }
+            _ => return Err(mixed()),
+        },
+        HostRows::Fp8 { .. } => return Err(mixed()),
+    };
+    uploaded.map_err(named(name))
+}
+
+pub fn vector(dev: &Device, v: &[f32]) -> Result<DeviceTensor<f32>, GpuError> {
+    dev.upload(DType::F32, &[v.len()], v)
+}
+
+pub fn hc_site(dev: &Device, w: &HcWeights, d: usize) -> Result<DeviceHcSite, GpuError> {
+    DeviceHcSite::upload(dev, &w.site(), d)
+}
+
+/// A matrix as F32 `[rows, cols]` (gates and the indexer's head weights: small, and their
+/// outputs pick experts and entries, so they are not rounded to BF16).
+pub fn dense_f32(dev: &Device, lin: &Linear) -> Result<DeviceTensor<f32>, GpuError> {
+    dev.upload(DType::F32, &[lin.rows(), lin.cols()], &lin.to_f32())
+}
+
+/// The embedding table as BF16 `[vocab, D]`.
+pub fn embedding(dev: &Device, lin: &Linear) -> Result<DeviceTensor<bf16>, GpuError> {
+    let h = host_rows("embedding", lin, 0..lin.rows())?;
+    match h {
+        HostRows::Bf16(v) => dev.upload(DType::BF16, &[lin.rows(), lin.cols()], &v),
+        _ => {
+            let v: Vec<bf16> = lin.to_f32().iter().map(|&x| bf16::from_f32(x)).collect();
+            dev.upload(DType::BF16, &[lin.rows(), lin.cols()], &v)
+        }
+    }
+}

@@ -1,0 +1,494 @@
+//! Launchers of the attention kernels (`kernels/attention.cu`, spec §5–§7): the token
+//! compressors' device state, the Lightning Indexer's scores and top-k, the sink attention over
+//! the sliding window and the compressed keys, and the window ring write. Positions are read
+//! from the device (`pos` U32 `[1]`, the chunk's first position); every count that depends on
+//! the position (visible keys and entries, closing windows) is worked out inside the kernels,
+//! so the launches capture into a graph that replays at any position. Nothing is read back or
+//! waited for. CPU references: [`reference`].
+
+pub mod reference;
+#[cfg(test)]
+mod tests;
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::launch::{dim_u32, elementwise, launch_err};
+use super::{DType, Device, DeviceTensor, GpuError};
+
+/// The widest attention head the kernel holds (DeepSeek-V4: 512); widths are multiples of 32.
+pub const MAX_HEAD_DIM: usize = 512;
+/// The most indexer heads (DeepSeek-V4: 64) and the widest indexer head (128).
+pub const MAX_INDEX_HEADS: usize = 64;
+pub const MAX_INDEX_DIM: usize = 128;
+/// The widest compressor entry (its pooled row lives in shared memory).
+pub const MAX_COMPRESSOR_WIDTH: usize = 8192;
+
+/// One compressor's per-sequence device state (all F32, zero-initialized from the pool):
+/// `kv`, `gate` `[ratio, κ·c]` (the open window's projections; gate already + ape, row p % ratio),
+/// `prev_kv`, `prev_gate` `[ratio, c]` (A-halves of the last closed window; used only with
+/// overlap, still present (any shape) without), `entries [capacity, c]` (emitted entries in
+/// order; entry e pools window e).
+pub struct CompressorBuffers {
+    pub kv: DeviceTensor<f32>,
+    pub gate: DeviceTensor<f32>,
+    pub prev_kv: DeviceTensor<f32>,
+    pub prev_gate: DeviceTensor<f32>,
+    pub entries: DeviceTensor<f32>,
+}
+
+/// Feeds T tokens' compressor projections (`kv_proj`, `gate_proj` F32 `[T, κ·c]`, κ = 2 with
+/// overlap (CSA), 1 without (HCA)) at positions pos[0].. into the state, token by token as
+/// the CPU `CompressorState::push` does: gate + ape[p % ratio] stored at row p % ratio; when
+/// p % ratio == ratio − 1 the window closes and entry (p + 1) / ratio − 1 is written (unless it
+/// is past the capacity): softmax over the gate logits (per channel) pooling the values — with
+/// overlap the previous window's A-half (channels [0, c)) followed by the current window's
+/// B-half (channels [c, 2c)), the previous window absent for window 0 — then RMSNorm with
+/// `norm [c]` and `eps`, then RoPE (interleaved pairs on the last 2·inv_freq.len() channels,
+/// forward) at position (p + 1 − ratio); with overlap the current A-halves then become prev.
+/// ratio = ape.shape[0]. Two launches: the entries, then the state.
+#[allow(clippy::too_many_arguments)]
+pub fn compressor_update(
+    dev: &Device,
+    kv_proj: &DeviceTensor<f32>,
+    gate_proj: &DeviceTensor<f32>,
+    ape: &DeviceTensor<f32>,
+    norm: &DeviceTensor<f32>,
+    inv_freq: &DeviceTensor<f32>,
+    eps: f32,
+    overlap: bool,
+    pos: &DeviceTensor<u32>,
+    state: &mut CompressorBuffers,
+) -> Result<(), GpuError> {
+    let (t, kc) = kv_proj.dims2("compressor kv projection", DType::F32)?;
+    gate_proj.expect("compressor gate projection", DType::F32, &[t, kc])?;
+    let c = norm.len();
+    norm.expect("compressor norm", DType::F32, &[c])?;
+    let kappa = if overlap { 2 } else { 1 };
+    if c == 0 || kc != kappa * c || c > MAX_COMPRESSOR_WIDTH {
+        return Err(GpuError::invalid(
+            "compressor",
+            format!(
+                "projection rows of {kc} for entries of {c} (need {kappa}·c, 1 ≤ c ≤ {MAX_COMPRESSOR_WIDTH})"
+            ),
+        ));
+    }
+    let (ratio, _) = ape.dims2("compressor ape", DType::F32)?;
+    ape.expect("compressor ape", DType::F32, &[ratio, kc])?;
+    if ratio == 0 {
+        return Err(GpuError::invalid("compressor", "ratio 0"));
+    }
+    let half = inv_freq.len();
+    inv_freq.expect("compressor rope inverse frequencies", DType::F32, &[half])?;
+    if 2 * half > c {
+        return Err(GpuError::invalid(
+            "compressor",
+            format!("{} rotated channels of {c}", 2 * half),
+        ));
+    }
+    pos.expect("compressor position", DType::U32, &[1])?;
+    state
+        .kv
+        .expect("compressor state kv", DType::F32, &[ratio, kc])?;
+    state
+        .gate
+        .expect("compressor state gate", DType::F32, &[ratio, kc])?;
+    if overlap {
+        state
+            .prev_kv
+            .expect("compressor previous kv", DType::F32, &[ratio, c])?;
+        state
+            .prev_gate
+            .expect("compressor previous gate", DType::F32, &[ratio, c])?;
+    } else {
+        // Not read without overlap; any shape will do.
+        state
+            .prev_kv
+            .expect("compressor previous kv", DType::F32, state.prev_kv.shape())?;
+        state.prev_gate.expect(
+            "compressor previous gate",
+            DType::F32,
+            state.prev_gate.shape(),
+        )?;
+    }
+    let (cap, _) = state.entries.dims2("compressor entries", DType::F32)?;
+    state
+        .entries
+        .expect("compressor entries", DType::F32, &[cap, c])?;
+    if t == 0 {
+        return Ok(());
+    }
+    let dims = [
+        dim_u32("tokens", t)?,
+        dim_u32("ratio", ratio)?,
+        dim_u32("compressor width", c)?,
+        dim_u32("rope dim", 2 * half)?,
+        dim_u32("compressor capacity", cap)?,
+    ];
+    let ov = u32::from(overlap);
+    let cfg = LaunchConfig {
+        // At most ceil(T / ratio) windows close inside T consecutive positions.
+        grid_dim: (dims[0].div_ceil(dims[1]), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: dims[2] * 4,
+    };
+    {
+        let f = dev.function("compressor_emit")?;
+        let mut ev = state.entries.view_mut();
+        // SAFETY: kv_proj and gate_proj [t, kc], ape [ratio, kc], norm [c], inv_freq [half] with
+        // 2·half <= c, pos [1], state kv and gate [ratio, kc], prev [ratio, c] (read only with
+        // overlap), entries [cap, c] (entries >= cap are skipped), checked above; c floats of
+        // dynamic shared memory (c <= 8192).
+        unsafe {
+            dev.stream()
+                .launch_builder(f)
+                .arg(kv_proj.slice())
+                .arg(gate_proj.slice())
+                .arg(&dims[0])
+                .arg(ape.slice())
+                .arg(&dims[1])
+                .arg(&dims[2])
+                .arg(&ov)
+                .arg(norm.slice())
+                .arg(&eps)
+                .arg(inv_freq.slice())
+                .arg(&dims[3])
+                .arg(pos.slice())
+                .arg(state.kv.slice())
+                .arg(state.gate.slice())
+                .arg(state.prev_kv.slice())
+                .arg(state.prev_gate.slice())
+                .arg(&dims[4])
+                .arg(&mut ev)
+                .launch(cfg)
+        }
+        .map_err(launch_err("compressor_emit"))?;
+    }
+    let f = dev.function("compressor_store")?;
+    let (mut kv, mut gate) = (state.kv.view_mut(), state.gate.view_mut());
+    let (mut pkv, mut pgate) = (state.prev_kv.view_mut(), state.prev_gate.view_mut());
+    // SAFETY: as above; each thread reads and writes only its own state element (and, with
+    // overlap, the prev element of the same row and channel).
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(kv_proj.slice())
+            .arg(gate_proj.slice())
+            .arg(&dims[0])
+            .arg(ape.slice())
+            .arg(&dims[1])
+            .arg(&dims[2])
+            .arg(&ov)
+            .arg(pos.slice())
+            .arg(&mut kv)
+            .arg(&mut gate)
+            .arg(&mut pkv)
+            .arg(&mut pgate)
+            .launch(elementwise((ratio * kc) as u64))
+    }
+    .map_err(launch_err("compressor_store"))?;
+    Ok(())
+}
+
+/// Entries an `index_scores` block scores (kernel constant).
+const INDEX_PER_BLOCK: usize = 512;
+
+/// Lightning Indexer (spec §7) for T queries: `q [T, nh·c]` (already rotated), `weights [T, nh]`
+/// (raw weights_proj outputs: the kernel multiplies them by 1/sqrt(nh) exactly as the CPU does
+/// before use), over the visible entries of the indexer compressor `entries [capacity, c]`:
+/// token t sees n_vis = min((p + 1) / ratio, capacity) entries. Score of entry w:
+/// Σ_h (max(q_h·K_w, 0) · (1/sqrt(c)) · w_h) (the same operation order as the CPU
+/// `index_scores`, so the scores are bit-identical). `scores` F32 `[T, capacity]` is scratch.
+/// Writes `selected` I32 `[T, k]`: the top-k entries by score (in `f32::total_cmp` order), ties
+/// to the lowest index, in ascending index order as `router::reference::top_k` returns them;
+/// slots past n_vis are −1 (so fewer visible than k goes through the same code).
+#[allow(clippy::too_many_arguments)]
+pub fn index_topk(
+    dev: &Device,
+    q: &DeviceTensor<f32>,
+    weights: &DeviceTensor<f32>,
+    entries: &DeviceTensor<f32>,
+    ratio: usize,
+    pos: &DeviceTensor<u32>,
+    scores: &mut DeviceTensor<f32>,
+    selected: &mut DeviceTensor<i32>,
+) -> Result<(), GpuError> {
+    let (t, nhc) = q.dims2("indexer queries", DType::F32)?;
+    let (_, nh) = weights.dims2("indexer weights", DType::F32)?;
+    weights.expect("indexer weights", DType::F32, &[t, nh])?;
+    let (cap, c) = entries.dims2("indexer entries", DType::F32)?;
+    if nh == 0 || nh > MAX_INDEX_HEADS || c == 0 || c > MAX_INDEX_DIM || nhc != nh * c {
+        return Err(GpuError::invalid(
+            "indexer",
+            format!(
+                "queries of {nhc} for {nh} heads of entries of {c} (need nh·c, \
+                 1 ≤ nh ≤ {MAX_INDEX_HEADS}, 1 ≤ c ≤ {MAX_INDEX_DIM})"
+            ),
+        ));
+    }
+    if ratio == 0 {
+        return Err(GpuError::invalid("indexer", "ratio 0"));
+    }
+    pos.expect("indexer position", DType::U32, &[1])?;
+    scores.expect("indexer scores", DType::F32, &[t, cap])?;
+    let (_, k) = selected.dims2("indexer selection", DType::I32)?;
+    selected.expect("indexer selection", DType::I32, &[t, k])?;
+    if t == 0 || k == 0 {
+        return Ok(());
+    }
+    let dims = [
+        dim_u32("indexer capacity", cap)?,
+        dim_u32("indexer heads", nh)?,
+        dim_u32("indexer head width", c)?,
+        dim_u32("indexer ratio", ratio)?,
+        dim_u32("indexer top-k", k)?,
+        dim_u32("tokens", t)?,
+    ];
+    if t > 65535 {
+        return Err(GpuError::invalid(
+            "indexer",
+            format!("{t} tokens in one launch"),
+        ));
+    }
+    let scale = 1.0 / (c as f32).sqrt();
+    let wscale = 1.0 / (nh as f32).sqrt();
+    if cap > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: (
+                dim_u32("indexer blocks", cap.div_ceil(INDEX_PER_BLOCK))?,
+                dims[5],
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = dev.function("index_scores")?;
+        let mut sv = scores.view_mut();
+        // SAFETY: q [t, nh·c], weights [t, nh], entries [cap, c] with nh <= 64, c <= 128 (the
+        // kernel's shared arrays), pos [1], scores [t, cap]; only entries < min(n_vis, cap) are
+        // read and scored.
+        unsafe {
+            dev.stream()
+                .launch_builder(f)
+                .arg(q.slice())
+                .arg(weights.slice())
+                .arg(entries.slice())
+                .arg(&dims[0])
+                .arg(&dims[1])
+                .arg(&dims[2])
+                .arg(&dims[3])
+                .arg(pos.slice())
+                .arg(&scale)
+                .arg(&wscale)
+                .arg(&mut sv)
+                .launch(cfg)
+        }
+        .map_err(launch_err("index_scores"))?;
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (dims[5], 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function("index_select")?;
+    let mut out = selected.view_mut();
+    // SAFETY: scores [t, cap] (only [0, n_vis) of each row read, n_vis <= cap), pos [1],
+    // selected [t, k].
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(scores.slice())
+            .arg(&dims[0])
+            .arg(&dims[3])
+            .arg(pos.slice())
+            .arg(&dims[4])
+            .arg(&mut out)
+            .launch(cfg)
+    }
+    .map_err(launch_err("index_select"))?;
+    Ok(())
+}
+
+/// The compressed keys a layer attends to, besides its window.
+#[derive(Clone, Copy, Debug)]
+pub enum Compressed<'a> {
+    /// Sliding-window-only layer.
+    None,
+    /// HCA: every visible entry, entries [0, min((p + 1) / ratio, capacity)).
+    All {
+        entries: &'a DeviceTensor<f32>,
+        ratio: usize,
+    },
+    /// CSA: the indexer's choice (`selected` I32 [T, k], −1 = none) among `entries`.
+    Selected {
+        entries: &'a DeviceTensor<f32>,
+        selected: &'a DeviceTensor<i32>,
+    },
+}
+
+/// Heads an `attention_heads` block may take (kernel constant).
+const ATT_MAX_G: usize = 4;
+
+/// Attention of T queries `q [T, H·d]` (one shared KV head, K = V, d = head width, a multiple
+/// of 32 up to [`MAX_HEAD_DIM`]) over the window and compressed keys, with a per-head sink
+/// logit `sink [H]`, scale 1/sqrt(d), as the CPU `attend`: keys are the window positions
+/// max(0, p − W + 1) ..= p in order — a position ≥ pos[0] is read from this chunk's `kv [T, d]`
+/// (row p − pos[0]), an older one from the ring `window [W, d]` (slot position % W, written by
+/// earlier chunks) — then the compressed keys. Output `out [T, H·d]` (no inverse RoPE: the
+/// caller applies it). A selected id ≥ the entries' capacity counts as none.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    dev: &Device,
+    q: &DeviceTensor<f32>,
+    kv: &DeviceTensor<f32>,
+    window: &DeviceTensor<f32>,
+    compressed: Compressed<'_>,
+    sink: &DeviceTensor<f32>,
+    pos: &DeviceTensor<u32>,
+    out: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let (t, hd) = q.dims2("attention queries", DType::F32)?;
+    let (_, d) = kv.dims2("attention keys", DType::F32)?;
+    kv.expect("attention keys", DType::F32, &[t, d])?;
+    if d == 0 || d % 32 != 0 || d > MAX_HEAD_DIM || hd % d != 0 || hd == 0 {
+        return Err(GpuError::invalid(
+            "attention",
+            format!(
+                "queries of {hd} for heads of {d} (need whole heads of a multiple of 32 up to \
+                 {MAX_HEAD_DIM})"
+            ),
+        ));
+    }
+    let heads = hd / d;
+    let (w, _) = window.dims2("attention window", DType::F32)?;
+    window.expect("attention window", DType::F32, &[w, d])?;
+    if w == 0 {
+        return Err(GpuError::invalid("attention", "an empty window ring"));
+    }
+    sink.expect("attention sink", DType::F32, &[heads])?;
+    pos.expect("attention position", DType::U32, &[1])?;
+    out.expect("attention output", DType::F32, &[t, hd])?;
+    let (mode, entries_ptr, cap, ratio, sel_ptr, k) = match compressed {
+        Compressed::None => (0u32, 0u64, 0usize, 1usize, 0u64, 0usize),
+        Compressed::All { entries, ratio } => {
+            let (cap, _) = entries.dims2("attention entries", DType::F32)?;
+            entries.expect("attention entries", DType::F32, &[cap, d])?;
+            if ratio == 0 {
+                return Err(GpuError::invalid("attention", "compression ratio 0"));
+            }
+            (1, entries.device_address(), cap, ratio, 0, 0)
+        }
+        Compressed::Selected { entries, selected } => {
+            let (cap, _) = entries.dims2("attention entries", DType::F32)?;
+            entries.expect("attention entries", DType::F32, &[cap, d])?;
+            let (_, k) = selected.dims2("attention selection", DType::I32)?;
+            selected.expect("attention selection", DType::I32, &[t, k])?;
+            (
+                2,
+                entries.device_address(),
+                cap,
+                1,
+                selected.device_address(),
+                k,
+            )
+        }
+    };
+    if t == 0 {
+        return Ok(());
+    }
+    if t > 65535 {
+        return Err(GpuError::invalid(
+            "attention",
+            format!("{t} tokens in one launch"),
+        ));
+    }
+    // Heads per block: share each key load over as many heads as still gives every SM a block.
+    let sms = dev.sm_count().max(1);
+    let g = [ATT_MAX_G, 2, 1]
+        .into_iter()
+        .find(|&g| heads % g == 0 && t * (heads / g) >= sms)
+        .unwrap_or(1);
+    let dims = [
+        dim_u32("window", w)?,
+        dim_u32("attention entries", cap)?,
+        dim_u32("compression ratio", ratio)?,
+        dim_u32("attention top-k", k)?,
+        dim_u32("heads", heads)?,
+        dim_u32("head width", d)?,
+        dim_u32("heads per block", g)?,
+        dim_u32("tokens", t)?,
+    ];
+    let scale = 1.0 / (d as f32).sqrt();
+    let cfg = LaunchConfig {
+        grid_dim: (dims[4] / dims[6], dims[7], 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function("attention_heads")?;
+    let mut o = out.view_mut();
+    // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1,
+    // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),
+    // selected [t, k], sink [heads], pos [1], out [t, heads·d]; g divides heads and g <= 4.
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(q.slice())
+            .arg(kv.slice())
+            .arg(window.slice())
+            .arg(&dims[0])
+            .arg(&mode)
+            .arg(&entries_ptr)
+            .arg(&dims[1])
+            .arg(&dims[2])
+            .arg(&sel_ptr)
+            .arg(&dims[3])
+            .arg(sink.slice())
+            .arg(pos.slice())
+            .arg(&dims[4])
+            .arg(&dims[5])
+            .arg(&dims[6])
+            .arg(&scale)
+            .arg(&mut o)
+            .launch(cfg)
+    }
+    .map_err(launch_err("attention_heads"))?;
+    Ok(())
+}
+
+/// After attention: writes this chunk's keys `kv [T, d]` into the ring `window [W, d]` at slots
+/// (pos[0] + t) % W, only the last min(T, W) rows (so no two rows of a launch share a slot).
+pub fn window_write(
+    dev: &Device,
+    kv: &DeviceTensor<f32>,
+    pos: &DeviceTensor<u32>,
+    window: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let (t, d) = kv.dims2("window keys", DType::F32)?;
+    let (w, _) = window.dims2("window ring", DType::F32)?;
+    window.expect("window ring", DType::F32, &[w, d])?;
+    pos.expect("window position", DType::U32, &[1])?;
+    let total = (t.min(w) * d) as u64;
+    if total == 0 {
+        return Ok(());
+    }
+    let dims = [
+        dim_u32("tokens", t)?,
+        dim_u32("head width", d)?,
+        dim_u32("window", w)?,
+    ];
+    let f = dev.function("window_write")?;
+    let mut wv = window.view_mut();
+    // SAFETY: kv [t, d], window [w, d] with w >= 1, pos [1].
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(kv.slice())
+            .arg(&dims[0])
+            .arg(&dims[1])
+            .arg(pos.slice())
+            .arg(&dims[2])
+            .arg(&mut wv)
+            .launch(elementwise(total))
+    }
+    .map_err(launch_err("window_write"))?;
+    Ok(())
+}
