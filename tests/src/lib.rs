@@ -69,3 +69,54 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
     let scale = b.iter().map(|y| y.abs()).fold(0.0f32, f32::max);
     (diff, scale)
 }
+
+/// Copies the checkpoint in `dir` to `out` with every F32 tensor rounded to BF16 (the oracle
+/// file left out), so that the GPU (which runs F32 linears as BF16) and the CPU reference
+/// read the same weights; returns how many tensors were rounded.
+pub fn bf16_copy(dir: &Path, out: &Path) -> usize {
+    let mut rounded = 0;
+    std::fs::create_dir_all(out).expect("output directory");
+    for entry in std::fs::read_dir(dir).expect("checkpoint directory") {
+        let path = entry.expect("readable entry").path();
+        let name = path.file_name().expect("a file name").to_owned();
+        if name == "oracle.safetensors" {
+            continue;
+        }
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            std::fs::copy(&path, out.join(&name)).expect("copy");
+            continue;
+        }
+        let bytes = std::fs::read(&path).expect("readable shard");
+        let st = SafeTensors::deserialize(&bytes).expect("valid shard");
+        let tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(key, t)| {
+                let (dtype, data) = if t.dtype() == Dtype::F32 {
+                    rounded += 1;
+                    let v: Vec<u8> = t
+                        .data()
+                        .chunks_exact(4)
+                        .flat_map(|b| {
+                            let x = f32::from_le_bytes(b.try_into().unwrap());
+                            half::bf16::from_f32(x).to_le_bytes()
+                        })
+                        .collect();
+                    (Dtype::BF16, v)
+                } else {
+                    (t.dtype(), t.data().to_vec())
+                };
+                (key, dtype, t.shape().to_vec(), data)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(k, d, s, b)| {
+                let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view");
+                (k.clone(), view)
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &out.join(&name)).expect("write shard");
+    }
+    rounded
+}

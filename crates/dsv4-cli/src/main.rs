@@ -404,13 +404,8 @@ fn bench(a: BenchArgs) -> Result<()> {
             config = config.truncated(a.layers);
             // Learned routing in every layer (hash layers read one fixed table).
             config.num_hash_layers = 0;
-            // RAM-backed when the machine has /dev/shm: nothing lasting is written.
-            let root = Path::new("/dev/shm");
-            let root = if root.is_dir() {
-                root.to_path_buf()
-            } else {
-                std::env::temp_dir()
-            };
+            // Written under $TMPDIR (a RAM-backed one makes this quick) and removed after loading.
+            let root = std::env::temp_dir();
             let dir = root.join(format!("dsv4-bench-{}", std::process::id()));
             let format = match a.format {
                 Format::Bf16 => SynthFormat::Bf16,

@@ -1,6 +1,7 @@
 // Manifold-constrained hyper-connections (spec §4) for hc_mult = 4 streams: the mix
-// projection of the RMS-normalized streams, Sinkhorn, and the collapse in one kernel per
-// token (hc_pre, and hc_head with pre weights only); the expansion back (hc_post).
+// projection of the RMS-normalized streams spread over many blocks (hc_mix_partials), then
+// Sinkhorn and the collapse in one block per token (hc_pre, and hc_head with pre weights
+// only); the expansion back (hc_post).
 //
 // The stream count is a compile-time 4 (every DeepSeek-V4 model), so the mixing arrays stay
 // in registers. Products and sums the CPU reference rounds one by one use __f*_rn in its
@@ -14,29 +15,50 @@ using namespace dsv4;
 
 __device__ __forceinline__ float sigmoid_rn(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
 
-// mu[k] = fn[k, :] . (s * rsqrt(mean(s^2) + eps)) for k < mix (mix <= MIX), into shared mu.
-__device__ __forceinline__ void mix_logits(const float* __restrict__ s, u32 width, const float* __restrict__ fn,
-                                           u32 mix, float norm_eps, float* mu, float* scratch) {
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < width; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(s[j], s[j]));
-    ss = block_sum(ss, scratch);
-    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)width), norm_eps)));
-    float acc[MIX];
-#pragma unroll
-    for (u32 k = 0; k < MIX; k++) acc[k] = 0.0f;
-    for (u32 j = threadIdx.x; j < width; j += blockDim.x) {
-        const float v = __fmul_rn(s[j], r);
-#pragma unroll
-        for (u32 k = 0; k < MIX; k++)
-            if (k < mix) acc[k] = __fadd_rn(acc[k], __fmul_rn(fn[(u64)k * width + j], v));
-    }
-#pragma unroll
-    for (u32 k = 0; k < MIX; k++) {
-        if (k < mix) {
-            const float t = block_sum(acc[k], scratch);
-            if (threadIdx.x == 0u) mu[k] = t;
+// Columns of the flattened streams one hc_mix_partials block takes.
+#define MIX_COLS 512
+// Per (token, column block): MIX dot products and the sum of squares.
+#define PART (MIX + 1)
+
+// The mix projection spread over the GPU: block (c, t) stages columns [c * MIX_COLS, ...) of
+// token t's streams, and warp w takes rows w, w + 8, ...: row k < mix is fn[k, cols] . s[cols],
+// row `mix` the sum of squares. Lanes stride the columns; a fixed shuffle tree sums them.
+// partials is [n, gridDim.x, PART].
+DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
+                                 u32 mix, float* __restrict__ partials) {
+    __shared__ float sv[MIX_COLS];
+    const u32 t = blockIdx.y, c = blockIdx.x;
+    const u32 j0 = c * MIX_COLS;
+    const u32 len = min(MIX_COLS, width - j0);
+    const float* s = streams + (u64)t * width + j0;
+    for (u32 i = threadIdx.x; i < len; i += blockDim.x) sv[i] = s[i];
+    __syncthreads();
+    const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
+    for (u32 k = warp; k <= mix; k += warps) {
+        const float* w = fn + (u64)k * width + j0;
+        float acc = 0.0f;
+        for (u32 i = lane; i < len; i += 32u) {
+            const float v = sv[i];
+            acc = __fadd_rn(acc, __fmul_rn(k < mix ? w[i] : v, v));
         }
+#pragma unroll
+        for (u32 o = 16u; o > 0u; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+        if (lane == 0u) partials[((u64)t * gridDim.x + c) * PART + k] = acc;
     }
+}
+
+// mu[k] = rsqrt(mean(s^2) + eps) * (fn[k, :] . s) for k < mix, from one token's `splits`
+// partials (summed in column-block order), into shared mu.
+__device__ __forceinline__ void mix_from_partials(const float* __restrict__ part, u32 splits, u32 mix, u32 width,
+                                                  float norm_eps, float* mu, float* sums) {
+    if (threadIdx.x <= mix) {
+        float acc = 0.0f;
+        for (u32 c = 0; c < splits; c++) acc = __fadd_rn(acc, part[(u64)c * PART + threadIdx.x]);
+        sums[threadIdx.x] = acc;
+    }
+    __syncthreads();
+    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sums[mix], (float)width), norm_eps)));
+    if (threadIdx.x < mix) mu[threadIdx.x] = __fmul_rn(r, sums[threadIdx.x]);
     __syncthreads();
 }
 
@@ -91,18 +113,19 @@ __device__ __forceinline__ void sinkhorn(float (&c)[HC * HC], u32 iters, float e
     }
 }
 
-// One block per token (grid-stride): streams [n, HC * d] -> x [n, d], post [n, HC], comb [n, HC * HC].
-DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ fn,
-                        const float* __restrict__ base, const float* __restrict__ scale, u32 sinkhorn_iters,
-                        float hc_eps, float norm_eps, float* __restrict__ x, float* __restrict__ post,
-                        float* __restrict__ comb) {
-    __shared__ float scratch[32];
+// One block per token (grid-stride), after hc_mix_partials: streams [n, HC * d] -> x [n, d],
+// post [n, HC], comb [n, HC * HC].
+DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
+                        u32 splits, const float* __restrict__ base, const float* __restrict__ scale,
+                        u32 sinkhorn_iters, float hc_eps, float norm_eps, float* __restrict__ x,
+                        float* __restrict__ post, float* __restrict__ comb) {
+    __shared__ float sums[PART];
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
     const u32 width = HC * d;
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
         const float* s = streams + (u64)t * width;
-        mix_logits(s, width, fn, MIX, norm_eps, mu, scratch);
+        mix_from_partials(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, mu, sums);
         if (threadIdx.x == 0u) {
             float c[HC * HC];
 #pragma unroll
@@ -124,16 +147,16 @@ DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const f
 }
 
 // The final collapse before the output norm: pre weights only (fn [HC, HC * d], base [HC], scale [1]).
-DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ fn,
-                         const float* __restrict__ base, const float* __restrict__ scale, float hc_eps,
+DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
+                         u32 splits, const float* __restrict__ base, const float* __restrict__ scale, float hc_eps,
                          float norm_eps, float* __restrict__ x) {
-    __shared__ float scratch[32];
+    __shared__ float sums[PART];
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
     const u32 width = HC * d;
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
         const float* s = streams + (u64)t * width;
-        mix_logits(s, width, fn, HC, norm_eps, mu, scratch);
+        mix_from_partials(partials + (u64)t * splits * PART, splits, HC, width, norm_eps, mu, sums);
         if (threadIdx.x < HC)
             pre[threadIdx.x] =
                 __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[threadIdx.x]), base[threadIdx.x])), hc_eps);

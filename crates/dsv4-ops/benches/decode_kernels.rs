@@ -213,6 +213,7 @@ enum StepOp {
     HcPre {
         streams: DeviceTensor<f32>,
         site: mhc::DeviceHcSite,
+        partials: DeviceTensor<f32>,
         out: mhc::HcPreOut,
     },
     /// The expansion back into 4 streams.
@@ -288,6 +289,7 @@ impl StepOp {
                 StepOp::HcPre {
                     streams,
                     site,
+                    partials: f(&mhc::mix_partials_shape(1, d))?,
                     out: pre_out(&mut f)?,
                 }
             }
@@ -332,7 +334,9 @@ impl FormatLaunch for StepOp {
     /// weights from L2; they count once).
     fn bytes(&self) -> usize {
         match self {
-            StepOp::HcPre { streams, site, out } => {
+            StepOp::HcPre {
+                streams, site, out, ..
+            } => {
                 streams.num_bytes()
                     + site.fn_.num_bytes()
                     + out.x.num_bytes()
@@ -359,9 +363,12 @@ impl FormatLaunch for StepOp {
 
     fn launch(&mut self, dev: &Device) -> Res<()> {
         match self {
-            StepOp::HcPre { streams, site, out } => {
-                mhc::hc_pre(dev, streams, site, &STEP_PARAMS, out)?
-            }
+            StepOp::HcPre {
+                streams,
+                site,
+                partials,
+                out,
+            } => mhc::hc_pre(dev, streams, site, &STEP_PARAMS, partials, out)?,
             StepOp::HcPost {
                 streams,
                 y,

@@ -6,6 +6,7 @@
 
 use dsv4_ops::gpu::attention::CompressorBuffers;
 use dsv4_ops::gpu::gemv::GemvWorkspace;
+use dsv4_ops::gpu::mhc::mix_partials_shape;
 use dsv4_ops::gpu::{BufferPool, DeviceElem, DeviceTensor, GpuError};
 use half::bf16;
 
@@ -126,6 +127,8 @@ pub struct Acts<S: Stage> {
     pub pos: S::Buf<u32>,
     /// The mHC streams, ping-ponged by each site's expansion.
     pub streams: [S::Buf<f32>; 2],
+    /// Scratch of the mHC mix projection.
+    pub mix_partials: S::Buf<f32>,
     pub x: S::Buf<f32>,
     pub post: S::Buf<f32>,
     pub comb: S::Buf<f32>,
@@ -193,6 +196,7 @@ impl<S: Stage> Buffers<S> {
                 s.buf("streams.0", &[m, c.hc_dim()])?,
                 s.buf("streams.1", &[m, c.hc_dim()])?,
             ],
+            mix_partials: s.buf("hc.partials", &mix_partials_shape(m, d))?,
             x: s.buf("x", &[m, d])?,
             post: s.buf("hc.post", &[m, c.hc_mult])?,
             comb: s.buf("hc.comb", &[m, c.hc_mult * c.hc_mult])?,

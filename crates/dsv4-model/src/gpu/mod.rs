@@ -578,7 +578,8 @@ impl GpuModel {
         // Head: collapse, norm, lm_head.
         let streams = rows(&a.streams[cur], n)?;
         let mut x = rows(&a.x, n)?;
-        hc_head(dev, &streams, &self.w.hc_head, &self.hc, &mut x)?;
+        let mut part = rows(&a.mix_partials, n)?;
+        hc_head(dev, &streams, &self.w.hc_head, &self.hc, &mut part, &mut x)?;
         let mut xn = rows(&a.xn, n)?;
         rms_norm_rows(dev, &x, Some(&self.w.norm), c.rms_norm_eps, &mut xn)?;
         let mut xb = rows(&a.xb, n)?;
@@ -607,7 +608,14 @@ fn site_pre(
         post: rows(&a.post, n)?,
         comb: rows(&a.comb, n)?,
     };
-    hc_pre(dev, streams, site, p, &mut mix)?;
+    hc_pre(
+        dev,
+        streams,
+        site,
+        p,
+        &mut rows(&a.mix_partials, n)?,
+        &mut mix,
+    )?;
     let mut xn = rows(&a.xn, n)?;
     rms_norm_rows(dev, &mix.x, Some(norm), eps, &mut xn)?;
     cast(dev, &xn, &mut rows(&a.xb, n)?)?;

@@ -1,5 +1,6 @@
 //! Launchers of the mHC kernels (`kernels/mhc.cu`): per token, the mix projection of the
-//! RMS-normalized streams with Sinkhorn and the collapse ([`hc_pre`], [`hc_head`]), and the
+//! RMS-normalized streams (spread over many blocks) with Sinkhorn and the collapse
+//! ([`hc_pre`], [`hc_head`]), and the
 //! expansion back ([`hc_post`]). Four streams (every DeepSeek-V4 model). CPU references:
 //! [`reference`].
 
@@ -17,6 +18,58 @@ use reference::{HcParams, HcSite};
 pub const HC: usize = 4;
 /// Mixing logits of a layer site: `HC` pre, `HC` post, `HC × HC` comb.
 pub const MIX: usize = (2 + HC) * HC;
+/// Columns of the flattened streams one mix-projection block takes (`MIX_COLS` in mhc.cu).
+const MIX_COLS: usize = 512;
+
+/// Shape of the mix-projection partials [`hc_pre`] and [`hc_head`] use as scratch for `n`
+/// tokens of width `d`: `[n, ceil(HC·d / 512), MIX + 1]` (F32).
+pub fn mix_partials_shape(n: usize, d: usize) -> [usize; 3] {
+    [n, (HC * d).div_ceil(MIX_COLS), MIX + 1]
+}
+
+/// The mix projection of every token's RMS-normalized streams, spread over
+/// `ceil(HC·d / 512)` blocks a token: `mix` dot products and the sum of squares per block.
+fn mix_partials(
+    dev: &Device,
+    streams: &DeviceTensor<f32>,
+    site: &DeviceHcSite,
+    mix: usize,
+    n: usize,
+    d: usize,
+    partials: &mut DeviceTensor<f32>,
+) -> Result<u32, GpuError> {
+    let shape = mix_partials_shape(n, d);
+    partials.expect("mHC mix partials", DType::F32, &shape)?;
+    let splits = dim_u32("mHC column blocks", shape[1])?;
+    let (width, mix32) = (dim_u32("mHC width", HC * d)?, dim_u32("mHC mix", mix)?);
+    let cfg = LaunchConfig {
+        grid_dim: (splits, dim_u32("tokens", n)?.min(65535), 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    if n > 65535 {
+        return Err(GpuError::invalid(
+            "mHC",
+            format!("{n} tokens (at most 65535 a launch)"),
+        ));
+    }
+    let f = dev.function("hc_mix_partials")?;
+    let mut pv = partials.view_mut();
+    // SAFETY: streams [n, HC·d], fn [mix, HC·d] (checked by the callers), partials
+    // [n, splits, MIX + 1] with mix <= MIX.
+    unsafe {
+        dev.stream()
+            .launch_builder(f)
+            .arg(streams.slice())
+            .arg(&width)
+            .arg(site.fn_.slice())
+            .arg(&mix32)
+            .arg(&mut pv)
+            .launch(cfg)
+    }
+    .map_err(launch_err("hc_mix_partials"))?;
+    Ok(splits)
+}
 
 /// `(tokens, D)` of `streams [n, HC·D]`, once the model's stream count is the kernels'.
 fn stream_dims(streams: &DeviceTensor<f32>, p: &HcParams) -> Result<(usize, usize), GpuError> {
@@ -77,12 +130,14 @@ fn per_token(n: u32) -> LaunchConfig {
     }
 }
 
-/// `streams [n, HC·D]` → the site's collapsed input and mix (spec §4), all on the device.
+/// `streams [n, HC·D]` → the site's collapsed input and mix (spec §4), all on the device;
+/// `partials` ([`mix_partials_shape`]) is scratch.
 pub fn hc_pre(
     dev: &Device,
     streams: &DeviceTensor<f32>,
     site: &DeviceHcSite,
     p: &HcParams,
+    partials: &mut DeviceTensor<f32>,
     out: &mut HcPreOut,
 ) -> Result<(), GpuError> {
     let (n, d) = stream_dims(streams, p)?;
@@ -95,9 +150,10 @@ pub fn hc_pre(
     }
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
     let iters = dim_u32("sinkhorn iterations", p.sinkhorn_iters)?;
+    let splits = mix_partials(dev, streams, site, MIX, n, d, partials)?;
     let f = dev.function("hc_pre")?;
     let (mut x, mut post, mut comb) = (out.x.view_mut(), out.post.view_mut(), out.comb.view_mut());
-    // SAFETY: streams [n, 4d], fn [24, 4d], base [24], scale [3], outputs [n, d], [n, 4],
+    // SAFETY: streams [n, 4d], partials [n, splits, 25], base [24], scale [3], outputs [n, d], [n, 4],
     // [n, 16], all checked above.
     unsafe {
         dev.stream()
@@ -105,7 +161,8 @@ pub fn hc_pre(
             .arg(streams.slice())
             .arg(&n32)
             .arg(&d32)
-            .arg(site.fn_.slice())
+            .arg(partials.slice())
+            .arg(&splits)
             .arg(site.base.slice())
             .arg(site.scale.slice())
             .arg(&iters)
@@ -121,12 +178,13 @@ pub fn hc_pre(
 }
 
 /// The final collapse before the output norm: `streams [n, HC·D]` → `x [n, D]` with the head
-/// site's pre weights (`fn_ [HC, HC·D]`, `base [HC]`, `scale [1]`).
+/// site's pre weights (`fn_ [HC, HC·D]`, `base [HC]`, `scale [1]`); `partials` is scratch.
 pub fn hc_head(
     dev: &Device,
     streams: &DeviceTensor<f32>,
     site: &DeviceHcSite,
     p: &HcParams,
+    partials: &mut DeviceTensor<f32>,
     x: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
     let (n, d) = stream_dims(streams, p)?;
@@ -136,16 +194,19 @@ pub fn hc_head(
         return Ok(());
     }
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
+    let splits = mix_partials(dev, streams, site, HC, n, d, partials)?;
     let f = dev.function("hc_head")?;
     let mut xv = x.view_mut();
-    // SAFETY: streams [n, 4d], fn [4, 4d], base [4], scale [1], x [n, d], checked above.
+    // SAFETY: streams [n, 4d], partials [n, splits, 25], base [4], scale [1], x [n, d], checked
+    // above.
     unsafe {
         dev.stream()
             .launch_builder(f)
             .arg(streams.slice())
             .arg(&n32)
             .arg(&d32)
-            .arg(site.fn_.slice())
+            .arg(partials.slice())
+            .arg(&splits)
             .arg(site.base.slice())
             .arg(site.scale.slice())
             .arg(&p.hc_eps)

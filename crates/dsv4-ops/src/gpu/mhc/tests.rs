@@ -83,9 +83,10 @@ fn gpu_hc_pre_and_head_match_reference() {
             post: poisoned(&dev, &[n, HC]),
             comb: poisoned(&dev, &[n, HC * HC]),
         };
-        hc_pre(&dev, &sd, &site_d, &p, &mut out).unwrap();
+        let mut part = poisoned(&dev, &mix_partials_shape(n, d));
+        hc_pre(&dev, &sd, &site_d, &p, &mut part, &mut out).unwrap();
         let mut hx = poisoned(&dev, &[n, d]);
-        hc_head(&dev, &sd, &head_d, &p, &mut hx).unwrap();
+        hc_head(&dev, &sd, &head_d, &p, &mut part, &mut hx).unwrap();
         let (x, post, comb) = (
             dev.download(&out.x).unwrap(),
             dev.download(&out.post).unwrap(),
@@ -187,12 +188,18 @@ fn gpu_mhc_launchers_reject_other_stream_counts_and_shapes() {
         post: dev.alloc(DType::F32, &[2, HC]).unwrap(),
         comb: dev.alloc(DType::F32, &[2, HC * HC]).unwrap(),
     };
-    hc_pre(&dev, &sd, &site, &params(), &mut out).unwrap();
+    let mut part = dev.alloc(DType::F32, &mix_partials_shape(2, d)).unwrap();
+    hc_pre(&dev, &sd, &site, &params(), &mut part, &mut out).unwrap();
     let three = HcParams { n: 3, ..params() };
-    assert!(hc_pre(&dev, &sd, &site, &three, &mut out).is_err());
+    assert!(hc_pre(&dev, &sd, &site, &three, &mut part, &mut out).is_err());
+    let mut small = dev.alloc(DType::F32, &mix_partials_shape(1, d)).unwrap();
+    assert!(
+        hc_pre(&dev, &sd, &site, &params(), &mut small, &mut out).is_err(),
+        "partials for one token"
+    );
     let mut head_x = dev.alloc(DType::F32, &[2, d]).unwrap();
     assert!(
-        hc_head(&dev, &sd, &site, &params(), &mut head_x).is_err(),
+        hc_head(&dev, &sd, &site, &params(), &mut part, &mut head_x).is_err(),
         "a layer site is not a head"
     );
     let mut wrong = dev.alloc(DType::F32, &[2, HC * d + 1]).unwrap();
