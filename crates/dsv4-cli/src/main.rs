@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use dsv4_graph::{eager_launch, eager_step, DecodeGraph};
 use dsv4_model::chat::{encode_chat, ChatMode, Message};
 use dsv4_model::checkpoint::Checkpoint;
-use dsv4_model::config::Config;
+use dsv4_model::config::{Config, LayerKind};
 use dsv4_model::cpu::{CpuModel, Logits};
 use dsv4_model::gpu::{GpuModel, GpuOptions};
 use dsv4_model::sampling::{self, Sampler};
@@ -111,9 +111,13 @@ struct BenchArgs {
     /// Preset whose widths the synthetic model has.
     #[arg(long, value_enum, default_value = "flash")]
     synth: Preset,
-    /// Layers of the synthetic model.
+    /// Layers of the synthetic model (the preset's first ones).
     #[arg(long, default_value_t = 4)]
     layers: usize,
+    /// The synthetic model's layer kinds instead (e.g. hca,hca,hca,csa), with the preset's
+    /// compression ratios.
+    #[arg(long, value_enum, value_delimiter = ',', conflicts_with = "layers")]
+    schedule: Option<Vec<LayerChoice>>,
     /// Format of the synthetic model.
     #[arg(long, value_enum, default_value = "nvfp4")]
     format: Format,
@@ -149,6 +153,13 @@ enum Preset {
     Tiny,
     Flash,
     Pro,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LayerChoice {
+    Sliding,
+    Csa,
+    Hca,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -398,10 +409,33 @@ fn bench(a: BenchArgs) -> Result<()> {
                 Preset::Flash => Config::flash(),
                 Preset::Pro => Config::pro(),
             };
-            if a.layers == 0 || a.layers > config.num_layers {
-                bail!("--layers {} must be in 1..={}", a.layers, config.num_layers);
+            match &a.schedule {
+                Some(kinds) => {
+                    let ratio = |csa: bool| {
+                        config
+                            .layers
+                            .iter()
+                            .find(|k| matches!(k, LayerKind::Csa { .. }) == csa && k.ratio() > 0)
+                            .map_or(if csa { 4 } else { 128 }, |k| k.ratio())
+                    };
+                    let (csa, hca) = (ratio(true), ratio(false));
+                    config.layers = kinds
+                        .iter()
+                        .map(|k| match k {
+                            LayerChoice::Sliding => LayerKind::Sliding,
+                            LayerChoice::Csa => LayerKind::Csa { ratio: csa },
+                            LayerChoice::Hca => LayerKind::Hca { ratio: hca },
+                        })
+                        .collect();
+                    config.num_layers = kinds.len();
+                }
+                None => {
+                    if a.layers == 0 || a.layers > config.num_layers {
+                        bail!("--layers {} must be in 1..={}", a.layers, config.num_layers);
+                    }
+                    config = config.truncated(a.layers);
+                }
             }
-            config = config.truncated(a.layers);
             // Learned routing in every layer (hash layers read one fixed table).
             config.num_hash_layers = 0;
             // Written under $TMPDIR (a RAM-backed one makes this quick) and removed after loading.

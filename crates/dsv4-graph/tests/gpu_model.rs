@@ -3,9 +3,11 @@
 //! `#[ignore]`d: they need a CUDA GPU (`cargo xtask gpu-test`).
 //!
 //! Bounds (per position): cosine similarity ≥ 0.999 and max |Δ| ≤ 2e-2 · max |logit| against
-//! the CPU forward on the same (BF16) weights, and against the oracle where the fixture's
-//! weights are BF16 (activations enter the GEMVs as BF16, so the GPU is not bit-equal to the
-//! F32 CPU reference); graph replays are bit-identical to the same launches issued eagerly.
+//! the CPU forward on the same (BF16) weights with activations rounded to BF16 where the GPU
+//! rounds them, and against the oracle where the fixture's weights are BF16, except at
+//! positions where that rounded CPU forward itself leaves the oracle's bounds (a router or
+//! indexer top-k decision closer than BF16 rounding); graph replays are bit-identical to the
+//! same launches issued eagerly.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -42,31 +44,49 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
     dot / (na * nb).max(f64::MIN_POSITIVE)
 }
 
-/// Compares every position of `got` with `want` (`[T, vocab]`) and prints the worst figures;
-/// returns the positions outside the bounds.
-fn check_positions(what: &str, got: &[f32], want: &[f32], vocab: usize) -> Vec<String> {
-    assert_eq!(got.len(), want.len(), "{what}: logit count");
+/// Positions of `got` outside the bounds around `want` (`[T, vocab]`), with their cosine
+/// and max |Δ|; and the worst cosine and worst max |Δ| / max |logit| over all positions.
+fn compare(got: &[f32], want: &[f32], vocab: usize) -> (Vec<(usize, f64, f32)>, f64, f32) {
+    assert_eq!(got.len(), want.len(), "logit count");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
     let (mut worst_cos, mut worst_rel) = (1f64, 0f32);
-    let mut bad = Vec::new();
+    let mut outside = Vec::new();
     for (t, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let cos = cosine(g, w);
         let diff = g.iter().zip(w).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
         worst_cos = worst_cos.min(cos);
         worst_rel = worst_rel.max(diff / scale);
         if !(cos >= 0.999 && diff <= 2e-2 * scale) {
-            bad.push(format!(
-                "{what}: position {t}: cosine {cos:.6}, max |Δ| {diff:.3e} (max |logit| {scale:.3})"
-            ));
+            outside.push((t, cos, diff / scale));
         }
     }
+    (outside, worst_cos, worst_rel)
+}
+
+/// Compares every position and prints the figures; returns the positions outside the bounds
+/// except those in `exempt`, described.
+fn check_positions(
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    vocab: usize,
+    exempt: &[usize],
+) -> Vec<String> {
+    let (outside, worst_cos, worst_rel) = compare(got, want, vocab);
     println!(
         "{what}: worst cosine {worst_cos:.6}, worst max|Δ|/max|logit| {worst_rel:.3e}, {} of {} \
-         positions outside the bounds",
-        bad.len(),
-        got.len() / vocab
+         positions outside the bounds ({} of them exempt)",
+        outside.len(),
+        got.len() / vocab,
+        outside.iter().filter(|o| exempt.contains(&o.0)).count()
     );
-    bad
+    outside
+        .into_iter()
+        .filter(|o| !exempt.contains(&o.0))
+        .map(|(t, cos, rel)| {
+            format!("{what}: position {t}: cosine {cos:.6}, max|Δ|/max|logit| {rel:.3e}")
+        })
+        .collect()
 }
 
 fn assert_none(bad: Vec<String>) {
@@ -111,11 +131,18 @@ fn gpu_model_matches_cpu_and_oracle_on_every_fixture() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let oracle = load_oracle(&dir);
         let ids = &oracle.input_ids;
-        // Both sides read the BF16 weights the GPU runs (the same files for BF16 fixtures).
+        // Both sides read the BF16 weights the GPU runs (the same files for BF16 fixtures); the
+        // reference rounds activations where the GPU does.
         let (copy, rounded) = bf16_fixture(&dir);
-        let cpu = CpuModel::load(copy.path(), |_, _| {}).unwrap();
+        let cpu = CpuModel::load(copy.path(), |_, _| {})
+            .unwrap()
+            .with_bf16_activations();
         let mut state = cpu.new_state();
         let want = cpu.forward(&mut state, ids, Logits::All).unwrap();
+        // Positions where BF16 arithmetic itself leaves the oracle's bounds (a top-k decision
+        // closer than its rounding): not held against the GPU.
+        let (ill, _, _) = compare(&want, &oracle.logits, oracle.vocab);
+        let ill: Vec<usize> = ill.into_iter().map(|o| o.0).collect();
         let mut gpu = gpu_model(copy.path(), &dev, ids.len());
         let t = ids.len();
         let uneven = [7.min(t), 5.min(t.saturating_sub(7))];
@@ -126,26 +153,21 @@ fn gpu_model_matches_cpu_and_oracle_on_every_fixture() {
             ("token-by-token decode", vec![]),
         ] {
             let got = gpu_logits(&mut gpu, ids, &chunks);
+            let what = format!("{name}, {how}");
             bad.extend(check_positions(
-                &format!("{name}, {how}, vs CPU"),
+                &format!("{what}, vs CPU"),
                 &got,
                 &want,
                 oracle.vocab,
+                &[],
             ));
-            // The oracle ran the F32 weights: held to the bounds only where the fixture's
-            // weights are BF16 already.
+            // The oracle ran F32 weights: bounded only where the fixture's are BF16 already.
             let vs_oracle = check_positions(
-                &format!(
-                    "{name}, {how}, vs oracle{}",
-                    if rounded {
-                        " (F32 weights, not bounded)"
-                    } else {
-                        ""
-                    }
-                ),
+                &format!("{what}, vs oracle"),
                 &got,
                 &oracle.logits,
                 oracle.vocab,
+                &ill,
             );
             if !rounded {
                 bad.extend(vs_oracle);
@@ -172,7 +194,7 @@ fn gpu_model_matches_cpu_with_every_entry_selected() {
         config.index_topk = ids.len();
         let weights = ModelWeights::load(&ck, |_, _| {}).unwrap();
         let gpu_weights = ModelWeights::load(&ck, |_, _| {}).unwrap();
-        let cpu = CpuModel::new(config.clone(), weights);
+        let cpu = CpuModel::new(config.clone(), weights).with_bf16_activations();
         let mut state = cpu.new_state();
         let want = cpu.forward(&mut state, &ids, Logits::All).unwrap();
         let opts = GpuOptions {
@@ -186,6 +208,7 @@ fn gpu_model_matches_cpu_with_every_entry_selected() {
             &got,
             &want,
             vocab,
+            &[],
         ));
     }
     assert_none(bad);
@@ -253,7 +276,9 @@ fn gpu_teacher_forced_decode_does_not_drift() {
     let dev = device();
     let (copy, _) = bf16_fixture(&dsv4_tests::fixtures_dir().join("long"));
     let dir = copy.path();
-    let cpu = CpuModel::load(dir, |_, _| {}).unwrap();
+    let cpu = CpuModel::load(dir, |_, _| {})
+        .unwrap()
+        .with_bf16_activations();
     let vocab = cpu.config().vocab_size as u64;
     let n = 1000;
     // A fixed pseudo-random token sequence.
@@ -267,12 +292,13 @@ fn gpu_teacher_forced_decode_does_not_drift() {
     }
     let mut gpu = gpu_model(dir, &dev, n);
     let got = gpu_logits(&mut gpu, &ids, &[]);
-    check_positions(
+    assert_none(check_positions(
         "1000 teacher-forced positions, vs CPU",
         &got,
         &want,
         vocab as usize,
-    );
+        &[],
+    ));
 }
 
 #[test]

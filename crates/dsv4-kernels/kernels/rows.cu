@@ -100,12 +100,19 @@ __device__ __forceinline__ void copy_cols(const S* __restrict__ src, u32 src_str
     }
 }
 
-#define COPY_COLS(NAME, S, D)                                                                        \
-    DSV4_KERNEL void NAME(const S* src, u32 src_stride, u32 src_col, D* dst, u32 dst_stride,         \
-                          u32 dst_col, u32 rows, u32 width, u32 accumulate) {                        \
-        copy_cols<S, D>(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate); \
-    }
-COPY_COLS(copy_cols_f32_f32, float, float)
-COPY_COLS(copy_cols_f32_bf16, float, u16)
-COPY_COLS(copy_cols_bf16_f32, u16, float)
-COPY_COLS(copy_cols_bf16_bf16, u16, u16)
+DSV4_KERNEL void copy_cols_f32_f32(const float* src, u32 src_stride, u32 src_col, float* dst, u32 dst_stride, u32 dst_col,
+                       u32 rows, u32 width, u32 accumulate) {
+    copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
+}
+DSV4_KERNEL void copy_cols_f32_bf16(const float* src, u32 src_stride, u32 src_col, u16* dst, u32 dst_stride, u32 dst_col,
+                       u32 rows, u32 width, u32 accumulate) {
+    copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
+}
+DSV4_KERNEL void copy_cols_bf16_f32(const u16* src, u32 src_stride, u32 src_col, float* dst, u32 dst_stride, u32 dst_col,
+                       u32 rows, u32 width, u32 accumulate) {
+    copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
+}
+DSV4_KERNEL void copy_cols_bf16_bf16(const u16* src, u32 src_stride, u32 src_col, u16* dst, u32 dst_stride, u32 dst_col,
+                       u32 rows, u32 width, u32 accumulate) {
+    copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
+}

@@ -80,6 +80,15 @@ pub struct CpuModel {
     weights: ModelWeights,
     rope_main: Rope,
     rope_compress: Rope,
+    /// Applied where the GPU rounds activations to BF16 (identity by default).
+    round: fn(&mut [f32]),
+}
+
+fn keep(_: &mut [f32]) {}
+
+fn round_bf16(v: &mut [f32]) {
+    v.iter_mut()
+        .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
 }
 
 impl CpuModel {
@@ -96,7 +105,17 @@ impl CpuModel {
             rope_compress: Rope::for_layer(&config, true),
             config,
             weights,
+            round: keep,
         }
+    }
+
+    /// The same forward with every linear's input and output rounded to BF16 where the GPU
+    /// model rounds them (not the MoE gate nor the indexer's head weights, which it runs in
+    /// F32): the arithmetic the GPU does, to check it position by position where top-k
+    /// decisions sit closer than BF16 rounding.
+    pub fn with_bf16_activations(mut self) -> CpuModel {
+        self.round = round_bf16;
+        self
     }
 
     pub fn config(&self) -> &Config {
@@ -207,8 +226,11 @@ impl CpuModel {
             })
             .collect();
         let m = rows.len();
+        let mut h = h;
+        (self.round)(&mut h);
         let mut logits = vec![0.0f32; m * c.vocab_size];
         self.weights.head.matmul(&h, m, &mut logits);
+        (self.round)(&mut logits);
         if let Some(row) = logits
             .chunks_exact(c.vocab_size)
             .position(|r| r.iter().any(|x| !x.is_finite()))
@@ -267,6 +289,7 @@ impl CpuModel {
                 c.experts_per_token,
                 c.routed_scaling_factor,
                 c.swiglu_limit,
+                self.round,
             )
         });
     }
@@ -288,9 +311,16 @@ impl CpuModel {
         } else {
             &self.rope_compress
         };
-        let matmul = |lin: &crate::linear::Linear, input: &[f32]| {
+        let matmul_f32 = |lin: &crate::linear::Linear, input: &[f32]| {
             let mut y = vec![0.0f32; n * lin.rows()];
             lin.matmul(input, n, &mut y);
+            y
+        };
+        let matmul = |lin: &crate::linear::Linear, input: &[f32]| {
+            let mut x = input.to_vec();
+            (self.round)(&mut x);
+            let mut y = matmul_f32(lin, &x);
+            (self.round)(&mut y);
             y
         };
 
@@ -318,7 +348,7 @@ impl CpuModel {
             iq.par_chunks_mut(c.index_n_heads * ic)
                 .enumerate()
                 .for_each(|(s, row)| self.rope_compress.apply_each(row, ic, pos0 + s, false));
-            let mut weights = matmul(&iw.weights_proj, x);
+            let mut weights = matmul_f32(&iw.weights_proj, x);
             let scale = 1.0 / (c.index_n_heads as f32).sqrt();
             weights.iter_mut().for_each(|v| *v *= scale);
             (
@@ -382,9 +412,11 @@ impl CpuModel {
         let gw = hd / g;
         let mut z = vec![0.0f32; n * g * r];
         for grp in 0..g {
-            let xin = gather_columns(&out, hd, grp * gw, gw);
+            let mut xin = gather_columns(&out, hd, grp * gw, gw);
+            (self.round)(&mut xin);
             let mut zg = vec![0.0f32; n * r];
             w.wo_a.matmul_rows(grp * r, r, &xin, n, &mut zg);
+            (self.round)(&mut zg);
             for (dst, src) in z.chunks_exact_mut(g * r).zip(zg.chunks_exact(r)) {
                 dst[grp * r..(grp + 1) * r].copy_from_slice(src);
             }

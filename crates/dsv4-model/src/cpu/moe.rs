@@ -21,8 +21,16 @@ pub fn route(
     reference::route(logits, by, token, k, scaling)
 }
 
-/// Runs one expert on `n` rows of `x`: `W2 (silu(min(W1 x, L)) ⊙ clamp(W3 x, −L, L))`.
-pub fn expert(w: &ExpertWeights, x: &[f32], n: usize, limit: f32) -> Vec<f32> {
+/// Runs one expert on `n` rows of `x`: `W2 (silu(min(W1 x, L)) ⊙ clamp(W3 x, −L, L))`;
+/// `round` is applied to the intermediate and the output (the GPU's BF16 shared expert;
+/// identity otherwise).
+pub fn expert(
+    w: &ExpertWeights,
+    x: &[f32],
+    n: usize,
+    limit: f32,
+    round: fn(&mut [f32]),
+) -> Vec<f32> {
     let inter = w.w1.rows();
     let mut g = vec![0.0f32; n * inter];
     let mut u = vec![0.0f32; n * inter];
@@ -31,13 +39,17 @@ pub fn expert(w: &ExpertWeights, x: &[f32], n: usize, limit: f32) -> Vec<f32> {
     for (g, u) in g.iter_mut().zip(&u) {
         *g = silu(g.min(limit)) * u.clamp(-limit, limit);
     }
+    round(&mut g);
     let mut y = vec![0.0f32; n * w.w2.rows()];
     w.w2.matmul(&g, n, &mut y);
+    round(&mut y);
     y
 }
 
 /// MoE output for `n` tokens (`h` = `[n, D]`). Each token sums its experts in ascending expert
-/// order, so the result does not depend on which other tokens share the call.
+/// order, so the result does not depend on which other tokens share the call. `round` models
+/// the GPU's BF16 activations: the experts' input, and the shared expert's intermediate and
+/// output (identity for the F32 reference).
 pub fn moe(
     w: &MoeWeights,
     h: &[f32],
@@ -45,6 +57,7 @@ pub fn moe(
     k: usize,
     scaling: f32,
     limit: f32,
+    round: fn(&mut [f32]),
 ) -> Vec<f32> {
     let n = tokens.len();
     let d = h.len() / n;
@@ -57,6 +70,9 @@ pub fn moe(
         .map(|(&t, l)| route(w, l, t, k, scaling))
         .collect();
 
+    let mut hr = h.to_vec();
+    round(&mut hr);
+    let h = &hr[..];
     let mut out = vec![0.0f32; n * d];
     for (ex, weights) in w.experts.iter().enumerate() {
         let users: Vec<(usize, f32)> = routes
@@ -76,7 +92,7 @@ pub fn moe(
             .flat_map(|&(i, _)| &h[i * d..(i + 1) * d])
             .copied()
             .collect();
-        let y = expert(weights, &x, users.len(), limit);
+        let y = expert(weights, &x, users.len(), limit, |_| {});
         for (&(i, wt), yr) in users.iter().zip(y.chunks_exact(d)) {
             out[i * d..(i + 1) * d]
                 .iter_mut()
@@ -84,7 +100,7 @@ pub fn moe(
                 .for_each(|(o, v)| *o += wt * v);
         }
     }
-    let shared = expert(&w.shared, h, n, limit);
+    let shared = expert(&w.shared, h, n, limit, round);
     out.iter_mut().zip(&shared).for_each(|(o, s)| *o += s);
     out
 }

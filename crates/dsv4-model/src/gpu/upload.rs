@@ -5,6 +5,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use dsv4_ops::codecs::mxfp4::{self, Mxfp4Quantized};
 use dsv4_ops::codecs::nvfp4::{self, Nvfp4Quantized};
 use dsv4_ops::gpu::gemv::{GemvWeight, HostWeight};
@@ -181,7 +183,7 @@ pub fn routed_experts(
     let (d, inter) = (experts[0].w1.cols(), experts[0].w1.rows());
     let all = |pick: fn(&ExpertWeights) -> &Linear| -> Result<Vec<HostRows>, GpuError> {
         experts
-            .iter()
+            .par_iter()
             .map(|e| {
                 let l = pick(e);
                 host_rows(name, l, 0..l.rows())

@@ -12,6 +12,7 @@
 
 use cudarc::driver::DeviceRepr;
 use half::bf16;
+use rayon::prelude::*;
 
 use super::gemv::pack::{encode_codes, pack, CodeOrder, Layout};
 use super::gemv::{check_mxfp4_scales, launch_pdl, resident_warps, staging_bytes, tuning};
@@ -188,25 +189,33 @@ impl MoeExperts {
         let (up, down) = layouts(d, inter);
         let unit = format.scale_unit();
         let sizes = packed_bytes(format, d, inter);
-        let mut stacked: [Vec<u8>; 4] = sizes.map(|b| Vec::with_capacity(b * e));
-        for (i, [(c1, s1), (c3, s3), (c2, s2)]) in mats.iter().enumerate() {
-            let ctx = |m: &str| format!("{what}: expert {i} {m}");
-            if format == MoeFormat::Mxfp4 {
-                for sc in [s1, s3, s2] {
-                    check_mxfp4_scales(&ctx("scales"), sc)?;
+        // Experts are packed in parallel, then stacked in order.
+        let packed: Vec<[Vec<u8>; 4]> = mats
+            .par_iter()
+            .enumerate()
+            .map(|(i, [(c1, s1), (c3, s3), (c2, s2)])| {
+                let ctx = |m: &str| format!("{what}: expert {i} {m}");
+                if format == MoeFormat::Mxfp4 {
+                    for sc in [s1, s3, s2] {
+                        check_mxfp4_scales(&ctx("scales"), sc)?;
+                    }
                 }
-            }
-            let mut packed = [
-                pack(&up, 16, c1, c3).map_err(|err| invalid(&ctx("w1/w3"), err.to_string()))?,
-                pack(&up, unit, s1, s3)
-                    .map_err(|err| invalid(&ctx("w1/w3 scales"), err.to_string()))?,
-                pack(&down, 16, c2, &[]).map_err(|err| invalid(&ctx("w2"), err.to_string()))?,
-                pack(&down, unit, s2, &[])
-                    .map_err(|err| invalid(&ctx("w2 scales"), err.to_string()))?,
-            ];
-            encode_codes(CodeOrder::Fp4, &mut packed[0]);
-            encode_codes(CodeOrder::Fp4, &mut packed[2]);
-            for (dst, src) in stacked.iter_mut().zip(packed) {
+                let mut packed = [
+                    pack(&up, 16, c1, c3).map_err(|err| invalid(&ctx("w1/w3"), err.to_string()))?,
+                    pack(&up, unit, s1, s3)
+                        .map_err(|err| invalid(&ctx("w1/w3 scales"), err.to_string()))?,
+                    pack(&down, 16, c2, &[]).map_err(|err| invalid(&ctx("w2"), err.to_string()))?,
+                    pack(&down, unit, s2, &[])
+                        .map_err(|err| invalid(&ctx("w2 scales"), err.to_string()))?,
+                ];
+                encode_codes(CodeOrder::Fp4, &mut packed[0]);
+                encode_codes(CodeOrder::Fp4, &mut packed[2]);
+                Ok(packed)
+            })
+            .collect::<Result<_, GpuError>>()?;
+        let mut stacked: [Vec<u8>; 4] = sizes.map(|b| Vec::with_capacity(b * e));
+        for p in packed {
+            for (dst, src) in stacked.iter_mut().zip(p) {
                 dst.extend_from_slice(&src);
             }
         }
