@@ -16,7 +16,7 @@ using namespace dsv4;
 __device__ __forceinline__ float sigmoid_rn(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
 
 // Columns of the flattened streams one hc_mix_partials block takes.
-#define MIX_COLS 512
+#define MIX_COLS 128
 // Per (token, column block): MIX dot products and the sum of squares.
 #define PART (MIX + 1)
 
@@ -48,13 +48,17 @@ DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, c
 }
 
 // mu[k] = rsqrt(mean(s^2) + eps) * (fn[k, :] . s) for k < mix, from one token's `splits`
-// partials (summed in column-block order), into shared mu.
+// partials, into shared mu: warp w sums rows w, w + 8, ..., lanes striding the column blocks,
+// then a fixed shuffle tree.
 __device__ __forceinline__ void mix_from_partials(const float* __restrict__ part, u32 splits, u32 mix, u32 width,
                                                   float norm_eps, float* mu, float* sums) {
-    if (threadIdx.x <= mix) {
+    const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
+    for (u32 k = warp; k <= mix; k += warps) {
         float acc = 0.0f;
-        for (u32 c = 0; c < splits; c++) acc = __fadd_rn(acc, part[(u64)c * PART + threadIdx.x]);
-        sums[threadIdx.x] = acc;
+        for (u32 c = lane; c < splits; c += 32u) acc = __fadd_rn(acc, part[(u64)c * PART + k]);
+#pragma unroll
+        for (u32 o = 16u; o > 0u; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+        if (lane == 0u) sums[k] = acc;
     }
     __syncthreads();
     const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sums[mix], (float)width), norm_eps)));
@@ -72,45 +76,39 @@ __device__ __forceinline__ void collapse(const float* __restrict__ s, u32 d, con
     }
 }
 
-// Row softmax + eps, column normalize, then iters - 1 (row, column) rounds; eps guards each
-// division (the CPU reference's order).
-__device__ __forceinline__ void sinkhorn(float (&c)[HC * HC], u32 iters, float eps) {
+// Sum (in index order) or max of the 4 values of lane `lane`'s row (`row` = true) or column
+// of the 4x4 matrix held one element a lane by lanes 0..15 (lane = 4 * i + j).
+__device__ __forceinline__ float line_sum(float v, u32 lane, bool row) {
+    const u32 base = row ? (lane & 12u) : (lane & 3u);
+    const u32 step = row ? 1u : 4u;
+    float s = __shfl_sync(0xffffffffu, v, base);
 #pragma unroll
-    for (u32 i = 0; i < HC; i++) {
-        float m = c[i * HC];
+    for (u32 k = 1; k < HC; k++) s = __fadd_rn(s, __shfl_sync(0xffffffffu, v, base + k * step));
+    return s;
+}
+
+__device__ __forceinline__ float row_max(float v, u32 lane) {
+    const u32 base = lane & 12u;
+    float m = __shfl_sync(0xffffffffu, v, base);
 #pragma unroll
-        for (u32 j = 1; j < HC; j++) m = fmaxf(m, c[i * HC + j]);
-        float s = 0.0f;
-#pragma unroll
-        for (u32 j = 0; j < HC; j++) {
-            c[i * HC + j] = expf(__fsub_rn(c[i * HC + j], m));
-            s = __fadd_rn(s, c[i * HC + j]);
-        }
-#pragma unroll
-        for (u32 j = 0; j < HC; j++) c[i * HC + j] = __fadd_rn(__fdiv_rn(c[i * HC + j], s), eps);
-    }
+    for (u32 k = 1; k < HC; k++) m = fmaxf(m, __shfl_sync(0xffffffffu, v, base + k));
+    return m;
+}
+
+// Sinkhorn on the 4x4 matrix held one element a lane (warp-wide call; lanes 16..31 mirror
+// 0..15): row softmax + eps, column normalize, then iters - 1 (row, column) rounds; eps guards
+// each division. Every sum runs in the CPU reference's order, so the bits are the same.
+__device__ __forceinline__ float sinkhorn_lane(float c, u32 lane, u32 iters, float eps) {
+    lane &= 15u;
+    c = expf(__fsub_rn(c, row_max(c, lane)));
+    c = __fadd_rn(__fdiv_rn(c, line_sum(c, lane, true)), eps);
     // The first column pass runs even with iters = 0, as in the reference.
     const u32 rounds = iters > 0u ? iters : 1u;
     for (u32 it = 0; it < rounds; it++) {
-        if (it > 0u) {
-#pragma unroll
-            for (u32 i = 0; i < HC; i++) {
-                float s = 0.0f;
-#pragma unroll
-                for (u32 j = 0; j < HC; j++) s = __fadd_rn(s, c[i * HC + j]);
-#pragma unroll
-                for (u32 j = 0; j < HC; j++) c[i * HC + j] = __fdiv_rn(c[i * HC + j], __fadd_rn(s, eps));
-            }
-        }
-#pragma unroll
-        for (u32 j = 0; j < HC; j++) {
-            float s = 0.0f;
-#pragma unroll
-            for (u32 i = 0; i < HC; i++) s = __fadd_rn(s, c[i * HC + j]);
-#pragma unroll
-            for (u32 i = 0; i < HC; i++) c[i * HC + j] = __fdiv_rn(c[i * HC + j], __fadd_rn(s, eps));
-        }
+        if (it > 0u) c = __fdiv_rn(c, __fadd_rn(line_sum(c, lane, true), eps));
+        c = __fdiv_rn(c, __fadd_rn(line_sum(c, lane, false), eps));
     }
+    return c;
 }
 
 // One block per token (grid-stride), after hc_mix_partials: streams [n, HC * d] -> x [n, d],
@@ -126,19 +124,17 @@ DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const f
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
         const float* s = streams + (u64)t * width;
         mix_from_partials(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, mu, sums);
-        if (threadIdx.x == 0u) {
-            float c[HC * HC];
-#pragma unroll
-            for (u32 i = 0; i < HC; i++) {
-                pre[i] = __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[i]), base[i])), hc_eps);
-                post[(u64)t * HC + i] =
-                    __fmul_rn(2.0f, sigmoid_rn(__fadd_rn(__fmul_rn(scale[1], mu[HC + i]), base[HC + i])));
+        if (threadIdx.x < 32u) {
+            // Warp 0: lanes 0..3 the pre and post weights, lanes 0..15 one comb element each.
+            const u32 lane = threadIdx.x, k = lane & 15u;
+            if (lane < HC) {
+                pre[lane] = __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[lane]), base[lane])), hc_eps);
+                post[(u64)t * HC + lane] =
+                    __fmul_rn(2.0f, sigmoid_rn(__fadd_rn(__fmul_rn(scale[1], mu[HC + lane]), base[HC + lane])));
             }
-#pragma unroll
-            for (u32 k = 0; k < HC * HC; k++) c[k] = __fadd_rn(__fmul_rn(scale[2], mu[2 * HC + k]), base[2 * HC + k]);
-            sinkhorn(c, sinkhorn_iters, hc_eps);
-#pragma unroll
-            for (u32 k = 0; k < HC * HC; k++) comb[(u64)t * HC * HC + k] = c[k];
+            const float c = __fadd_rn(__fmul_rn(scale[2], mu[2 * HC + k]), base[2 * HC + k]);
+            const float m = sinkhorn_lane(c, lane, sinkhorn_iters, hc_eps);
+            if (lane < HC * HC) comb[(u64)t * HC * HC + lane] = m;
         }
         __syncthreads();
         collapse(s, d, pre, x + (u64)t * d);

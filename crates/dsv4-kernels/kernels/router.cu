@@ -8,6 +8,8 @@
 using namespace dsv4;
 
 #define ROUTE_K_MAX 16
+// Experts a lane holds: up to 32 * ROUTE_SLOTS experts (MAX_EXPERTS in router/mod.rs).
+#define ROUTE_SLOTS 16
 
 __device__ __forceinline__ float route_score(float z) {
     // sqrt(softplus(z)), softplus written as max(z, 0) + log1p(exp(-|z|)).
@@ -34,22 +36,27 @@ DSV4_KERNEL void route_topk(const float* __restrict__ logits, u32 n, u32 e, u32 
             for (u32 j = 0; j < ROUTE_K_MAX; j++)
                 if (j < k) chosen[j] = min(tid2eid[(u64)tok * k + j], e - 1u);
         } else {
-            // k rounds of a warp argmax over score + bias, skipping experts already taken.
+            // Each lane scores its experts (lane + 32 s) once, then k rounds of a warp argmax
+            // over score + bias, each round's winner marked taken by the lane holding it.
+            float vals[ROUTE_SLOTS];
+            u32 taken = 0u;
+#pragma unroll
+            for (u32 q = 0; q < ROUTE_SLOTS; q++) {
+                const u32 x = lane + 32u * q;
+                vals[q] = x < e ? __fadd_rn(route_score(z[x]), bias[x]) : 0.0f;
+                if (x >= e) taken |= 1u << q;
+            }
             u32 taken_mask[ROUTE_K_MAX];
 #pragma unroll
             for (u32 r = 0; r < ROUTE_K_MAX; r++) {
                 if (r >= k) break;
                 float best_v = __uint_as_float(0xff800000u);  // -inf
                 u32 best_i = 0xffffffffu;
-                for (u32 x = lane; x < e; x += 32u) {
-                    bool skip = false;
 #pragma unroll
-                    for (u32 q = 0; q < ROUTE_K_MAX; q++)
-                        if (q < r && taken_mask[q] == x) skip = true;
-                    if (skip) continue;
-                    const float v = __fadd_rn(route_score(z[x]), bias[x]);
-                    if (best_i == 0xffffffffu || better(v, x, best_v, best_i)) {
-                        best_v = v;
+                for (u32 q = 0; q < ROUTE_SLOTS; q++) {
+                    const u32 x = lane + 32u * q;
+                    if (!((taken >> q) & 1u) && (best_i == 0xffffffffu || better(vals[q], x, best_v, best_i))) {
+                        best_v = vals[q];
                         best_i = x;
                     }
                 }
@@ -62,6 +69,7 @@ DSV4_KERNEL void route_topk(const float* __restrict__ logits, u32 n, u32 e, u32 
                         best_i = oi;
                     }
                 }
+                if (best_i != 0xffffffffu && (best_i & 31u) == lane) taken |= 1u << (best_i >> 5);
                 taken_mask[r] = best_i;
             }
             // Ascending expert order, as the reference returns them.

@@ -732,26 +732,37 @@ fn attention_layer(
     )?;
     rope_rows(dev, &mut out, hd, rope, &a.pos, RopeDirection::Inverse)?;
     attention::window_write(dev, &kv_n, &a.pos, &mut ls.window)?;
-    // Grouped output projection: group g's heads through its rows of wo_a, then wo_b.
+    // Grouped output projection: group g's heads through its rows of wo_a, then wo_b. One
+    // token's groups are contiguous column ranges: the GEMVs read and write them in place.
     let gw = q_all / c.o_groups;
     let r = c.o_lora_rank;
     let mut z = rows(&a.z, n)?;
-    for (g, wg) in at.wo_a.iter().enumerate() {
-        let mut gin = rows(&a.group_in, n)?;
-        copy_cols(
-            dev,
-            &out,
-            Cols {
-                col: g * gw,
-                width: gw,
-            },
-            &mut gin,
-            0,
-            false,
-        )?;
-        let mut gout = rows(&a.group_out, n)?;
-        gemv(dev, &gin, wg, &mut gout, &mut a.ws)?;
-        copy_cols(dev, &gout, Cols::all(r), &mut z, g * r, false)?;
+    if n == 1 {
+        let mut ob = rows(&a.attn_b, 1)?;
+        cast(dev, &out, &mut ob)?;
+        for (g, wg) in at.wo_a.iter().enumerate() {
+            let gin = ob.view(g * gw, &[1, gw])?;
+            let mut gout = z.view(g * r, &[1, r])?;
+            gemv(dev, &gin, wg, &mut gout, &mut a.ws)?;
+        }
+    } else {
+        for (g, wg) in at.wo_a.iter().enumerate() {
+            let mut gin = rows(&a.group_in, n)?;
+            copy_cols(
+                dev,
+                &out,
+                Cols {
+                    col: g * gw,
+                    width: gw,
+                },
+                &mut gin,
+                0,
+                false,
+            )?;
+            let mut gout = rows(&a.group_out, n)?;
+            gemv(dev, &gin, wg, &mut gout, &mut a.ws)?;
+            copy_cols(dev, &gout, Cols::all(r), &mut z, g * r, false)?;
+        }
     }
     let mut yb = rows(&a.y_b, n)?;
     gemv(dev, &z, &at.wo_b, &mut yb, &mut a.ws)?;

@@ -19,16 +19,16 @@ pub const HC: usize = 4;
 /// Mixing logits of a layer site: `HC` pre, `HC` post, `HC × HC` comb.
 pub const MIX: usize = (2 + HC) * HC;
 /// Columns of the flattened streams one mix-projection block takes (`MIX_COLS` in mhc.cu).
-const MIX_COLS: usize = 512;
+const MIX_COLS: usize = 128;
 
 /// Shape of the mix-projection partials [`hc_pre`] and [`hc_head`] use as scratch for `n`
-/// tokens of width `d`: `[n, ceil(HC·d / 512), MIX + 1]` (F32).
+/// tokens of width `d`: `[n, ceil(HC·d / 128), MIX + 1]` (F32).
 pub fn mix_partials_shape(n: usize, d: usize) -> [usize; 3] {
     [n, (HC * d).div_ceil(MIX_COLS), MIX + 1]
 }
 
 /// The mix projection of every token's RMS-normalized streams, spread over
-/// `ceil(HC·d / 512)` blocks a token: `mix` dot products and the sum of squares per block.
+/// `ceil(HC·d / 128)` blocks a token: `mix` dot products and the sum of squares per block.
 fn mix_partials(
     dev: &Device,
     streams: &DeviceTensor<f32>,

@@ -15,6 +15,8 @@ use super::{DType, Device, DeviceTensor, GpuError};
 
 /// The largest experts-per-token the kernel holds (DeepSeek-V4 uses 6).
 pub const MAX_TOP_K: usize = 16;
+/// The most routed experts the kernel holds (16 a lane; Flash has 256, Pro 384).
+pub const MAX_EXPERTS: usize = 512;
 /// The gate's width D must be a multiple of this (16-byte loads of the rows).
 pub const GATE_DIM_MULTIPLE: usize = 8;
 /// Tokens one gate block takes (`gate::TOKENS` in router.cu); the grid's y covers the rest.
@@ -42,10 +44,13 @@ pub fn route_topk(
 ) -> Result<(), GpuError> {
     let (n, e) = logits.dims2("router logits", DType::F32)?;
     let k = ids.shape().get(1).copied().unwrap_or(0);
-    if k == 0 || k > MAX_TOP_K || k > e {
+    if k == 0 || k > MAX_TOP_K || k > e || e > MAX_EXPERTS {
         return Err(GpuError::invalid(
             "router",
-            format!("top-{k} of {e} experts (the kernel takes 1..={MAX_TOP_K}, at most E)"),
+            format!(
+                "top-{k} of {e} experts (the kernel takes 1..={MAX_TOP_K}, at most E, and at \
+                 most {MAX_EXPERTS} experts)"
+            ),
         ));
     }
     ids.expect("router ids", DType::I32, &[n, k])?;

@@ -19,10 +19,18 @@ use crate::gpu::testing::{assert_bits_eq, device, rng, POISON};
 fn gpu_route_topk_matches_reference() {
     let dev = device();
     let mut rng = rng("gpu_route_topk_matches_reference");
-    // (experts, k): Flash, Pro, the fixtures.
-    let shapes = [(256, 6), (384, 6), (8, 2), (16, 3), (4, 4)];
+    // (experts, k): Flash, Pro, the fixtures, the most the kernel holds, a partial last slot.
+    let shapes = [
+        (256, 6),
+        (384, 6),
+        (8, 2),
+        (16, 3),
+        (4, 4),
+        (512, 8),
+        (33, 5),
+    ];
     let (mut checked, mut skipped) = (0, 0);
-    for iter in 0..20 {
+    for iter in 0..28 {
         let (e, k) = shapes[iter % shapes.len()];
         let hash = iter % 2 == 1;
         let n = rng.random_range(1..33);
@@ -116,6 +124,13 @@ fn gpu_route_topk_rejects_bad_shapes() {
     let mut w = dev.alloc::<f32>(DType::F32, &[2, 2]).unwrap();
     let mut ids = dev.alloc::<i32>(DType::I32, &[2, 2]).unwrap();
     route_topk(&dev, &logits, &tokens, by, 1.0, &mut ids, &mut w).unwrap();
+    let many = dev.alloc::<f32>(DType::F32, &[2, MAX_EXPERTS + 1]).unwrap();
+    let many_bias = dev.alloc::<f32>(DType::F32, &[MAX_EXPERTS + 1]).unwrap();
+    let by_many = DeviceRouteBy::Learned { bias: &many_bias };
+    assert!(
+        route_topk(&dev, &many, &tokens, by_many, 1.0, &mut ids, &mut w).is_err(),
+        "more experts than the kernel holds"
+    );
     let table = dev.alloc::<u32>(DType::U32, &[5, 3]).unwrap();
     let hash = DeviceRouteBy::Hash { tid2eid: &table };
     assert!(
