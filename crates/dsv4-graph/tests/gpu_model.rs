@@ -7,8 +7,8 @@
 //! rounds them, and against the oracle, on fixtures whose weights are BF16 and whose router
 //! and indexer top-k decisions are not closer than BF16 rounding (the F32 and BF16 CPU
 //! forwards agree within the bounds everywhere). On the others, the GPU may leave the bounds
-//! at no more positions than the F32 forward leaves the BF16 one (see `judge`). Graph replays
-//! are bit-identical to the same launches issued eagerly.
+//! at a number of positions in proportion to where the F32 forward leaves the BF16 one (see
+//! `judge`). Graph replays are bit-identical to the same launches issued eagerly.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -101,9 +101,10 @@ fn assert_none(bad: Vec<String>) {
 
 /// Judges GPU logits `got` against the CPU forward on the same weights with BF16 activations
 /// (`mirror`) and without (`exact`). Where `exact` stays within the bounds of `mirror` at every
-/// position, so do `got`; where it does not (the input holds router or indexer top-k
-/// decisions closer than BF16 rounding, which the GPU's fixed-order sums may also tip either
-/// way), `got` may leave them at no more positions than `exact` does. Returns the failures.
+/// position, so must `got`. Where it does not, the input holds router or indexer top-k
+/// decisions closer than BF16 rounding, and the GPU's own summation order tips some of them
+/// too: `got` may then leave the bounds at up to 2·n + 2 positions, n being how many `exact`
+/// leaves them at (a systematic error leaves them nearly everywhere). Returns the failures.
 fn judge(what: &str, got: &[f32], mirror: &[f32], exact: &[f32], vocab: usize) -> Vec<String> {
     let (inherent, _, _) = compare(exact, mirror, vocab);
     let bad = check_positions(&format!("{what}, vs CPU"), got, mirror, vocab, &[]);
@@ -115,10 +116,10 @@ fn judge(what: &str, got: &[f32], mirror: &[f32], exact: &[f32], vocab: usize) -
          positions",
         inherent.len()
     );
-    if bad.len() > inherent.len() {
+    if bad.len() > 2 * inherent.len() + 2 {
         vec![format!(
-            "{what}: {} positions outside the bounds, more than the {} of F32 against BF16 \
-             arithmetic",
+            "{what}: {} positions outside the bounds, more than twice the {} of F32 against \
+             BF16 arithmetic plus two",
             bad.len(),
             inherent.len()
         )]
