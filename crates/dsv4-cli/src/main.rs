@@ -317,6 +317,13 @@ fn generate(a: GenerateArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
+    if let Some(c) = a.gpu.max_context.filter(|&c| c < needed) {
+        bail!(
+            "prompt ({} tokens) + --max-new-tokens ({}) exceeds --max-context {c}",
+            prompt_ids.len(),
+            a.max_new_tokens
+        );
+    }
     let backend = backend(a.gpu.backend)?;
     let (prefill_s, t1, generated) = match backend {
         Backend::Cpu => {

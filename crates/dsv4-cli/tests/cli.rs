@@ -207,6 +207,13 @@ fn bad_settings_configs_and_weights_are_named_errors() {
     for p in ["0", "1.5", "NaN"] {
         gen(&[&format!("--top-p={p}")], "must be in (0, 1]");
     }
+    // Checked before anything is loaded, on either backend.
+    for backend in ["cpu", "cuda"] {
+        gen(
+            &["--max-context", "2", "--backend", backend],
+            "+ --max-new-tokens (2) exceeds --max-context 2",
+        );
+    }
 
     let missing = tmp.path().join("nothing-here");
     generate_fails(

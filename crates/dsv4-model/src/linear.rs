@@ -1,8 +1,11 @@
 //! Weight matrices `[rows, cols]` (PyTorch `[out, in]`) in their checkpoint encoding,
 //! dequantized row by row on the fly.
 
+use std::ops::Range;
+
 use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};
 use dsv4_ops::codecs::{half_float, mxfp4, nvfp4, CodecError};
+use dsv4_ops::gpu::router::reference::dot16;
 use rayon::prelude::*;
 
 use crate::checkpoint::Blob;
@@ -156,24 +159,19 @@ impl Linear {
         }
     }
 
-    /// Writes row `r` as f32 into `out` (`out.len() == cols`).
+    /// The encoded bytes of rows `rows`: the weight's, and the scales that cover them (for FP8
+    /// blocks, the whole scale-block rows they touch; none for F32, BF16 and F16).
     ///
     /// # Panics
-    /// If `r >= rows` or `out.len() != cols`.
-    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
-        assert!(r < self.rows, "row {r} out of range for {} rows", self.rows);
-        assert_eq!(out.len(), self.cols, "dequant_row output length");
+    /// If `rows` goes past the matrix.
+    pub fn encoded_rows<'a>(&'a self, rows: Range<usize>) -> (&'a [u8], &'a [u8]) {
         let c = self.cols;
+        let of = |b: &'a Blob, per_row: usize| -> &'a [u8] {
+            &b.bytes()[rows.start * per_row..rows.end * per_row]
+        };
         match &self.data {
-            LinearData::F32(b) => {
-                half_float::f32_from_le(&b.bytes()[r * c * 4..(r + 1) * c * 4], out)
-            }
-            LinearData::Bf16(b) => {
-                half_float::bf16_to_f32(&b.bytes()[r * c * 2..(r + 1) * c * 2], out)
-            }
-            LinearData::F16(b) => {
-                half_float::f16_to_f32(&b.bytes()[r * c * 2..(r + 1) * c * 2], out)
-            }
+            LinearData::F32(b) => (of(b, c * 4), &[]),
+            LinearData::Bf16(b) | LinearData::F16(b) => (of(b, c * 2), &[]),
             LinearData::Fp8Block {
                 weight,
                 scale,
@@ -182,36 +180,47 @@ impl Linear {
                 block_cols,
             } => {
                 let srow = c.div_ceil(*block_cols) * scale_format.bytes();
-                let s = &scale.bytes()[(r / block_rows) * srow..][..srow];
-                fp8_block::dequant_row(
-                    &weight.bytes()[r * c..(r + 1) * c],
-                    s,
-                    *scale_format,
-                    *block_cols,
-                    out,
-                );
+                let blocks = rows.start / block_rows..rows.end.div_ceil(*block_rows);
+                (
+                    of(weight, c),
+                    &scale.bytes()[blocks.start * srow..blocks.end * srow],
+                )
             }
-            LinearData::Mxfp4 { weight, scale } => {
-                let (pc, sc) = (c.div_ceil(2), c.div_ceil(mxfp4::BLOCK));
-                mxfp4::dequant_row(
-                    &weight.bytes()[r * pc..][..pc],
-                    &scale.bytes()[r * sc..][..sc],
-                    out,
-                );
-            }
+            LinearData::Mxfp4 { weight, scale } => (
+                of(weight, c.div_ceil(2)),
+                of(scale, c.div_ceil(mxfp4::BLOCK)),
+            ),
             LinearData::Nvfp4 {
                 weight,
                 weight_scale,
-                weight_scale_2,
                 ..
-            } => {
-                let (pc, sc) = (c.div_ceil(2), c.div_ceil(nvfp4::BLOCK));
-                nvfp4::dequant_row(
-                    &weight.bytes()[r * pc..][..pc],
-                    &weight_scale.bytes()[r * sc..][..sc],
-                    *weight_scale_2,
-                    out,
-                );
+            } => (
+                of(weight, c.div_ceil(2)),
+                of(weight_scale, c.div_ceil(nvfp4::BLOCK)),
+            ),
+        }
+    }
+
+    /// Writes row `r` as f32 into `out` (`out.len() == cols`).
+    ///
+    /// # Panics
+    /// If `r >= rows` or `out.len() != cols`.
+    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows, "row {r} out of range for {} rows", self.rows);
+        assert_eq!(out.len(), self.cols, "dequant_row output length");
+        let (w, s) = self.encoded_rows(r..r + 1);
+        match &self.data {
+            LinearData::F32(_) => half_float::f32_from_le(w, out),
+            LinearData::Bf16(_) => half_float::bf16_to_f32(w, out),
+            LinearData::F16(_) => half_float::f16_to_f32(w, out),
+            LinearData::Fp8Block {
+                scale_format,
+                block_cols,
+                ..
+            } => fp8_block::dequant_row(w, s, *scale_format, *block_cols, out),
+            LinearData::Mxfp4 { .. } => mxfp4::dequant_row(w, s, out),
+            LinearData::Nvfp4 { weight_scale_2, .. } => {
+                nvfp4::dequant_row(w, s, *weight_scale_2, out)
             }
         }
     }
@@ -271,7 +280,7 @@ impl Linear {
                 let mut out = vec![0f32; n * nr];
                 for (xi, oi) in x.chunks_exact(c).zip(out.chunks_exact_mut(nr)) {
                     for (k, o) in oi.iter_mut().enumerate() {
-                        *o = dot(&w[k * c..(k + 1) * c], xi);
+                        *o = dot16(&w[k * c..(k + 1) * c], xi);
                     }
                 }
                 out
@@ -287,42 +296,11 @@ impl Linear {
     }
 }
 
-/// Dot product with 16 independent f32 accumulators (lane `k` sums the products at indices
-/// `≡ k mod 16`) combined in a fixed tree order: fast, and the same result for the same inputs
-/// on every call.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0f32; 16];
-    let ca = a.chunks_exact(16);
-    let cb = b.chunks_exact(16);
-    let (ta, tb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        let x: &[f32; 16] = x.try_into().expect("chunks of 16");
-        let y: &[f32; 16] = y.try_into().expect("chunks of 16");
-        for k in 0..16 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    for (k, (x, y)) in ta.iter().zip(tb).enumerate() {
-        acc[k] += x * y;
-    }
-    let mut width = 8;
-    while width > 0 {
-        for k in 0..width {
-            acc[k] += acc[k + width];
-        }
-        width /= 2;
-    }
-    acc[0]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use dsv4_ops::codecs::fp8_block::ScaleFormat;
     use dsv4_ops::codecs::{fp8_block, half_float, mxfp4, nvfp4};
-    use proptest::prelude::*;
 
     fn weights(rows: usize, cols: usize, seed: u32) -> Vec<f32> {
         (0..rows * cols)
@@ -524,16 +502,6 @@ mod tests {
         lin.matmul_rows(17, 20, &x, 3, &mut part);
         for i in 0..3 {
             assert_eq!(&part[i * 20..(i + 1) * 20], &full[i * 40 + 17..i * 40 + 37]);
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn dot_is_close_to_f64(v in prop::collection::vec(-10f32..10.0, 0..100)) {
-            let w: Vec<f32> = v.iter().rev().copied().collect();
-            let exact: f64 = v.iter().zip(&w).map(|(a, b)| *a as f64 * *b as f64).sum();
-            let mag: f64 = v.iter().zip(&w).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
-            prop_assert!((dot(&v, &w) as f64 - exact).abs() <= 1e-6 * mag + 1e-30);
         }
     }
 }

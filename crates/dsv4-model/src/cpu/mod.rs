@@ -2,11 +2,13 @@
 //! default backend without a GPU.
 //!
 //! A call processes a chunk of tokens layer by layer: projections run as one matmul over the
-//! chunk, while the order-dependent parts (window ring, compressors, indexer, attention) walk
-//! the chunk token by token. Every per-token value is computed in the same order whatever the
-//! chunking, so prefill in any chunks followed by 1-token decode reproduces one full forward.
+//! chunk, while the order-dependent parts (window ring, compressors, indexer, attention) are
+//! the attention kernels' CPU references (`dsv4_ops::gpu::attention::reference`, in their
+//! device layouts): the compressors walk the chunk token by token, and each token's indexer
+//! choice and attention see exactly the entries and window keys of its position. Every
+//! per-token value is computed in the same order whatever the chunking, so prefill in any
+//! chunks followed by 1-token decode reproduces one full forward.
 
-mod attention;
 mod compressor;
 mod moe;
 mod ops;
@@ -19,8 +21,8 @@ use crate::checkpoint::{Checkpoint, LoadError};
 use crate::config::{Config, LayerKind};
 use crate::rope::Rope;
 use crate::weights::{AttentionWeights, LayerWeights, ModelWeights};
-use attention::{attend, index_scores, top_k, Window};
 use compressor::CompressorState;
+use dsv4_ops::gpu::attention::reference::{attention, index_topk, window_write, HostCompressed};
 use dsv4_ops::gpu::mhc::reference::{hc_head, hc_post, hc_pre, HcMix, HcParams};
 use ops::{gather_columns, rms_norm, rms_norm_rows};
 
@@ -53,7 +55,9 @@ pub enum Logits {
 }
 
 struct LayerState {
-    window: Window,
+    /// The sliding window's keys, a ring `[sliding_window, head_dim]`: position p in slot
+    /// p mod sliding_window.
+    window: Vec<f32>,
     compressor: Option<CompressorState>,
     indexer: Option<CompressorState>,
 }
@@ -129,7 +133,7 @@ impl CpuModel {
             .layers
             .iter()
             .map(|l| LayerState {
-                window: Window::new(c.sliding_window, c.head_dim),
+                window: vec![0.0; c.sliding_window * c.head_dim],
                 compressor: l.attn.compressor.as_ref().map(CompressorState::new),
                 indexer: l
                     .attn
@@ -348,9 +352,8 @@ impl CpuModel {
             iq.par_chunks_mut(c.index_n_heads * ic)
                 .enumerate()
                 .for_each(|(s, row)| self.rope_compress.apply_each(row, ic, pos0 + s, false));
-            let mut weights = matmul_f32(&iw.weights_proj, x);
-            let scale = 1.0 / (c.index_n_heads as f32).sqrt();
-            weights.iter_mut().for_each(|v| *v *= scale);
+            // Raw head weights: `index_topk` scales them by 1/sqrt(index_n_heads).
+            let weights = matmul_f32(&iw.weights_proj, x);
             (
                 iq,
                 weights,
@@ -359,53 +362,45 @@ impl CpuModel {
             )
         });
 
-        let mut out = vec![0.0f32; n * hd];
-        for s in 0..n {
-            let pos = pos0 + s;
-            ls.window
-                .push(pos, &kv[s * c.head_dim..(s + 1) * c.head_dim]);
-            if let (Some(cw), Some(st), Some((ckv, cgate))) =
-                (&w.compressor, &mut ls.compressor, &comp)
-            {
-                let k = ckv.len() / n;
-                st.push(
-                    cw,
-                    &ckv[s * k..(s + 1) * k],
-                    &cgate[s * k..(s + 1) * k],
-                    pos,
-                    &self.rope_compress,
-                    eps,
-                );
-            }
-            let mut keys: Vec<&[f32]> = ls.window.visible(pos).collect();
-            let compressed = ls.compressor.as_ref().map_or(&[][..], |st| st.entries());
-            let entries: Vec<&[f32]> = compressed.chunks_exact(c.head_dim).collect();
-            match (&w.indexer, &mut ls.indexer, &index) {
-                (Some(iw), Some(ist), Some((iq, iwts, ikv, igate))) => {
-                    let (ic, k) = (c.index_head_dim, ikv.len() / n);
-                    ist.push(
-                        &iw.compressor,
-                        &ikv[s * k..(s + 1) * k],
-                        &igate[s * k..(s + 1) * k],
-                        pos,
-                        &self.rope_compress,
-                        eps,
-                    );
-                    let nh = c.index_n_heads;
-                    let scores = index_scores(
-                        &iq[s * nh * ic..(s + 1) * nh * ic],
-                        &iwts[s * nh..(s + 1) * nh],
-                        ist.entries(),
-                        ic,
-                    );
-                    keys.extend(top_k(&scores, c.index_topk).into_iter().map(|e| entries[e]));
-                }
-                _ => keys.extend(entries),
-            }
-            let o = &mut out[s * hd..(s + 1) * hd];
-            attend(&q[s * hd..(s + 1) * hd], &keys, &w.sink, o);
-            rope.apply_each(o, c.head_dim, pos, true);
+        // The chunk's compressed entries first: token s sees those its position has closed.
+        if let (Some(cw), Some(st), Some((ckv, cgate))) = (&w.compressor, &mut ls.compressor, &comp)
+        {
+            st.push(cw, ckv, cgate, pos0, &self.rope_compress, eps);
         }
+        let selected = match (&w.indexer, &mut ls.indexer, &index) {
+            (Some(iw), Some(ist), Some((iq, iwts, ikv, igate))) => {
+                ist.push(&iw.compressor, ikv, igate, pos0, &self.rope_compress, eps);
+                Some(index_topk(
+                    iq,
+                    iwts,
+                    ist.entries(),
+                    c.index_n_heads,
+                    c.index_head_dim,
+                    iw.compressor.ratio,
+                    pos0,
+                    c.index_topk,
+                ))
+            }
+            _ => None,
+        };
+        let entries = ls.compressor.as_ref().map_or(&[][..], |st| st.entries());
+        let compressed = match (&selected, &w.compressor) {
+            (Some(selected), _) => HostCompressed::Selected {
+                entries,
+                selected,
+                k: c.index_topk,
+            },
+            (None, Some(cw)) => HostCompressed::All {
+                entries,
+                ratio: cw.ratio,
+            },
+            (None, None) => HostCompressed::None,
+        };
+        let mut out = attention(&q, &kv, &ls.window, c.head_dim, compressed, &w.sink, pos0);
+        window_write(&kv, c.head_dim, pos0, &mut ls.window);
+        out.par_chunks_mut(hd)
+            .enumerate()
+            .for_each(|(s, o)| rope.apply_each(o, c.head_dim, pos0 + s, true));
 
         // Grouped output projection: group g maps its heads' outputs through rows g·r..(g+1)·r.
         let (g, r) = (c.o_groups, c.o_lora_rank);

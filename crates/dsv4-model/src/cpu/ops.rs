@@ -1,6 +1,6 @@
 //! Small f32 primitives shared by the CPU reference layers.
 
-pub use dsv4_ops::gpu::rows::reference::{dot, rms_norm, rms_norm_rows, sigmoid};
+pub use dsv4_ops::gpu::rows::reference::{rms_norm, rms_norm_rows, sigmoid};
 
 pub fn silu(x: f32) -> f32 {
     x * sigmoid(x)

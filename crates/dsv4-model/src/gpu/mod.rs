@@ -543,37 +543,34 @@ impl GpuModel {
         let mut s0 = rows(&a.streams[0], n)?;
         embed_hc_gather(dev, &self.w.embed, &tokens, c.hc_mult, &mut s0)?;
         let mut cur = 0;
+        let eps = c.rms_norm_eps;
         for (lw, ls) in self.w.layers.iter().zip(self.bufs.layers.iter_mut()) {
-            let src = rows(&a.streams[cur], n)?;
-            let mut dst = rows(&a.streams[1 - cur], n)?;
-            let mix = site_pre(
+            let attn = |a: &mut _| attention_layer(dev, c, &self.w, lw, ls, a, n);
+            hc_sublayer(
                 dev,
                 &self.hc,
                 a,
                 n,
-                &src,
+                &mut cur,
                 &lw.hc_attn,
                 &lw.attn_norm,
-                c.rms_norm_eps,
+                eps,
+                attn,
+                |a| &a.y,
             )?;
-            attention_layer(dev, c, &self.w, lw, ls, a, n)?;
-            hc_post(dev, &src, &rows(&a.y, n)?, &mix, &mut dst)?;
-            cur = 1 - cur;
-            let src = rows(&a.streams[cur], n)?;
-            let mut dst = rows(&a.streams[1 - cur], n)?;
-            let mix = site_pre(
+            let ffn = |a: &mut _| moe_layer(dev, c, lw, a, n, &tokens);
+            hc_sublayer(
                 dev,
                 &self.hc,
                 a,
                 n,
-                &src,
+                &mut cur,
                 &lw.hc_ffn,
                 &lw.ffn_norm,
-                c.rms_norm_eps,
+                eps,
+                ffn,
+                |a| &a.moe,
             )?;
-            moe_layer(dev, c, lw, a, n, &tokens)?;
-            hc_post(dev, &src, &rows(&a.moe, n)?, &mix, &mut dst)?;
-            cur = 1 - cur;
         }
         // Head: collapse, norm, lm_head.
         let streams = rows(&a.streams[cur], n)?;
@@ -588,6 +585,31 @@ impl GpuModel {
         gemv(dev, &xb, &self.w.head, &mut lb, &mut a.ws)?;
         cast(dev, &lb, &mut rows(&a.logits, n)?)
     }
+}
+
+/// One mHC sub-layer (attention or MoE) on `streams[*cur]`: [`site_pre`] with the site's mHC
+/// weights and norm, `block` (which writes its output to `out(a)`), then `hc_post` into the
+/// other stream buffer, which `*cur` then names.
+#[allow(clippy::too_many_arguments)]
+fn hc_sublayer(
+    dev: &Device,
+    p: &HcParams,
+    a: &mut buffers::Acts<Taking>,
+    n: usize,
+    cur: &mut usize,
+    site: &DeviceHcSite,
+    norm: &DeviceTensor<f32>,
+    eps: f32,
+    block: impl FnOnce(&mut buffers::Acts<Taking>) -> Result<(), GpuError>,
+    out: fn(&buffers::Acts<Taking>) -> &DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let src = rows(&a.streams[*cur], n)?;
+    let mut dst = rows(&a.streams[1 - *cur], n)?;
+    let mix = site_pre(dev, p, a, n, &src, site, norm, eps)?;
+    block(a)?;
+    hc_post(dev, &src, &rows(out(a), n)?, &mix, &mut dst)?;
+    *cur = 1 - *cur;
+    Ok(())
 }
 
 /// A site's collapse and norm: `acts.xn` (F32) and `acts.xb` (BF16) hold the sub-layer input;

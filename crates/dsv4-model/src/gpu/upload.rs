@@ -7,8 +7,8 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use dsv4_ops::codecs::mxfp4::{self, Mxfp4Quantized};
-use dsv4_ops::codecs::nvfp4::{self, Nvfp4Quantized};
+use dsv4_ops::codecs::mxfp4::Mxfp4Quantized;
+use dsv4_ops::codecs::nvfp4::Nvfp4Quantized;
 use dsv4_ops::gpu::gemv::{GemvWeight, HostWeight};
 use dsv4_ops::gpu::mhc::DeviceHcSite;
 use dsv4_ops::gpu::moe::{HostExperts, MoeExperts};
@@ -76,11 +76,10 @@ fn host_rows(name: &str, lin: &Linear, rows: Range<usize>) -> Result<HostRows, G
             HostRows::Bf16(bf16_rows())
         }
         LinearData::Fp8Block {
-            weight,
-            scale,
             scale_format,
             block_rows,
             block_cols,
+            ..
         } => {
             if !rows.start.is_multiple_of(*block_rows)
                 || (!rows.end.is_multiple_of(*block_rows) && rows.end != lin.rows())
@@ -90,32 +89,26 @@ fn host_rows(name: &str, lin: &Linear, rows: Range<usize>) -> Result<HostRows, G
                     format!("rows {rows:?} do not start and end on {block_rows}-row scale blocks"),
                 ));
             }
-            let srow = c.div_ceil(*block_cols) * scale_format.bytes();
-            let sblocks = rows.start / block_rows..rows.end.div_ceil(*block_rows);
+            let (weight, scale) = lin.encoded_rows(rows);
             HostRows::Fp8 {
-                weight: weight.bytes()[rows.start * c..rows.end * c].to_vec(),
-                scale: scale.bytes()[sblocks.start * srow..sblocks.end * srow].to_vec(),
+                weight: weight.to_vec(),
+                scale: scale.to_vec(),
                 format: *scale_format,
                 block: (*block_rows, *block_cols),
             }
         }
-        LinearData::Mxfp4 { weight, scale } => {
-            let (pc, sc) = (c.div_ceil(2), c.div_ceil(mxfp4::BLOCK));
+        LinearData::Mxfp4 { .. } => {
+            let (weight, scale) = lin.encoded_rows(rows);
             HostRows::Mxfp4(Mxfp4Quantized {
-                weight: weight.bytes()[rows.start * pc..rows.end * pc].to_vec(),
-                scale: scale.bytes()[rows.start * sc..rows.end * sc].to_vec(),
+                weight: weight.to_vec(),
+                scale: scale.to_vec(),
             })
         }
-        LinearData::Nvfp4 {
-            weight,
-            weight_scale,
-            weight_scale_2,
-            ..
-        } => {
-            let (pc, sc) = (c.div_ceil(2), c.div_ceil(nvfp4::BLOCK));
+        LinearData::Nvfp4 { weight_scale_2, .. } => {
+            let (weight, weight_scale) = lin.encoded_rows(rows);
             HostRows::Nvfp4(Nvfp4Quantized {
-                weight: weight.bytes()[rows.start * pc..rows.end * pc].to_vec(),
-                weight_scale: weight_scale.bytes()[rows.start * sc..rows.end * sc].to_vec(),
+                weight: weight.to_vec(),
+                weight_scale: weight_scale.to_vec(),
                 weight_scale_2: *weight_scale_2,
             })
         }
@@ -225,6 +218,8 @@ pub fn routed_experts(
             ),
         )
     };
+    let fp4 =
+        |host: HostExperts<'_>| MoeExperts::upload(dev, host, d, inter).map(RoutedExperts::Fp4);
     let uploaded = match &w1[0] {
         HostRows::Bf16(_) => match (bf16s(&w1), bf16s(&w3), bf16s(&w2)) {
             (Some(a), Some(b), Some(c)) => {
@@ -233,25 +228,19 @@ pub fn routed_experts(
             _ => return Err(mixed()),
         },
         HostRows::Nvfp4(_) => match (nvfp4(w1), nvfp4(w3), nvfp4(w2)) {
-            (Some(w1), Some(w3), Some(w2)) => {
-                let host = HostExperts::Nvfp4 {
-                    w1: &w1,
-                    w3: &w3,
-                    w2: &w2,
-                };
-                MoeExperts::upload(dev, host, d, inter).map(RoutedExperts::Fp4)
-            }
+            (Some(w1), Some(w3), Some(w2)) => fp4(HostExperts::Nvfp4 {
+                w1: &w1,
+                w3: &w3,
+                w2: &w2,
+            }),
             _ => return Err(mixed()),
         },
         HostRows::Mxfp4(_) => match (mxfp4(w1), mxfp4(w3), mxfp4(w2)) {
-            (Some(w1), Some(w3), Some(w2)) => {
-                let host = HostExperts::Mxfp4 {
-                    w1: &w1,
-                    w3: &w3,
-                    w2: &w2,
-                };
-                MoeExperts::upload(dev, host, d, inter).map(RoutedExperts::Fp4)
-            }
+            (Some(w1), Some(w3), Some(w2)) => fp4(HostExperts::Mxfp4 {
+                w1: &w1,
+                w3: &w3,
+                w2: &w2,
+            }),
             _ => return Err(mixed()),
         },
         HostRows::Fp8 { .. } => return Err(mixed()),

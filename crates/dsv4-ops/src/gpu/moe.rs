@@ -382,29 +382,15 @@ pub fn moe_decode(
     h: &mut DeviceTensor<bf16>,
     out: MoeOut<'_>,
 ) -> Result<(), GpuError> {
-    let (m, d) = x.dims2("moe input x", DType::BF16)?;
-    if d != experts.d {
-        return Err(invalid(
-            "moe input x",
-            format!("width {d}, experts take {}", experts.d),
-        ));
-    }
-    let (mi, topk) = ids.dims2("moe expert ids", DType::I32)?;
-    weights.expect("moe routing weights", DType::F32, &[mi, topk])?;
-    if mi != m || m == 0 || m > MAX_M || topk == 0 || m * topk > MAX_PAIRS {
-        return Err(invalid(
-            "moe_decode",
-            format!(
-                "{m} tokens with ids [{mi}, {topk}]: 1..={MAX_M} tokens, M * top_k <= {MAX_PAIRS}"
-            ),
-        ));
-    }
-    if limit.is_nan() || limit <= 0.0 {
-        return Err(invalid(
-            "moe_decode",
-            format!("swiglu limit {limit} must be positive"),
-        ));
-    }
+    let (m, d, topk) = check_routing(
+        ("moe", "moe_decode"),
+        x,
+        ids,
+        weights,
+        experts.d,
+        limit,
+        (MAX_M, MAX_PAIRS),
+    )?;
     h.expect("moe intermediate h", DType::BF16, &[m, topk, experts.inter])?;
     let (out_addr, out_f32) = match out {
         MoeOut::Bf16(t) => {
@@ -518,6 +504,11 @@ pub mod reference {
 
     use crate::gpu::gemv::reference::{gemv, swiglu};
 
+    /// The expert an id selects in every MoE: ids outside `[0, experts)` select none.
+    pub fn expert_index(id: i32, experts: usize) -> Option<usize> {
+        usize::try_from(id).ok().filter(|&e| e < experts)
+    }
+
     /// One expert's dequantized weights: `w1`, `w3` `[I, D]`, `w2` `[D, I]`.
     pub struct ExpertF32<'a> {
         pub w1: &'a [f32],
@@ -543,11 +534,10 @@ pub mod reference {
         for t in 0..m {
             let xt = &x[t * d..(t + 1) * d];
             for j in 0..topk {
-                let e = ids[t * topk + j];
-                if e < 0 || e as usize >= experts.len() {
+                let Some(e) = expert_index(ids[t * topk + j], experts.len()) else {
                     continue;
-                }
-                let ex = &experts[e as usize];
+                };
+                let ex = &experts[e];
                 let g = gemv(xt, 1, ex.w1, inter, d);
                 let u = gemv(xt, 1, ex.w3, inter, d);
                 let h: Vec<f64> = g
@@ -567,8 +557,56 @@ pub mod reference {
     }
 }
 
+/// The routing arguments of a grouped-MoE launch, checked: `x` BF16 `[M, D]` with `D =
+/// experts_d`, `ids` I32 and `weights` F32 `[M, top_k]`, `1 <= M <= max_m`, `M · top_k <=
+/// max_pairs`, and a positive swiglu `limit`. Errors name the tensors `"{prefix} …"` and the
+/// launch `op`. Returns `(M, D, top_k)`.
+pub(super) fn check_routing(
+    (prefix, op): (&str, &str),
+    x: &DeviceTensor<bf16>,
+    ids: &DeviceTensor<i32>,
+    weights: &DeviceTensor<f32>,
+    experts_d: usize,
+    limit: f32,
+    (max_m, max_pairs): (usize, usize),
+) -> Result<(usize, usize, usize), GpuError> {
+    let (m, d) = x.dims2(&format!("{prefix} input x"), DType::BF16)?;
+    if d != experts_d {
+        return Err(invalid(
+            &format!("{prefix} input x"),
+            format!("width {d}, experts take {experts_d}"),
+        ));
+    }
+    let (mi, topk) = ids.dims2(&format!("{prefix} expert ids"), DType::I32)?;
+    weights.expect(
+        &format!("{prefix} routing weights"),
+        DType::F32,
+        &[mi, topk],
+    )?;
+    if mi != m || m == 0 || m > max_m || topk == 0 || m * topk > max_pairs {
+        return Err(invalid(
+            op,
+            format!(
+                "{m} tokens with ids [{mi}, {topk}]: 1..={max_m} tokens, M * top_k <= {max_pairs}"
+            ),
+        ));
+    }
+    if limit.is_nan() || limit <= 0.0 {
+        return Err(invalid(
+            op,
+            format!("swiglu limit {limit} must be positive"),
+        ));
+    }
+    Ok((m, d, topk))
+}
+
 /// w1, w3 and w2 must list the same experts.
-fn same_expert_counts(what: &str, w1: usize, w3: usize, w2: usize) -> Result<(), GpuError> {
+pub(super) fn same_expert_counts(
+    what: &str,
+    w1: usize,
+    w3: usize,
+    w2: usize,
+) -> Result<(), GpuError> {
     if w1 == w3 && w1 == w2 {
         Ok(())
     } else {

@@ -321,27 +321,21 @@ mod tests {
         let mut pool = BufferPool::new();
         let _ = pool.reserve::<f32>("a", DType::F32, &[2, 3]).unwrap();
         pool.freeze().unwrap();
-        let err = pool
-            .take_named::<f32>("a", DType::F32, &[3, 2])
-            .unwrap_err();
-        assert!(
-            matches!(err, GpuError::Pool(PoolError::NotReserved { .. })),
-            "{err}"
-        );
-        let err = pool
-            .take_named::<f32>("b", DType::F32, &[2, 3])
-            .unwrap_err();
-        assert!(
-            matches!(err, GpuError::Pool(PoolError::NotReserved { .. })),
-            "{err}"
-        );
-        // Frozen without an allocation: the buffer cannot be handed out yet.
-        let err = pool
-            .take_named::<f32>("a", DType::F32, &[2, 3])
-            .unwrap_err();
-        assert!(
-            matches!(err, GpuError::Pool(PoolError::NotSealed { .. })),
-            "{err}"
-        );
+        type Expected = fn(&GpuError) -> bool;
+        let not_reserved: Expected = |e| matches!(e, GpuError::Pool(PoolError::NotReserved { .. }));
+        let cases: [(&str, [usize; 2], Expected); 3] = [
+            ("a", [3, 2], not_reserved),
+            ("b", [2, 3], not_reserved),
+            // Frozen without an allocation: the buffer cannot be handed out yet.
+            ("a", [2, 3], |e| {
+                matches!(e, GpuError::Pool(PoolError::NotSealed { .. }))
+            }),
+        ];
+        for (name, shape, expected) in cases {
+            let err = pool
+                .take_named::<f32>(name, DType::F32, &shape)
+                .unwrap_err();
+            assert!(expected(&err), "{name} {shape:?}: {err}");
+        }
     }
 }

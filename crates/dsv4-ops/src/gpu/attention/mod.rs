@@ -10,10 +10,59 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::launch::{dim_u32, elementwise, launch_err};
-use super::{DType, Device, DeviceTensor, GpuError};
+use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
+
+/// Launches `kernel` on the device's stream with `cfg` and the arguments `args` pushes, in
+/// order; a failure names the kernel.
+///
+/// # Safety
+/// The arguments and `cfg` must be what the kernel reads and writes, in bounds (each caller
+/// says why).
+unsafe fn launch<'a>(
+    dev: &'a Device,
+    kernel: &str,
+    cfg: LaunchConfig,
+    args: impl FnOnce(&mut LaunchArgs<'a>),
+) -> Result<(), GpuError> {
+    let mut builder = dev.stream().launch_builder(dev.function(kernel)?);
+    args(&mut builder);
+    // SAFETY: the caller's.
+    unsafe { builder.launch(cfg) }.map_err(launch_err(kernel))?;
+    Ok(())
+}
+
+/// `(rows, cols)` of a 2-D tensor of `dtype` whose `rows` and `cols`, where given, are those.
+fn matrix<T: DeviceElem>(
+    x: &DeviceTensor<T>,
+    what: &str,
+    dtype: DType,
+    rows: Option<usize>,
+    cols: Option<usize>,
+) -> Result<(usize, usize), GpuError> {
+    let (r, c) = x.dims2(what, dtype)?;
+    x.expect(what, dtype, &[rows.unwrap_or(r), cols.unwrap_or(c)])?;
+    Ok((r, c))
+}
+
+/// Named dimensions as the kernels' 32-bit integers.
+fn dims_u32<const N: usize>(dims: [(&str, usize); N]) -> Result<[u32; N], GpuError> {
+    let mut out = [0u32; N];
+    for (o, (what, v)) in out.iter_mut().zip(dims) {
+        *o = dim_u32(what, v)?;
+    }
+    Ok(out)
+}
+
+/// The grid's y dimension holds one block row per token: at most 65535 tokens a launch.
+fn grid_tokens(what: &str, t: usize) -> Result<u32, GpuError> {
+    if t > 65535 {
+        return Err(GpuError::invalid(what, format!("{t} tokens in one launch")));
+    }
+    dim_u32("tokens", t)
+}
 
 /// The widest attention head the kernel holds (DeepSeek-V4: 512); widths are multiples of 32.
 pub const MAX_HEAD_DIM: usize = 512;
@@ -38,7 +87,7 @@ pub struct CompressorBuffers {
 
 /// Feeds T tokens' compressor projections (`kv_proj`, `gate_proj` F32 `[T, κ·c]`, κ = 2 with
 /// overlap (CSA), 1 without (HCA)) at positions pos[0].. into the state, token by token as
-/// the CPU `CompressorState::push` does: gate + ape[p % ratio] stored at row p % ratio; when
+/// [`reference::compressor_push`] does: gate + ape[p % ratio] stored at row p % ratio; when
 /// p % ratio == ratio − 1 the window closes and entry (p + 1) / ratio − 1 is written (unless it
 /// is past the capacity): softmax over the gate logits (per channel) pooling the values — with
 /// overlap the previous window's A-half (channels [0, c)) followed by the current window's
@@ -72,8 +121,7 @@ pub fn compressor_update(
             ),
         ));
     }
-    let (ratio, _) = ape.dims2("compressor ape", DType::F32)?;
-    ape.expect("compressor ape", DType::F32, &[ratio, kc])?;
+    let (ratio, _) = matrix(ape, "compressor ape", DType::F32, None, Some(kc))?;
     if ratio == 0 {
         return Err(GpuError::invalid("compressor", "ratio 0"));
     }
@@ -92,38 +140,35 @@ pub fn compressor_update(
     state
         .gate
         .expect("compressor state gate", DType::F32, &[ratio, kc])?;
-    if overlap {
-        state
-            .prev_kv
-            .expect("compressor previous kv", DType::F32, &[ratio, c])?;
-        state
-            .prev_gate
-            .expect("compressor previous gate", DType::F32, &[ratio, c])?;
-    } else {
+    for (prev, what) in [
+        (&state.prev_kv, "compressor previous kv"),
+        (&state.prev_gate, "compressor previous gate"),
+    ] {
         // Not read without overlap; any shape will do.
-        state
-            .prev_kv
-            .expect("compressor previous kv", DType::F32, state.prev_kv.shape())?;
-        state.prev_gate.expect(
-            "compressor previous gate",
-            DType::F32,
-            state.prev_gate.shape(),
-        )?;
+        let shape = if overlap {
+            &[ratio, c][..]
+        } else {
+            prev.shape()
+        };
+        prev.expect(what, DType::F32, shape)?;
     }
-    let (cap, _) = state.entries.dims2("compressor entries", DType::F32)?;
-    state
-        .entries
-        .expect("compressor entries", DType::F32, &[cap, c])?;
+    let (cap, _) = matrix(
+        &state.entries,
+        "compressor entries",
+        DType::F32,
+        None,
+        Some(c),
+    )?;
     if t == 0 {
         return Ok(());
     }
-    let dims = [
-        dim_u32("tokens", t)?,
-        dim_u32("ratio", ratio)?,
-        dim_u32("compressor width", c)?,
-        dim_u32("rope dim", 2 * half)?,
-        dim_u32("compressor capacity", cap)?,
-    ];
+    let dims = dims_u32([
+        ("tokens", t),
+        ("ratio", ratio),
+        ("compressor width", c),
+        ("rope dim", 2 * half),
+        ("compressor capacity", cap),
+    ])?;
     let ov = u32::from(overlap);
     let cfg = LaunchConfig {
         // At most ceil(T / ratio) windows close inside T consecutive positions.
@@ -131,24 +176,15 @@ pub fn compressor_update(
         block_dim: (256, 1, 1),
         shared_mem_bytes: dims[2] * 4,
     };
-    {
-        let f = dev.function("compressor_emit")?;
-        let mut ev = state.entries.view_mut();
-        // SAFETY: kv_proj and gate_proj [t, kc], ape [ratio, kc], norm [c], inv_freq [half] with
-        // 2·half <= c, pos [1], state kv and gate [ratio, kc], prev [ratio, c] (read only with
-        // overlap), entries [cap, c] (entries >= cap are skipped), checked above; c floats of
-        // dynamic shared memory (c <= 8192).
-        unsafe {
-            dev.stream()
-                .launch_builder(f)
-                .arg(kv_proj.slice())
-                .arg(gate_proj.slice())
-                .arg(&dims[0])
-                .arg(ape.slice())
-                .arg(&dims[1])
-                .arg(&dims[2])
-                .arg(&ov)
-                .arg(norm.slice())
+    let mut ev = state.entries.view_mut();
+    // SAFETY: kv_proj and gate_proj [t, kc], ape [ratio, kc], norm [c], inv_freq [half] with
+    // 2·half <= c, pos [1], state kv and gate [ratio, kc], prev [ratio, c] (read only with
+    // overlap), entries [cap, c] (entries >= cap are skipped), checked above; c floats of
+    // dynamic shared memory (c <= 8192).
+    unsafe {
+        launch(dev, "compressor_emit", cfg, |b| {
+            compressor_projections(b, kv_proj, gate_proj, ape, &dims, &ov);
+            b.arg(norm.slice())
                 .arg(&eps)
                 .arg(inv_freq.slice())
                 .arg(&dims[3])
@@ -158,35 +194,43 @@ pub fn compressor_update(
                 .arg(state.prev_kv.slice())
                 .arg(state.prev_gate.slice())
                 .arg(&dims[4])
-                .arg(&mut ev)
-                .launch(cfg)
-        }
-        .map_err(launch_err("compressor_emit"))?;
-    }
-    let f = dev.function("compressor_store")?;
+                .arg(&mut ev);
+        })
+    }?;
     let (mut kv, mut gate) = (state.kv.view_mut(), state.gate.view_mut());
     let (mut pkv, mut pgate) = (state.prev_kv.view_mut(), state.prev_gate.view_mut());
+    let cfg = elementwise((ratio * kc) as u64);
     // SAFETY: as above; each thread reads and writes only its own state element (and, with
     // overlap, the prev element of the same row and channel).
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(kv_proj.slice())
-            .arg(gate_proj.slice())
-            .arg(&dims[0])
-            .arg(ape.slice())
-            .arg(&dims[1])
-            .arg(&dims[2])
-            .arg(&ov)
-            .arg(pos.slice())
-            .arg(&mut kv)
-            .arg(&mut gate)
-            .arg(&mut pkv)
-            .arg(&mut pgate)
-            .launch(elementwise((ratio * kc) as u64))
+        launch(dev, "compressor_store", cfg, |b| {
+            compressor_projections(b, kv_proj, gate_proj, ape, &dims, &ov);
+            b.arg(pos.slice())
+                .arg(&mut kv)
+                .arg(&mut gate)
+                .arg(&mut pkv)
+                .arg(&mut pgate);
+        })
     }
-    .map_err(launch_err("compressor_store"))?;
-    Ok(())
+}
+
+/// The arguments both compressor kernels start with: the tokens' projections, their count, the
+/// window (ape and its shape) and the overlap flag.
+fn compressor_projections<'a>(
+    b: &mut LaunchArgs<'a>,
+    kv_proj: &'a DeviceTensor<f32>,
+    gate_proj: &'a DeviceTensor<f32>,
+    ape: &'a DeviceTensor<f32>,
+    dims: &'a [u32; 5],
+    ov: &'a u32,
+) {
+    b.arg(kv_proj.slice())
+        .arg(gate_proj.slice())
+        .arg(&dims[0])
+        .arg(ape.slice())
+        .arg(&dims[1])
+        .arg(&dims[2])
+        .arg(ov);
 }
 
 /// Entries an `index_scores` block scores (kernel constant).
@@ -196,8 +240,8 @@ const INDEX_PER_BLOCK: usize = 512;
 /// (raw weights_proj outputs: the kernel multiplies them by 1/sqrt(nh) exactly as the CPU does
 /// before use), over the visible entries of the indexer compressor `entries [capacity, c]`:
 /// token t sees n_vis = min((p + 1) / ratio, capacity) entries. Score of entry w:
-/// Σ_h (max(q_h·K_w, 0) · (1/sqrt(c)) · w_h) (the same operation order as the CPU
-/// `index_scores`, so the scores are bit-identical). `scores` F32 `[T, capacity]` is scratch.
+/// Σ_h (max(q_h·K_w, 0) · (1/sqrt(c)) · w_h) (the same operation order as
+/// [`reference::index_scores`], so the scores are bit-identical). `scores` F32 `[T, capacity]` is scratch.
 /// Writes `selected` I32 `[T, k]`: the top-k entries by score (in `f32::total_cmp` order), ties
 /// to the lowest index, in ascending index order as `router::reference::top_k` returns them;
 /// slots past n_vis are −1 (so fewer visible than k goes through the same code).
@@ -213,8 +257,7 @@ pub fn index_topk(
     selected: &mut DeviceTensor<i32>,
 ) -> Result<(), GpuError> {
     let (t, nhc) = q.dims2("indexer queries", DType::F32)?;
-    let (_, nh) = weights.dims2("indexer weights", DType::F32)?;
-    weights.expect("indexer weights", DType::F32, &[t, nh])?;
+    let (_, nh) = matrix(weights, "indexer weights", DType::F32, Some(t), None)?;
     let (cap, c) = entries.dims2("indexer entries", DType::F32)?;
     if nh == 0 || nh > MAX_INDEX_HEADS || c == 0 || c > MAX_INDEX_DIM || nhc != nh * c {
         return Err(GpuError::invalid(
@@ -230,82 +273,68 @@ pub fn index_topk(
     }
     pos.expect("indexer position", DType::U32, &[1])?;
     scores.expect("indexer scores", DType::F32, &[t, cap])?;
-    let (_, k) = selected.dims2("indexer selection", DType::I32)?;
-    selected.expect("indexer selection", DType::I32, &[t, k])?;
+    let (_, k) = matrix(selected, "indexer selection", DType::I32, Some(t), None)?;
     if t == 0 || k == 0 {
         return Ok(());
     }
-    let dims = [
-        dim_u32("indexer capacity", cap)?,
-        dim_u32("indexer heads", nh)?,
-        dim_u32("indexer head width", c)?,
-        dim_u32("indexer ratio", ratio)?,
-        dim_u32("indexer top-k", k)?,
-        dim_u32("tokens", t)?,
-    ];
-    if t > 65535 {
-        return Err(GpuError::invalid(
-            "indexer",
-            format!("{t} tokens in one launch"),
-        ));
-    }
+    let tokens = grid_tokens("indexer", t)?;
+    let dims = dims_u32([
+        ("indexer capacity", cap),
+        ("indexer heads", nh),
+        ("indexer head width", c),
+        ("indexer ratio", ratio),
+        ("indexer top-k", k),
+    ])?;
     let scale = 1.0 / (c as f32).sqrt();
     let wscale = 1.0 / (nh as f32).sqrt();
     if cap > 0 {
         let cfg = LaunchConfig {
             grid_dim: (
                 dim_u32("indexer blocks", cap.div_ceil(INDEX_PER_BLOCK))?,
-                dims[5],
+                tokens,
                 1,
             ),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = dev.function("index_scores")?;
         let mut sv = scores.view_mut();
         // SAFETY: q [t, nh·c], weights [t, nh], entries [cap, c] with nh <= 64, c <= 128 (the
         // kernel's shared arrays), pos [1], scores [t, cap]; only entries < min(n_vis, cap) are
         // read and scored.
         unsafe {
-            dev.stream()
-                .launch_builder(f)
-                .arg(q.slice())
-                .arg(weights.slice())
-                .arg(entries.slice())
-                .arg(&dims[0])
-                .arg(&dims[1])
-                .arg(&dims[2])
-                .arg(&dims[3])
-                .arg(pos.slice())
-                .arg(&scale)
-                .arg(&wscale)
-                .arg(&mut sv)
-                .launch(cfg)
-        }
-        .map_err(launch_err("index_scores"))?;
+            launch(dev, "index_scores", cfg, |b| {
+                b.arg(q.slice())
+                    .arg(weights.slice())
+                    .arg(entries.slice())
+                    .arg(&dims[0])
+                    .arg(&dims[1])
+                    .arg(&dims[2])
+                    .arg(&dims[3])
+                    .arg(pos.slice())
+                    .arg(&scale)
+                    .arg(&wscale)
+                    .arg(&mut sv);
+            })
+        }?;
     }
     let cfg = LaunchConfig {
-        grid_dim: (dims[5], 1, 1),
+        grid_dim: (tokens, 1, 1),
         block_dim: (1024, 1, 1),
         shared_mem_bytes: 0,
     };
-    let f = dev.function("index_select")?;
     let mut out = selected.view_mut();
     // SAFETY: scores [t, cap] (only [0, n_vis) of each row read, n_vis <= cap), pos [1],
     // selected [t, k].
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(scores.slice())
-            .arg(&dims[0])
-            .arg(&dims[3])
-            .arg(pos.slice())
-            .arg(&dims[4])
-            .arg(&mut out)
-            .launch(cfg)
+        launch(dev, "index_select", cfg, |b| {
+            b.arg(scores.slice())
+                .arg(&dims[0])
+                .arg(&dims[3])
+                .arg(pos.slice())
+                .arg(&dims[4])
+                .arg(&mut out);
+        })
     }
-    .map_err(launch_err("index_select"))?;
-    Ok(())
 }
 
 /// The compressed keys a layer attends to, besides its window.
@@ -330,7 +359,7 @@ const ATT_MAX_G: usize = 4;
 
 /// Attention of T queries `q [T, H·d]` (one shared KV head, K = V, d = head width, a multiple
 /// of 32 up to [`MAX_HEAD_DIM`]) over the window and compressed keys, with a per-head sink
-/// logit `sink [H]`, scale 1/sqrt(d), as the CPU `attend`: keys are the window positions
+/// logit `sink [H]`, scale 1/sqrt(d), as [`reference::attend`]: keys are the window positions
 /// max(0, p − W + 1) ..= p in order — a position ≥ pos[0] is read from this chunk's `kv [T, d]`
 /// (row p − pos[0]), an older one from the ring `window [W, d]` (slot position % W, written by
 /// earlier chunks) — then the compressed keys. Output `out [T, H·d]` (no inverse RoPE: the
@@ -347,8 +376,7 @@ pub fn attention(
     out: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
     let (t, hd) = q.dims2("attention queries", DType::F32)?;
-    let (_, d) = kv.dims2("attention keys", DType::F32)?;
-    kv.expect("attention keys", DType::F32, &[t, d])?;
+    let (_, d) = matrix(kv, "attention keys", DType::F32, Some(t), None)?;
     if d == 0 || d % 32 != 0 || d > MAX_HEAD_DIM || hd % d != 0 || hd == 0 {
         return Err(GpuError::invalid(
             "attention",
@@ -359,8 +387,7 @@ pub fn attention(
         ));
     }
     let heads = hd / d;
-    let (w, _) = window.dims2("attention window", DType::F32)?;
-    window.expect("attention window", DType::F32, &[w, d])?;
+    let (w, _) = matrix(window, "attention window", DType::F32, None, Some(d))?;
     if w == 0 {
         return Err(GpuError::invalid("attention", "an empty window ring"));
     }
@@ -370,18 +397,15 @@ pub fn attention(
     let (mode, entries_ptr, cap, ratio, sel_ptr, k) = match compressed {
         Compressed::None => (0u32, 0u64, 0usize, 1usize, 0u64, 0usize),
         Compressed::All { entries, ratio } => {
-            let (cap, _) = entries.dims2("attention entries", DType::F32)?;
-            entries.expect("attention entries", DType::F32, &[cap, d])?;
+            let (cap, _) = matrix(entries, "attention entries", DType::F32, None, Some(d))?;
             if ratio == 0 {
                 return Err(GpuError::invalid("attention", "compression ratio 0"));
             }
             (1, entries.device_address(), cap, ratio, 0, 0)
         }
         Compressed::Selected { entries, selected } => {
-            let (cap, _) = entries.dims2("attention entries", DType::F32)?;
-            entries.expect("attention entries", DType::F32, &[cap, d])?;
-            let (_, k) = selected.dims2("attention selection", DType::I32)?;
-            selected.expect("attention selection", DType::I32, &[t, k])?;
+            let (cap, _) = matrix(entries, "attention entries", DType::F32, None, Some(d))?;
+            let (_, k) = matrix(selected, "attention selection", DType::I32, Some(t), None)?;
             (
                 2,
                 entries.device_address(),
@@ -395,63 +419,53 @@ pub fn attention(
     if t == 0 {
         return Ok(());
     }
-    if t > 65535 {
-        return Err(GpuError::invalid(
-            "attention",
-            format!("{t} tokens in one launch"),
-        ));
-    }
+    let tokens = grid_tokens("attention", t)?;
     // Heads per block: share each key load over as many heads as still gives every SM a block.
     let sms = dev.sm_count().max(1);
     let g = [ATT_MAX_G, 2, 1]
         .into_iter()
         .find(|&g| heads % g == 0 && t * (heads / g) >= sms)
         .unwrap_or(1);
-    let dims = [
-        dim_u32("window", w)?,
-        dim_u32("attention entries", cap)?,
-        dim_u32("compression ratio", ratio)?,
-        dim_u32("attention top-k", k)?,
-        dim_u32("heads", heads)?,
-        dim_u32("head width", d)?,
-        dim_u32("heads per block", g)?,
-        dim_u32("tokens", t)?,
-    ];
+    let dims = dims_u32([
+        ("window", w),
+        ("attention entries", cap),
+        ("compression ratio", ratio),
+        ("attention top-k", k),
+        ("heads", heads),
+        ("head width", d),
+        ("heads per block", g),
+    ])?;
     let scale = 1.0 / (d as f32).sqrt();
     let cfg = LaunchConfig {
-        grid_dim: (dims[4] / dims[6], dims[7], 1),
+        grid_dim: (dims[4] / dims[6], tokens, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let f = dev.function("attention_heads")?;
     let mut o = out.view_mut();
     // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1,
     // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),
     // selected [t, k], sink [heads], pos [1], out [t, heads·d]; g divides heads and g <= 4.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(q.slice())
-            .arg(kv.slice())
-            .arg(window.slice())
-            .arg(&dims[0])
-            .arg(&mode)
-            .arg(&entries_ptr)
-            .arg(&dims[1])
-            .arg(&dims[2])
-            .arg(&sel_ptr)
-            .arg(&dims[3])
-            .arg(sink.slice())
-            .arg(pos.slice())
-            .arg(&dims[4])
-            .arg(&dims[5])
-            .arg(&dims[6])
-            .arg(&scale)
-            .arg(&mut o)
-            .launch(cfg)
+        launch(dev, "attention_heads", cfg, |b| {
+            b.arg(q.slice())
+                .arg(kv.slice())
+                .arg(window.slice())
+                .arg(&dims[0])
+                .arg(&mode)
+                .arg(&entries_ptr)
+                .arg(&dims[1])
+                .arg(&dims[2])
+                .arg(&sel_ptr)
+                .arg(&dims[3])
+                .arg(sink.slice())
+                .arg(pos.slice())
+                .arg(&dims[4])
+                .arg(&dims[5])
+                .arg(&dims[6])
+                .arg(&scale)
+                .arg(&mut o);
+        })
     }
-    .map_err(launch_err("attention_heads"))?;
-    Ok(())
 }
 
 /// After attention: writes this chunk's keys `kv [T, d]` into the ring `window [W, d]` at slots
@@ -463,32 +477,23 @@ pub fn window_write(
     window: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
     let (t, d) = kv.dims2("window keys", DType::F32)?;
-    let (w, _) = window.dims2("window ring", DType::F32)?;
-    window.expect("window ring", DType::F32, &[w, d])?;
+    let (w, _) = matrix(window, "window ring", DType::F32, None, Some(d))?;
     pos.expect("window position", DType::U32, &[1])?;
     let total = (t.min(w) * d) as u64;
     if total == 0 {
         return Ok(());
     }
-    let dims = [
-        dim_u32("tokens", t)?,
-        dim_u32("head width", d)?,
-        dim_u32("window", w)?,
-    ];
-    let f = dev.function("window_write")?;
+    let dims = dims_u32([("tokens", t), ("head width", d), ("window", w)])?;
     let mut wv = window.view_mut();
     // SAFETY: kv [t, d], window [w, d] with w >= 1, pos [1].
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(kv.slice())
-            .arg(&dims[0])
-            .arg(&dims[1])
-            .arg(pos.slice())
-            .arg(&dims[2])
-            .arg(&mut wv)
-            .launch(elementwise(total))
+        launch(dev, "window_write", elementwise(total), |b| {
+            b.arg(kv.slice())
+                .arg(&dims[0])
+                .arg(&dims[1])
+                .arg(pos.slice())
+                .arg(&dims[2])
+                .arg(&mut wv);
+        })
     }
-    .map_err(launch_err("window_write"))?;
-    Ok(())
 }

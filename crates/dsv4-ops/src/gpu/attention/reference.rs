@@ -1,7 +1,10 @@
 //! CPU references of the attention kernels, on host slices in exactly the device layouts of
-//! [`super`] (the window ring, the compressor state, entries, `selected` with −1). The core math
-//! — [`attend_head`], [`index_score`], [`pool_entry`] — is the arithmetic of the model's CPU
-//! forward (spec §5–§7), operation by operation.
+//! [`super`] (the window ring, the compressor state, entries, `selected` with −1). They are the
+//! model's CPU forward (spec §5–§7): `dsv4_model::cpu` runs a chunk through
+//! [`compressor_push`] (its entries grow without a capacity), [`index_topk`], [`attention`] and
+//! [`window_write`]. Every token's value is computed the same way whatever the chunking.
+
+use rayon::prelude::*;
 
 use crate::gpu::router::reference::top_k;
 use crate::gpu::rows::reference::{dot, rms_norm, rope_rotate};
@@ -24,9 +27,10 @@ pub fn attend_head(qh: &[f32], keys: &[&[f32]], sink: f32, scale: f32, o: &mut [
 pub fn attend(q: &[f32], keys: &[&[f32]], sink: &[f32], out: &mut [f32]) {
     let d = out.len() / sink.len();
     let scale = 1.0 / (d as f32).sqrt();
-    for ((o, qh), &s) in out.chunks_mut(d).zip(q.chunks(d)).zip(sink) {
-        attend_head(qh, keys, s, scale, o);
-    }
+    out.par_chunks_mut(d)
+        .zip(q.par_chunks(d))
+        .zip(sink.par_iter())
+        .for_each(|((o, qh), &s)| attend_head(qh, keys, s, scale, o));
 }
 
 /// Indexer score of one entry `key [c]`: `Σ_h max(q_h·key, 0) · (1/sqrt(c)) · w_h`, with
@@ -41,7 +45,7 @@ pub fn index_score(q: &[f32], weights: &[f32], key: &[f32], c: usize) -> f32 {
 
 /// [`index_score`] of every entry of `keys [n, c]`.
 pub fn index_scores(q: &[f32], weights: &[f32], keys: &[f32], c: usize) -> Vec<f32> {
-    keys.chunks_exact(c)
+    keys.par_chunks_exact(c)
         .map(|k| index_score(q, weights, k, c))
         .collect()
 }
@@ -118,9 +122,64 @@ impl CompressorHost {
     }
 }
 
+/// One token's projections `kv`, `gate` `[κ·c]` at position `p` into the open window of `st`
+/// (its `entries` untouched), as [`super::compressor_update`] stores them: gate + ape at row
+/// `p % ratio` (ratio = `ape.len() / (κ·c)`, c = `norm.len()`). When `p` closes the window,
+/// returns entry `(p + 1) / ratio − 1` ([`pool_entry`], with the previous window's A-halves
+/// from the second entry on under overlap), then the current A-halves become the previous ones.
+#[allow(clippy::too_many_arguments)]
+pub fn compressor_push(
+    kv: &[f32],
+    gate: &[f32],
+    ape: &[f32],
+    norm: &[f32],
+    inv_freq: &[f32],
+    eps: f32,
+    overlap: bool,
+    p: usize,
+    st: &mut CompressorHost,
+) -> Option<Vec<f32>> {
+    let c = norm.len();
+    let kc = if overlap { 2 * c } else { c };
+    let ratio = ape.len() / kc;
+    let r = p % ratio;
+    st.kv[r * kc..(r + 1) * kc].copy_from_slice(kv);
+    for ((dst, g), a) in st.gate[r * kc..(r + 1) * kc]
+        .iter_mut()
+        .zip(gate)
+        .zip(&ape[r * kc..(r + 1) * kc])
+    {
+        *dst = g + a;
+    }
+    if r + 1 < ratio {
+        return None;
+    }
+    let e = (p + 1) / ratio - 1;
+    let prev = (overlap && e > 0).then_some((&st.prev_kv[..], &st.prev_gate[..]));
+    let b_off = if overlap { c } else { 0 };
+    let entry = pool_entry(
+        prev,
+        &st.kv,
+        &st.gate,
+        kc,
+        b_off,
+        c,
+        norm,
+        eps,
+        inv_freq,
+        p + 1 - ratio,
+    );
+    if overlap {
+        for r in 0..ratio {
+            st.prev_kv[r * c..(r + 1) * c].copy_from_slice(&st.kv[r * kc..r * kc + c]);
+            st.prev_gate[r * c..(r + 1) * c].copy_from_slice(&st.gate[r * kc..r * kc + c]);
+        }
+    }
+    Some(entry)
+}
+
 /// [`super::compressor_update`]: tokens `kv_proj`, `gate_proj` `[T, κ·c]` at positions
-/// `pos0..`, one by one as the model's `CompressorState::push` (ratio = `ape.len() / (κ·c)`,
-/// c = `norm.len()`); entries past the capacity are not written.
+/// `pos0..`, one by one through [`compressor_push`]; entries past the capacity are not written.
 #[allow(clippy::too_many_arguments)]
 pub fn compressor_update(
     kv_proj: &[f32],
@@ -143,40 +202,10 @@ pub fn compressor_update(
         .enumerate()
     {
         let p = pos0 + t;
-        let r = p % ratio;
-        st.kv[r * kc..(r + 1) * kc].copy_from_slice(kv);
-        for ((dst, g), a) in st.gate[r * kc..(r + 1) * kc]
-            .iter_mut()
-            .zip(gate)
-            .zip(&ape[r * kc..(r + 1) * kc])
-        {
-            *dst = g + a;
-        }
-        if r + 1 < ratio {
-            continue;
-        }
-        let e = (p + 1) / ratio - 1;
-        let prev = (overlap && e > 0).then_some((&st.prev_kv[..], &st.prev_gate[..]));
-        let b_off = if overlap { c } else { 0 };
-        let entry = pool_entry(
-            prev,
-            &st.kv,
-            &st.gate,
-            kc,
-            b_off,
-            c,
-            norm,
-            eps,
-            inv_freq,
-            p + 1 - ratio,
-        );
-        if e < cap {
-            st.entries[e * c..(e + 1) * c].copy_from_slice(&entry);
-        }
-        if overlap {
-            for r in 0..ratio {
-                st.prev_kv[r * c..(r + 1) * c].copy_from_slice(&st.kv[r * kc..r * kc + c]);
-                st.prev_gate[r * c..(r + 1) * c].copy_from_slice(&st.gate[r * kc..r * kc + c]);
+        if let Some(entry) = compressor_push(kv, gate, ape, norm, inv_freq, eps, overlap, p, st) {
+            let e = (p + 1) / ratio - 1;
+            if e < cap {
+                st.entries[e * c..(e + 1) * c].copy_from_slice(&entry);
             }
         }
     }
@@ -204,17 +233,19 @@ pub fn index_topk(
     let wscale = 1.0 / (nh as f32).sqrt();
     let cap = entries.len() / c;
     let mut out = vec![-1i32; t_count * k];
-    for t in 0..t_count {
-        let n = visible_entries(pos0 + t, ratio, cap);
-        let w: Vec<f32> = weights[t * nh..(t + 1) * nh]
-            .iter()
-            .map(|v| v * wscale)
-            .collect();
-        let scores = index_scores(&q[t * nh * c..(t + 1) * nh * c], &w, &entries[..n * c], c);
-        for (slot, id) in top_k(&scores, k).into_iter().enumerate() {
-            out[t * k + slot] = id as i32;
-        }
-    }
+    out.par_chunks_mut(k.max(1))
+        .enumerate()
+        .for_each(|(t, sel)| {
+            let n = visible_entries(pos0 + t, ratio, cap);
+            let w: Vec<f32> = weights[t * nh..(t + 1) * nh]
+                .iter()
+                .map(|v| v * wscale)
+                .collect();
+            let scores = index_scores(&q[t * nh * c..(t + 1) * nh * c], &w, &entries[..n * c], c);
+            for (slot, id) in sel.iter_mut().zip(top_k(&scores, k)) {
+                *slot = id as i32;
+            }
+        });
     out
 }
 
@@ -249,7 +280,7 @@ pub fn attention(
     let t_count = kv.len() / d;
     let w = window.len() / d;
     let mut out = vec![0.0f32; t_count * hd];
-    for t in 0..t_count {
+    out.par_chunks_mut(hd).enumerate().for_each(|(t, o)| {
         let p = pos0 + t;
         let first = (p + 1).saturating_sub(w);
         let mut keys: Vec<&[f32]> = (first..=p)
@@ -282,13 +313,8 @@ pub fn attention(
                 );
             }
         }
-        attend(
-            &q[t * hd..(t + 1) * hd],
-            &keys,
-            sink,
-            &mut out[t * hd..(t + 1) * hd],
-        );
-    }
+        attend(&q[t * hd..(t + 1) * hd], &keys, sink, o);
+    });
     out
 }
 

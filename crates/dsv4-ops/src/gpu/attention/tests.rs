@@ -1,8 +1,11 @@
-//! Tests of the attention kernels and their CPU references.
+//! Tests of the attention kernels and their CPU references (the model's CPU forward runs the
+//! references, so they are checked here against hand-computed cases and the oracle fixtures
+//! check them end to end).
 //!
-//! CPU tests: the device-layout references, fed in random chunks, agree bit for bit with a
-//! token-by-token transcription of the model's CPU forward (`Window`, `attend`,
-//! `CompressorState::push`/`emit`, `index_scores`, `top_k`), plus hand-checked cases.
+//! CPU tests: hand-checked attention, pooling (one window; the CSA overlap of the previous
+//! A-half with the current B-half), indexer and window cases; a layer's reference chain gives
+//! the same outputs and entries bit for bit whatever the chunking (token by token, random
+//! chunks, one chunk); the capacity clips entries but not the state.
 //!
 //! GPU tests (`#[ignore]`d: `cargo xtask gpu-test`), launcher against reference on fresh random
 //! inputs and shapes, state carried over consecutive chunks:
@@ -20,8 +23,7 @@ use rand::Rng;
 
 use super::reference::{self as cpu, CompressorHost, HostCompressed};
 use super::*;
-use crate::gpu::router::reference::top_k;
-use crate::gpu::rows::reference::{dot, rms_norm, rope_rotate};
+use crate::gpu::rows::reference::{rms_norm, rope_rotate};
 use crate::gpu::rows::RopeDirection;
 
 fn uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
@@ -46,153 +48,6 @@ fn chunks(rng: &mut StdRng, total: usize) -> Vec<usize> {
     out
 }
 
-// ---- a transcription of the model's CPU forward (crates/dsv4-model/src/cpu) ----
-
-struct ModelWindow {
-    size: usize,
-    width: usize,
-    data: Vec<f32>,
-}
-
-impl ModelWindow {
-    fn push(&mut self, pos: usize, kv: &[f32]) {
-        let slot = pos % self.size;
-        self.data[slot * self.width..(slot + 1) * self.width].copy_from_slice(kv);
-    }
-    fn visible(&self, pos: usize) -> Vec<&[f32]> {
-        let first = (pos + 1).saturating_sub(self.size);
-        (first..=pos)
-            .map(|p| {
-                let slot = p % self.size;
-                &self.data[slot * self.width..(slot + 1) * self.width]
-            })
-            .collect()
-    }
-}
-
-fn model_attend(q: &[f32], keys: &[&[f32]], sink: &[f32], out: &mut [f32]) {
-    let d = keys.first().map_or(out.len() / sink.len(), |k| k.len());
-    let scale = 1.0 / (d as f32).sqrt();
-    for ((o, qh), &s) in out.chunks_mut(d).zip(q.chunks(d)).zip(sink) {
-        let scores: Vec<f32> = keys.iter().map(|k| dot(qh, k) * scale).collect();
-        let mx = scores.iter().copied().fold(s, f32::max);
-        let probs: Vec<f32> = scores.iter().map(|x| (x - mx).exp()).collect();
-        let denom = probs.iter().sum::<f32>() + (s - mx).exp();
-        o.fill(0.0);
-        for (p, k) in probs.iter().zip(keys) {
-            let p = p / denom;
-            o.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
-        }
-    }
-}
-
-fn model_index_scores(q: &[f32], weights: &[f32], keys: &[f32], c: usize) -> Vec<f32> {
-    let scale = 1.0 / (c as f32).sqrt();
-    keys.chunks(c)
-        .map(|k| {
-            q.chunks_exact(c)
-                .zip(weights)
-                .map(|(qh, w)| dot(qh, k).max(0.0) * scale * w)
-                .sum()
-        })
-        .collect()
-}
-
-struct ModelCompressor {
-    ratio: usize,
-    width: usize,
-    overlap: bool,
-    ape: Vec<f32>,
-    norm: Vec<f32>,
-    inv_freq: Vec<f32>,
-    kv: Vec<f32>,
-    gate: Vec<f32>,
-    prev: Option<(Vec<f32>, Vec<f32>)>,
-    entries: Vec<f32>,
-}
-
-impl ModelCompressor {
-    fn new(rng: &mut StdRng, ratio: usize, width: usize, overlap: bool, half: usize) -> Self {
-        let k = if overlap { 2 } else { 1 };
-        ModelCompressor {
-            ratio,
-            width,
-            overlap,
-            ape: uniform(rng, ratio * k * width, -1.0, 1.0),
-            norm: uniform(rng, width, 0.5, 1.5),
-            inv_freq: inv_freq(half),
-            kv: vec![0.0; ratio * k * width],
-            gate: vec![0.0; ratio * k * width],
-            prev: None,
-            entries: Vec::new(),
-        }
-    }
-
-    fn push(&mut self, kv: &[f32], gate: &[f32], pos: usize, eps: f32) {
-        let row_w = kv.len();
-        let r = pos % self.ratio;
-        self.kv[r * row_w..(r + 1) * row_w].copy_from_slice(kv);
-        let ape = &self.ape[r * row_w..(r + 1) * row_w];
-        for ((dst, g), a) in self.gate[r * row_w..(r + 1) * row_w]
-            .iter_mut()
-            .zip(gate)
-            .zip(ape)
-        {
-            *dst = g + a;
-        }
-        if r + 1 == self.ratio {
-            self.emit(pos + 1 - self.ratio, eps);
-        }
-    }
-
-    fn emit(&mut self, first_pos: usize, eps: f32) {
-        let (m, c) = (self.ratio, self.width);
-        let row_w = if self.overlap { 2 * c } else { c };
-        let b_off = if self.overlap { c } else { 0 };
-        let mut entry = vec![0.0f32; c];
-        let mut logits = Vec::with_capacity(2 * m);
-        let mut values = Vec::with_capacity(2 * m);
-        for (j, out) in entry.iter_mut().enumerate() {
-            logits.clear();
-            values.clear();
-            if let Some((pkv, pgate)) = &self.prev {
-                for r in 0..m {
-                    logits.push(pgate[r * c + j]);
-                    values.push(pkv[r * c + j]);
-                }
-            }
-            for r in 0..m {
-                logits.push(self.gate[r * row_w + b_off + j]);
-                values.push(self.kv[r * row_w + b_off + j]);
-            }
-            let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = logits.iter().map(|z| (z - mx).exp()).sum();
-            *out = logits
-                .iter()
-                .zip(&values)
-                .map(|(z, v)| v * ((z - mx).exp() / sum))
-                .sum();
-        }
-        rms_norm(&mut entry, Some(&self.norm), eps);
-        rope_rotate(
-            &mut entry,
-            &self.inv_freq,
-            first_pos,
-            RopeDirection::Forward,
-        );
-        self.entries.extend_from_slice(&entry);
-        if self.overlap {
-            let a_half = |buf: &[f32]| {
-                buf.chunks_exact(row_w)
-                    .flat_map(|row| &row[..c])
-                    .copied()
-                    .collect::<Vec<_>>()
-            };
-            self.prev = Some((a_half(&self.kv), a_half(&self.gate)));
-        }
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
     Sliding,
@@ -200,168 +55,178 @@ enum Kind {
     Csa,
 }
 
-/// A layer's attention over `total` tokens, token by token as the model runs it, and through
-/// the device-layout references in random chunks; the outputs and entries must be identical.
-fn layer_agrees(rng: &mut StdRng, kind: Kind) {
-    let (h, d, w, eps) = (4, 32, 16, 1e-6f32);
-    let (ic, nh, k) = (16, 4, 8);
-    let ratio = match kind {
-        Kind::Hca => rng.random_range(2..9),
-        _ => 4,
-    };
-    let half = 4;
-    let total = rng.random_range(1..120);
-    let hd = h * d;
-    let q = uniform(rng, total * hd, -2.0, 2.0);
-    let kv = uniform(rng, total * d, -1.0, 1.0);
-    let sink = uniform(rng, h, -1.0, 1.0);
-    let overlap = kind == Kind::Csa;
-    let kc = if overlap { 2 * d } else { d };
-    let ckv = uniform(rng, total * kc, -1.0, 1.0);
-    let cgate = uniform(rng, total * kc, -2.0, 2.0);
-    let iq = uniform(rng, total * nh * ic, -1.0, 1.0);
-    let iw = uniform(rng, total * nh, -1.0, 1.0);
-    let ikv = uniform(rng, total * 2 * ic, -1.0, 1.0);
-    let igate = uniform(rng, total * 2 * ic, -2.0, 2.0);
-    let mut comp = ModelCompressor::new(rng, ratio, d, overlap, half);
-    let mut icomp = ModelCompressor::new(rng, 4, ic, true, half);
+/// A compressor's weights: `ape [ratio, κ·c]`, `norm [c]`.
+struct CompressorParams {
+    ratio: usize,
+    c: usize,
+    overlap: bool,
+    ape: Vec<f32>,
+    norm: Vec<f32>,
+}
 
-    // The model, token by token.
-    let mut window = ModelWindow {
-        size: w,
-        width: d,
-        data: vec![0.0; w * d],
-    };
-    let mut want = vec![0.0f32; total * hd];
-    let iscale = 1.0 / (nh as f32).sqrt();
-    for pos in 0..total {
-        window.push(pos, &kv[pos * d..(pos + 1) * d]);
-        if kind != Kind::Sliding {
-            comp.push(
-                &ckv[pos * kc..(pos + 1) * kc],
-                &cgate[pos * kc..(pos + 1) * kc],
-                pos,
-                eps,
-            );
+impl CompressorParams {
+    fn random(rng: &mut StdRng, ratio: usize, c: usize, overlap: bool) -> CompressorParams {
+        let kc = if overlap { 2 * c } else { c };
+        CompressorParams {
+            ratio,
+            c,
+            overlap,
+            ape: uniform(rng, ratio * kc, -1.0, 1.0),
+            norm: uniform(rng, c, 0.5, 1.5),
         }
-        let mut keys = window.visible(pos);
-        let entries: Vec<&[f32]> = comp.entries.chunks_exact(d).collect();
-        match kind {
-            Kind::Csa => {
-                icomp.push(
-                    &ikv[pos * 2 * ic..(pos + 1) * 2 * ic],
-                    &igate[pos * 2 * ic..(pos + 1) * 2 * ic],
-                    pos,
-                    eps,
-                );
-                let wts: Vec<f32> = iw[pos * nh..(pos + 1) * nh]
-                    .iter()
-                    .map(|v| v * iscale)
-                    .collect();
-                let scores = model_index_scores(
-                    &iq[pos * nh * ic..(pos + 1) * nh * ic],
-                    &wts,
-                    &icomp.entries,
-                    ic,
-                );
-                keys.extend(top_k(&scores, k).into_iter().map(|e| entries[e]));
-            }
-            Kind::Hca => keys.extend(entries),
-            Kind::Sliding => {}
-        }
-        model_attend(
-            &q[pos * hd..(pos + 1) * hd],
-            &keys,
-            &sink,
-            &mut want[pos * hd..(pos + 1) * hd],
-        );
     }
 
-    // The references, chunk by chunk, in the device layouts.
-    let cap = total / ratio + 2;
-    let mut st = CompressorHost::new(ratio, d, overlap, cap);
-    let mut ist = CompressorHost::new(4, ic, true, total / 4 + 2);
-    let mut ring = uniform(rng, w * d, -9.0, 9.0); // never read before it is written
-    let mut got = vec![0.0f32; total * hd];
-    let mut pos0 = 0;
-    for t in chunks(rng, total) {
-        let r = pos0..pos0 + t;
-        let selected;
-        let compressed = match kind {
-            Kind::Sliding => HostCompressed::None,
-            _ => {
-                cpu::compressor_update(
-                    &ckv[r.start * kc..r.end * kc],
-                    &cgate[r.start * kc..r.end * kc],
-                    &comp.ape,
-                    &comp.norm,
-                    &comp.inv_freq,
-                    eps,
-                    overlap,
-                    pos0,
-                    &mut st,
-                );
-                if kind == Kind::Hca {
+    fn kc(&self) -> usize {
+        if self.overlap {
+            2 * self.c
+        } else {
+            self.c
+        }
+    }
+
+    /// Tokens `range` of `kv`, `gate` `[T, κ·c]` through [`cpu::compressor_update`].
+    fn update(
+        &self,
+        kv: &[f32],
+        gate: &[f32],
+        range: std::ops::Range<usize>,
+        st: &mut CompressorHost,
+    ) {
+        let (kc, eps) = (self.kc(), 1e-6);
+        let rows = range.start * kc..range.end * kc;
+        let (f, ov) = (inv_freq(4), self.overlap);
+        let (kv, gate) = (&kv[rows.clone()], &gate[rows]);
+        cpu::compressor_update(
+            kv,
+            gate,
+            &self.ape,
+            &self.norm,
+            &f,
+            eps,
+            ov,
+            range.start,
+            st,
+        );
+    }
+}
+
+/// One layer's inputs over `total` tokens: queries `[T, H·d]`, keys `[T, d]`, the compressor's
+/// and the indexer's projections (`[T, κ·c]`), indexer queries `[T, nh·ic]` and head weights.
+struct Layer {
+    kind: Kind,
+    total: usize,
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    sink: Vec<f32>,
+    comp: CompressorParams,
+    ckv: Vec<f32>,
+    cgate: Vec<f32>,
+    icomp: CompressorParams,
+    iq: Vec<f32>,
+    iw: Vec<f32>,
+    ikv: Vec<f32>,
+    igate: Vec<f32>,
+}
+
+/// The layer's heads, head width, window, indexer heads, indexer head width and top-k.
+const SIZES: (usize, usize, usize, usize, usize, usize) = (4, 32, 16, 4, 16, 8);
+
+impl Layer {
+    fn random(rng: &mut StdRng, kind: Kind) -> Layer {
+        let (h, d, _, nh, ic, _) = SIZES;
+        let ratio = match kind {
+            Kind::Hca => rng.random_range(2..9),
+            _ => 4,
+        };
+        let total = rng.random_range(1..120);
+        let comp = CompressorParams::random(rng, ratio, d, kind == Kind::Csa);
+        let icomp = CompressorParams::random(rng, 4, ic, true);
+        let (kc, ikc) = (comp.kc(), icomp.kc());
+        Layer {
+            kind,
+            total,
+            q: uniform(rng, total * h * d, -2.0, 2.0),
+            kv: uniform(rng, total * d, -1.0, 1.0),
+            sink: uniform(rng, h, -1.0, 1.0),
+            ckv: uniform(rng, total * kc, -1.0, 1.0),
+            cgate: uniform(rng, total * kc, -2.0, 2.0),
+            iq: uniform(rng, total * nh * ic, -1.0, 1.0),
+            iw: uniform(rng, total * nh, -1.0, 1.0),
+            ikv: uniform(rng, total * ikc, -1.0, 1.0),
+            igate: uniform(rng, total * ikc, -2.0, 2.0),
+            comp,
+            icomp,
+        }
+    }
+
+    /// The reference chain fed in chunks of `lens`, as the model runs it: the compressors, the
+    /// indexer's top-k, the attention over the ring and the chunk, the ring write. Returns the
+    /// outputs and both compressors' entries.
+    fn run(&self, lens: &[usize]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (h, d, w, nh, ic, k) = SIZES;
+        let (hd, ratio) = (h * d, self.comp.ratio);
+        let mut st = CompressorHost::new(ratio, d, self.comp.overlap, self.total / ratio + 2);
+        let mut ist = CompressorHost::new(4, ic, true, self.total / 4 + 2);
+        let mut ring = vec![f32::NAN; w * d]; // never read before it is written
+        let mut out = Vec::with_capacity(self.total * hd);
+        let mut pos0 = 0;
+        for &t in lens {
+            let r = pos0..pos0 + t;
+            let selected;
+            let compressed = match self.kind {
+                Kind::Sliding => HostCompressed::None,
+                Kind::Hca => {
+                    self.comp.update(&self.ckv, &self.cgate, r.clone(), &mut st);
                     HostCompressed::All {
                         entries: &st.entries,
                         ratio,
                     }
-                } else {
-                    cpu::compressor_update(
-                        &ikv[r.start * 2 * ic..r.end * 2 * ic],
-                        &igate[r.start * 2 * ic..r.end * 2 * ic],
-                        &icomp.ape,
-                        &icomp.norm,
-                        &icomp.inv_freq,
-                        eps,
-                        true,
-                        pos0,
-                        &mut ist,
+                }
+                Kind::Csa => {
+                    self.comp.update(&self.ckv, &self.cgate, r.clone(), &mut st);
+                    self.icomp
+                        .update(&self.ikv, &self.igate, r.clone(), &mut ist);
+                    let (iq, iw) = (
+                        &self.iq[r.start * nh * ic..r.end * nh * ic],
+                        &self.iw[r.start * nh..r.end * nh],
                     );
-                    selected = cpu::index_topk(
-                        &iq[r.start * nh * ic..r.end * nh * ic],
-                        &iw[r.start * nh..r.end * nh],
-                        &ist.entries,
-                        nh,
-                        ic,
-                        4,
-                        pos0,
-                        k,
-                    );
+                    selected = cpu::index_topk(iq, iw, &ist.entries, nh, ic, 4, pos0, k);
                     HostCompressed::Selected {
                         entries: &st.entries,
                         selected: &selected,
                         k,
                     }
                 }
-            }
-        };
-        let out = cpu::attention(
-            &q[r.start * hd..r.end * hd],
-            &kv[r.start * d..r.end * d],
-            &ring,
-            d,
-            compressed,
-            &sink,
-            pos0,
-        );
-        got[r.start * hd..r.end * hd].copy_from_slice(&out);
-        cpu::window_write(&kv[r.start * d..r.end * d], d, pos0, &mut ring);
-        pos0 += t;
+            };
+            let kv = &self.kv[r.start * d..r.end * d];
+            let q = &self.q[r.start * hd..r.end * hd];
+            out.extend(cpu::attention(
+                q, kv, &ring, d, compressed, &self.sink, pos0,
+            ));
+            cpu::window_write(kv, d, pos0, &mut ring);
+            pos0 += t;
+        }
+        (out, st.entries, ist.entries)
     }
-    assert_eq!(got, want, "{kind:?} ratio {ratio}, {total} tokens");
-    let n = comp.entries.len();
-    assert_eq!(&st.entries[..n], &comp.entries[..], "{kind:?} entries");
-    assert!(st.entries[n..].iter().all(|&v| v == 0.0));
-    assert_eq!(&ist.entries[..icomp.entries.len()], &icomp.entries[..]);
 }
 
 #[test]
-fn attention_references_match_the_model_token_by_token() {
-    let mut rng = crate::gpu::testing::rng("attention_references_match_the_model_token_by_token");
+fn attention_references_do_not_depend_on_the_chunking() {
+    let mut rng = crate::gpu::testing::rng("attention_references_do_not_depend_on_the_chunking");
     for _ in 0..6 {
         for kind in [Kind::Sliding, Kind::Hca, Kind::Csa] {
-            layer_agrees(&mut rng, kind);
+            let layer = Layer::random(&mut rng, kind);
+            let want = layer.run(&vec![1; layer.total]);
+            let what = format!(
+                "{kind:?} ratio {}, {} tokens",
+                layer.comp.ratio, layer.total
+            );
+            assert!(want.0.iter().all(|v| v.is_finite()), "{what}");
+            assert_eq!(layer.run(&chunks(&mut rng, layer.total)), want, "{what}");
+            assert_eq!(layer.run(&[layer.total]), want, "{what}");
+            // Entries past the closed windows stay as the pool left them.
+            let n = layer.total / layer.comp.ratio * SIZES.1;
+            assert!(want.1[n..].iter().all(|&v| v == 0.0), "{what}");
         }
     }
 }
@@ -447,6 +312,103 @@ fn compressor_capacity_clips_entries_but_keeps_the_state() {
     );
 }
 
+/// Softmax of `logits` weighting `values`, in f64.
+fn pool(logits: &[f32], values: &[f32]) -> f32 {
+    let w: Vec<f64> = logits.iter().map(|&z| (z as f64).exp()).collect();
+    let s: f64 = w.iter().sum();
+    (w.iter()
+        .zip(values)
+        .map(|(w, &v)| w * v as f64)
+        .sum::<f64>()
+        / s) as f32
+}
+
+/// Deterministic per-token projections: `(kv, gate)` rows of width `row`.
+fn token(pos: usize, row: usize) -> (Vec<f32>, Vec<f32>) {
+    let kv = (0..row)
+        .map(|j| ((pos * 7 + j * 3) % 11) as f32 - 5.0)
+        .collect();
+    let gate = (0..row).map(|j| ((pos * 5 + j) % 7) as f32 * 0.3).collect();
+    (kv, gate)
+}
+
+/// Pools `(logit, value)` columns per channel, then the unit-weight RMSNorm and the forward
+/// RoPE (one pair) at `first_pos`; `columns(j)` lists channel j's pairs.
+fn hand_entry(c: usize, first_pos: usize, columns: impl Fn(usize) -> Vec<(f32, f32)>) -> Vec<f32> {
+    let mut want: Vec<f32> = (0..c)
+        .map(|j| {
+            let (logits, values): (Vec<f32>, Vec<f32>) = columns(j).into_iter().unzip();
+            pool(&logits, &values)
+        })
+        .collect();
+    rms_norm(&mut want, None, 1e-6);
+    rope_rotate(&mut want, &inv_freq(1), first_pos, RopeDirection::Forward);
+    want
+}
+
+fn assert_near(what: &str, got: &[f32], want: &[f32]) {
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() < 1e-5, "{what}: {got:?} vs {want:?}");
+    }
+}
+
+/// A compressor of ratio `m` and width `c` (unit norm, one rope pair, ape `(i mod 5) / 10`) fed
+/// `token(p, κ·c)` for p in 0..n one at a time, `after(p, entries)` after each. Returns its
+/// state and `col(p, ch)`: channel ch of token p as (gate + ape, kv).
+fn feed(
+    m: usize,
+    c: usize,
+    overlap: bool,
+    n: usize,
+    mut after: impl FnMut(usize, &[f32]),
+) -> (CompressorHost, impl Fn(usize, usize) -> (f32, f32)) {
+    let kc = if overlap { 2 * c } else { c };
+    let ape: Vec<f32> = (0..m * kc).map(|i| (i % 5) as f32 * 0.1).collect();
+    let mut st = CompressorHost::new(m, c, overlap, n / m);
+    for p in 0..n {
+        let (kv, gate) = token(p, kc);
+        let (f, norm) = (inv_freq(1), vec![1.0; c]);
+        cpu::compressor_update(&kv, &gate, &ape, &norm, &f, 1e-6, overlap, p, &mut st);
+        after(p, &st.entries);
+    }
+    let col = move |p: usize, ch: usize| {
+        let (kv, gate) = token(p, kc);
+        (gate[ch] + ape[(p % m) * kc + ch], kv[ch])
+    };
+    (st, col)
+}
+
+#[test]
+fn hca_pools_each_window_once_when_it_closes() {
+    let (m, c) = (3, 2);
+    let (st, col) = feed(m, c, false, 7, |p, entries| {
+        let written = entries
+            .chunks_exact(c)
+            .filter(|e| e.iter().any(|&v| v != 0.0));
+        assert_eq!(written.count(), (p + 1) / m, "entries after token {p}");
+    });
+    // Entry 1 pools tokens 3..6 (rope at position 3 rotates the only pair).
+    let want = hand_entry(c, 3, |j| (3..6).map(|p| col(p, j)).collect());
+    assert_near("entry 1", &st.entries[c..2 * c], &want);
+}
+
+#[test]
+fn csa_entry_pools_previous_a_half_and_current_b_half() {
+    let (m, c) = (2, 2);
+    let (st, col) = feed(m, c, true, 4, |_, _| {});
+    // Entry 0: only window 0's B-half (no previous window).
+    let want = hand_entry(c, 0, |j| (0..m).map(|p| col(p, c + j)).collect());
+    assert_near("entry 0", &st.entries[..c], &want);
+    // Entry 1: window 0's A-half, then window 1's B-half.
+    let want = hand_entry(c, m, |j| {
+        (0..m)
+            .map(|p| col(p, j))
+            .chain((m..2 * m).map(|p| col(p, c + j)))
+            .collect()
+    });
+    assert_near("entry 1", &st.entries[c..2 * c], &want);
+}
+
 // ---- GPU ----
 
 mod gpu {
@@ -465,6 +427,25 @@ mod gpu {
 
     fn position(dev: &Device, p: usize) -> DeviceTensor<u32> {
         dev.upload(DType::U32, &[1], &[p as u32]).unwrap()
+    }
+
+    /// [`index_topk`] over host `q [T, nh·c]`, raw `w [T, nh]` and `entries [cap, c]` (scores
+    /// and selection poisoned first), with `[nh, c, ratio, pos0, k]` as [`cpu::index_topk`]
+    /// takes them: the downloaded scores `[T, cap]` and selection `[T, k]`.
+    fn device_index_topk(
+        dev: &Device,
+        (q, w, entries): (&[f32], &[f32], &[f32]),
+        [nh, c, ratio, pos0, k]: [usize; 5],
+    ) -> (Vec<f32>, Vec<i32>) {
+        let (t, cap) = (w.len() / nh, entries.len() / c);
+        let qd = dev.upload(DType::F32, &[t, nh * c], q).unwrap();
+        let wd = dev.upload(DType::F32, &[t, nh], w).unwrap();
+        let ed = dev.upload(DType::F32, &[cap, c], entries).unwrap();
+        let pos = position(dev, pos0);
+        let mut scores = poisoned::<f32>(dev, DType::F32, &[t, cap]);
+        let mut sel = poisoned::<i32>(dev, DType::I32, &[t, k]);
+        index_topk(dev, &qd, &wd, &ed, ratio, &pos, &mut scores, &mut sel).unwrap();
+        (dev.download(&scores).unwrap(), dev.download(&sel).unwrap())
     }
 
     /// |got − want| ≤ rel · max |want| (and no NaN).
@@ -531,27 +512,14 @@ mod gpu {
                 .unwrap();
                 cpu::compressor_update(&kv, &gate, &ape, &norm, &f, eps, overlap, pos0, &mut host);
                 let what = format!("ratio {ratio} c {c} overlap {overlap} chunk {pos0}+{t}");
-                assert_bits_eq(
-                    &format!("{what} kv"),
-                    &dev.download(&st.kv).unwrap(),
-                    &host.kv,
-                );
-                assert_bits_eq(
-                    &format!("{what} gate"),
-                    &dev.download(&st.gate).unwrap(),
-                    &host.gate,
-                );
+                let mut state = vec![("kv", &st.kv, &host.kv), ("gate", &st.gate, &host.gate)];
                 if overlap {
-                    assert_bits_eq(
-                        &format!("{what} prev kv"),
-                        &dev.download(&st.prev_kv).unwrap(),
-                        &host.prev_kv,
-                    );
-                    assert_bits_eq(
-                        &format!("{what} prev gate"),
-                        &dev.download(&st.prev_gate).unwrap(),
-                        &host.prev_gate,
-                    );
+                    state.push(("prev kv", &st.prev_kv, &host.prev_kv));
+                    state.push(("prev gate", &st.prev_gate, &host.prev_gate));
+                }
+                for (name, got, want) in state {
+                    let got = dev.download(got).unwrap();
+                    assert_bits_eq(&format!("{what} {name}"), &got, want);
                 }
                 assert_close(
                     &format!("{what} entries"),
@@ -591,17 +559,11 @@ mod gpu {
                 let q = uniform(&mut rng, t * nh * c, -1.0, 1.0);
                 let w = uniform(&mut rng, t * nh, -1.0, 1.0);
                 let entries = uniform(&mut rng, cap * c, -1.0, 1.0);
-                let qd = dev.upload(DType::F32, &[t, nh * c], &q).unwrap();
-                let wd = dev.upload(DType::F32, &[t, nh], &w).unwrap();
-                let ed = dev.upload(DType::F32, &[cap, c], &entries).unwrap();
-                let pos = position(&dev, pos0);
-                let mut scores = poisoned::<f32>(&dev, DType::F32, &[t, cap]);
-                let mut sel = poisoned::<i32>(&dev, DType::I32, &[t, k]);
-                index_topk(&dev, &qd, &wd, &ed, ratio, &pos, &mut scores, &mut sel).unwrap();
+                let (got_scores, got_sel) =
+                    device_index_topk(&dev, (&q, &w, &entries), [nh, c, ratio, pos0, k]);
                 let want = cpu::index_topk(&q, &w, &entries, nh, c, ratio, pos0, k);
                 let what = format!("config {iter} round {round}: T {t} at {pos0}");
                 // The scores of the visible entries are the CPU's, bit for bit.
-                let got_scores = dev.download(&scores).unwrap();
                 let wscale = 1.0 / (nh as f32).sqrt();
                 for tt in 0..t {
                     let n = cpu::visible_entries(pos0 + tt, ratio, cap);
@@ -621,7 +583,7 @@ mod gpu {
                         &s,
                     );
                 }
-                assert_eq!(dev.download(&sel).unwrap(), want, "{what}");
+                assert_eq!(got_sel, want, "{what}");
             }
         }
     }
@@ -645,15 +607,9 @@ mod gpu {
             .map(|i| if i % 3 == 0 { -0.5 } else { 0.25 })
             .collect();
         for pos0 in [0, 5, 20, 63, 100] {
-            let qd = dev.upload(DType::F32, &[t, nh * c], &q).unwrap();
-            let wd = dev.upload(DType::F32, &[t, nh], &w).unwrap();
-            let ed = dev.upload(DType::F32, &[cap, c], &entries).unwrap();
-            let pos = position(&dev, pos0);
-            let mut scores = poisoned::<f32>(&dev, DType::F32, &[t, cap]);
-            let mut sel = poisoned::<i32>(&dev, DType::I32, &[t, k]);
-            index_topk(&dev, &qd, &wd, &ed, 1, &pos, &mut scores, &mut sel).unwrap();
+            let (_, got) = device_index_topk(&dev, (&q, &w, &entries), [nh, c, 1, pos0, k]);
             let want = cpu::index_topk(&q, &w, &entries, nh, c, 1, pos0, k);
-            assert_eq!(dev.download(&sel).unwrap(), want, "position {pos0}");
+            assert_eq!(got, want, "position {pos0}");
         }
     }
 
@@ -824,32 +780,14 @@ mod gpu {
             let ikv = uniform(&mut rng, t * 2 * ic, -1.0, 1.0);
             let ig = uniform(&mut rng, t * 2 * ic, -2.0, 2.0);
             let pos = position(&dev, pos0);
-            compressor_update(
-                &dev,
-                &up(&ckv, &[t, 2 * d]),
-                &up(&cg, &[t, 2 * d]),
-                &aped,
-                &normd,
-                &fd,
-                eps,
-                true,
-                &pos,
-                &mut st,
-            )
-            .unwrap();
-            compressor_update(
-                &dev,
-                &up(&ikv, &[t, 2 * ic]),
-                &up(&ig, &[t, 2 * ic]),
-                &iaped,
-                &inormd,
-                &fd,
-                eps,
-                true,
-                &pos,
-                &mut ist,
-            )
-            .unwrap();
+            // The main compressor, then the indexer's.
+            for (kv, gate, ape, norm, st) in [
+                (&ckv, &cg, &aped, &normd, &mut st),
+                (&ikv, &ig, &iaped, &inormd, &mut ist),
+            ] {
+                let (kv, gate) = (up(kv, &[t, kv.len() / t]), up(gate, &[t, gate.len() / t]));
+                compressor_update(&dev, &kv, &gate, ape, norm, &fd, eps, true, &pos, st).unwrap();
+            }
             let mut scores = poisoned::<f32>(&dev, DType::F32, &[t, icap]);
             let mut sel = poisoned::<i32>(&dev, DType::I32, &[t, k]);
             index_topk(

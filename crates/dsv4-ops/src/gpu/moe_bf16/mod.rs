@@ -21,6 +21,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::launch::{dim_u32, launch_err};
+use super::moe::{check_routing, same_expert_counts};
 use super::{DType, Device, DeviceTensor, GpuError};
 
 /// Largest number of tokens one launch takes (`MAX_M` in moe_bf16.cu).
@@ -80,12 +81,7 @@ impl Bf16Experts {
     ) -> Result<Bf16Experts, GpuError> {
         let what = "bf16 experts";
         let e = w1.len();
-        if w3.len() != e || w2.len() != e {
-            return Err(GpuError::invalid(
-                what,
-                format!("{e} / {} / {} experts in w1 / w3 / w2", w3.len(), w2.len()),
-            ));
-        }
+        same_expert_counts(what, e, w3.len(), w2.len())?;
         check_dims(what, e, d, inter)?;
         let per = d * inter;
         for (name, mats) in [("w1", w1), ("w3", w3), ("w2", w2)] {
@@ -182,29 +178,15 @@ pub fn moe_bf16(
     h: &mut DeviceTensor<f32>,
     out: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    let (m, d) = x.dims2("moe_bf16 input x", DType::BF16)?;
-    if d != experts.d {
-        return Err(GpuError::invalid(
-            "moe_bf16 input x",
-            format!("width {d}, experts take {}", experts.d),
-        ));
-    }
-    let (mi, topk) = ids.dims2("moe_bf16 expert ids", DType::I32)?;
-    weights.expect("moe_bf16 routing weights", DType::F32, &[mi, topk])?;
-    if mi != m || m == 0 || m > MAX_M || topk == 0 || m * topk > MAX_PAIRS {
-        return Err(GpuError::invalid(
-            "moe_bf16",
-            format!(
-                "{m} tokens with ids [{mi}, {topk}]: 1..={MAX_M} tokens, M * top_k <= {MAX_PAIRS}"
-            ),
-        ));
-    }
-    if limit.is_nan() || limit <= 0.0 {
-        return Err(GpuError::invalid(
-            "moe_bf16",
-            format!("swiglu limit {limit} must be positive"),
-        ));
-    }
+    let (m, d, topk) = check_routing(
+        ("moe_bf16", "moe_bf16"),
+        x,
+        ids,
+        weights,
+        experts.d,
+        limit,
+        (MAX_M, MAX_PAIRS),
+    )?;
     let inter = experts.inter;
     h.expect("moe_bf16 intermediate h", DType::F32, &[m, topk, inter])?;
     out.expect("moe_bf16 output", DType::F32, &[m, d])?;

@@ -8,6 +8,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use crate::gpu::moe::reference::expert_index;
 use crate::gpu::router::reference::dot16;
 use crate::gpu::rows::reference::sigmoid;
 
@@ -55,7 +56,7 @@ pub fn gate_up(ex: &HostExpert<'_>, d: usize, inter: usize, x: &[f32], limit: f3
 /// id, then slot.
 pub fn sum_order(ids: &[i32], experts: usize) -> Vec<usize> {
     let mut slots: Vec<usize> = (0..ids.len())
-        .filter(|&j| ids[j] >= 0 && (ids[j] as usize) < experts)
+        .filter(|&j| expert_index(ids[j], experts).is_some())
         .collect();
     slots.sort_by_key(|&j| (ids[j], j));
     slots

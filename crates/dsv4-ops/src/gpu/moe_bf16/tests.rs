@@ -396,34 +396,17 @@ fn gpu_moe_bf16_rejects_bad_shapes() {
         moe_bf16(&dev, &x, &ids, &w, &ex, limit, &mut h, &mut out)
     };
     call(2, 3, d, [2, 3, inter], [2, d], 10.0).unwrap();
-    assert!(
-        call(2, 3, d + 8, [2, 3, inter], [2, d + 8], 10.0).is_err(),
-        "x width"
-    );
-    assert!(
-        call(17, 1, d, [17, 1, inter], [17, d], 10.0).is_err(),
-        "M > 16"
-    );
-    assert!(
-        call(16, 17, d, [16, 17, inter], [16, d], 10.0).is_err(),
-        "M * k > 256"
-    );
-    assert!(
-        call(2, 3, d, [2, 3, inter + 8], [2, d], 10.0).is_err(),
-        "h shape"
-    );
-    assert!(
-        call(2, 3, d, [2, 3, inter], [3, d], 10.0).is_err(),
-        "out shape"
-    );
-    assert!(
-        call(2, 3, d, [2, 3, inter], [2, d], 0.0).is_err(),
-        "limit 0"
-    );
-    assert!(
-        call(2, 3, d, [2, 3, inter], [2, d], f32::NAN).is_err(),
-        "limit NaN"
-    );
+    for (what, m, k, xd, hs, od, limit) in [
+        ("x width", 2, 3, d + 8, [2, 3, inter], [2, d + 8], 10.0),
+        ("M > 16", 17, 1, d, [17, 1, inter], [17, d], 10.0),
+        ("M * k > 256", 16, 17, d, [16, 17, inter], [16, d], 10.0),
+        ("h shape", 2, 3, d, [2, 3, inter + 8], [2, d], 10.0),
+        ("out shape", 2, 3, d, [2, 3, inter], [3, d], 10.0),
+        ("limit 0", 2, 3, d, [2, 3, inter], [2, d], 0.0),
+        ("limit NaN", 2, 3, d, [2, 3, inter], [2, d], f32::NAN),
+    ] {
+        assert!(call(m, k, xd, hs, od, limit).is_err(), "{what}");
+    }
     // Weights of another shape than the ids.
     let x = dev.alloc::<bf16>(DType::BF16, &[2, d]).unwrap();
     let ids = dev.alloc::<i32>(DType::I32, &[2, 3]).unwrap();

@@ -25,14 +25,18 @@ pub fn gate_logits(x: &[f32], w: &[f32], t: usize, e: usize, d: usize) -> Vec<f3
         .collect()
 }
 
-/// The dot product of the model's `Linear::matmul`: 16 independent f32 accumulators (lane `k`
-/// sums the products at indices `≡ k mod 16` in order) combined in a fixed tree.
+/// The dot product of the model's `Linear::matmul` (its one implementation): 16 independent f32
+/// accumulators (lane `k` sums the products at indices `≡ k mod 16` in order) combined in a
+/// fixed tree order: fast, and the same result for the same inputs on every call.
+#[inline]
 pub fn dot16(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let (ta, tb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
+        let x: &[f32; 16] = x.try_into().expect("chunks of 16");
+        let y: &[f32; 16] = y.try_into().expect("chunks of 16");
         for k in 0..16 {
             acc[k] += x[k] * y[k];
         }
@@ -87,6 +91,8 @@ pub fn route(logits: &[f32], by: RouteBy, token: u32, k: usize, scaling: f32) ->
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[test]
@@ -119,6 +125,16 @@ mod tests {
             .sum();
         assert!(((dot16(&a, &b) as f64) - exact).abs() <= 1e-6 * mag);
         assert_eq!(dot16(&[], &[]), 0.0);
+    }
+
+    proptest! {
+        #[test]
+        fn dot16_is_close_to_f64(v in prop::collection::vec(-10f32..10.0, 0..100)) {
+            let w: Vec<f32> = v.iter().rev().copied().collect();
+            let exact: f64 = v.iter().zip(&w).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let mag: f64 = v.iter().zip(&w).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+            prop_assert!((dot16(&v, &w) as f64 - exact).abs() <= 1e-6 * mag + 1e-30);
+        }
     }
 
     #[test]

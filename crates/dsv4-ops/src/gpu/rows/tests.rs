@@ -187,14 +187,85 @@ fn gpu_row_launchers_reject_bad_shapes_and_positions_advance() {
     assert_eq!(dev.download(&pos).unwrap(), vec![7]);
 }
 
+/// The element types `copy_cols` converts between, as f32 values on the host.
+trait HostElem: ActElem + Copy {
+    fn of_f32(x: f32) -> Self;
+    fn value(self) -> f32;
+}
+
+impl HostElem for f32 {
+    fn of_f32(x: f32) -> f32 {
+        x
+    }
+    fn value(self) -> f32 {
+        self
+    }
+}
+
+impl HostElem for bf16 {
+    fn of_f32(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
+    fn value(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// One `copy_cols` shape: `cols` of `src [rows, src_w]` to `dst_col` of `dst [rows, dst_w]`.
+struct CopyCase<'a> {
+    what: &'a str,
+    src: &'a [f32],
+    src_w: usize,
+    cols: Cols,
+    dst: &'a [f32],
+    dst_w: usize,
+    dst_col: usize,
+}
+
+impl CopyCase<'_> {
+    /// Runs `copy_cols` with the source as `S` and the destination as `D` (both the case's
+    /// values rounded to those types) and checks it against the reference bit for bit; returns
+    /// both tensors.
+    fn check<S: HostElem, D: HostElem>(
+        &self,
+        dev: &Device,
+        accumulate: bool,
+    ) -> (DeviceTensor<S>, DeviceTensor<D>) {
+        let rows = self.src.len() / self.src_w;
+        let src: Vec<S> = self.src.iter().map(|&x| S::of_f32(x)).collect();
+        let dst: Vec<D> = self.dst.iter().map(|&x| D::of_f32(x)).collect();
+        let mut want: Vec<f32> = dst.iter().map(|x| x.value()).collect();
+        cpu::copy_cols(
+            &src.iter().map(|x| x.value()).collect::<Vec<_>>(),
+            self.src_w,
+            self.cols.col,
+            self.cols.width,
+            &mut want,
+            self.dst_w,
+            self.dst_col,
+            accumulate,
+            |x| D::of_f32(x).value(),
+        );
+        let s = dev.upload(S::DTYPE, &[rows, self.src_w], &src).unwrap();
+        let mut d = dev.upload(D::DTYPE, &[rows, self.dst_w], &dst).unwrap();
+        copy_cols(dev, &s, self.cols, &mut d, self.dst_col, accumulate).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let got: Vec<f32> = dev
+            .download(&d)
+            .unwrap()
+            .iter()
+            .map(|x| x.value())
+            .collect();
+        assert_bits_eq(self.what, &bits(&got), &bits(&want));
+        (s, d)
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_copy_cols_matches_reference() {
     let dev = device();
     let mut rng = rng("gpu_copy_cols_matches_reference");
-    let to_bf16 = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
-    let from_bf16 = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
-    let round_bf16 = |x: f32| bf16::from_f32(x).to_f32();
     for iter in 0..12 {
         let rows = rng.random_range(1..17);
         let (src_w, dst_w) = (rng.random_range(1..700), rng.random_range(1..700));
@@ -205,79 +276,25 @@ fn gpu_copy_cols_matches_reference() {
         let dst0 = random_f32(&mut rng, rows * dst_w);
         let what =
             format!("iter {iter}: [{rows}, {src_w}] cols {col}+{width} -> {dst_col} of {dst_w}");
-        let cols = Cols { col, width };
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let case = CopyCase {
+            what: &what,
+            src: &src,
+            src_w,
+            cols: Cols { col, width },
+            dst: &dst0,
+            dst_w,
+            dst_col,
+        };
         // f32 -> f32, plain and accumulating.
         for accumulate in [false, true] {
-            let mut want = dst0.clone();
-            cpu::copy_cols(
-                &src,
-                src_w,
-                col,
-                width,
-                &mut want,
-                dst_w,
-                dst_col,
-                accumulate,
-                |x| x,
-            );
-            let s = dev.upload(DType::F32, &[rows, src_w], &src).unwrap();
-            let mut d = dev.upload(DType::F32, &[rows, dst_w], &dst0).unwrap();
-            copy_cols(&dev, &s, cols, &mut d, dst_col, accumulate).unwrap();
-            assert_bits_eq(&what, &bits(&dev.download(&d).unwrap()), &bits(&want));
+            case.check::<f32, f32>(&dev, accumulate);
         }
         // f32 -> bf16.
-        let dst_b = to_bf16(&dst0);
-        let mut want = from_bf16(&dst_b);
-        cpu::copy_cols(
-            &src, src_w, col, width, &mut want, dst_w, dst_col, false, round_bf16,
-        );
-        let s = dev.upload(DType::F32, &[rows, src_w], &src).unwrap();
-        let mut d = dev.upload(DType::BF16, &[rows, dst_w], &dst_b).unwrap();
-        copy_cols(&dev, &s, cols, &mut d, dst_col, false).unwrap();
-        assert_bits_eq(
-            &what,
-            &bits(&from_bf16(&dev.download(&d).unwrap())),
-            &bits(&want),
-        );
+        case.check::<f32, bf16>(&dev, false);
         // bf16 -> f32 (accumulating) and bf16 -> bf16.
-        let src_b = to_bf16(&src);
-        let mut want = dst0.clone();
-        cpu::copy_cols(
-            &from_bf16(&src_b),
-            src_w,
-            col,
-            width,
-            &mut want,
-            dst_w,
-            dst_col,
-            true,
-            |x| x,
-        );
-        let s = dev.upload(DType::BF16, &[rows, src_w], &src_b).unwrap();
-        let mut d = dev.upload(DType::F32, &[rows, dst_w], &dst0).unwrap();
-        copy_cols(&dev, &s, cols, &mut d, dst_col, true).unwrap();
-        assert_bits_eq(&what, &bits(&dev.download(&d).unwrap()), &bits(&want));
-        let mut want = from_bf16(&dst_b);
-        cpu::copy_cols(
-            &from_bf16(&src_b),
-            src_w,
-            col,
-            width,
-            &mut want,
-            dst_w,
-            dst_col,
-            false,
-            round_bf16,
-        );
-        let mut d = dev.upload(DType::BF16, &[rows, dst_w], &dst_b).unwrap();
-        copy_cols(&dev, &s, cols, &mut d, dst_col, false).unwrap();
-        assert_bits_eq(
-            &what,
-            &bits(&from_bf16(&dev.download(&d).unwrap())),
-            &bits(&want),
-        );
+        case.check::<bf16, f32>(&dev, true);
+        let (s, mut d) = case.check::<bf16, bf16>(&dev, false);
         // A BF16 destination never accumulates.
-        assert!(copy_cols(&dev, &s, cols, &mut d, dst_col, true).is_err());
+        assert!(copy_cols(&dev, &s, case.cols, &mut d, dst_col, true).is_err());
     }
 }
