@@ -82,6 +82,10 @@ struct GenerateArgs {
     seed: u64,
     #[command(flatten)]
     gpu: GpuArgs,
+    /// Issue the decode step's launches one by one instead of replaying its CUDA graph
+    /// (--backend cuda).
+    #[arg(long)]
+    no_graph: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -95,12 +99,10 @@ struct GpuArgs {
     /// Where the model runs; default: cuda when a GPU is present, else cpu.
     #[arg(long, value_enum)]
     backend: Option<Backend>,
-    /// Positions the GPU sequence state holds; default: what fits in free GPU memory.
+    /// Positions the GPU sequence state holds (--backend cuda); default: the prompt plus the
+    /// new tokens (generate), the input (logits).
     #[arg(long)]
     max_context: Option<usize>,
-    /// Issue the decode step's launches one by one instead of replaying its CUDA graph.
-    #[arg(long)]
-    no_graph: bool,
 }
 
 #[derive(clap::Args)]
@@ -125,7 +127,8 @@ struct BenchArgs {
     prompt: usize,
     #[arg(long, default_value_t = 32)]
     decode: usize,
-    /// Positions the GPU sequence state holds; default: prompt + decode.
+    /// Positions the GPU sequence state holds; default: prompt + 2 · decode + 1 (the eager
+    /// and the graph decode run one after the other).
     #[arg(long)]
     max_context: Option<usize>,
 }
@@ -317,6 +320,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
+    let backend = backend(a.gpu.backend)?;
+    if backend == Backend::Cpu && (a.no_graph || a.gpu.max_context.is_some()) {
+        bail!("--no-graph and --max-context apply to --backend cuda");
+    }
+    // Checked before anything is loaded.
     if let Some(c) = a.gpu.max_context.filter(|&c| c < needed) {
         bail!(
             "prompt ({} tokens) + --max-new-tokens ({}) exceeds --max-context {c}",
@@ -324,7 +332,6 @@ fn generate(a: GenerateArgs) -> Result<()> {
             a.max_new_tokens
         );
     }
-    let backend = backend(a.gpu.backend)?;
     let (prefill_s, t1, generated) = match backend {
         Backend::Cpu => {
             let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed)?;
@@ -357,7 +364,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             model.prefill(&prompt_ids, &s)?;
             let first = model.read_token()?;
             let prefill_s = t0.elapsed().as_secs_f64();
-            let graph = if a.gpu.no_graph {
+            let graph = if a.no_graph {
                 None
             } else {
                 Some(DecodeGraph::capture(&mut model, &s)?)
@@ -408,6 +415,23 @@ fn bench(a: BenchArgs) -> Result<()> {
     if a.prompt == 0 || a.decode == 0 {
         bail!("--prompt and --decode must be positive");
     }
+    let context = match a.max_context {
+        Some(c) => c,
+        None => a
+            .decode
+            .checked_mul(2)
+            .and_then(|d| d.checked_add(a.prompt))
+            .and_then(|d| d.checked_add(1))
+            .context("--prompt + 2 · --decode overflows")?,
+    };
+    let needed = a.decode.saturating_mul(2).saturating_add(a.prompt);
+    if needed > context {
+        bail!(
+            "--prompt {} and two runs of --decode {} need {needed} positions; --max-context is {context}",
+            a.prompt,
+            a.decode
+        );
+    }
     let synth_dir = match &a.model {
         Some(_) => None,
         None => {
@@ -454,7 +478,14 @@ fn bench(a: BenchArgs) -> Result<()> {
                 Format::Nvfp4 => SynthFormat::Nvfp4,
             };
             let t = Instant::now();
-            let bytes = write_synthetic(&config, format, &dir, 0, &mut |_, _| {})?;
+            let written = write_synthetic(&config, format, &dir, 0, &mut |_, _| {});
+            let bytes = match written {
+                Ok(b) => b,
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&dir);
+                    return Err(e.into());
+                }
+            };
             eprintln!(
                 "synthetic model: {:.2} GB written to {} in {:.1} s",
                 bytes as f64 / 1e9,
@@ -469,7 +500,6 @@ fn bench(a: BenchArgs) -> Result<()> {
         .clone()
         .or(synth_dir.clone())
         .expect("a model directory");
-    let context = a.max_context.unwrap_or(a.prompt + 2 * a.decode + 1);
     let loaded = load_gpu_model(&dir, Some(context));
     if let Some(d) = &synth_dir {
         std::fs::remove_dir_all(d).with_context(|| format!("removing {}", d.display()))?;
@@ -562,7 +592,11 @@ fn logits(a: LogitsArgs) -> Result<()> {
         .into_iter()
         .chain(std::iter::repeat_n(1, ids.len() - prefill))
         .collect();
-    let (all, vocab) = match backend(a.gpu.backend)? {
+    let backend = backend(a.gpu.backend)?;
+    if backend == Backend::Cpu && a.gpu.max_context.is_some() {
+        bail!("--max-context applies to --backend cuda");
+    }
+    let (all, vocab) = match backend {
         Backend::Cpu => {
             let model = load_model(&a.model)?;
             let mut state = model.new_state();

@@ -207,13 +207,28 @@ fn bad_settings_configs_and_weights_are_named_errors() {
     for p in ["0", "1.5", "NaN"] {
         gen(&[&format!("--top-p={p}")], "must be in (0, 1]");
     }
-    // Checked before anything is loaded, on either backend.
-    for backend in ["cpu", "cuda"] {
-        gen(
-            &["--max-context", "2", "--backend", backend],
-            "+ --max-new-tokens (2) exceeds --max-context 2",
-        );
-    }
+    // Checked before anything is loaded.
+    gen(
+        &["--max-context", "2", "--backend", "cuda"],
+        "+ --max-new-tokens (2) exceeds --max-context 2",
+    );
+    gen(
+        &["--no-graph", "--backend", "cpu"],
+        "apply to --backend cuda",
+    );
+    // The bench's context is checked before a synthetic model is written.
+    fails_saying(
+        &[
+            "bench",
+            "--prompt",
+            "10",
+            "--decode",
+            "10",
+            "--max-context",
+            "5",
+        ],
+        "need 30 positions; --max-context is 5",
+    );
 
     let missing = tmp.path().join("nothing-here");
     generate_fails(

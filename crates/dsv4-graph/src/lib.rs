@@ -90,6 +90,8 @@ impl StepGraph {
 /// next token where the following replay reads it) and reads the sampled token back.
 pub struct DecodeGraph {
     graph: StepGraph,
+    /// The captured model's state, by the address of its token buffer.
+    model: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +102,8 @@ pub enum DecodeError {
     Model(#[from] GpuModelError),
     #[error(transparent)]
     Gpu(#[from] GpuError),
+    #[error("the decode graph replays the model it was captured from, not this one")]
+    OtherModel,
 }
 
 impl DecodeGraph {
@@ -108,12 +112,18 @@ impl DecodeGraph {
     pub fn capture(model: &mut GpuModel, sampling: &Sampling) -> Result<DecodeGraph, GraphError> {
         let dev = model.device().clone();
         let graph = StepGraph::capture(&dev, || model.launch_decode_step(sampling))?;
-        Ok(DecodeGraph { graph })
+        Ok(DecodeGraph {
+            graph,
+            model: model.state_address(),
+        })
     }
 
     /// One replay, enqueued without waiting: decodes the token in the device buffer and
     /// leaves the sampled next one there (replays back to back stream several tokens).
     pub fn replay(&self, model: &mut GpuModel) -> Result<(), DecodeError> {
+        if model.state_address() != self.model {
+            return Err(DecodeError::OtherModel);
+        }
         model.check_decode(1)?;
         self.graph.replay()?;
         model.note_decoded(1);

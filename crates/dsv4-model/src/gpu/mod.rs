@@ -18,7 +18,7 @@ use std::sync::Arc;
 use dsv4_ops::gpu::attention::{self, Compressed};
 use dsv4_ops::gpu::gemv::{gemv, gemv_swiglu, GemvWeight};
 use dsv4_ops::gpu::mhc::reference::HcParams;
-use dsv4_ops::gpu::mhc::{hc_head, hc_post, hc_pre, DeviceHcSite, HcPreOut};
+use dsv4_ops::gpu::mhc::{hc_head, hc_post, hc_pre, DeviceHcSite, HcPreOut, HC};
 use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
 use dsv4_ops::gpu::moe_bf16::moe_bf16;
 use dsv4_ops::gpu::router::{gate_logits, route_topk, DeviceRouteBy, GateWeight};
@@ -58,6 +58,66 @@ pub enum GpuModelError {
     },
     #[error("sequence of {needed} tokens exceeds the GPU context capacity of {capacity} (--max-context)")]
     Capacity { needed: usize, capacity: usize },
+    #[error("config.json: {field} = {value} is beyond what the GPU kernels take ({limit})")]
+    Unsupported {
+        field: &'static str,
+        value: usize,
+        limit: String,
+    },
+    #[error("no sampled token to decode from: run a prefill first (forward and reset leave none)")]
+    NoToken,
+}
+
+/// Config values the GPU kernels cannot take, named before anything is uploaded.
+fn check_gpu_config(c: &Config) -> Result<(), GpuModelError> {
+    use dsv4_ops::gpu::attention::{MAX_HEAD_DIM, MAX_INDEX_DIM, MAX_INDEX_HEADS};
+    use dsv4_ops::gpu::router::{MAX_EXPERTS, MAX_TOP_K};
+    let checks: [(&'static str, usize, bool, String); 6] = [
+        (
+            "hc_mult",
+            c.hc_mult,
+            c.hc_mult == HC,
+            format!("exactly {HC}"),
+        ),
+        (
+            "head_dim",
+            c.head_dim,
+            c.head_dim <= MAX_HEAD_DIM && c.head_dim.is_multiple_of(32),
+            format!("a multiple of 32 up to {MAX_HEAD_DIM}"),
+        ),
+        (
+            "index_n_heads",
+            c.index_n_heads,
+            c.index_n_heads <= MAX_INDEX_HEADS,
+            format!("at most {MAX_INDEX_HEADS}"),
+        ),
+        (
+            "index_head_dim",
+            c.index_head_dim,
+            c.index_head_dim <= MAX_INDEX_DIM,
+            format!("at most {MAX_INDEX_DIM}"),
+        ),
+        (
+            "n_routed_experts",
+            c.n_routed_experts,
+            c.n_routed_experts <= MAX_EXPERTS,
+            format!("at most {MAX_EXPERTS}"),
+        ),
+        (
+            "num_experts_per_tok",
+            c.experts_per_token,
+            c.experts_per_token <= MAX_TOP_K,
+            format!("at most {MAX_TOP_K}"),
+        ),
+    ];
+    match checks.into_iter().find(|(_, _, ok, _)| !ok) {
+        Some((field, value, _, limit)) => Err(GpuModelError::Unsupported {
+            field,
+            value,
+            limit,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Load-time choices.
@@ -286,6 +346,8 @@ pub struct GpuModel {
     capacity: usize,
     /// Tokens processed (mirrors the device position, which the device advances).
     len: usize,
+    /// Whether the token buffer holds a sampled token for the next decode step.
+    token_ready: bool,
     hc: HcParams,
     weight_bytes: usize,
 }
@@ -312,6 +374,7 @@ impl GpuModel {
         mut on_layer: impl FnMut(usize, usize),
     ) -> Result<GpuModel, GpuModelError> {
         let c = &config;
+        check_gpu_config(c)?;
         let layers = weights
             .layers
             .iter()
@@ -356,6 +419,7 @@ impl GpuModel {
             _pool: pool,
             capacity,
             len: 0,
+            token_ready: false,
             weight_bytes,
         })
     }
@@ -366,6 +430,12 @@ impl GpuModel {
 
     pub fn device(&self) -> &Arc<Device> {
         &self.dev
+    }
+
+    /// Identifies this model's sequence state (the device address of its token buffer): what a
+    /// captured step reads and writes.
+    pub fn state_address(&self) -> u64 {
+        self.bufs.acts.tokens.device_address()
     }
 
     /// Positions the sequence state holds.
@@ -382,7 +452,8 @@ impl GpuModel {
         self.len == 0
     }
 
-    /// Weight bytes one decode step reads (every dense weight, the selected experts, the head).
+    /// Weight bytes one decode step reads (every dense weight, the selected experts, the head;
+    /// not the sequence state).
     pub fn step_weight_bytes(&self) -> usize {
         self.weight_bytes
     }
@@ -391,6 +462,7 @@ impl GpuModel {
     pub fn reset(&mut self) -> Result<(), GpuError> {
         self.dev.write(&mut self.bufs.acts.pos, &[0])?;
         self.len = 0;
+        self.token_ready = false;
         Ok(())
     }
 
@@ -427,6 +499,7 @@ impl GpuModel {
     /// (`[n, vocab]` or the last token's `[vocab]`), as the CPU forward does.
     pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>, GpuModelError> {
         self.check_tokens(tokens)?;
+        self.token_ready = false;
         let vocab = self.config.vocab_size;
         let mut out = Vec::new();
         for chunk in tokens.chunks(MAX_CHUNK) {
@@ -467,16 +540,25 @@ impl GpuModel {
             }
             self.len += n;
         }
+        self.token_ready = true;
         Ok(())
     }
 
-    /// Room for `steps` more decode steps?
+    /// Whether `steps` more decode steps may run: a sampled token waits in the device buffer
+    /// (after a prefill or a decode step) and the context has room.
     pub fn check_decode(&self, steps: usize) -> Result<(), GpuModelError> {
+        if !self.token_ready {
+            return Err(GpuModelError::NoToken);
+        }
         let needed = self.len + steps;
-        if needed > self.capacity || needed > self.config.max_position_embeddings {
+        let limit = self.config.max_position_embeddings;
+        if needed > limit {
+            return Err(ForwardError::ContextLimit { needed, limit }.into());
+        }
+        if needed > self.capacity {
             return Err(GpuModelError::Capacity {
                 needed,
-                capacity: self.capacity.min(self.config.max_position_embeddings),
+                capacity: self.capacity,
             });
         }
         Ok(())
@@ -872,10 +954,13 @@ fn moe_layer(
     copy_cols(dev, &sy, Cols::all(c.hidden_size), &mut out, 0, true)
 }
 
-/// Weight bytes a decode step reads: every dense weight of every layer, the selected experts
-/// (`experts_per_token` of each layer), the head and one embedding row.
+/// Weight bytes a decode step reads: every dense weight of every layer (the mHC projections
+/// included), the selected experts (`experts_per_token` of each layer), the head and one
+/// embedding row. Reads of the sequence state (window, compressed entries, indexer keys), which
+/// grow with the position, are not counted.
 fn step_bytes(c: &Config, w: &DevWeights) -> usize {
     let g = |x: &GemvWeight| x.bytes();
+    let hc = |x: &DeviceHcSite| x.fn_.num_bytes();
     let comp = |x: &DevCompressor| g(&x.wkv) + g(&x.wgate);
     let layers: usize = w
         .layers
@@ -895,13 +980,16 @@ fn step_bytes(c: &Config, w: &DevWeights) -> usize {
                 + c.experts_per_token * l.moe.experts.expert_bytes()
                 + g(&l.moe.shared_w13)
                 + g(&l.moe.shared_w2)
+                + hc(&l.hc_attn)
+                + hc(&l.hc_ffn)
         })
         .sum();
-    layers + g(&w.head) + c.hidden_size * 2
+    layers + g(&w.head) + hc(&w.hc_head) + c.hidden_size * 2
 }
 
-/// The context capacity: the one asked for (an error if it does not fit), else the most that
-/// fits in 90% of the free memory, up to the model's limit, in whole 128-token units.
+/// The context capacity: the one asked for, up to the model's limit (an error if it does not
+/// fit in 90% of the free memory), else the most that fits there, up to the model's limit, in
+/// whole 128-token units.
 fn choose_capacity(
     c: &Config,
     asked: Option<usize>,
@@ -910,7 +998,9 @@ fn choose_capacity(
 ) -> Result<usize, GpuModelError> {
     let budget = free / 10 * 9;
     if let Some(ctx) = asked {
-        let need = buffers::pool_bytes(c, ctx, shared_inter)?;
+        // Positions past the model's limit are never run.
+        let ctx = ctx.min(c.max_position_embeddings);
+        let need = buffers::pool_bytes(c, ctx, shared_inter).unwrap_or(usize::MAX);
         if need > budget {
             return Err(GpuModelError::OutOfMemory {
                 context: ctx,
