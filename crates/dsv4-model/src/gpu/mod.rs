@@ -1024,3 +1024,26 @@ fn choose_capacity(
     let units = (budget - fixed) / per_unit.max(1);
     Ok((units * unit).min(c.max_position_embeddings))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_fit_the_kernels_and_misfits_are_named() {
+        for c in [Config::tiny(), Config::flash(), Config::pro()] {
+            check_gpu_config(&c).unwrap();
+        }
+        let mut c = Config::tiny();
+        c.hc_mult = 3;
+        let err = check_gpu_config(&c).unwrap_err().to_string();
+        assert!(
+            err.contains("hc_mult = 3") && err.contains("exactly 4"),
+            "{err}"
+        );
+        let mut c = Config::flash();
+        c.index_head_dim = 256;
+        let err = check_gpu_config(&c).unwrap_err().to_string();
+        assert!(err.contains("index_head_dim = 256"), "{err}");
+    }
+}
