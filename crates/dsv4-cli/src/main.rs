@@ -158,6 +158,24 @@ enum Preset {
     Pro,
 }
 
+impl Preset {
+    fn config(self) -> Config {
+        match self {
+            Preset::Tiny => Config::tiny(),
+            Preset::Flash => Config::flash(),
+            Preset::Pro => Config::pro(),
+        }
+    }
+}
+
+/// The preset's first `n` layers.
+fn first_layers(config: Config, n: usize) -> Result<Config> {
+    if n == 0 || n > config.num_layers {
+        bail!("--layers {n} must be in 1..={}", config.num_layers);
+    }
+    Ok(config.truncated(n))
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum LayerChoice {
     Sliding,
@@ -190,6 +208,16 @@ struct SynthArgs {
     seed: u64,
 }
 
+impl From<Format> for SynthFormat {
+    fn from(f: Format) -> SynthFormat {
+        match f {
+            Format::Bf16 => SynthFormat::Bf16,
+            Format::Official => SynthFormat::Official,
+            Format::Nvfp4 => SynthFormat::Nvfp4,
+        }
+    }
+}
+
 fn parse_temperature(s: &str) -> Result<f32, String> {
     let t: f32 = s.parse().map_err(|e| format!("{e}"))?;
     sampling::check_temperature(t).map_err(|e| e.to_string())
@@ -214,17 +242,29 @@ fn main() -> Result<()> {
     }
 }
 
-fn load_model(dir: &Path) -> Result<CpuModel> {
+/// Runs `load` with a progress bar of layers done, labelled `verb`.
+fn with_layer_bar<T>(
+    verb: &str,
+    load: impl FnOnce(&mut dyn FnMut(usize, usize)) -> Result<T>,
+) -> Result<T> {
     let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template("loading {bar:30} {pos}/{len} layers {elapsed}").unwrap(),
+        ProgressStyle::with_template(&format!(
+            "{verb} {{bar:30}} {{pos}}/{{len}} layers {{elapsed}}"
+        ))
+        .unwrap(),
     );
-    let model = CpuModel::load(dir, |done, total| {
+    let out = load(&mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
-    })
-    .with_context(|| format!("loading {}", dir.display()))?;
+    });
     bar.finish_and_clear();
-    Ok(model)
+    out
+}
+
+fn load_model(dir: &Path) -> Result<CpuModel> {
+    with_layer_bar("loading", |progress| {
+        CpuModel::load(dir, progress).with_context(|| format!("loading {}", dir.display()))
+    })
 }
 
 /// The backend asked for, or cuda when a GPU is present; says which when it chose.
@@ -250,15 +290,10 @@ fn backend(asked: Option<Backend>) -> Result<Backend> {
 
 fn load_gpu_model(dir: &Path, max_context: Option<usize>) -> Result<GpuModel> {
     let dev = std::sync::Arc::new(Device::new(0).context("opening CUDA device 0")?);
-    let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template("uploading {bar:30} {pos}/{len} layers {elapsed}").unwrap(),
-    );
-    let model = GpuModel::load(dir, dev, GpuOptions { max_context }, |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })
-    .with_context(|| format!("loading {} onto the GPU", dir.display()))?;
-    bar.finish_and_clear();
+    let model = with_layer_bar("uploading", |progress| {
+        GpuModel::load(dir, dev, GpuOptions { max_context }, progress)
+            .with_context(|| format!("loading {} onto the GPU", dir.display()))
+    })?;
     eprintln!(
         "{}: context capacity {} tokens, {:.3} GB of weights read per decode step",
         model.device().name(),
@@ -435,11 +470,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     let synth_dir = match &a.model {
         Some(_) => None,
         None => {
-            let mut config = match a.synth {
-                Preset::Tiny => Config::tiny(),
-                Preset::Flash => Config::flash(),
-                Preset::Pro => Config::pro(),
-            };
+            let mut config = a.synth.config();
             match &a.schedule {
                 Some(kinds) => {
                     let ratio = |csa: bool| {
@@ -460,25 +491,15 @@ fn bench(a: BenchArgs) -> Result<()> {
                         .collect();
                     config.num_layers = kinds.len();
                 }
-                None => {
-                    if a.layers == 0 || a.layers > config.num_layers {
-                        bail!("--layers {} must be in 1..={}", a.layers, config.num_layers);
-                    }
-                    config = config.truncated(a.layers);
-                }
+                None => config = first_layers(config, a.layers)?,
             }
             // Learned routing in every layer (hash layers read one fixed table).
             config.num_hash_layers = 0;
             // Written under $TMPDIR (a RAM-backed one makes this quick) and removed after loading.
             let root = std::env::temp_dir();
             let dir = root.join(format!("dsv4-bench-{}", std::process::id()));
-            let format = match a.format {
-                Format::Bf16 => SynthFormat::Bf16,
-                Format::Official => SynthFormat::Official,
-                Format::Nvfp4 => SynthFormat::Nvfp4,
-            };
             let t = Instant::now();
-            let written = write_synthetic(&config, format, &dir, 0, &mut |_, _| {});
+            let written = write_synthetic(&config, a.format.into(), &dir, 0, &mut |_, _| {});
             let bytes = match written {
                 Ok(b) => b,
                 Err(e) => {
@@ -701,22 +722,11 @@ fn info(dir: &Path) -> Result<()> {
 }
 
 fn synth(a: SynthArgs) -> Result<()> {
-    let mut config = match a.preset {
-        Preset::Tiny => Config::tiny(),
-        Preset::Flash => Config::flash(),
-        Preset::Pro => Config::pro(),
-    };
+    let mut config = a.preset.config();
     if let Some(n) = a.layers {
-        if n == 0 || n > config.num_layers {
-            bail!("--layers {n} must be in 1..={}", config.num_layers);
-        }
-        config = config.truncated(n);
+        config = first_layers(config, n)?;
     }
-    let format = match a.format {
-        Format::Bf16 => SynthFormat::Bf16,
-        Format::Official => SynthFormat::Official,
-        Format::Nvfp4 => SynthFormat::Nvfp4,
-    };
+    let format = a.format.into();
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("writing {bar:30} {bytes}/{total_bytes} {elapsed}").unwrap(),
     );

@@ -136,10 +136,7 @@ enum Dense {
 impl Dense {
     fn upload(dev: &Device, lin: &Linear) -> Result<Dense, GpuError> {
         Ok(match lin.data() {
-            LinearData::Bf16(_) => {
-                let v: Vec<bf16> = lin.to_f32().iter().map(|&x| bf16::from_f32(x)).collect();
-                Dense::Bf16(dev.upload(DType::BF16, &[lin.rows(), lin.cols()], &v)?)
-            }
+            LinearData::Bf16(_) => Dense::Bf16(upload::bf16_matrix(dev, lin)?),
             _ => Dense::F32(upload::dense_f32(dev, lin)?),
         })
     }
@@ -310,14 +307,6 @@ fn upload_layer(
     })
 }
 
-/// The first `n` rows of a `[MAX_CHUNK, ...]` buffer.
-fn rows<T: dsv4_ops::gpu::DeviceElem>(
-    t: &DeviceTensor<T>,
-    n: usize,
-) -> Result<DeviceTensor<T>, GpuError> {
-    t.rows(n)
-}
-
 /// `[n, width]` over the front of a buffer (buffers shared by several widths).
 fn cols<T: dsv4_ops::gpu::DeviceElem>(
     t: &DeviceTensor<T>,
@@ -386,7 +375,7 @@ impl GpuModel {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let w = DevWeights {
-            embed: upload::embedding(&dev, &weights.embed)?,
+            embed: upload::bf16_matrix(&dev, &weights.embed)?,
             head: upload::linear(&dev, "head", &weights.head)?,
             norm: upload::vector(&dev, &weights.norm)?,
             hc_head: upload::hc_site(&dev, &weights.hc_head, c.hidden_size)?,
@@ -504,11 +493,10 @@ impl GpuModel {
         let mut out = Vec::new();
         for chunk in tokens.chunks(MAX_CHUNK) {
             let n = chunk.len();
-            let mut ids = rows(&self.bufs.acts.tokens, n)?;
-            self.dev.write(&mut ids, chunk)?;
+            self.write_tokens(chunk)?;
             self.launch_chunk(n)?;
             self.len += n;
-            let logits = self.dev.download(&rows(&self.bufs.acts.logits, n)?)?;
+            let logits = self.dev.download(&self.bufs.acts.logits.rows(n)?)?;
             match which {
                 Logits::All => out.extend_from_slice(&logits),
                 Logits::Last => out = logits[(n - 1) * vocab..].to_vec(),
@@ -524,8 +512,7 @@ impl GpuModel {
         let chunks: Vec<&[u32]> = prompt.chunks(MAX_CHUNK).collect();
         for (i, chunk) in chunks.iter().enumerate() {
             let n = chunk.len();
-            let mut ids = rows(&self.bufs.acts.tokens, n)?;
-            self.dev.write(&mut ids, chunk)?;
+            self.write_tokens(chunk)?;
             if i + 1 == chunks.len() {
                 // Sampled with the last prompt token's position as the key, as a decode step
                 // samples with its own token's.
@@ -581,7 +568,7 @@ impl GpuModel {
 
     /// The token the last step sampled (waits for the device).
     pub fn read_token(&self) -> Result<u32, GpuError> {
-        Ok(self.dev.download(&rows(&self.bufs.acts.tokens, 1)?)?[0])
+        Ok(self.dev.download(&self.bufs.acts.tokens.rows(1)?)?[0])
     }
 
     /// The logits of the last step's row `row` (waits for the device).
@@ -589,6 +576,12 @@ impl GpuModel {
         let v = self.config.vocab_size;
         self.dev
             .download(&self.bufs.acts.logits.view(row * v, &[v])?)
+    }
+
+    /// A chunk's token ids into the device token buffer.
+    fn write_tokens(&mut self, chunk: &[u32]) -> Result<(), GpuError> {
+        let mut ids = self.bufs.acts.tokens.rows(chunk.len())?;
+        self.dev.write(&mut ids, chunk)
     }
 
     fn launch_chunk(&mut self, n: usize) -> Result<(), GpuError> {
@@ -604,7 +597,7 @@ impl GpuModel {
         let a = &mut self.bufs.acts;
         let v = self.config.vocab_size;
         let logits = a.logits.view(row * v, &[v])?;
-        let mut token = rows(&a.tokens, 1)?;
+        let mut token = a.tokens.rows(1)?;
         sample(
             &self.dev,
             &logits,
@@ -621,8 +614,8 @@ impl GpuModel {
         let dev = &*self.dev;
         let c = &self.config;
         let a = &mut self.bufs.acts;
-        let tokens = rows(&a.tokens, n)?;
-        let mut s0 = rows(&a.streams[0], n)?;
+        let tokens = a.tokens.rows(n)?;
+        let mut s0 = a.streams[0].rows(n)?;
         embed_hc_gather(dev, &self.w.embed, &tokens, c.hc_mult, &mut s0)?;
         let mut cur = 0;
         let eps = c.rms_norm_eps;
@@ -655,17 +648,17 @@ impl GpuModel {
             )?;
         }
         // Head: collapse, norm, lm_head.
-        let streams = rows(&a.streams[cur], n)?;
-        let mut x = rows(&a.x, n)?;
-        let mut part = rows(&a.mix_partials, n)?;
+        let streams = a.streams[cur].rows(n)?;
+        let mut x = a.x.rows(n)?;
+        let mut part = a.mix_partials.rows(n)?;
         hc_head(dev, &streams, &self.w.hc_head, &self.hc, &mut part, &mut x)?;
-        let mut xn = rows(&a.xn, n)?;
+        let mut xn = a.xn.rows(n)?;
         rms_norm_rows(dev, &x, Some(&self.w.norm), c.rms_norm_eps, &mut xn)?;
-        let mut xb = rows(&a.xb, n)?;
+        let mut xb = a.xb.rows(n)?;
         cast(dev, &xn, &mut xb)?;
-        let mut lb = rows(&a.logits_b, n)?;
+        let mut lb = a.logits_b.rows(n)?;
         gemv(dev, &xb, &self.w.head, &mut lb, &mut a.ws)?;
-        cast(dev, &lb, &mut rows(&a.logits, n)?)
+        cast(dev, &lb, &mut a.logits.rows(n)?)
     }
 }
 
@@ -685,11 +678,11 @@ fn hc_sublayer(
     block: impl FnOnce(&mut buffers::Acts<Taking>) -> Result<(), GpuError>,
     out: fn(&buffers::Acts<Taking>) -> &DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    let src = rows(&a.streams[*cur], n)?;
-    let mut dst = rows(&a.streams[1 - *cur], n)?;
+    let src = a.streams[*cur].rows(n)?;
+    let mut dst = a.streams[1 - *cur].rows(n)?;
     let mix = site_pre(dev, p, a, n, &src, site, norm, eps)?;
     block(a)?;
-    hc_post(dev, &src, &rows(out(a), n)?, &mix, &mut dst)?;
+    hc_post(dev, &src, &out(a).rows(n)?, &mix, &mut dst)?;
     *cur = 1 - *cur;
     Ok(())
 }
@@ -708,21 +701,21 @@ fn site_pre(
     eps: f32,
 ) -> Result<HcPreOut, GpuError> {
     let mut mix = HcPreOut {
-        x: rows(&a.x, n)?,
-        post: rows(&a.post, n)?,
-        comb: rows(&a.comb, n)?,
+        x: a.x.rows(n)?,
+        post: a.post.rows(n)?,
+        comb: a.comb.rows(n)?,
     };
     hc_pre(
         dev,
         streams,
         site,
         p,
-        &mut rows(&a.mix_partials, n)?,
+        &mut a.mix_partials.rows(n)?,
         &mut mix,
     )?;
-    let mut xn = rows(&a.xn, n)?;
+    let mut xn = a.xn.rows(n)?;
     rms_norm_rows(dev, &mix.x, Some(norm), eps, &mut xn)?;
-    cast(dev, &xn, &mut rows(&a.xb, n)?)?;
+    cast(dev, &xn, &mut a.xb.rows(n)?)?;
     Ok(mix)
 }
 
@@ -734,13 +727,13 @@ fn linear_f32(
     tmp: &DeviceTensor<bf16>,
     out: &DeviceTensor<f32>,
     ws: &mut dsv4_ops::gpu::gemv::GemvWorkspace,
-) -> Result<(DeviceTensor<f32>, usize), GpuError> {
+) -> Result<DeviceTensor<f32>, GpuError> {
     let n = x.shape()[0];
     let mut t = cols(tmp, n, w.n())?;
     gemv(dev, x, w, &mut t, ws)?;
     let mut o = cols(out, n, w.n())?;
     cast(dev, &t, &mut o)?;
-    Ok((o, w.n()))
+    Ok(o)
 }
 
 /// Attention sub-layer of `n` tokens: `acts.xn`/`acts.xb` in, `acts.y` out.
@@ -761,15 +754,15 @@ fn attention_layer(
     } else {
         &w.rope_compress
     };
-    let xb = rows(&a.xb, n)?;
+    let xb = a.xb.rows(n)?;
     // Query latent: wq_a, q_norm.
-    let (qa, _) = linear_f32(dev, &xb, &at.wq_a, &a.qa_b, &a.qa, &mut a.ws)?;
-    let mut qa_n = rows(&a.qa_n, n)?;
+    let qa = linear_f32(dev, &xb, &at.wq_a, &a.qa_b, &a.qa, &mut a.ws)?;
+    let mut qa_n = a.qa_n.rows(n)?;
     rms_norm_rows(dev, &qa, Some(&at.q_norm), eps, &mut qa_n)?;
-    let mut qab = rows(&a.qab, n)?;
+    let mut qab = a.qab.rows(n)?;
     cast(dev, &qa_n, &mut qab)?;
     // Queries: wq_b, per-head norm, rope.
-    let (q, _) = linear_f32(dev, &qab, &at.wq_b, &a.q_b, &a.q, &mut a.ws)?;
+    let q = linear_f32(dev, &qab, &at.wq_b, &a.q_b, &a.q, &mut a.ws)?;
     let mut q_n = a.q_n.view(0, &[n * c.num_heads, hd])?;
     rms_norm_rows(
         dev,
@@ -781,8 +774,8 @@ fn attention_layer(
     let mut q_n = q_n.reshape(&[n, q_all])?;
     rope_rows(dev, &mut q_n, hd, rope, &a.pos, RopeDirection::Forward)?;
     // The shared key/value: wkv, kv_norm, rope.
-    let (kv, _) = linear_f32(dev, &xb, &at.wkv, &a.kv_b, &a.kv, &mut a.ws)?;
-    let mut kv_n = rows(&a.kv_n, n)?;
+    let kv = linear_f32(dev, &xb, &at.wkv, &a.kv_b, &a.kv, &mut a.ws)?;
+    let mut kv_n = a.kv_n.rows(n)?;
     rms_norm_rows(dev, &kv, Some(&at.kv_norm), eps, &mut kv_n)?;
     rope_rows(dev, &mut kv_n, hd, rope, &a.pos, RopeDirection::Forward)?;
     // Compressors update every token and emit entries at their boundaries.
@@ -791,7 +784,7 @@ fn attention_layer(
     }
     if let (Some(iw), Some(ist)) = (&at.indexer, &mut ls.index) {
         compress(dev, c, w, &iw.compressor, ist.comp.buffers()?, a, n)?;
-        let (mut iq, _) = linear_f32(dev, &qab, &iw.wq_b, &a.iq_b, &a.iq, &mut a.ws)?;
+        let mut iq = linear_f32(dev, &qab, &iw.wq_b, &a.iq_b, &a.iq, &mut a.ws)?;
         rope_rows(
             dev,
             &mut iq,
@@ -800,10 +793,10 @@ fn attention_layer(
             &a.pos,
             RopeDirection::Forward,
         )?;
-        let mut iwt = rows(&a.iw, n)?;
-        gate_logits(dev, &rows(&a.xn, n)?, iw.weights_proj.weight(), &mut iwt)?;
+        let mut iwt = a.iw.rows(n)?;
+        gate_logits(dev, &a.xn.rows(n)?, iw.weights_proj.weight(), &mut iwt)?;
         let ratio = lw.kind.ratio();
-        let mut sel = rows(&ist.selected, n)?;
+        let mut sel = ist.selected.rows(n)?;
         attention::index_topk(
             dev,
             &iq,
@@ -811,14 +804,14 @@ fn attention_layer(
             ist.comp.entries(),
             ratio,
             &a.pos,
-            &mut rows(&ist.scores, n)?,
+            &mut ist.scores.rows(n)?,
             &mut sel,
         )?;
     }
     let selected;
     let compressed = match (&ls.comp, &ls.index) {
         (Some(st), Some(ist)) => {
-            selected = rows(&ist.selected, n)?;
+            selected = ist.selected.rows(n)?;
             Compressed::Selected {
                 entries: st.entries(),
                 selected: &selected,
@@ -830,7 +823,7 @@ fn attention_layer(
         },
         _ => Compressed::None,
     };
-    let mut out = rows(&a.attn, n)?;
+    let mut out = a.attn.rows(n)?;
     attention::attention(
         dev, &q_n, &kv_n, &ls.window, compressed, &at.sink, &a.pos, &mut out,
     )?;
@@ -840,9 +833,9 @@ fn attention_layer(
     // token's groups are contiguous column ranges: the GEMVs read and write them in place.
     let gw = q_all / c.o_groups;
     let r = c.o_lora_rank;
-    let mut z = rows(&a.z, n)?;
+    let mut z = a.z.rows(n)?;
     if n == 1 {
-        let mut ob = rows(&a.attn_b, 1)?;
+        let mut ob = a.attn_b.rows(1)?;
         cast(dev, &out, &mut ob)?;
         for (g, wg) in at.wo_a.iter().enumerate() {
             let gin = ob.view(g * gw, &[1, gw])?;
@@ -851,7 +844,7 @@ fn attention_layer(
         }
     } else {
         for (g, wg) in at.wo_a.iter().enumerate() {
-            let mut gin = rows(&a.group_in, n)?;
+            let mut gin = a.group_in.rows(n)?;
             copy_cols(
                 dev,
                 &out,
@@ -863,14 +856,14 @@ fn attention_layer(
                 0,
                 false,
             )?;
-            let mut gout = rows(&a.group_out, n)?;
+            let mut gout = a.group_out.rows(n)?;
             gemv(dev, &gin, wg, &mut gout, &mut a.ws)?;
             copy_cols(dev, &gout, Cols::all(r), &mut z, g * r, false)?;
         }
     }
-    let mut yb = rows(&a.y_b, n)?;
+    let mut yb = a.y_b.rows(n)?;
     gemv(dev, &z, &at.wo_b, &mut yb, &mut a.ws)?;
-    cast(dev, &yb, &mut rows(&a.y, n)?)
+    cast(dev, &yb, &mut a.y.rows(n)?)
 }
 
 /// A compressor's projections of `acts.xb` and its state update.
@@ -883,9 +876,9 @@ fn compress(
     a: &mut buffers::Acts<Taking>,
     n: usize,
 ) -> Result<(), GpuError> {
-    let xb = rows(&a.xb, n)?;
-    let (kv, _) = linear_f32(dev, &xb, &cw.wkv, &a.comp_b[0], &a.comp[0], &mut a.ws)?;
-    let (gate, _) = linear_f32(dev, &xb, &cw.wgate, &a.comp_b[1], &a.comp[1], &mut a.ws)?;
+    let xb = a.xb.rows(n)?;
+    let kv = linear_f32(dev, &xb, &cw.wkv, &a.comp_b[0], &a.comp[0], &mut a.ws)?;
+    let gate = linear_f32(dev, &xb, &cw.wgate, &a.comp_b[1], &a.comp[1], &mut a.ws)?;
     attention::compressor_update(
         dev,
         &kv,
@@ -910,14 +903,14 @@ fn moe_layer(
     tokens: &DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
     let m = &lw.moe;
-    let xb = rows(&a.xb, n)?;
-    let mut logits = rows(&a.gate, n)?;
-    gate_logits(dev, &rows(&a.xn, n)?, m.gate.weight(), &mut logits)?;
+    let xb = a.xb.rows(n)?;
+    let mut logits = a.gate.rows(n)?;
+    gate_logits(dev, &a.xn.rows(n)?, m.gate.weight(), &mut logits)?;
     let by = match &m.routing {
         DevRouting::Hash(t) => DeviceRouteBy::Hash { tid2eid: t },
         DevRouting::Learned(b) => DeviceRouteBy::Learned { bias: b },
     };
-    let (mut ids, mut wts) = (rows(&a.ids, n)?, rows(&a.weights, n)?);
+    let (mut ids, mut wts) = (a.ids.rows(n)?, a.weights.rows(n)?);
     route_topk(
         dev,
         &logits,
@@ -927,10 +920,10 @@ fn moe_layer(
         &mut ids,
         &mut wts,
     )?;
-    let mut out = rows(&a.moe, n)?;
+    let mut out = a.moe.rows(n)?;
     match &m.experts {
         RoutedExperts::Fp4(e) => {
-            let mut h = rows(&a.h_b, n)?;
+            let mut h = a.h_b.rows(n)?;
             moe_decode(
                 dev,
                 &xb,
@@ -943,13 +936,13 @@ fn moe_layer(
             )?;
         }
         RoutedExperts::Bf16(e) => {
-            let mut h = rows(&a.h, n)?;
+            let mut h = a.h.rows(n)?;
             moe_bf16(dev, &xb, &ids, &wts, e, c.swiglu_limit, &mut h, &mut out)?;
         }
     }
-    let mut sh = rows(&a.shared_h, n)?;
+    let mut sh = a.shared_h.rows(n)?;
     gemv_swiglu(dev, &xb, &m.shared_w13, c.swiglu_limit, &mut sh, &mut a.ws)?;
-    let mut sy = rows(&a.shared_y, n)?;
+    let mut sy = a.shared_y.rows(n)?;
     gemv(dev, &sh, &m.shared_w2, &mut sy, &mut a.ws)?;
     copy_cols(dev, &sy, Cols::all(c.hidden_size), &mut out, 0, true)
 }

@@ -60,20 +60,9 @@ fn unsupported(name: &str, detail: String) -> GpuError {
 /// Rows `rows` of `lin` (all of them for a whole linear) in its own format; F32 and F16 are
 /// rounded to BF16.
 fn host_rows(name: &str, lin: &Linear, rows: Range<usize>) -> Result<HostRows, GpuError> {
-    let c = lin.cols();
-    let n = rows.len();
-    let bf16_rows = || {
-        let mut row = vec![0f32; c];
-        let mut out = Vec::with_capacity(n * c);
-        for r in rows.clone() {
-            lin.dequant_row(r, &mut row);
-            out.extend(row.iter().map(|&v| bf16::from_f32(v)));
-        }
-        out
-    };
     Ok(match lin.data() {
         LinearData::F32(_) | LinearData::Bf16(_) | LinearData::F16(_) => {
-            HostRows::Bf16(bf16_rows())
+            HostRows::Bf16(bf16_rows(lin, rows))
         }
         LinearData::Fp8Block {
             scale_format,
@@ -113,6 +102,18 @@ fn host_rows(name: &str, lin: &Linear, rows: Range<usize>) -> Result<HostRows, G
             })
         }
     })
+}
+
+/// Rows `rows` of `lin`, dequantized one at a time and rounded to BF16.
+fn bf16_rows(lin: &Linear, rows: Range<usize>) -> Vec<bf16> {
+    let c = lin.cols();
+    let mut row = vec![0f32; c];
+    let mut out = Vec::with_capacity(rows.len() * c);
+    for r in rows {
+        lin.dequant_row(r, &mut row);
+        out.extend(row.iter().map(|&v| bf16::from_f32(v)));
+    }
+    out
 }
 
 fn named(name: &str) -> impl FnOnce(GpuError) -> GpuError + '_ {
@@ -262,14 +263,9 @@ pub fn dense_f32(dev: &Device, lin: &Linear) -> Result<DeviceTensor<f32>, GpuErr
     dev.upload(DType::F32, &[lin.rows(), lin.cols()], &lin.to_f32())
 }
 
-/// The embedding table as BF16 `[vocab, D]`.
-pub fn embedding(dev: &Device, lin: &Linear) -> Result<DeviceTensor<bf16>, GpuError> {
-    let h = host_rows("embedding", lin, 0..lin.rows())?;
-    match h {
-        HostRows::Bf16(v) => dev.upload(DType::BF16, &[lin.rows(), lin.cols()], &v),
-        _ => {
-            let v: Vec<bf16> = lin.to_f32().iter().map(|&x| bf16::from_f32(x)).collect();
-            dev.upload(DType::BF16, &[lin.rows(), lin.cols()], &v)
-        }
-    }
+/// A whole matrix as BF16 `[rows, cols]`, whatever its format (the embedding table, BF16
+/// gates).
+pub fn bf16_matrix(dev: &Device, lin: &Linear) -> Result<DeviceTensor<bf16>, GpuError> {
+    let v = bf16_rows(lin, 0..lin.rows());
+    dev.upload(DType::BF16, &[lin.rows(), lin.cols()], &v)
 }
