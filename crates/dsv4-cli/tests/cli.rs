@@ -123,6 +123,15 @@ fn bad_inputs_give_errors_not_panics() {
         !out.status.success() && err.contains("token id 100000"),
         "{err}"
     );
+
+    write_ids(&ids_file, &[1, 2]);
+    let cpu_only = ["--backend", "cpu", "--max-context", "8"];
+    let out = logits(&fixture, &ids_file, &tmp.path().join("o"), &cpu_only);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--max-context applies to --backend cuda"),
+        "{err}"
+    );
 }
 
 /// Overwrites every element of tensor `name` (BF16 or F32, in whichever shard holds it) with NaN.
