@@ -245,12 +245,16 @@ fn gpu_model_matches_cpu_with_every_entry_selected() {
 
 /// Greedy decode of `steps` tokens after `prompt`, by graph replays or eager launches; the
 /// sampled tokens and every step's logits.
-fn decode(model: &mut GpuModel, prompt: &[u32], steps: usize, graph: bool) -> (Vec<u32>, Vec<f32>) {
-    let s = Sampling {
+fn greedy() -> Sampling {
+    Sampling {
         temperature: 0.0,
         top_p: 1.0,
         seed: 0,
-    };
+    }
+}
+
+fn decode(model: &mut GpuModel, prompt: &[u32], steps: usize, graph: bool) -> (Vec<u32>, Vec<f32>) {
+    let s = greedy();
     model.reset().unwrap();
     model.prefill(prompt, &s).unwrap();
     let mut tokens = vec![model.read_token().unwrap()];
@@ -351,16 +355,51 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("outside the vocabulary"), "{err}");
-    let err = GpuModel::load(
-        &dir,
-        dev.clone(),
-        GpuOptions {
-            max_context: Some(1 << 40),
-        },
-        |_, _| {},
-    )
-    .err()
-    .expect("a context that cannot fit")
-    .to_string();
+
+    // A forward leaves no sampled token to decode from; nor does a reset.
+    let s = greedy();
+    model.forward(&[1, 2], Logits::Last).unwrap();
+    let err = eager_step(&mut model, &s).unwrap_err().to_string();
+    assert!(err.contains("no sampled token"), "{err}");
+    model.prefill(&[1, 2], &s).unwrap();
+    model.reset().unwrap();
+    let err = eager_step(&mut model, &s).unwrap_err().to_string();
+    assert!(err.contains("no sampled token"), "{err}");
+
+    // A graph replays only the model it was captured from.
+    model.prefill(&[1, 2], &s).unwrap();
+    let graph = DecodeGraph::capture(&mut model, &s).unwrap();
+    let mut other = gpu_model(&dir, &dev, 8);
+    other.prefill(&[1, 2], &s).unwrap();
+    let err = graph.step(&mut other).unwrap_err().to_string();
+    assert!(err.contains("captured from"), "{err}");
+    graph.step(&mut model).unwrap();
+    drop(other);
+
+    // The model's own context limit, and a context too large for the GPU's memory.
+    let ck = Checkpoint::open(&dir).unwrap();
+    let weights = ModelWeights::load(&ck, |_, _| {}).unwrap();
+    let with_limit = |limit: usize, max_context: usize| {
+        let mut config = ck.config().clone();
+        config.max_position_embeddings = limit;
+        let opts = GpuOptions {
+            max_context: Some(max_context),
+        };
+        GpuModel::new(config, &weights, dev.clone(), opts, |_, _| {})
+    };
+    let mut short = with_limit(4, 64).expect("a 4-token model");
+    assert_eq!(short.capacity(), 4, "the asked context is clamped to the model's");
+    short.prefill(&[1, 2, 3], &s).unwrap();
+    let err = short.check_decode(2).unwrap_err().to_string();
+    assert!(err.contains("context limit of 4"), "{err}");
+    eager_step(&mut short, &s).expect("the step that fills the context");
+    let err = eager_step(&mut short, &s).unwrap_err().to_string();
+    assert!(err.contains("context limit of 4"), "{err}");
+    drop(short);
+    let huge = 1 << 40;
+    let err = with_limit(huge, huge)
+        .err()
+        .expect("a context that cannot fit")
+        .to_string();
     assert!(err.contains("too little GPU memory"), "{err}");
 }

@@ -1039,4 +1039,23 @@ mod tests {
         let err = check_gpu_config(&c).unwrap_err().to_string();
         assert!(err.contains("index_head_dim = 256"), "{err}");
     }
+
+    #[test]
+    fn capacity_is_what_was_asked_or_what_fits_and_a_misfit_names_the_bytes() {
+        let c = Config::tiny();
+        let inter = c.moe_intermediate_size;
+        let gib = 1usize << 30;
+        assert_eq!(choose_capacity(&c, Some(100), inter, gib).unwrap(), 100);
+        let limit = c.max_position_embeddings;
+        assert_eq!(choose_capacity(&c, Some(limit + 9), inter, gib).unwrap(), limit);
+        let fits = choose_capacity(&c, None, inter, gib).unwrap();
+        assert!(fits % 128 == 0 || fits == limit, "{fits}");
+        assert!(buffers::pool_bytes(&c, fits, inter).unwrap() <= gib / 10 * 9);
+        let small = buffers::pool_bytes(&c, 0, inter).unwrap();
+        for asked in [Some(1000), None] {
+            let err = choose_capacity(&c, asked, inter, small).unwrap_err().to_string();
+            assert!(err.contains("too little GPU memory"), "{err}");
+            assert!(err.contains(&small.to_string()), "{err}");
+        }
+    }
 }
