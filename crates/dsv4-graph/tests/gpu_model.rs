@@ -388,7 +388,11 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
         GpuModel::new(config, &weights, dev.clone(), opts, |_, _| {})
     };
     let mut short = with_limit(4, 64).expect("a 4-token model");
-    assert_eq!(short.capacity(), 4, "the asked context is clamped to the model's");
+    assert_eq!(
+        short.capacity(),
+        4,
+        "the asked context is clamped to the model's"
+    );
     short.prefill(&[1, 2, 3], &s).unwrap();
     let err = short.check_decode(2).unwrap_err().to_string();
     assert!(err.contains("context limit of 4"), "{err}");

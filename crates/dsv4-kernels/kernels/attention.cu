@@ -87,6 +87,7 @@ DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict_
                                                         const float* __restrict__ prev_kv,
                                                         const float* __restrict__ prev_gate, u32 cap,
                                                         float* __restrict__ entries) {
+    pdl_enter();
     extern __shared__ float pooled[];
     __shared__ float scratch[32];
     const u32 pos0 = pos[0];
@@ -162,6 +163,7 @@ DSV4_KERNEL void compressor_store(const float* __restrict__ kv_proj, const float
                                   const u32* __restrict__ pos, float* __restrict__ st_kv,
                                   float* __restrict__ st_gate, float* __restrict__ prev_kv,
                                   float* __restrict__ prev_gate) {
+    pdl_enter();
     const u32 kc = overlap ? 2u * c : c;
     const u64 total = (u64)ratio * kc;
     const u32 pos0 = pos[0];
@@ -210,6 +212,7 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
                                                              const float* __restrict__ entries, u32 cap, u32 nh,
                                                              u32 c, u32 ratio, const u32* __restrict__ pos,
                                                              float scale, float wscale, float* __restrict__ scores) {
+    pdl_enter();
     __shared__ float q_s[IDX_MAX_C * IDX_MAX_HEADS];
     __shared__ float4 k_s[IDX_WARPS][IDX_MAX_C];
     __shared__ float terms[IDX_WARPS][IDX_EPW][IDX_MAX_HEADS];
@@ -284,6 +287,7 @@ __device__ __forceinline__ u32 order_key(float x) {
 DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __restrict__ scores, u32 cap, u32 ratio,
                                                              const u32* __restrict__ pos, u32 k,
                                                              int* __restrict__ selected) {
+    pdl_enter();
     __shared__ u32 hist[256];
     __shared__ u32 gt_s[SEL_THREADS];
     __shared__ u32 eq_s[SEL_THREADS];
@@ -373,6 +377,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS) attention_heads(
     const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, u32 g, float scale,
     float* __restrict__ out) {
+    pdl_enter();
     __shared__ float q_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
     __shared__ float acc_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
     __shared__ float m_s[ATT_MAX_G], l_s[ATT_MAX_G];
@@ -481,6 +486,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS) attention_heads(
 // ring[(pos0 + t) % W] = kv[t] for the last min(T, W) rows t of the chunk.
 DSV4_KERNEL void window_write(const float* __restrict__ kv, u32 tokens, u32 d, const u32* __restrict__ pos, u32 wsize,
                               float* __restrict__ window) {
+    pdl_enter();
     const u32 rows = min(tokens, wsize);
     const u32 skip = tokens - rows;
     const u64 total = (u64)rows * d;

@@ -130,4 +130,25 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return v;
 }
 
+// ---- programmatic dependent launch ----
+//
+// Every kernel of a decode step launches with the programmatic-serialization attribute, so it
+// may start while its predecessor in the stream still runs. Before `pdl_wait` returns, a kernel
+// may read only what no earlier kernel writes (weights); after it, the predecessor (and, by
+// induction, every earlier kernel) has finished and its writes are visible.
+// `pdl_launch_dependents` lets the successor start launching; a kernel calls it after its own
+// wait, so at most two grids of the stream are resident.
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Both, at the top of a kernel that has nothing to read before its predecessor ends.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_launch_dependents();
+}
+
 }  // namespace dsv4

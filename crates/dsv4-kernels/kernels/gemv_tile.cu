@@ -135,18 +135,11 @@ __device__ __forceinline__ u32 mxfp4_scale_bf16x2(u32 e) {
     return h | (h << 16);
 }
 
-// ---- programmatic dependent launch ----
+// ---- programmatic dependent launch (dsv4_common.cuh) ----
 //
-// The GEMV launcher sets the programmatic-serialization attribute, so a GEMV may start while
-// its predecessor in the stream still runs. Weights and their scales are constant, so they are
-// loaded before `pdl_wait`; activations, the workspace and every output only after it. Each
-// GEMV lets its successor launch once its own wait has returned, so at most two are resident.
-
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
+// Weights and their scales are constant, so a GEMV loads its first ones before `pdl_wait`;
+// activations, the workspace and every output only after it. Each GEMV lets its successor
+// launch once its own wait has returned, so at most two are resident.
 
 // ---- one 16-row tile, streamed in 1 KB sub-steps ----
 //

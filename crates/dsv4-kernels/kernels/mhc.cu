@@ -26,6 +26,7 @@ __device__ __forceinline__ float sigmoid_rn(float x) { return __fdiv_rn(1.0f, __
 // partials is [n, gridDim.x, PART].
 DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
                                  u32 mix, float* __restrict__ partials) {
+    pdl_enter();
     __shared__ float sv[MIX_COLS];
     const u32 t = blockIdx.y, c = blockIdx.x;
     const u32 j0 = c * MIX_COLS;
@@ -117,6 +118,7 @@ DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const f
                         u32 splits, const float* __restrict__ base, const float* __restrict__ scale,
                         u32 sinkhorn_iters, float hc_eps, float norm_eps, float* __restrict__ x,
                         float* __restrict__ post, float* __restrict__ comb) {
+    pdl_enter();
     __shared__ float sums[PART];
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
@@ -146,6 +148,7 @@ DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const f
 DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                          u32 splits, const float* __restrict__ base, const float* __restrict__ scale, float hc_eps,
                          float norm_eps, float* __restrict__ x) {
+    pdl_enter();
     __shared__ float sums[PART];
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
@@ -165,6 +168,7 @@ DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const 
 // out[t, j, c] = post[t, j] * y[t, c] + sum_i comb[t, i, j] * streams[t, i, c] (out != streams).
 DSV4_KERNEL void hc_post(const float* __restrict__ streams, const float* __restrict__ y, const float* __restrict__ post,
                          const float* __restrict__ comb, u32 n, u32 d, float* __restrict__ out) {
+    pdl_enter();
     const u64 total = (u64)n * HC * d;
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
         const u64 t = e / ((u64)HC * d);

@@ -215,6 +215,7 @@ __device__ __forceinline__ void down_rows(const MoeBf16Args& a, int e, const u16
 }  // namespace moe_bf16
 
 DSV4_KERNEL void __launch_bounds__(128) moe_bf16_gate_up(const MoeBf16Args a) {
+    pdl_enter();
     using namespace moe_bf16;
     __shared__ u16 list[MAX_PAIRS];
     __shared__ u32 list_n;
@@ -252,6 +253,7 @@ DSV4_KERNEL void __launch_bounds__(128) moe_bf16_gate_up(const MoeBf16Args a) {
 }
 
 DSV4_KERNEL void __launch_bounds__(128) moe_bf16_down(const MoeBf16Args a) {
+    pdl_enter();
     using namespace moe_bf16;
     __shared__ int ids[MAX_PAIRS];         // the valid ids, -1 for the others
     __shared__ u8 head[MAX_PAIRS];         // the pair is its expert's first

@@ -24,6 +24,7 @@ __device__ __forceinline__ bool better(float v, u32 i, float w, u32 j) { return 
 DSV4_KERNEL void route_topk(const float* __restrict__ logits, u32 n, u32 e, u32 k, const u32* __restrict__ tokens,
                             const u32* __restrict__ tid2eid, u32 vocab, const float* __restrict__ bias, float scale,
                             int* __restrict__ ids, float* __restrict__ weights) {
+    pdl_enter();
     const u32 lane = threadIdx.x & 31u;
     const u32 warps = blockDim.x >> 5;
     for (u32 t = blockIdx.x * warps + (threadIdx.x >> 5); t < n; t += gridDim.x * warps) {
@@ -208,11 +209,13 @@ __device__ __forceinline__ void logits_of_row(const float* __restrict__ x, u32 n
 DSV4_KERNEL void __launch_bounds__(128) gate_logits_bf16(const float* __restrict__ x, u32 n, u32 d,
                                                          const u16* __restrict__ w, u32 experts,
                                                          float* __restrict__ logits) {
+    pdl_enter();
     gate::logits_of_row(x, n, d, w, experts, logits);
 }
 
 DSV4_KERNEL void __launch_bounds__(128) gate_logits_f32(const float* __restrict__ x, u32 n, u32 d,
                                                         const float* __restrict__ w, u32 experts,
                                                         float* __restrict__ logits) {
+    pdl_enter();
     gate::logits_of_row(x, n, d, w, experts, logits);
 }

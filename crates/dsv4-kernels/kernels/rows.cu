@@ -15,6 +15,7 @@ using namespace dsv4;
 DSV4_KERNEL void embed_hc_gather(const u16* __restrict__ table, u32 vocab, u32 d,
                                  const u32* __restrict__ tokens, u32 n, u32 hc,
                                  float* __restrict__ out) {
+    pdl_enter();
     const u64 width = (u64)hc * d;
     const u64 total = (u64)n * width;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
@@ -29,6 +30,7 @@ DSV4_KERNEL void embed_hc_gather(const u16* __restrict__ table, u32 vocab, u32 d
 // `weight` may be null (no scale). In place when out == x.
 DSV4_KERNEL void rms_norm_rows(const float* x, u32 rows, u32 width, const float* __restrict__ weight,
                                float eps, float* out) {
+    pdl_enter();
     __shared__ float scratch[32];
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* row = x + (u64)r * width;
@@ -49,6 +51,7 @@ DSV4_KERNEL void rms_norm_rows(const float* x, u32 rows, u32 width, const float*
 // attention output). x is [tokens, heads, width]; token t sits at position pos[0] + t.
 DSV4_KERNEL void rope_rows(float* __restrict__ x, u32 tokens, u32 heads, u32 width, u32 rope_dim,
                            const float* __restrict__ inv_freq, const u32* __restrict__ pos, float sign) {
+    pdl_enter();
     const u32 half = rope_dim / 2u;
     const u64 total = (u64)tokens * heads * half;
     const u32 p0 = pos[0];
@@ -74,6 +77,7 @@ DSV4_KERNEL void rope_rows(float* __restrict__ x, u32 tokens, u32 heads, u32 wid
 // pos[0] += n: a decode step moves its own position forward, so graph replays walk the
 // sequence without the host.
 DSV4_KERNEL void advance_position(u32* __restrict__ pos, u32 n) {
+    pdl_enter();
     if (blockIdx.x == 0u && threadIdx.x == 0u) pos[0] += n;
 }
 
@@ -102,17 +106,21 @@ __device__ __forceinline__ void copy_cols(const S* __restrict__ src, u32 src_str
 
 DSV4_KERNEL void copy_cols_f32_f32(const float* src, u32 src_stride, u32 src_col, float* dst, u32 dst_stride, u32 dst_col,
                        u32 rows, u32 width, u32 accumulate) {
+    pdl_enter();
     copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
 }
 DSV4_KERNEL void copy_cols_f32_bf16(const float* src, u32 src_stride, u32 src_col, u16* dst, u32 dst_stride, u32 dst_col,
                        u32 rows, u32 width, u32 accumulate) {
+    pdl_enter();
     copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
 }
 DSV4_KERNEL void copy_cols_bf16_f32(const u16* src, u32 src_stride, u32 src_col, float* dst, u32 dst_stride, u32 dst_col,
                        u32 rows, u32 width, u32 accumulate) {
+    pdl_enter();
     copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
 }
 DSV4_KERNEL void copy_cols_bf16_bf16(const u16* src, u32 src_stride, u32 src_col, u16* dst, u32 dst_stride, u32 dst_col,
                        u32 rows, u32 width, u32 accumulate) {
+    pdl_enter();
     copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
 }

@@ -27,6 +27,7 @@ __device__ float block_max(const float* __restrict__ z, u32 vocab, float* scratc
 
 DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_weights(const float* __restrict__ z, u32 vocab, float inv_t,
                                                                   float* __restrict__ w) {
+    pdl_enter();
     __shared__ float scratch[32];
     __shared__ float max_all;
     const float m = block_max(z, vocab, scratch);
@@ -100,6 +101,7 @@ __device__ u32 block_argmax(const float* __restrict__ z, u32 vocab, float* vals,
 DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __restrict__ z, const float* __restrict__ w,
                                                                u32 vocab, u32 greedy, float top_p, u64 seed,
                                                                const u32* __restrict__ pos, u32* __restrict__ token) {
+    pdl_enter();
     __shared__ float part[SAMPLE_THREADS];
     __shared__ u32 ids[SAMPLE_THREADS];
     const u32 chunk = (vocab + SAMPLE_THREADS - 1u) / SAMPLE_THREADS;

@@ -1047,13 +1047,18 @@ mod tests {
         let gib = 1usize << 30;
         assert_eq!(choose_capacity(&c, Some(100), inter, gib).unwrap(), 100);
         let limit = c.max_position_embeddings;
-        assert_eq!(choose_capacity(&c, Some(limit + 9), inter, gib).unwrap(), limit);
+        assert_eq!(
+            choose_capacity(&c, Some(limit + 9), inter, gib).unwrap(),
+            limit
+        );
         let fits = choose_capacity(&c, None, inter, gib).unwrap();
-        assert!(fits % 128 == 0 || fits == limit, "{fits}");
+        assert!(fits.is_multiple_of(128) || fits == limit, "{fits}");
         assert!(buffers::pool_bytes(&c, fits, inter).unwrap() <= gib / 10 * 9);
         let small = buffers::pool_bytes(&c, 0, inter).unwrap();
         for asked in [Some(1000), None] {
-            let err = choose_capacity(&c, asked, inter, small).unwrap_err().to_string();
+            let err = choose_capacity(&c, asked, inter, small)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("too little GPU memory"), "{err}");
             assert!(err.contains(&small.to_string()), "{err}");
         }

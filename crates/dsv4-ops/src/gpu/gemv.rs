@@ -16,12 +16,11 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use cudarc::driver::sys as cu;
 use cudarc::driver::DeviceRepr;
 use dsv4_kernels::GEMV_FP8_RING;
 use half::bf16;
 
-use super::launch::{cluster_attribute, dim_u32};
+use super::launch::{dim_u32, launch_struct};
 use super::{BufferPool, DType, Device, DeviceTensor, GpuError, Reservation};
 use crate::codecs::fp8_block::ScaleFormat;
 use crate::codecs::mxfp4::Mxfp4Quantized;
@@ -76,7 +75,7 @@ pub mod tuning {
         }
     }
 
-    /// GEMV kernels launch with programmatic stream serialization.
+    /// Kernels launch with programmatic stream serialization (`launch`'s module docs).
     pub static PROGRAMMATIC_LAUNCH: Switch = Switch::on();
 
     /// GEMV and MoE kernels may stage their activations in shared memory (they read them from
@@ -934,71 +933,6 @@ const MAX_CLUSTER_SUM: usize = 8;
 /// Padding (bf16) after each staged activation row, so rows do not start on the same bank.
 const STAGE_PAD: usize = 8;
 
-/// Launches `kernel` on the device stream, with programmatic stream serialization when `pdl`
-/// is set: it may then start before the previous kernel in the stream ends, and waits for it
-/// in-kernel (`griddepcontrol.wait`) before touching its outputs. `cluster_y` > 1 groups the
-/// blocks into clusters of that many along the grid's y.
-///
-/// # Safety
-/// `args` must be the `#[repr(C)]` mirror of the kernel's single by-value argument, and every
-/// address in it valid for what the kernel reads and writes with that grid and `shared` bytes
-/// of dynamic shared memory.
-pub(crate) unsafe fn launch_pdl<A: DeviceRepr>(
-    dev: &Device,
-    kernel: &str,
-    grid: (u32, u32, u32),
-    (block, shared): (u32, u32),
-    args: &A,
-    pdl: bool,
-    cluster_y: u32,
-) -> Result<(), GpuError> {
-    let f = dev.function(kernel)?;
-    let stream = dev.stream();
-    let err = |e| GpuError::Driver {
-        what: format!("launching {kernel}"),
-        source: e,
-    };
-    stream.context().bind_to_thread().map_err(err)?;
-    // SAFETY: a zeroed attribute is a valid C union; each id selects the field set below.
-    let mut attrs: [cu::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-    let mut n = 0;
-    if pdl {
-        attrs[n].id =
-            cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attrs[n].value.programmaticStreamSerializationAllowed = 1;
-        n += 1;
-    }
-    if cluster_y > 1 {
-        attrs[n] = cluster_attribute(cluster_y);
-        n += 1;
-    }
-    let cfg = cu::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: shared,
-        hStream: stream.cu_stream(),
-        attrs: attrs.as_mut_ptr(),
-        numAttrs: n as u32,
-    };
-    let mut params = [args as *const A as *mut std::ffi::c_void];
-    // SAFETY: the caller vouches for the kernel and its argument; cfg and attrs outlive the
-    // call.
-    unsafe {
-        cu::cuLaunchKernelEx(
-            &cfg,
-            f.cu_function(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
-    .result()
-    .map_err(err)
-}
-
 /// Where a launch's partial sums of one tile meet, and its dynamic shared memory.
 struct Sums {
     /// The plan, its ranges regrouped into one block per tile where that replaced a
@@ -1223,7 +1157,7 @@ fn launch(
     // tiles; x and y were checked against (n, k); the kernel uses at most splits * tiles
     // workspace partials and tiles counters (plan bounds both).
     unsafe {
-        launch_pdl(
+        launch_struct(
             dev,
             kernel,
             grid,

@@ -1,9 +1,172 @@
-//! Small helpers shared by launchers.
+//! Kernel launches and small helpers shared by launchers.
+//!
+//! Every kernel of a decode step launches with programmatic stream serialization: it may start
+//! while its predecessor in the stream still runs, and waits for it in-kernel
+//! (`griddepcontrol.wait`, `pdl_wait` in dsv4_common.cuh) before it touches memory that the
+//! predecessor writes or reads. Launch latency and the next kernel's prologue so overlap the
+//! previous kernel's tail, inside CUDA graphs too (the captured edges are programmatic).
 
-use cudarc::driver::sys::{CUlaunchAttribute, CUlaunchAttributeID};
-use cudarc::driver::{DriverError, LaunchConfig};
+use cudarc::driver::sys::{self as cu, CUlaunchAttribute, CUlaunchAttributeID};
+use cudarc::driver::{DeviceRepr, DriverError, LaunchConfig};
 
-use super::GpuError;
+use super::gemv::tuning::PROGRAMMATIC_LAUNCH;
+use super::{Device, DeviceElem, DeviceTensor, GpuError};
+
+/// Most by-value arguments a kernel of [`launch`] takes.
+const MAX_ARGS: usize = 24;
+
+/// A kernel's arguments, in order: scalars and device addresses, 8 bytes at most each (kernels
+/// that take a struct launch through [`launch_struct`]).
+pub(crate) struct Args {
+    slots: [u64; MAX_ARGS],
+    n: usize,
+}
+
+impl Args {
+    pub(crate) fn new() -> Args {
+        Args {
+            slots: [0; MAX_ARGS],
+            n: 0,
+        }
+    }
+
+    /// A scalar argument (`u32`, `f32`, `u64`...).
+    pub(crate) fn arg<T: DeviceRepr + Copy>(&mut self, v: T) -> &mut Args {
+        const {
+            assert!(
+                std::mem::size_of::<T>() <= 8,
+                "an argument slot holds 8 bytes"
+            )
+        };
+        assert!(self.n < MAX_ARGS, "more than {MAX_ARGS} kernel arguments");
+        // SAFETY: T is plain data of at most 8 bytes, copied into the slot's first bytes (the
+        // driver reads sizeof(parameter) bytes from the slot's address).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                &v as *const T as *const u8,
+                &mut self.slots[self.n] as *mut u64 as *mut u8,
+                std::mem::size_of::<T>(),
+            )
+        };
+        self.n += 1;
+        self
+    }
+
+    /// A tensor's device address (read or written by the kernel alike).
+    pub(crate) fn ptr<T: DeviceElem>(&mut self, t: &DeviceTensor<T>) -> &mut Args {
+        self.arg(t.device_address())
+    }
+}
+
+/// Launches `kernel` with `cfg` and `args` on the device stream (programmatic, see the module
+/// docs).
+///
+/// # Safety
+/// `args` must be the kernel's parameters in order and type, every address valid for what the
+/// kernel reads and writes with `cfg`.
+pub(crate) unsafe fn launch(
+    dev: &Device,
+    kernel: &str,
+    cfg: LaunchConfig,
+    args: &Args,
+) -> Result<(), GpuError> {
+    let mut slots = args.slots;
+    let mut params: Vec<*mut std::ffi::c_void> = slots[..args.n]
+        .iter_mut()
+        .map(|s| s as *mut u64 as *mut std::ffi::c_void)
+        .collect();
+    let (grid, block) = (cfg.grid_dim, cfg.block_dim);
+    debug_assert!(block.1 == 1 && block.2 == 1, "1-D blocks");
+    // SAFETY: the caller's; params point into `slots`, alive for the call.
+    unsafe {
+        launch_params(
+            dev,
+            kernel,
+            grid,
+            (block.0, cfg.shared_mem_bytes),
+            &mut params,
+            PROGRAMMATIC_LAUNCH.get(),
+            1,
+        )
+    }
+}
+
+/// Launches `kernel`, whose single parameter is the `#[repr(C)]` struct `args`, with
+/// programmatic stream serialization when `pdl` is set. `cluster_y` > 1 groups the blocks into
+/// clusters of that many along the grid's y.
+///
+/// # Safety
+/// `args` must mirror the kernel's parameter, and every address in it be valid for what the
+/// kernel reads and writes with that grid and `shared` bytes of dynamic shared memory.
+pub(crate) unsafe fn launch_struct<A: DeviceRepr>(
+    dev: &Device,
+    kernel: &str,
+    grid: (u32, u32, u32),
+    block_shared: (u32, u32),
+    args: &A,
+    pdl: bool,
+    cluster_y: u32,
+) -> Result<(), GpuError> {
+    let mut params = [args as *const A as *mut std::ffi::c_void];
+    // SAFETY: the caller's.
+    unsafe { launch_params(dev, kernel, grid, block_shared, &mut params, pdl, cluster_y) }
+}
+
+/// # Safety
+/// As [`launch`]: `params` point at the kernel's parameters.
+unsafe fn launch_params(
+    dev: &Device,
+    kernel: &str,
+    grid: (u32, u32, u32),
+    (block, shared): (u32, u32),
+    params: &mut [*mut std::ffi::c_void],
+    pdl: bool,
+    cluster_y: u32,
+) -> Result<(), GpuError> {
+    let f = dev.function(kernel)?;
+    let stream = dev.stream();
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(launch_err(kernel))?;
+    // SAFETY: a zeroed attribute is a valid C union; each id selects the field set below.
+    let mut attrs: [cu::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+    let mut n = 0;
+    if pdl {
+        attrs[n].id =
+            cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n].value.programmaticStreamSerializationAllowed = 1;
+        n += 1;
+    }
+    if cluster_y > 1 {
+        attrs[n] = cluster_attribute(cluster_y);
+        n += 1;
+    }
+    let cfg = cu::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: shared,
+        hStream: stream.cu_stream(),
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: n as u32,
+    };
+    // SAFETY: the caller vouches for the kernel and its parameters; cfg and attrs outlive the
+    // call.
+    unsafe {
+        cu::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(launch_err(kernel))
+}
 
 /// Threads per block of the element-wise kernels.
 pub(crate) const THREADS: u32 = 256;

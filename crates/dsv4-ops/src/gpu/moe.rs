@@ -15,8 +15,9 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::gemv::pack::{encode_codes, pack, CodeOrder, Layout};
-use super::gemv::{check_mxfp4_scales, launch_pdl, resident_warps, staging_bytes, tuning};
+use super::gemv::{check_mxfp4_scales, resident_warps, staging_bytes, tuning};
 use super::launch::dim_u32;
+use super::launch::launch_struct;
 use super::{DType, Device, DeviceTensor, GpuError};
 use crate::codecs::mxfp4::Mxfp4Quantized;
 use crate::codecs::nvfp4::Nvfp4Quantized;
@@ -475,7 +476,7 @@ pub fn moe_decode(
     // against (E, D, I, M, top_k) above; the kernels bound-check expert ids and read/write
     // only inside those shapes.
     unsafe {
-        launch_pdl(
+        launch_struct(
             dev,
             &gate_up,
             (up_blocks, (m * topk) as u32, 1),
@@ -486,7 +487,7 @@ pub fn moe_decode(
         )
     }?;
     unsafe {
-        launch_pdl(
+        launch_struct(
             dev,
             &down,
             (dim_u32("moe tiles", tiles)?, 1, 1),

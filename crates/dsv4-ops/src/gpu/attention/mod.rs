@@ -10,28 +10,26 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use super::launch::{dim_u32, elementwise, launch_err};
+use super::launch::{self, dim_u32, elementwise, Args};
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
-/// Launches `kernel` on the device's stream with `cfg` and the arguments `args` pushes, in
-/// order; a failure names the kernel.
+/// Launches `kernel` with `cfg` and the arguments `args` pushes, in order.
 ///
 /// # Safety
 /// The arguments and `cfg` must be what the kernel reads and writes, in bounds (each caller
 /// says why).
-unsafe fn launch<'a>(
-    dev: &'a Device,
+unsafe fn launch(
+    dev: &Device,
     kernel: &str,
     cfg: LaunchConfig,
-    args: impl FnOnce(&mut LaunchArgs<'a>),
+    args: impl FnOnce(&mut Args),
 ) -> Result<(), GpuError> {
-    let mut builder = dev.stream().launch_builder(dev.function(kernel)?);
-    args(&mut builder);
+    let mut a = Args::new();
+    args(&mut a);
     // SAFETY: the caller's.
-    unsafe { builder.launch(cfg) }.map_err(launch_err(kernel))?;
-    Ok(())
+    unsafe { launch::launch(dev, kernel, cfg, &a) }
 }
 
 /// `(rows, cols)` of a 2-D tensor of `dtype` whose `rows` and `cols`, where given, are those.
@@ -176,60 +174,57 @@ pub fn compressor_update(
         block_dim: (256, 1, 1),
         shared_mem_bytes: dims[2] * 4,
     };
-    let mut ev = state.entries.view_mut();
     // SAFETY: kv_proj and gate_proj [t, kc], ape [ratio, kc], norm [c], inv_freq [half] with
     // 2·half <= c, pos [1], state kv and gate [ratio, kc], prev [ratio, c] (read only with
     // overlap), entries [cap, c] (entries >= cap are skipped), checked above; c floats of
     // dynamic shared memory (c <= 8192).
     unsafe {
         launch(dev, "compressor_emit", cfg, |b| {
-            compressor_projections(b, kv_proj, gate_proj, ape, &dims, &ov);
-            b.arg(norm.slice())
-                .arg(&eps)
-                .arg(inv_freq.slice())
-                .arg(&dims[3])
-                .arg(pos.slice())
-                .arg(state.kv.slice())
-                .arg(state.gate.slice())
-                .arg(state.prev_kv.slice())
-                .arg(state.prev_gate.slice())
-                .arg(&dims[4])
-                .arg(&mut ev);
+            compressor_projections(b, kv_proj, gate_proj, ape, &dims, ov);
+            b.ptr(norm)
+                .arg(eps)
+                .ptr(inv_freq)
+                .arg(dims[3])
+                .ptr(pos)
+                .ptr(&state.kv)
+                .ptr(&state.gate)
+                .ptr(&state.prev_kv)
+                .ptr(&state.prev_gate)
+                .arg(dims[4])
+                .ptr(&state.entries);
         })
     }?;
-    let (mut kv, mut gate) = (state.kv.view_mut(), state.gate.view_mut());
-    let (mut pkv, mut pgate) = (state.prev_kv.view_mut(), state.prev_gate.view_mut());
     let cfg = elementwise((ratio * kc) as u64);
     // SAFETY: as above; each thread reads and writes only its own state element (and, with
     // overlap, the prev element of the same row and channel).
     unsafe {
         launch(dev, "compressor_store", cfg, |b| {
-            compressor_projections(b, kv_proj, gate_proj, ape, &dims, &ov);
-            b.arg(pos.slice())
-                .arg(&mut kv)
-                .arg(&mut gate)
-                .arg(&mut pkv)
-                .arg(&mut pgate);
+            compressor_projections(b, kv_proj, gate_proj, ape, &dims, ov);
+            b.ptr(pos)
+                .ptr(&state.kv)
+                .ptr(&state.gate)
+                .ptr(&state.prev_kv)
+                .ptr(&state.prev_gate);
         })
     }
 }
 
 /// The arguments both compressor kernels start with: the tokens' projections, their count, the
 /// window (ape and its shape) and the overlap flag.
-fn compressor_projections<'a>(
-    b: &mut LaunchArgs<'a>,
-    kv_proj: &'a DeviceTensor<f32>,
-    gate_proj: &'a DeviceTensor<f32>,
-    ape: &'a DeviceTensor<f32>,
-    dims: &'a [u32; 5],
-    ov: &'a u32,
+fn compressor_projections(
+    b: &mut Args,
+    kv_proj: &DeviceTensor<f32>,
+    gate_proj: &DeviceTensor<f32>,
+    ape: &DeviceTensor<f32>,
+    dims: &[u32; 5],
+    ov: u32,
 ) {
-    b.arg(kv_proj.slice())
-        .arg(gate_proj.slice())
-        .arg(&dims[0])
-        .arg(ape.slice())
-        .arg(&dims[1])
-        .arg(&dims[2])
+    b.ptr(kv_proj)
+        .ptr(gate_proj)
+        .arg(dims[0])
+        .ptr(ape)
+        .arg(dims[1])
+        .arg(dims[2])
         .arg(ov);
 }
 
@@ -297,23 +292,22 @@ pub fn index_topk(
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut sv = scores.view_mut();
         // SAFETY: q [t, nh·c], weights [t, nh], entries [cap, c] with nh <= 64, c <= 128 (the
         // kernel's shared arrays), pos [1], scores [t, cap]; only entries < min(n_vis, cap) are
         // read and scored.
         unsafe {
             launch(dev, "index_scores", cfg, |b| {
-                b.arg(q.slice())
-                    .arg(weights.slice())
-                    .arg(entries.slice())
-                    .arg(&dims[0])
-                    .arg(&dims[1])
-                    .arg(&dims[2])
-                    .arg(&dims[3])
-                    .arg(pos.slice())
-                    .arg(&scale)
-                    .arg(&wscale)
-                    .arg(&mut sv);
+                b.ptr(q)
+                    .ptr(weights)
+                    .ptr(entries)
+                    .arg(dims[0])
+                    .arg(dims[1])
+                    .arg(dims[2])
+                    .arg(dims[3])
+                    .ptr(pos)
+                    .arg(scale)
+                    .arg(wscale)
+                    .ptr(scores);
             })
         }?;
     }
@@ -322,17 +316,16 @@ pub fn index_topk(
         block_dim: (1024, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut out = selected.view_mut();
     // SAFETY: scores [t, cap] (only [0, n_vis) of each row read, n_vis <= cap), pos [1],
     // selected [t, k].
     unsafe {
         launch(dev, "index_select", cfg, |b| {
-            b.arg(scores.slice())
-                .arg(&dims[0])
-                .arg(&dims[3])
-                .arg(pos.slice())
-                .arg(&dims[4])
-                .arg(&mut out);
+            b.ptr(scores)
+                .arg(dims[0])
+                .arg(dims[3])
+                .ptr(pos)
+                .arg(dims[4])
+                .ptr(selected);
         })
     }
 }
@@ -441,29 +434,28 @@ pub fn attention(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut o = out.view_mut();
     // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1,
     // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),
     // selected [t, k], sink [heads], pos [1], out [t, heads·d]; g divides heads and g <= 4.
     unsafe {
         launch(dev, "attention_heads", cfg, |b| {
-            b.arg(q.slice())
-                .arg(kv.slice())
-                .arg(window.slice())
-                .arg(&dims[0])
-                .arg(&mode)
-                .arg(&entries_ptr)
-                .arg(&dims[1])
-                .arg(&dims[2])
-                .arg(&sel_ptr)
-                .arg(&dims[3])
-                .arg(sink.slice())
-                .arg(pos.slice())
-                .arg(&dims[4])
-                .arg(&dims[5])
-                .arg(&dims[6])
-                .arg(&scale)
-                .arg(&mut o);
+            b.ptr(q)
+                .ptr(kv)
+                .ptr(window)
+                .arg(dims[0])
+                .arg(mode)
+                .arg(entries_ptr)
+                .arg(dims[1])
+                .arg(dims[2])
+                .arg(sel_ptr)
+                .arg(dims[3])
+                .ptr(sink)
+                .ptr(pos)
+                .arg(dims[4])
+                .arg(dims[5])
+                .arg(dims[6])
+                .arg(scale)
+                .ptr(out);
         })
     }
 }
@@ -484,16 +476,15 @@ pub fn window_write(
         return Ok(());
     }
     let dims = dims_u32([("tokens", t), ("head width", d), ("window", w)])?;
-    let mut wv = window.view_mut();
     // SAFETY: kv [t, d], window [w, d] with w >= 1, pos [1].
     unsafe {
         launch(dev, "window_write", elementwise(total), |b| {
-            b.arg(kv.slice())
-                .arg(&dims[0])
-                .arg(&dims[1])
-                .arg(pos.slice())
-                .arg(&dims[2])
-                .arg(&mut wv);
+            b.ptr(kv)
+                .arg(dims[0])
+                .arg(dims[1])
+                .ptr(pos)
+                .arg(dims[2])
+                .ptr(window);
         })
     }
 }

@@ -8,9 +8,9 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use super::launch::{dim_u32, elementwise, launch_err, THREADS};
+use super::launch::{dim_u32, elementwise, launch, Args, THREADS};
 use super::{DType, Device, DeviceTensor, GpuError};
 use reference::{HcParams, HcSite};
 
@@ -53,21 +53,21 @@ fn mix_partials(
             format!("{n} tokens (at most 65535 a launch)"),
         ));
     }
-    let f = dev.function("hc_mix_partials")?;
-    let mut pv = partials.view_mut();
     // SAFETY: streams [n, HC·d], fn [mix, HC·d] (checked by the callers), partials
     // [n, splits, MIX + 1] with mix <= MIX.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(streams.slice())
-            .arg(&width)
-            .arg(site.fn_.slice())
-            .arg(&mix32)
-            .arg(&mut pv)
-            .launch(cfg)
-    }
-    .map_err(launch_err("hc_mix_partials"))?;
+        launch(
+            dev,
+            "hc_mix_partials",
+            cfg,
+            Args::new()
+                .ptr(streams)
+                .arg(width)
+                .ptr(&site.fn_)
+                .arg(mix32)
+                .ptr(partials),
+        )
+    }?;
     Ok(splits)
 }
 
@@ -151,29 +151,29 @@ pub fn hc_pre(
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
     let iters = dim_u32("sinkhorn iterations", p.sinkhorn_iters)?;
     let splits = mix_partials(dev, streams, site, MIX, n, d, partials)?;
-    let f = dev.function("hc_pre")?;
-    let (mut x, mut post, mut comb) = (out.x.view_mut(), out.post.view_mut(), out.comb.view_mut());
     // SAFETY: streams [n, 4d], partials [n, splits, 25], base [24], scale [3], outputs [n, d], [n, 4],
     // [n, 16], all checked above.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(streams.slice())
-            .arg(&n32)
-            .arg(&d32)
-            .arg(partials.slice())
-            .arg(&splits)
-            .arg(site.base.slice())
-            .arg(site.scale.slice())
-            .arg(&iters)
-            .arg(&p.hc_eps)
-            .arg(&p.norm_eps)
-            .arg(&mut x)
-            .arg(&mut post)
-            .arg(&mut comb)
-            .launch(per_token(n32))
-    }
-    .map_err(launch_err("hc_pre"))?;
+        launch(
+            dev,
+            "hc_pre",
+            per_token(n32),
+            Args::new()
+                .ptr(streams)
+                .arg(n32)
+                .arg(d32)
+                .ptr(partials)
+                .arg(splits)
+                .ptr(&site.base)
+                .ptr(&site.scale)
+                .arg(iters)
+                .arg(p.hc_eps)
+                .arg(p.norm_eps)
+                .ptr(&out.x)
+                .ptr(&out.post)
+                .ptr(&out.comb),
+        )
+    }?;
     Ok(())
 }
 
@@ -195,26 +195,26 @@ pub fn hc_head(
     }
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
     let splits = mix_partials(dev, streams, site, HC, n, d, partials)?;
-    let f = dev.function("hc_head")?;
-    let mut xv = x.view_mut();
     // SAFETY: streams [n, 4d], partials [n, splits, 25], base [4], scale [1], x [n, d], checked
     // above.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(streams.slice())
-            .arg(&n32)
-            .arg(&d32)
-            .arg(partials.slice())
-            .arg(&splits)
-            .arg(site.base.slice())
-            .arg(site.scale.slice())
-            .arg(&p.hc_eps)
-            .arg(&p.norm_eps)
-            .arg(&mut xv)
-            .launch(per_token(n32))
-    }
-    .map_err(launch_err("hc_head"))?;
+        launch(
+            dev,
+            "hc_head",
+            per_token(n32),
+            Args::new()
+                .ptr(streams)
+                .arg(n32)
+                .arg(d32)
+                .ptr(partials)
+                .arg(splits)
+                .ptr(&site.base)
+                .ptr(&site.scale)
+                .arg(p.hc_eps)
+                .arg(p.norm_eps)
+                .ptr(x),
+        )
+    }?;
     Ok(())
 }
 
@@ -237,21 +237,21 @@ pub fn hc_post(
         return Ok(());
     }
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
-    let f = dev.function("hc_post")?;
-    let mut o = out.view_mut();
     // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16].
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(streams.slice())
-            .arg(y.slice())
-            .arg(mix.post.slice())
-            .arg(mix.comb.slice())
-            .arg(&n32)
-            .arg(&d32)
-            .arg(&mut o)
-            .launch(elementwise(total))
-    }
-    .map_err(launch_err("hc_post"))?;
+        launch(
+            dev,
+            "hc_post",
+            elementwise(total),
+            Args::new()
+                .ptr(streams)
+                .ptr(y)
+                .ptr(&mix.post)
+                .ptr(&mix.comb)
+                .arg(n32)
+                .arg(d32)
+                .ptr(out),
+        )
+    }?;
     Ok(())
 }

@@ -17,10 +17,11 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 use half::bf16;
 
-use super::launch::{dim_u32, launch_err};
+use super::gemv::tuning::PROGRAMMATIC_LAUNCH;
+use super::launch::{dim_u32, launch_struct};
 use super::moe::{check_routing, same_expert_counts};
 use super::{DType, Device, DeviceTensor, GpuError};
 
@@ -228,19 +229,10 @@ pub fn moe_bf16(
     // weights [M, k], h [M, k, I], out [M, D] and the stacked weights [E, I, D] / [E, D, I] were
     // checked above (D and I multiples of 8, so every 16-byte load is aligned); the kernels
     // bound-check expert ids and touch nothing outside those shapes.
-    unsafe {
-        dev.stream()
-            .launch_builder(dev.function("moe_bf16_gate_up")?)
-            .arg(&args)
-            .launch(up)
+    let pdl = PROGRAMMATIC_LAUNCH.get();
+    for (kernel, cfg) in [("moe_bf16_gate_up", up), ("moe_bf16_down", down)] {
+        let block = (cfg.block_dim.0, cfg.shared_mem_bytes);
+        unsafe { launch_struct(dev, kernel, cfg.grid_dim, block, &args, pdl, 1) }?;
     }
-    .map_err(launch_err("moe_bf16_gate_up"))?;
-    unsafe {
-        dev.stream()
-            .launch_builder(dev.function("moe_bf16_down")?)
-            .arg(&args)
-            .launch(down)
-    }
-    .map_err(launch_err("moe_bf16_down"))?;
     Ok(())
 }

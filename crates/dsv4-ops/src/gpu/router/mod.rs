@@ -7,10 +7,10 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use half::bf16;
 
-use super::launch::{dim_u32, launch_err};
+use super::launch::{dim_u32, launch, Args};
 use super::{DType, Device, DeviceTensor, GpuError};
 
 /// The largest experts-per-token the kernel holds (DeepSeek-V4 uses 6).
@@ -82,27 +82,27 @@ pub fn route_topk(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let f = dev.function("route_topk")?;
-    let (mut iv, mut wv) = (ids.view_mut(), weights.view_mut());
     // SAFETY: logits [n, e], tokens [n], tid2eid [vocab, k] or bias [e] (the other null),
     // ids and weights [n, k] with k <= 16, checked above.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(logits.slice())
-            .arg(&dims[0])
-            .arg(&dims[1])
-            .arg(&dims[2])
-            .arg(tokens.slice())
-            .arg(&tid2eid)
-            .arg(&dims[3])
-            .arg(&bias)
-            .arg(&scale)
-            .arg(&mut iv)
-            .arg(&mut wv)
-            .launch(cfg)
-    }
-    .map_err(launch_err("route_topk"))?;
+        launch(
+            dev,
+            "route_topk",
+            cfg,
+            Args::new()
+                .ptr(logits)
+                .arg(dims[0])
+                .arg(dims[1])
+                .arg(dims[2])
+                .ptr(tokens)
+                .arg(tid2eid)
+                .arg(dims[3])
+                .arg(bias)
+                .arg(scale)
+                .ptr(ids)
+                .ptr(weights),
+        )
+    }?;
     Ok(())
 }
 
@@ -174,21 +174,21 @@ pub fn gate_logits(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let f = dev.function(kernel)?;
-    let mut lv = logits.view_mut();
     // SAFETY: x [t, d], w [e, d] of the kernel's element type (d a multiple of 8, so the
     // 16-byte loads are aligned), logits [t, e], checked above.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(x.slice())
-            .arg(&dims[0])
-            .arg(&dims[1])
-            .arg(&w_addr)
-            .arg(&dims[2])
-            .arg(&mut lv)
-            .launch(cfg)
-    }
-    .map_err(launch_err(kernel))?;
+        launch(
+            dev,
+            kernel,
+            cfg,
+            Args::new()
+                .ptr(x)
+                .arg(dims[0])
+                .arg(dims[1])
+                .arg(w_addr)
+                .arg(dims[2])
+                .ptr(logits),
+        )
+    }?;
     Ok(())
 }

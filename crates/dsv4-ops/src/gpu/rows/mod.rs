@@ -8,10 +8,10 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use half::bf16;
 
-use super::launch::{dim_u32, elementwise, launch_err, THREADS};
+use super::launch::{dim_u32, elementwise, launch, Args, THREADS};
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
 /// `out [n, hc·D]` (F32) = `hc` copies of row `tokens[t]` of the BF16 `table [vocab, D]`, for
@@ -38,23 +38,23 @@ pub fn embed_hc_gather(
         dim_u32("tokens", n)?,
         dim_u32("hc", hc)?,
     );
-    let f = dev.function("embed_hc_gather")?;
-    let mut o = out.view_mut();
     // SAFETY: table [vocab, d], tokens [n], out [n, hc * d], checked above; ids are bounds
     // checked inside the kernel.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(table.slice())
-            .arg(&v32)
-            .arg(&d32)
-            .arg(tokens.slice())
-            .arg(&n32)
-            .arg(&hc32)
-            .arg(&mut o)
-            .launch(elementwise(total))
-    }
-    .map_err(launch_err("embed_hc_gather"))?;
+        launch(
+            dev,
+            "embed_hc_gather",
+            elementwise(total),
+            Args::new()
+                .ptr(table)
+                .arg(v32)
+                .arg(d32)
+                .ptr(tokens)
+                .arg(n32)
+                .arg(hc32)
+                .ptr(out),
+        )
+    }?;
     Ok(())
 }
 
@@ -78,26 +78,26 @@ pub fn rms_norm_rows(
     let (r32, w32) = (dim_u32("rows", rows)?, dim_u32("width", width)?);
     // Null selects the unscaled norm inside the kernel.
     let weight_ptr: u64 = weight.map_or(0, DeviceTensor::device_address);
-    let f = dev.function("rms_norm_rows")?;
     let cfg = LaunchConfig {
         grid_dim: (r32.min(1 << 16), 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut o = out.view_mut();
     // SAFETY: x and out are [rows, width], weight (when not null) [width], checked above.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(x.slice())
-            .arg(&r32)
-            .arg(&w32)
-            .arg(&weight_ptr)
-            .arg(&eps)
-            .arg(&mut o)
-            .launch(cfg)
-    }
-    .map_err(launch_err("rms_norm_rows"))?;
+        launch(
+            dev,
+            "rms_norm_rows",
+            cfg,
+            Args::new()
+                .ptr(x)
+                .arg(r32)
+                .arg(w32)
+                .arg(weight_ptr)
+                .arg(eps)
+                .ptr(out),
+        )
+    }?;
     Ok(())
 }
 
@@ -148,23 +148,23 @@ pub fn rope_rows(
         RopeDirection::Forward => 1.0,
         RopeDirection::Inverse => -1.0,
     };
-    let f = dev.function("rope_rows")?;
-    let mut xv = x.view_mut();
     // SAFETY: x [tokens, heads * width] with 2 * half <= width, inv_freq [half], pos [1].
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(&mut xv)
-            .arg(&dims[0])
-            .arg(&dims[1])
-            .arg(&dims[2])
-            .arg(&dims[3])
-            .arg(inv_freq.slice())
-            .arg(pos.slice())
-            .arg(&sign)
-            .launch(elementwise(total))
-    }
-    .map_err(launch_err("rope_rows"))?;
+        launch(
+            dev,
+            "rope_rows",
+            elementwise(total),
+            Args::new()
+                .ptr(x)
+                .arg(dims[0])
+                .arg(dims[1])
+                .arg(dims[2])
+                .arg(dims[3])
+                .ptr(inv_freq)
+                .ptr(pos)
+                .arg(sign),
+        )
+    }?;
     Ok(())
 }
 
@@ -172,17 +172,15 @@ pub fn rope_rows(
 /// to its next position.
 pub fn advance_position(dev: &Device, pos: &mut DeviceTensor<u32>, n: u32) -> Result<(), GpuError> {
     pos.expect("position", DType::U32, &[1])?;
-    let f = dev.function("advance_position")?;
-    let mut p = pos.view_mut();
     // SAFETY: pos holds one u32.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(&mut p)
-            .arg(&n)
-            .launch(elementwise(1))
-    }
-    .map_err(launch_err("advance_position"))?;
+        launch(
+            dev,
+            "advance_position",
+            elementwise(1),
+            Args::new().ptr(pos).arg(n),
+        )
+    }?;
     Ok(())
 }
 
@@ -258,23 +256,23 @@ pub fn copy_cols<S: ActElem, D: ActElem>(
         u32::from(accumulate),
     ];
     let name = format!("copy_cols_{}_{}", S::NAME, D::NAME);
-    let f = dev.function(&name)?;
-    let mut d = dst.view_mut();
     // SAFETY: both tensors are [rows, width] with the column ranges inside, checked above.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(src.slice())
-            .arg(&a[0])
-            .arg(&a[1])
-            .arg(&mut d)
-            .arg(&a[2])
-            .arg(&a[3])
-            .arg(&a[4])
-            .arg(&a[5])
-            .arg(&a[6])
-            .launch(elementwise(total))
-    }
-    .map_err(launch_err("copy_cols"))?;
+        launch(
+            dev,
+            &name,
+            elementwise(total),
+            Args::new()
+                .ptr(src)
+                .arg(a[0])
+                .arg(a[1])
+                .ptr(dst)
+                .arg(a[2])
+                .arg(a[3])
+                .arg(a[4])
+                .arg(a[5])
+                .arg(a[6]),
+        )
+    }?;
     Ok(())
 }

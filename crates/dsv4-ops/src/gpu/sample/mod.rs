@@ -6,9 +6,9 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use super::launch::{dim_u32, launch_err};
+use super::launch::{dim_u32, launch, Args};
 use super::{DType, Device, DeviceTensor, GpuError};
 use reference::THREADS;
 
@@ -89,37 +89,33 @@ pub fn sample(
     let v32 = dim_u32("vocab", vocab)?;
     let inv_t = s.inverse_temperature();
     if let Some(inv_t) = inv_t {
-        let f = dev.function("sample_weights")?;
-        let mut w = weights.view_mut();
         // SAFETY: logits and weights hold vocab values.
         unsafe {
-            dev.stream()
-                .launch_builder(f)
-                .arg(logits.slice())
-                .arg(&v32)
-                .arg(&inv_t)
-                .arg(&mut w)
-                .launch(one_block())
-        }
-        .map_err(launch_err("sample_weights"))?;
+            launch(
+                dev,
+                "sample_weights",
+                one_block(),
+                Args::new().ptr(logits).arg(v32).arg(inv_t).ptr(weights),
+            )
+        }?;
     }
     let greedy = u32::from(inv_t.is_none());
-    let f = dev.function("sample_pick")?;
-    let mut t = token.view_mut();
     // SAFETY: logits and weights hold vocab values, pos and token one u32 each.
     unsafe {
-        dev.stream()
-            .launch_builder(f)
-            .arg(logits.slice())
-            .arg(weights.slice())
-            .arg(&v32)
-            .arg(&greedy)
-            .arg(&s.top_p)
-            .arg(&s.seed)
-            .arg(pos.slice())
-            .arg(&mut t)
-            .launch(one_block())
-    }
-    .map_err(launch_err("sample_pick"))?;
+        launch(
+            dev,
+            "sample_pick",
+            one_block(),
+            Args::new()
+                .ptr(logits)
+                .ptr(weights)
+                .arg(v32)
+                .arg(greedy)
+                .arg(s.top_p)
+                .arg(s.seed)
+                .ptr(pos)
+                .ptr(token),
+        )
+    }?;
     Ok(())
 }
