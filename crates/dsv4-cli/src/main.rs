@@ -127,8 +127,8 @@ struct BenchArgs {
     prompt: usize,
     #[arg(long, default_value_t = 32)]
     decode: usize,
-    /// Positions the GPU sequence state holds; default: prompt + 2 · decode + 1 (the eager
-    /// and the graph decode run one after the other).
+    /// Positions the GPU sequence state holds; default: prompt + 3 · decode + 1 (the eager
+    /// decode, the graph and the graph without programmatic launch run one after the other).
     #[arg(long)]
     max_context: Option<usize>,
 }
@@ -446,6 +446,9 @@ fn time_decode(
     Ok((total * 1e3 / steps as f64, host * 1e6 / steps as f64))
 }
 
+/// Decode runs of a bench: eager, graph, graph without programmatic launch.
+const DECODE_RUNS: usize = 3;
+
 fn bench(a: BenchArgs) -> Result<()> {
     if a.prompt == 0 || a.decode == 0 {
         bail!("--prompt and --decode must be positive");
@@ -454,15 +457,18 @@ fn bench(a: BenchArgs) -> Result<()> {
         Some(c) => c,
         None => a
             .decode
-            .checked_mul(2)
+            .checked_mul(DECODE_RUNS)
             .and_then(|d| d.checked_add(a.prompt))
             .and_then(|d| d.checked_add(1))
-            .context("--prompt + 2 · --decode overflows")?,
+            .context("--prompt + 3 · --decode overflows")?,
     };
-    let needed = a.decode.saturating_mul(2).saturating_add(a.prompt);
+    let needed = a
+        .decode
+        .saturating_mul(DECODE_RUNS)
+        .saturating_add(a.prompt);
     if needed > context {
         bail!(
-            "--prompt {} and two runs of --decode {} need {needed} positions; --max-context is {context}",
+            "--prompt {} and three runs of --decode {} need {needed} positions; --max-context is {context}",
             a.prompt,
             a.decode
         );
@@ -570,6 +576,12 @@ fn bench(a: BenchArgs) -> Result<()> {
     let (eager_ms, eager_host) = time_decode(&mut model, a.decode, |m| Ok(eager_launch(m, &s)?))?;
     let graph = DecodeGraph::capture(&mut model, &s)?;
     let (graph_ms, graph_host) = time_decode(&mut model, a.decode, |m| Ok(graph.replay(m)?))?;
+    let pdl = &dsv4_ops::gpu::gemv::tuning::PROGRAMMATIC_LAUNCH;
+    pdl.set(false);
+    let plain = DecodeGraph::capture(&mut model, &s);
+    pdl.set(true);
+    let plain = plain?;
+    let (plain_ms, _) = time_decode(&mut model, a.decode, |m| Ok(plain.replay(m)?))?;
     let pct = |ms: f64| roofline_ms / ms * 100.0;
     println!(
         "decode eager: {eager_ms:.3} ms/token ({:.1}% of roofline), host {eager_host:.1} µs/step",
@@ -580,6 +592,10 @@ fn bench(a: BenchArgs) -> Result<()> {
          {} nodes per step",
         pct(graph_ms),
         graph.nodes()
+    );
+    println!(
+        "decode graph without programmatic launch: {plain_ms:.3} ms/token ({:.1}% of roofline)",
+        pct(plain_ms)
     );
     Ok(())
 }

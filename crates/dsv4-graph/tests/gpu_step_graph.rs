@@ -28,7 +28,7 @@ struct Step {
 
 fn run(dev: &Device, s: &mut Step) -> Result<(), GpuError> {
     rows::embed_hc_gather(dev, &s.table, &s.token, HC, &mut s.streams)?;
-    rows::rms_norm_rows(dev, &s.streams, Some(&s.weight), EPS, &mut s.normed)?;
+    rows::rms_norm_rows(dev, &s.streams, Some(&s.weight), EPS, &mut s.normed, None)?;
     rows::rope_rows(
         dev,
         &mut s.normed,

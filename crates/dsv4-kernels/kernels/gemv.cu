@@ -1,5 +1,5 @@
 // Decode GEMV / small-M GEMM: y[M, N] = x[M, K] . W[N, K]^T for M <= 16, bf16 activations,
-// f32 accumulation, bf16 output, weights in BF16, FP8 e4m3 (128x128-style block scales, e8m0 or
+// f32 accumulation, bf16 or f32 output, weights in BF16, FP8 e4m3 (128x128-style block scales, e8m0 or
 // f32), NVFP4 (e4m3 per 16 + f32 global) or MXFP4 (e8m0 per 32). Also the fused gate+up
 // projection with the clamped SwiGLU epilogue.
 //
@@ -57,7 +57,7 @@ struct GemvArgs {
     const float* fs0;   // FP8 scales of W (SwiGLU: of W1), f32 [ceil(n / br), ceil(k / 64) + 1]:
                         // each row's scales divided by its factor (a power of two), then the factor
     const float* fs1;   // FP8 scales of W (SwiGLU: of W3)
-    u16* y;             // [m, n] bf16
+    void* y;            // [m, n] bf16, or f32 when y_f32
     float* ws;          // split-K partials
     u32* counters;      // split-K arrival counters, one per tile, zero between launches
     u32 m, n, k;
@@ -72,7 +72,16 @@ struct GemvArgs {
     u32 tiles_log2;     // log2 of the tiles a block holds (block warps / G)
     u32 cluster_sum;    // 1: the blocks of a tile are one cluster and sum through `cluster_sum`
     u32 mail_offset;    // byte offset of the cluster mailbox in dynamic shared memory
+    u32 y_f32;          // 1: y is f32 (the sums as they are), 0: bf16 (rounded to nearest even)
+    u32 x_ld;           // row stride of x (elements): k, or groups * k for a grouped launch
+    u32 x_group_rows;   // grouped: output rows [g * x_group_rows, (g + 1) * x_group_rows) read
+                        // x columns [g * k, (g + 1) * k); 0: every row reads columns [0, k)
 };
+
+__device__ __forceinline__ void store_y(const GemvArgs& a, u64 i, float v) {
+    if (a.y_f32) static_cast<float*>(a.y)[i] = v;
+    else static_cast<u16*>(a.y)[i] = f32_to_bf16(v);
+}
 
 // PS: FP8 at M = 1 with the block scales folded into the staged activations (stage_prescaled).
 template <int F, int MT, bool SWIGLU, bool PS = false>
@@ -102,9 +111,17 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     const u32 k0 = min(a.k, range_start(split0) * STEP_CHUNKS * E);
     const u32 k1 = min(a.k, range_start(split0 + G) * STEP_CHUNKS * E);
     const bool staged = a.x_stride != 0;
+    // Grouped launches: the block's x group (what it stages; the launcher stages only where a
+    // block's tiles share one) and the warp's (what it reads unstaged).
+    const u16* x_block = a.x;
+    const u16* x_warp = a.x;
+    if (a.x_group_rows) {
+        x_block += (u64)(((blockIdx.x << a.tiles_log2) * TR) / a.x_group_rows) * a.k;
+        x_warp += (u64)((t * TR) / a.x_group_rows) * a.k;
+    }
     // PS: lanes of MMA column 1 read the copy scaled for the up rows.
-    const u16* x = staged ? xs - k0 + (PS && SWIGLU && g == 1 ? a.x_stride : 0u) : a.x;
-    const u64 x_stride = staged ? a.x_stride : a.k;
+    const u16* x = staged ? xs - k0 + (PS && SWIGLU && g == 1 ? a.x_stride : 0u) : x_warp;
+    const u64 x_stride = staged ? a.x_stride : a.x_ld;
 
     Lane L;
     lane_init<F>(L, a.w + (u64)t * tile_bytes(chunks),
@@ -136,8 +153,8 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     if (a.cluster_sum) cluster_sum_open();
     pdl_wait();
     pdl_launch_dependents();
-    if (PS) stage_prescaled<SWIGLU>(xs, a.x_stride, a.x, k0, k1 - k0, s0, s1);
-    else if (staged) stage_rows(xs, a.x_stride, a.x + k0, a.k, a.m, k1 - k0);
+    if (PS) stage_prescaled<SWIGLU>(xs, a.x_stride, x_block, k0, k1 - k0, s0, s1);
+    else if (staged) stage_rows(xs, a.x_stride, x_block + k0, a.x_ld, a.m, k1 - k0);
     if (!live && G == 1) return;
 
     float acc[MT][4];
@@ -156,15 +173,15 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
         if (SWIGLU && PS) {
             // Gate sums in column 0 (acc[0][0], row g), up sums in column 1 (acc[0][3], row g + 8).
-            if (r_lo < a.n) a.y[r_lo] = f32_to_bf16(swiglu(acc[0][0] * post0, acc[0][3] * post1, a.limit));
+            if (r_lo < a.n) store_y(a, r_lo, swiglu(acc[0][0] * post0, acc[0][3] * post1, a.limit));
         } else if (SWIGLU) {
             if (r_lo < a.n) {
                 const float h = swiglu(acc[mt][i] * post0, acc[mt][i + 2] * post1, a.limit);
-                a.y[(u64)m * a.n + r_lo] = f32_to_bf16(h);
+                store_y(a, (u64)m * a.n + r_lo, h);
             }
         } else {
-            if (r_lo < a.n) a.y[(u64)m * a.n + r_lo] = f32_to_bf16(acc[mt][i] * post0);
-            if (r_hi < a.n) a.y[(u64)m * a.n + r_hi] = f32_to_bf16(acc[mt][i + 2] * post1);
+            if (r_lo < a.n) store_y(a, (u64)m * a.n + r_lo, acc[mt][i] * post0);
+            if (r_hi < a.n) store_y(a, (u64)m * a.n + r_hi, acc[mt][i + 2] * post1);
         }
     });
 }

@@ -27,9 +27,10 @@ DSV4_KERNEL void embed_hc_gather(const u16* __restrict__ table, u32 vocab, u32 d
 }
 
 // One block per row (grid-stride over rows): out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps).
-// `weight` may be null (no scale). In place when out == x.
+// `weight` may be null (no scale). In place when out == x. A non-null `out_b` gets the same
+// values rounded to bf16.
 DSV4_KERNEL void rms_norm_rows(const float* x, u32 rows, u32 width, const float* __restrict__ weight,
-                               float eps, float* out) {
+                               float eps, float* out, u16* __restrict__ out_b) {
     pdl_enter();
     __shared__ float scratch[32];
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -39,9 +40,12 @@ DSV4_KERNEL void rms_norm_rows(const float* x, u32 rows, u32 width, const float*
         s = block_sum(s, scratch);
         const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s, (float)width), eps)));
         float* dst = out + (u64)r * width;
+        u16* dst_b = out_b ? out_b + (u64)r * width : nullptr;
         for (u32 j = threadIdx.x; j < width; j += blockDim.x) {
             const float v = __fmul_rn(row[j], inv);
-            dst[j] = weight ? __fmul_rn(weight[j], v) : v;
+            const float y = weight ? __fmul_rn(weight[j], v) : v;
+            dst[j] = y;
+            if (dst_b) dst_b[j] = f32_to_bf16(y);
         }
     }
 }

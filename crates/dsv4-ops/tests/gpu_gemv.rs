@@ -161,6 +161,17 @@ fn check_gemv(
     let wd = reference::dequantize(owned.host(), n, k).unwrap();
     let want = reference::gemv(&xh, m, &wd, n, k);
     check_error(&format!("{format} m={m} n={n} k={k}"), &f64s(&got), &want);
+    // F32 output: the same sums, not rounded.
+    let mut y32 = dev.alloc(DType::F32, &[m, n]).unwrap();
+    dev.fill_bytes(&mut y32, POISON).unwrap();
+    gemv::gemv(dev, &x, &w, &mut y32, ws).unwrap();
+    let y32: Vec<f32> = dev.download(&y32).unwrap();
+    let rounded: Vec<bf16> = y32.iter().map(|&v| bf16::from_f32(v)).collect();
+    assert_bits_eq(
+        &format!("{format} m={m} n={n} k={k}: F32 output, rounded"),
+        &rounded,
+        &got,
+    );
     for (staging, cluster, whole) in [
         (true, true, true),
         (false, true, true),
@@ -233,6 +244,79 @@ fn gpu_gemv_matches_reference_on_random_shapes() {
         check_gemv(&dev, &mut ws, &mut rng, format, m, 512, ce * 16 * 16);
         check_gemv(&dev, &mut ws, &mut rng, format, m, 1024, ce * 16 * 8);
     }
+}
+
+/// A grouped launch against the reference of each group on its own columns of x, in F32 and
+/// BF16 output (the BF16 output the F32 one rounded).
+fn check_grouped(
+    dev: &Device,
+    ws: &mut GemvWorkspace,
+    rng: &mut StdRng,
+    format: &str,
+    (m, groups, rows, k): (usize, usize, usize, usize),
+) {
+    let n = groups * rows;
+    let owned = make_weight(rng, format, n, k, None);
+    let w = GemvWeight::upload(dev, owned.host(), n, k).unwrap();
+    let xh = to_bf16(&gaussian(rng, m * groups * k, 1.0));
+    let x = dev.upload(DType::BF16, &[m, groups * k], &xh).unwrap();
+    let mut y32 = dev.alloc(DType::F32, &[m, n]).unwrap();
+    dev.fill_bytes(&mut y32, POISON).unwrap();
+    gemv::gemv_grouped(dev, &x, &w, groups, &mut y32, ws).unwrap();
+    let got: Vec<f32> = dev.download(&y32).unwrap();
+    let wd = reference::dequantize(owned.host(), n, k).unwrap();
+    let mut want = vec![0f64; m * n];
+    for g in 0..groups {
+        let xg: Vec<bf16> = (0..m)
+            .flat_map(|r| xh[r * groups * k + g * k..][..k].to_vec())
+            .collect();
+        let yg = reference::gemv(&xg, m, &wd[g * rows * k..(g + 1) * rows * k], rows, k);
+        for r in 0..m {
+            want[r * n + g * rows..][..rows].copy_from_slice(&yg[r * rows..(r + 1) * rows]);
+        }
+    }
+    let what = format!("{format} grouped m={m} groups={groups} rows={rows} k={k}");
+    let got64: Vec<f64> = got.iter().map(|&v| v as f64).collect();
+    check_error(&what, &got64, &want);
+    let mut yb = poisoned(dev, m, n);
+    gemv::gemv_grouped(dev, &x, &w, groups, &mut yb, ws).unwrap();
+    let rounded: Vec<bf16> = got.iter().map(|&v| bf16::from_f32(v)).collect();
+    assert_bits_eq(
+        &format!("{what}: BF16 output"),
+        &dev.download(&yb).unwrap(),
+        &rounded,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gemv_grouped_matches_reference() {
+    let dev = device();
+    let mut rng = rng("gpu_gemv_grouped_matches_reference");
+    let mut ws = GemvWorkspace::alloc(&dev).unwrap();
+    for format in FORMATS {
+        let ce = chunk(format);
+        // V4-Flash wo_a at M = 1 and 3, then groups of 16 and 48 rows (blocks whose tiles
+        // span several groups read their activations unstaged) and long K (split sums).
+        for shape in [
+            (1, 8, 1024, 4096),
+            (3, 8, 1024, 4096),
+            (1, 4, 16, ce * 24),
+            (5, 3, 48, ce * 40),
+            (16, 2, 32, ce * 16 * 80),
+        ] {
+            check_grouped(&dev, &mut ws, &mut rng, format, shape);
+        }
+    }
+    let owned = make_weight(&mut rng, "bf16", 40, 64, None);
+    let w = GemvWeight::upload(&dev, owned.host(), 40, 64).unwrap();
+    let x = dev.alloc(DType::BF16, &[1, 128]).unwrap();
+    let mut y = dev.alloc::<f32>(DType::F32, &[1, 40]).unwrap();
+    let err = gemv::gemv_grouped(&dev, &x, &w, 2, &mut y, &mut ws).unwrap_err();
+    assert!(
+        err.to_string().contains("40 rows are not 2 groups"),
+        "{err}"
+    );
 }
 
 #[test]

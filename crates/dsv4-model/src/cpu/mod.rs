@@ -113,10 +113,10 @@ impl CpuModel {
         }
     }
 
-    /// The same forward with every linear's input and output rounded to BF16 where the GPU
-    /// model rounds them (not the MoE gate nor the indexer's head weights, which it runs in
-    /// F32): the arithmetic the GPU does, to check it position by position where top-k
-    /// decisions sit closer than BF16 rounding.
+    /// The same forward with every linear's input rounded to BF16 as the GPU model rounds it
+    /// (not the MoE gate's nor the indexer head weights', which it runs in F32); outputs stay
+    /// F32 but where they feed another linear: the arithmetic the GPU does, to check it
+    /// position by position where top-k decisions sit closer than BF16 rounding.
     pub fn with_bf16_activations(mut self) -> CpuModel {
         self.round = round_bf16;
         self
@@ -234,7 +234,6 @@ impl CpuModel {
         (self.round)(&mut h);
         let mut logits = vec![0.0f32; m * c.vocab_size];
         self.weights.head.matmul(&h, m, &mut logits);
-        (self.round)(&mut logits);
         if let Some(row) = logits
             .chunks_exact(c.vocab_size)
             .position(|r| r.iter().any(|x| !x.is_finite()))
@@ -323,9 +322,7 @@ impl CpuModel {
         let matmul = |lin: &crate::linear::Linear, input: &[f32]| {
             let mut x = input.to_vec();
             (self.round)(&mut x);
-            let mut y = matmul_f32(lin, &x);
-            (self.round)(&mut y);
-            y
+            matmul_f32(lin, &x)
         };
 
         let mut q_lat = matmul(&w.wq_a, x);

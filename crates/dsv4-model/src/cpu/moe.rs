@@ -22,8 +22,8 @@ pub fn route(
 }
 
 /// Runs one expert on `n` rows of `x`: `W2 (silu(min(W1 x, L)) ⊙ clamp(W3 x, −L, L))`;
-/// `round` is applied to the intermediate and the output (the GPU's BF16 shared expert;
-/// identity otherwise).
+/// `round` is applied to the intermediate (the GPU's BF16 shared-expert activations; identity
+/// otherwise).
 pub fn expert(
     w: &ExpertWeights,
     x: &[f32],
@@ -42,14 +42,13 @@ pub fn expert(
     round(&mut g);
     let mut y = vec![0.0f32; n * w.w2.rows()];
     w.w2.matmul(&g, n, &mut y);
-    round(&mut y);
     y
 }
 
 /// MoE output for `n` tokens (`h` = `[n, D]`). Each token sums its experts in ascending expert
 /// order, so the result does not depend on which other tokens share the call. `round` models
-/// the GPU's BF16 activations: the experts' input, and the shared expert's intermediate and
-/// output (identity for the F32 reference).
+/// the GPU's BF16 activations: the experts' input and the shared expert's intermediate
+/// (identity for the F32 reference).
 pub fn moe(
     w: &MoeWeights,
     h: &[f32],

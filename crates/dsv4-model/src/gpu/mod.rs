@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use dsv4_ops::gpu::attention::{self, Compressed};
-use dsv4_ops::gpu::gemv::{gemv, gemv_swiglu, GemvWeight};
+use dsv4_ops::gpu::gemv::{gemv, gemv_grouped, gemv_swiglu, GemvWeight};
 use dsv4_ops::gpu::mhc::reference::HcParams;
 use dsv4_ops::gpu::mhc::{hc_head, hc_post, hc_pre, DeviceHcSite, HcPreOut, HC};
 use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
@@ -72,7 +72,7 @@ pub enum GpuModelError {
 fn check_gpu_config(c: &Config) -> Result<(), GpuModelError> {
     use dsv4_ops::gpu::attention::{MAX_HEAD_DIM, MAX_INDEX_DIM, MAX_INDEX_HEADS};
     use dsv4_ops::gpu::router::{MAX_EXPERTS, MAX_TOP_K};
-    let checks: [(&'static str, usize, bool, String); 6] = [
+    let checks: [(&'static str, usize, bool, String); 7] = [
         (
             "hc_mult",
             c.hc_mult,
@@ -108,6 +108,12 @@ fn check_gpu_config(c: &Config) -> Result<(), GpuModelError> {
             c.experts_per_token,
             c.experts_per_token <= MAX_TOP_K,
             format!("at most {MAX_TOP_K}"),
+        ),
+        (
+            "o_lora_rank",
+            c.o_lora_rank,
+            c.o_lora_rank.is_multiple_of(16),
+            "a multiple of 16 (the grouped output projection's tiles)".to_string(),
         ),
     ];
     match checks.into_iter().find(|(_, _, ok, _)| !ok) {
@@ -177,7 +183,8 @@ struct DevAttention {
     wkv: GemvWeight,
     kv_norm: DeviceTensor<f32>,
     /// One weight per output group.
-    wo_a: Vec<GemvWeight>,
+    /// All `o_groups` groups, run by one grouped GEMV.
+    wo_a: GemvWeight,
     wo_b: GemvWeight,
     sink: DeviceTensor<f32>,
     compressor: Option<DevCompressor>,
@@ -239,23 +246,13 @@ fn upload_layer(
 ) -> Result<DevLayer, GpuError> {
     let p = format!("layers.{l}");
     let a = &lw.attn;
-    let (g, r) = (c.o_groups, c.o_lora_rank);
     let attn = DevAttention {
         wq_a: upload::linear(dev, &format!("{p}.attn.wq_a"), &a.wq_a)?,
         q_norm: upload::vector(dev, &a.q_norm)?,
         wq_b: upload::linear(dev, &format!("{p}.attn.wq_b"), &a.wq_b)?,
         wkv: upload::linear(dev, &format!("{p}.attn.wkv"), &a.wkv)?,
         kv_norm: upload::vector(dev, &a.kv_norm)?,
-        wo_a: (0..g)
-            .map(|grp| {
-                upload::rows(
-                    dev,
-                    &format!("{p}.attn.wo_a"),
-                    &a.wo_a,
-                    grp * r..(grp + 1) * r,
-                )
-            })
-            .collect::<Result<_, _>>()?,
+        wo_a: upload::linear(dev, &format!("{p}.attn.wo_a"), &a.wo_a)?,
         wo_b: upload::linear(dev, &format!("{p}.attn.wo_b"), &a.wo_b)?,
         sink: upload::vector(dev, &a.sink)?,
         compressor: a
@@ -652,13 +649,9 @@ impl GpuModel {
         let mut x = a.x.rows(n)?;
         let mut part = a.mix_partials.rows(n)?;
         hc_head(dev, &streams, &self.w.hc_head, &self.hc, &mut part, &mut x)?;
-        let mut xn = a.xn.rows(n)?;
-        rms_norm_rows(dev, &x, Some(&self.w.norm), c.rms_norm_eps, &mut xn)?;
-        let mut xb = a.xb.rows(n)?;
-        cast(dev, &xn, &mut xb)?;
-        let mut lb = a.logits_b.rows(n)?;
-        gemv(dev, &xb, &self.w.head, &mut lb, &mut a.ws)?;
-        cast(dev, &lb, &mut a.logits.rows(n)?)
+        let (mut xn, mut xb) = (a.xn.rows(n)?, a.xb.rows(n)?);
+        rms_norm_rows(dev, &x, Some(&self.w.norm), eps, &mut xn, Some(&mut xb))?;
+        gemv(dev, &xb, &self.w.head, &mut a.logits.rows(n)?, &mut a.ws)
     }
 }
 
@@ -713,26 +706,21 @@ fn site_pre(
         &mut a.mix_partials.rows(n)?,
         &mut mix,
     )?;
-    let mut xn = a.xn.rows(n)?;
-    rms_norm_rows(dev, &mix.x, Some(norm), eps, &mut xn)?;
-    cast(dev, &xn, &mut a.xb.rows(n)?)?;
+    let (mut xn, mut xb) = (a.xn.rows(n)?, a.xb.rows(n)?);
+    rms_norm_rows(dev, &mix.x, Some(norm), eps, &mut xn, Some(&mut xb))?;
     Ok(mix)
 }
 
-/// `out (F32) = x (BF16) · Wᵀ` through the BF16 output buffer `tmp`.
+/// `out (F32) = x (BF16) · Wᵀ`, over the front of `out`.
 fn linear_f32(
     dev: &Device,
     x: &DeviceTensor<bf16>,
     w: &GemvWeight,
-    tmp: &DeviceTensor<bf16>,
     out: &DeviceTensor<f32>,
     ws: &mut dsv4_ops::gpu::gemv::GemvWorkspace,
 ) -> Result<DeviceTensor<f32>, GpuError> {
-    let n = x.shape()[0];
-    let mut t = cols(tmp, n, w.n())?;
-    gemv(dev, x, w, &mut t, ws)?;
-    let mut o = cols(out, n, w.n())?;
-    cast(dev, &t, &mut o)?;
+    let mut o = cols(out, x.shape()[0], w.n())?;
+    gemv(dev, x, w, &mut o, ws)?;
     Ok(o)
 }
 
@@ -756,13 +744,11 @@ fn attention_layer(
     };
     let xb = a.xb.rows(n)?;
     // Query latent: wq_a, q_norm.
-    let qa = linear_f32(dev, &xb, &at.wq_a, &a.qa_b, &a.qa, &mut a.ws)?;
-    let mut qa_n = a.qa_n.rows(n)?;
-    rms_norm_rows(dev, &qa, Some(&at.q_norm), eps, &mut qa_n)?;
-    let mut qab = a.qab.rows(n)?;
-    cast(dev, &qa_n, &mut qab)?;
+    let qa = linear_f32(dev, &xb, &at.wq_a, &a.qa, &mut a.ws)?;
+    let (mut qa_n, mut qab) = (a.qa_n.rows(n)?, a.qab.rows(n)?);
+    rms_norm_rows(dev, &qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
     // Queries: wq_b, per-head norm, rope.
-    let q = linear_f32(dev, &qab, &at.wq_b, &a.q_b, &a.q, &mut a.ws)?;
+    let q = linear_f32(dev, &qab, &at.wq_b, &a.q, &mut a.ws)?;
     let mut q_n = a.q_n.view(0, &[n * c.num_heads, hd])?;
     rms_norm_rows(
         dev,
@@ -770,13 +756,14 @@ fn attention_layer(
         None,
         eps,
         &mut q_n,
+        None,
     )?;
     let mut q_n = q_n.reshape(&[n, q_all])?;
     rope_rows(dev, &mut q_n, hd, rope, &a.pos, RopeDirection::Forward)?;
     // The shared key/value: wkv, kv_norm, rope.
-    let kv = linear_f32(dev, &xb, &at.wkv, &a.kv_b, &a.kv, &mut a.ws)?;
+    let kv = linear_f32(dev, &xb, &at.wkv, &a.kv, &mut a.ws)?;
     let mut kv_n = a.kv_n.rows(n)?;
-    rms_norm_rows(dev, &kv, Some(&at.kv_norm), eps, &mut kv_n)?;
+    rms_norm_rows(dev, &kv, Some(&at.kv_norm), eps, &mut kv_n, None)?;
     rope_rows(dev, &mut kv_n, hd, rope, &a.pos, RopeDirection::Forward)?;
     // Compressors update every token and emit entries at their boundaries.
     if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
@@ -784,7 +771,7 @@ fn attention_layer(
     }
     if let (Some(iw), Some(ist)) = (&at.indexer, &mut ls.index) {
         compress(dev, c, w, &iw.compressor, ist.comp.buffers()?, a, n)?;
-        let mut iq = linear_f32(dev, &qab, &iw.wq_b, &a.iq_b, &a.iq, &mut a.ws)?;
+        let mut iq = linear_f32(dev, &qab, &iw.wq_b, &a.iq, &mut a.ws)?;
         rope_rows(
             dev,
             &mut iq,
@@ -829,41 +816,13 @@ fn attention_layer(
     )?;
     rope_rows(dev, &mut out, hd, rope, &a.pos, RopeDirection::Inverse)?;
     attention::window_write(dev, &kv_n, &a.pos, &mut ls.window)?;
-    // Grouped output projection: group g's heads through its rows of wo_a, then wo_b. One
-    // token's groups are contiguous column ranges: the GEMVs read and write them in place.
-    let gw = q_all / c.o_groups;
-    let r = c.o_lora_rank;
+    // Grouped output projection: group g's heads (columns) through its rows of wo_a, in one
+    // launch, then wo_b.
+    let mut ob = a.attn_b.rows(n)?;
+    cast(dev, &out, &mut ob)?;
     let mut z = a.z.rows(n)?;
-    if n == 1 {
-        let mut ob = a.attn_b.rows(1)?;
-        cast(dev, &out, &mut ob)?;
-        for (g, wg) in at.wo_a.iter().enumerate() {
-            let gin = ob.view(g * gw, &[1, gw])?;
-            let mut gout = z.view(g * r, &[1, r])?;
-            gemv(dev, &gin, wg, &mut gout, &mut a.ws)?;
-        }
-    } else {
-        for (g, wg) in at.wo_a.iter().enumerate() {
-            let mut gin = a.group_in.rows(n)?;
-            copy_cols(
-                dev,
-                &out,
-                Cols {
-                    col: g * gw,
-                    width: gw,
-                },
-                &mut gin,
-                0,
-                false,
-            )?;
-            let mut gout = a.group_out.rows(n)?;
-            gemv(dev, &gin, wg, &mut gout, &mut a.ws)?;
-            copy_cols(dev, &gout, Cols::all(r), &mut z, g * r, false)?;
-        }
-    }
-    let mut yb = a.y_b.rows(n)?;
-    gemv(dev, &z, &at.wo_b, &mut yb, &mut a.ws)?;
-    cast(dev, &yb, &mut a.y.rows(n)?)
+    gemv_grouped(dev, &ob, &at.wo_a, c.o_groups, &mut z, &mut a.ws)?;
+    gemv(dev, &z, &at.wo_b, &mut a.y.rows(n)?, &mut a.ws)
 }
 
 /// A compressor's projections of `acts.xb` and its state update.
@@ -877,8 +836,8 @@ fn compress(
     n: usize,
 ) -> Result<(), GpuError> {
     let xb = a.xb.rows(n)?;
-    let kv = linear_f32(dev, &xb, &cw.wkv, &a.comp_b[0], &a.comp[0], &mut a.ws)?;
-    let gate = linear_f32(dev, &xb, &cw.wgate, &a.comp_b[1], &a.comp[1], &mut a.ws)?;
+    let kv = linear_f32(dev, &xb, &cw.wkv, &a.comp[0], &mut a.ws)?;
+    let gate = linear_f32(dev, &xb, &cw.wgate, &a.comp[1], &mut a.ws)?;
     attention::compressor_update(
         dev,
         &kv,
@@ -963,7 +922,7 @@ fn step_bytes(c: &Config, w: &DevWeights) -> usize {
             g(&a.wq_a)
                 + g(&a.wq_b)
                 + g(&a.wkv)
-                + a.wo_a.iter().map(g).sum::<usize>()
+                + g(&a.wo_a)
                 + g(&a.wo_b)
                 + a.compressor.as_ref().map_or(0, comp)
                 + a.indexer.as_ref().map_or(0, |i| {

@@ -122,19 +122,8 @@ fn named(name: &str) -> impl FnOnce(GpuError) -> GpuError + '_ {
 
 /// A whole linear for [`dsv4_ops::gpu::gemv::gemv`].
 pub fn linear(dev: &Device, name: &str, lin: &Linear) -> Result<GemvWeight, GpuError> {
-    rows(dev, name, lin, 0..lin.rows())
-}
-
-/// Rows `rows` of a linear (one group of a grouped projection).
-pub fn rows(
-    dev: &Device,
-    name: &str,
-    lin: &Linear,
-    rows: Range<usize>,
-) -> Result<GemvWeight, GpuError> {
-    let n = rows.len();
-    let h = host_rows(name, lin, rows)?;
-    GemvWeight::upload(dev, h.weight(), n, lin.cols()).map_err(named(name))
+    let h = host_rows(name, lin, 0..lin.rows())?;
+    GemvWeight::upload(dev, h.weight(), lin.rows(), lin.cols()).map_err(named(name))
 }
 
 /// A SwiGLU block's gate and up projections, interleaved for `gemv_swiglu`, and its down

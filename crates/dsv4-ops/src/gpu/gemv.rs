@@ -21,6 +21,7 @@ use dsv4_kernels::GEMV_FP8_RING;
 use half::bf16;
 
 use super::launch::{dim_u32, launch_struct};
+use super::rows::ActElem;
 use super::{BufferPool, DType, Device, DeviceTensor, GpuError, Reservation};
 use crate::codecs::fp8_block::ScaleFormat;
 use crate::codecs::mxfp4::Mxfp4Quantized;
@@ -779,6 +780,9 @@ struct GemvArgs {
     tiles_log2: u32,
     cluster_sum: u32,
     mail_offset: u32,
+    y_f32: u32,
+    x_ld: u32,
+    x_group_rows: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -1070,7 +1074,8 @@ fn launch(
     m: usize,
     w: &GemvWeight,
     limit: f32,
-    y: &mut DeviceTensor<bf16>,
+    y: Output,
+    groups: usize,
     ws: &mut GemvWorkspace,
 ) -> Result<(), GpuError> {
     let layout = pack::Layout {
@@ -1098,13 +1103,21 @@ fn launch(
     let k_range = |p: &Plan| {
         (p.block_steps(layout.steps()) * pack::STEP_CHUNKS * w.format.chunk_elems()).min(w.k)
     };
-    let (kernel, sums) = match prescaled(dev, kernel, w, m, p, tiles, &k_range)? {
-        Some(chosen) => chosen,
-        None => (
+    // A grouped launch stages a block's activations only where the block's tiles share a group.
+    let group_rows = w.n / groups;
+    let one_group = |s: &Sums| {
+        groups == 1 || group_rows.is_multiple_of(16 * (s.plan.block_warps() / s.plan.group()))
+    };
+    let (kernel, mut sums) = match prescaled(dev, kernel, w, m, p, tiles, &k_range)? {
+        Some(chosen) if one_group(&chosen.1) => chosen,
+        _ => (
             kernel.to_string(),
             arrange_sums(dev, kernel, p, tiles, m, k_range)?,
         ),
     };
+    if !one_group(&sums) {
+        sums.staged = 0;
+    }
     let kernel = kernel.as_str();
     let (p, threads) = (sums.plan, sums.plan.block_warps() as u32 * 32);
     let shared = dim_u32("gemv shared memory", sums.staged + sums.mail)?;
@@ -1125,7 +1138,7 @@ fn launch(
         s: w.scales.as_ref().map_or(0, |s| s.device_address()),
         fs0,
         fs1,
-        y: y.device_address(),
+        y: y.address,
         ws: ws.partials.device_address(),
         counters: ws.counters.device_address(),
         m: m as u32,
@@ -1147,6 +1160,13 @@ fn launch(
         tiles_log2: (p.block_warps() / p.group()).trailing_zeros(),
         cluster_sum: u32::from(sums.cluster),
         mail_offset: sums.staged as u32,
+        y_f32: u32::from(y.f32),
+        x_ld: dim_u32("gemv x row", groups * w.k)?,
+        x_group_rows: if groups > 1 {
+            dim_u32("gemv group rows", group_rows)?
+        } else {
+            0
+        },
     };
     let grid = (
         dim_u32("gemv blocks", p.tile_blocks(tiles))?,
@@ -1181,20 +1201,68 @@ fn kernel_name(prefix: &str, format: GemvFormat, m: usize) -> String {
     )
 }
 
-/// `y [M, N] = x [M, K] · Wᵀ` with `W [N, K]`, bf16 in and out, f32 accumulation.
-pub fn gemv(
+/// Where a launch writes its results.
+struct Output {
+    address: u64,
+    /// F32 sums as they are; else rounded to BF16.
+    f32: bool,
+}
+
+impl Output {
+    fn of<Y: ActElem>(y: &DeviceTensor<Y>) -> Output {
+        Output {
+            address: y.device_address(),
+            f32: Y::DTYPE == DType::F32,
+        }
+    }
+}
+
+/// `y [M, N] = x [M, K] · Wᵀ` with `W [N, K]`, bf16 in, f32 accumulation, `y` in BF16 (rounded
+/// to nearest even) or F32 (the sums as they are; the same value before rounding).
+pub fn gemv<Y: ActElem>(
     dev: &Device,
     x: &DeviceTensor<bf16>,
     w: &GemvWeight,
-    y: &mut DeviceTensor<bf16>,
+    y: &mut DeviceTensor<Y>,
     ws: &mut GemvWorkspace,
 ) -> Result<(), GpuError> {
     if w.gate_up {
         return Err(invalid("gemv", "a gate+up weight goes to gemv_swiglu"));
     }
     let m = check_x(x, w.k)?;
-    y.expect("gemv output y", DType::BF16, &[m, w.n])?;
-    launch(dev, &kernel_name("gemv_", w.format, m), x, m, w, 0.0, y, ws)
+    y.expect("gemv output y", Y::DTYPE, &[m, w.n])?;
+    let kernel = kernel_name("gemv_", w.format, m);
+    launch(dev, &kernel, x, m, w, 0.0, Output::of(y), 1, ws)
+}
+
+/// A grouped projection in one launch: `W [N, K]` is `groups` blocks of `N / groups` rows, and
+/// group `g`'s rows read columns `[g·K, (g+1)·K)` of `x [M, groups·K]`:
+/// `y[:, g·R..(g+1)·R] = x[:, g·K..(g+1)·K] · W[g·R..(g+1)·R]ᵀ` with `R = N / groups` (a
+/// multiple of 16). Output types as [`gemv`].
+pub fn gemv_grouped<Y: ActElem>(
+    dev: &Device,
+    x: &DeviceTensor<bf16>,
+    w: &GemvWeight,
+    groups: usize,
+    y: &mut DeviceTensor<Y>,
+    ws: &mut GemvWorkspace,
+) -> Result<(), GpuError> {
+    if w.gate_up {
+        return Err(invalid(
+            "gemv_grouped",
+            "a gate+up weight goes to gemv_swiglu",
+        ));
+    }
+    if groups == 0 || !w.n.is_multiple_of(groups) || !(w.n / groups).is_multiple_of(16) {
+        return Err(invalid(
+            "gemv_grouped",
+            format!("{} rows are not {groups} groups of a multiple of 16", w.n),
+        ));
+    }
+    let m = check_x(x, groups * w.k)?;
+    y.expect("gemv_grouped output y", Y::DTYPE, &[m, w.n])?;
+    let kernel = kernel_name("gemv_", w.format, m);
+    launch(dev, &kernel, x, m, w, 0.0, Output::of(y), groups, ws)
 }
 
 /// Fused gate and up projections of a SwiGLU block: `h [M, I] = silu(min(x·W1ᵀ, L)) ·
@@ -1229,7 +1297,8 @@ pub fn gemv_swiglu(
         m,
         w13,
         limit,
-        h,
+        Output::of(h),
+        1,
         ws,
     )
 }
@@ -1316,8 +1385,8 @@ mod tests {
 
     #[test]
     fn args_layout_matches_the_cuda_struct() {
-        // 8 pointers, 5 u32, 3 f32, 7 u32 = 124 bytes, padded to the 8-byte alignment.
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 128);
+        // 8 pointers, 5 u32, 3 f32, 10 u32 = 136 bytes.
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 136);
         assert_eq!(std::mem::align_of::<GemvArgs>(), 8);
     }
 

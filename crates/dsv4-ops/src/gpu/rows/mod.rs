@@ -59,31 +59,38 @@ pub fn embed_hc_gather(
 }
 
 /// RMSNorm of every row of `x [rows, width]` (F32) into `out` of the same shape:
-/// `weight · x / sqrt(mean(x²) + eps)`, no scale when `weight` is `None`.
+/// `weight · x / sqrt(mean(x²) + eps)`, no scale when `weight` is `None`; with `out_b`, the
+/// same values rounded to BF16 there too (a GEMV's input).
 pub fn rms_norm_rows(
     dev: &Device,
     x: &DeviceTensor<f32>,
     weight: Option<&DeviceTensor<f32>>,
     eps: f32,
     out: &mut DeviceTensor<f32>,
+    out_b: Option<&mut DeviceTensor<bf16>>,
 ) -> Result<(), GpuError> {
     let (rows, width) = x.dims2("rms_norm input", DType::F32)?;
     out.expect("rms_norm output", DType::F32, &[rows, width])?;
     if let Some(w) = weight {
         w.expect("rms_norm weight", DType::F32, &[width])?;
     }
+    if let Some(b) = &out_b {
+        b.expect("rms_norm BF16 output", DType::BF16, &[rows, width])?;
+    }
     if rows == 0 || width == 0 {
         return Ok(());
     }
     let (r32, w32) = (dim_u32("rows", rows)?, dim_u32("width", width)?);
-    // Null selects the unscaled norm inside the kernel.
+    // Null selects the unscaled norm, and no BF16 copy, inside the kernel.
     let weight_ptr: u64 = weight.map_or(0, DeviceTensor::device_address);
+    let out_b_ptr: u64 = out_b.map_or(0, |b| b.device_address());
     let cfg = LaunchConfig {
         grid_dim: (r32.min(1 << 16), 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: x and out are [rows, width], weight (when not null) [width], checked above.
+    // SAFETY: x, out and out_b (when not null) are [rows, width], weight (when not null)
+    // [width], checked above.
     unsafe {
         launch(
             dev,
@@ -95,7 +102,8 @@ pub fn rms_norm_rows(
                 .arg(w32)
                 .arg(weight_ptr)
                 .arg(eps)
-                .ptr(out),
+                .ptr(out)
+                .arg(out_b_ptr),
         )
     }?;
     Ok(())

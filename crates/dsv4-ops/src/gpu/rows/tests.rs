@@ -85,8 +85,24 @@ fn gpu_rms_norm_rows_matches_reference() {
             .as_ref()
             .map(|w| dev.upload(DType::F32, &[width], w).unwrap());
         let mut out = poisoned_f32(&dev, &[rows, width]);
-        rms_norm_rows(&dev, &xd, wd.as_ref(), eps, &mut out).unwrap();
+        let mut out_b = dev.alloc(DType::BF16, &[rows, width]).unwrap();
+        dev.fill_bytes(&mut out_b, POISON).unwrap();
+        let twin = iter % 3 != 1;
+        rms_norm_rows(
+            &dev,
+            &xd,
+            wd.as_ref(),
+            eps,
+            &mut out,
+            twin.then_some(&mut out_b),
+        )
+        .unwrap();
         let got = dev.download(&out).unwrap();
+        if twin {
+            let rounded: Vec<bf16> = got.iter().map(|&v| bf16::from_f32(v)).collect();
+            let what = format!("iter {iter} [{rows}, {width}]: BF16 copy");
+            assert_bits_eq(&what, &dev.download(&out_b).unwrap(), &rounded);
+        }
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let ok = if w.is_nan() {
                 g.is_nan()
@@ -174,7 +190,9 @@ fn gpu_row_launchers_reject_bad_shapes_and_positions_advance() {
     let x = dev.alloc::<f32>(DType::F32, &[2, 8]).unwrap();
     let w = dev.alloc::<f32>(DType::F32, &[7]).unwrap();
     let mut y = dev.alloc(DType::F32, &[2, 8]).unwrap();
-    assert!(rms_norm_rows(&dev, &x, Some(&w), 1e-6, &mut y).is_err());
+    assert!(rms_norm_rows(&dev, &x, Some(&w), 1e-6, &mut y, None).is_err());
+    let mut yb = dev.alloc(DType::BF16, &[2, 7]).unwrap();
+    assert!(rms_norm_rows(&dev, &x, None, 1e-6, &mut y, Some(&mut yb)).is_err());
     let mut v = dev.alloc(DType::F32, &[1, 16]).unwrap();
     let freq = dev.alloc::<f32>(DType::F32, &[5]).unwrap();
     let mut pos = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
