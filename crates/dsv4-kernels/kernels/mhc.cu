@@ -1,7 +1,8 @@
 // Manifold-constrained hyper-connections (spec §4) for hc_mult = 4 streams: the mix
 // projection of the RMS-normalized streams spread over many blocks (hc_mix_partials), then
-// Sinkhorn and the collapse in one block per token (hc_pre, and hc_head with pre weights
-// only); the expansion back (hc_post).
+// the collapse spread over column blocks, each block of a token finishing the mix from the
+// partials itself and the first one also running Sinkhorn (hc_pre, and hc_head with pre
+// weights only); the expansion back (hc_post).
 //
 // The stream count is a compile-time 4 (every DeepSeek-V4 model), so the mixing arrays stay
 // in registers. Products and sums the CPU reference rounds one by one use __f*_rn in its
@@ -67,9 +68,13 @@ __device__ __forceinline__ void mix_from_partials(const float* __restrict__ part
     __syncthreads();
 }
 
-// x[c] = sum_i pre[i] * s[i * d + c], accumulated from stream 0 up.
+// Columns of x one hc_pre / hc_head block collapses (COLLAPSE_COLS in mhc/mod.rs).
+#define COLLAPSE_COLS 512
+
+// x[c] = sum_i pre[i] * s[i * d + c] for this block's columns, accumulated from stream 0 up.
 __device__ __forceinline__ void collapse(const float* __restrict__ s, u32 d, const float* pre, float* __restrict__ x) {
-    for (u32 c = threadIdx.x; c < d; c += blockDim.x) {
+    const u32 end = min(d, (blockIdx.x + 1u) * COLLAPSE_COLS);
+    for (u32 c = blockIdx.x * COLLAPSE_COLS + threadIdx.x; c < end; c += blockDim.x) {
         float acc = 0.0f;
 #pragma unroll
         for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(pre[i], s[(u64)i * d + c]));
@@ -112,8 +117,9 @@ __device__ __forceinline__ float sinkhorn_lane(float c, u32 lane, u32 iters, flo
     return c;
 }
 
-// One block per token (grid-stride), after hc_mix_partials: streams [n, HC * d] -> x [n, d],
-// post [n, HC], comb [n, HC * HC].
+// After hc_mix_partials: streams [n, HC * d] -> x [n, d], post [n, HC], comb [n, HC * HC].
+// Grid: x = column blocks of COLLAPSE_COLS, y = tokens (grid-stride); block x = 0 writes the
+// mix.
 DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                         u32 splits, const float* __restrict__ base, const float* __restrict__ scale,
                         u32 sinkhorn_iters, float hc_eps, float norm_eps, float* __restrict__ x,
@@ -123,17 +129,19 @@ DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const f
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
     const u32 width = HC * d;
-    for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
+    for (u32 t = blockIdx.y; t < n; t += gridDim.y) {
         const float* s = streams + (u64)t * width;
         mix_from_partials(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, mu, sums);
-        if (threadIdx.x < 32u) {
-            // Warp 0: lanes 0..3 the pre and post weights, lanes 0..15 one comb element each.
-            const u32 lane = threadIdx.x, k = lane & 15u;
-            if (lane < HC) {
-                pre[lane] = __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[lane]), base[lane])), hc_eps);
+        if (threadIdx.x < HC)
+            pre[threadIdx.x] =
+                __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[threadIdx.x]), base[threadIdx.x])), hc_eps);
+        if (blockIdx.x == 0u && threadIdx.x >= 32u && threadIdx.x < 64u) {
+            // Warp 1 of the first block: lanes 0..3 the post weights, lanes 0..15 one comb
+            // element each (its Sinkhorn runs beside warp 0's collapse).
+            const u32 lane = threadIdx.x - 32u, k = lane & 15u;
+            if (lane < HC)
                 post[(u64)t * HC + lane] =
                     __fmul_rn(2.0f, sigmoid_rn(__fadd_rn(__fmul_rn(scale[1], mu[HC + lane]), base[HC + lane])));
-            }
             const float c = __fadd_rn(__fmul_rn(scale[2], mu[2 * HC + k]), base[2 * HC + k]);
             const float m = sinkhorn_lane(c, lane, sinkhorn_iters, hc_eps);
             if (lane < HC * HC) comb[(u64)t * HC * HC + lane] = m;
@@ -144,7 +152,8 @@ DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const f
     }
 }
 
-// The final collapse before the output norm: pre weights only (fn [HC, HC * d], base [HC], scale [1]).
+// The final collapse before the output norm: pre weights only (fn [HC, HC * d], base [HC], scale [1]);
+// the grid as hc_pre's.
 DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                          u32 splits, const float* __restrict__ base, const float* __restrict__ scale, float hc_eps,
                          float norm_eps, float* __restrict__ x) {
@@ -153,7 +162,7 @@ DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const 
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
     const u32 width = HC * d;
-    for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
+    for (u32 t = blockIdx.y; t < n; t += gridDim.y) {
         const float* s = streams + (u64)t * width;
         mix_from_partials(partials + (u64)t * splits * PART, splits, HC, width, norm_eps, mu, sums);
         if (threadIdx.x < HC)

@@ -1,106 +1,86 @@
 // The MoE router after the gate projection (spec §8): sqrt-softplus scores, then hash routing
 // (the device token id's row of tid2eid) or learned routing (top k of score + bias, ties to
 // the lowest expert, returned in ascending expert order), and the combine weights
-// score / sum(scores) * scale. One warp per token; everything stays on the device.
+// score / sum(scores) * scale. One block per token; everything stays on the device.
 // Also the gate projection before it (gate_logits_*, at the end), in f32.
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
 
 #define ROUTE_K_MAX 16
-// Experts a lane holds: up to 32 * ROUTE_SLOTS experts (MAX_EXPERTS in router/mod.rs).
-#define ROUTE_SLOTS 16
+// Most experts (MAX_EXPERTS in router/mod.rs) and the block size.
+#define ROUTE_E_MAX 512
+#define ROUTE_THREADS 256
 
 __device__ __forceinline__ float route_score(float z) {
     // sqrt(softplus(z)), softplus written as max(z, 0) + log1p(exp(-|z|)).
     return __fsqrt_rn(__fadd_rn(fmaxf(z, 0.0f), log1pf(expf(-fabsf(z)))));
 }
 
-// `better` orders candidates by value (descending), then by lower index.
-__device__ __forceinline__ bool better(float v, u32 i, float w, u32 j) { return v > w || (v == w && i < j); }
+// Selection order: by value (descending; NaN below everything), then by lower index. A total
+// order, so exactly k experts rank below k.
+__device__ __forceinline__ bool better(float v, u32 i, float w, u32 j) {
+    const float a = v != v ? __uint_as_float(0xff800000u) : v;
+    const float b = w != w ? __uint_as_float(0xff800000u) : w;
+    return a > b || (a == b && i < j);
+}
 
 // logits [n, e]; tid2eid [vocab, k] (hash, may be null) or bias [e] (learned); tokens [n];
-// ids [n, k] (i32), weights [n, k].
-DSV4_KERNEL void route_topk(const float* __restrict__ logits, u32 n, u32 e, u32 k, const u32* __restrict__ tokens,
-                            const u32* __restrict__ tid2eid, u32 vocab, const float* __restrict__ bias, float scale,
-                            int* __restrict__ ids, float* __restrict__ weights) {
+// ids [n, k] (i32), weights [n, k]. Learned: each thread scores its experts, then ranks each
+// against all e (the experts better than it); the k of rank < k are the choice, placed in
+// ascending expert order by a prefix count of the chosen. No sequential rounds.
+DSV4_KERNEL void __launch_bounds__(ROUTE_THREADS) route_topk(const float* __restrict__ logits, u32 n, u32 e, u32 k,
+                                                             const u32* __restrict__ tokens,
+                                                             const u32* __restrict__ tid2eid, u32 vocab,
+                                                             const float* __restrict__ bias, float scale,
+                                                             int* __restrict__ ids, float* __restrict__ weights) {
     pdl_enter();
+    __shared__ float value[ROUTE_E_MAX];
+    __shared__ u32 chosen_mask[ROUTE_E_MAX / 32];
+    __shared__ u32 chosen[ROUTE_K_MAX];
     const u32 lane = threadIdx.x & 31u;
-    const u32 warps = blockDim.x >> 5;
-    for (u32 t = blockIdx.x * warps + (threadIdx.x >> 5); t < n; t += gridDim.x * warps) {
+    for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
         const float* z = logits + (u64)t * e;
-        u32 chosen[ROUTE_K_MAX];
         if (tid2eid) {
             // An out-of-vocabulary token picks expert 0 k times rather than reading past the table.
             const u32 tok = tokens[t] < vocab ? tokens[t] : 0u;
-#pragma unroll
-            for (u32 j = 0; j < ROUTE_K_MAX; j++)
-                if (j < k) chosen[j] = min(tid2eid[(u64)tok * k + j], e - 1u);
+            if (threadIdx.x < k) chosen[threadIdx.x] = min(tid2eid[(u64)tok * k + threadIdx.x], e - 1u);
         } else {
-            // Each lane scores its experts (lane + 32 s) once, then k rounds of a warp argmax
-            // over score + bias, each round's winner marked taken by the lane holding it.
-            float vals[ROUTE_SLOTS];
-            u32 taken = 0u;
-#pragma unroll
-            for (u32 q = 0; q < ROUTE_SLOTS; q++) {
-                const u32 x = lane + 32u * q;
-                vals[q] = x < e ? __fadd_rn(route_score(z[x]), bias[x]) : 0.0f;
-                if (x >= e) taken |= 1u << q;
-            }
-            u32 taken_mask[ROUTE_K_MAX];
-#pragma unroll
-            for (u32 r = 0; r < ROUTE_K_MAX; r++) {
-                if (r >= k) break;
-                float best_v = __uint_as_float(0xff800000u);  // -inf
-                u32 best_i = 0xffffffffu;
-#pragma unroll
-                for (u32 q = 0; q < ROUTE_SLOTS; q++) {
-                    const u32 x = lane + 32u * q;
-                    if (!((taken >> q) & 1u) && (best_i == 0xffffffffu || better(vals[q], x, best_v, best_i))) {
-                        best_v = vals[q];
-                        best_i = x;
-                    }
+            for (u32 x = threadIdx.x; x < e; x += blockDim.x) value[x] = __fadd_rn(route_score(z[x]), bias[x]);
+            __syncthreads();
+            // Every warp covers whole 32-expert groups (blockDim.x is a multiple of 32).
+            for (u32 x0 = threadIdx.x - lane; x0 < e; x0 += blockDim.x) {
+                const u32 x = x0 + lane;
+                bool pick = false;
+                if (x < e) {
+                    const float v = value[x];
+                    u32 rank = 0u;
+                    for (u32 y = 0; y < e && rank < k; y++) rank += better(value[y], y, v, x) ? 1u : 0u;
+                    pick = rank < k;
                 }
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) {
-                    const float ov = __shfl_xor_sync(0xffffffffu, best_v, o);
-                    const u32 oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-                    if (oi != 0xffffffffu && (best_i == 0xffffffffu || better(ov, oi, best_v, best_i))) {
-                        best_v = ov;
-                        best_i = oi;
-                    }
-                }
-                if (best_i != 0xffffffffu && (best_i & 31u) == lane) taken |= 1u << (best_i >> 5);
-                taken_mask[r] = best_i;
+                const u32 mask = __ballot_sync(0xffffffffu, pick);
+                if (lane == 0u) chosen_mask[x0 / 32u] = mask;
             }
-            // Ascending expert order, as the reference returns them.
-#pragma unroll
-            for (u32 a = 0; a < ROUTE_K_MAX; a++)
-#pragma unroll
-                for (u32 b = 0; b + 1 < ROUTE_K_MAX; b++)
-                    if (b + 1 < k && taken_mask[b] > taken_mask[b + 1]) {
-                        const u32 tmp = taken_mask[b];
-                        taken_mask[b] = taken_mask[b + 1];
-                        taken_mask[b + 1] = tmp;
-                    }
-#pragma unroll
-            for (u32 j = 0; j < ROUTE_K_MAX; j++)
-                if (j < k) chosen[j] = taken_mask[j];
+            __syncthreads();
+            for (u32 x = threadIdx.x; x < e; x += blockDim.x) {
+                const u32 g = x / 32u, bit = 1u << (x & 31u);
+                if (!(chosen_mask[g] & bit)) continue;
+                u32 slot = __popc(chosen_mask[g] & (bit - 1u));
+                for (u32 h = 0; h < g; h++) slot += __popc(chosen_mask[h]);
+                chosen[slot] = x;
+            }
         }
-        if (lane == 0u) {
+        __syncthreads();
+        if (threadIdx.x == 0u) {
             float total = 0.0f;
-#pragma unroll
-            for (u32 j = 0; j < ROUTE_K_MAX; j++)
-                if (j < k) total = __fadd_rn(total, route_score(z[chosen[j]]));
+            for (u32 j = 0; j < k; j++) total = __fadd_rn(total, route_score(z[chosen[j]]));
             total = __fadd_rn(total, 1e-20f);
-#pragma unroll
-            for (u32 j = 0; j < ROUTE_K_MAX; j++) {
-                if (j < k) {
-                    ids[(u64)t * k + j] = (int)chosen[j];
-                    weights[(u64)t * k + j] = __fmul_rn(__fdiv_rn(route_score(z[chosen[j]]), total), scale);
-                }
+            for (u32 j = 0; j < k; j++) {
+                ids[(u64)t * k + j] = (int)chosen[j];
+                weights[(u64)t * k + j] = __fmul_rn(__fdiv_rn(route_score(z[chosen[j]]), total), scale);
             }
         }
+        __syncthreads();  // value, chosen_mask and chosen are rewritten for the next token
     }
 }
 

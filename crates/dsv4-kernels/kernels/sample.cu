@@ -3,15 +3,21 @@
 // draw from (seed, position). The position is read from the device buffer the step advances,
 // so every replay draws afresh.
 //
-// Two kernels, one block each: sample_weights writes w = exp((z - max) / T); sample_pick finds
-// the top-p threshold on w by bisection over float bits, draws u in [0, 1) and walks the kept
-// weights in id order. Every sum has a fixed order (per-thread id ranges, a pairwise tree over
+// Greedy: argmax_spans takes the argmax of each span of ids in its own block, sample_pick the
+// argmax of those. Otherwise two kernels, one block each: sample_weights writes
+// w = exp((z - max) / T); sample_pick finds the top-p threshold on w by bisection over float
+// bits, draws u in [0, 1) and walks the kept weights in id order. Every sum has a fixed order (per-thread id ranges, a pairwise tree over
 // the threads, a sequential scan by thread 0) that the CPU reference reproduces exactly.
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
 
 #define SAMPLE_THREADS 1024u
+// Ids a greedy span covers at least, and most spans (ARGMAX_SPAN, MAX_SPANS in sample/mod.rs).
+#define ARGMAX_SPAN 4096u
+#define MAX_SPANS 1024u
+
+__device__ __forceinline__ u32 argmax_spans_of(u32 vocab) { return min((vocab + ARGMAX_SPAN - 1u) / ARGMAX_SPAN, MAX_SPANS); }
 
 // Max of z, NaN ignored (fmaxf); -inf when every value is NaN or -inf.
 __device__ float block_max(const float* __restrict__ z, u32 vocab, float* scratch) {
@@ -68,16 +74,9 @@ __device__ float kept_mass(const float* __restrict__ w, u32 lo, u32 hi, float ta
     return part[0];
 }
 
-// Argmax of z: the largest value, the lowest id among equals; NaN never wins; id 0 when no
-// value exceeds -inf (as sampling::argmax).
-__device__ u32 block_argmax(const float* __restrict__ z, u32 vocab, float* vals, u32* ids) {
-    float best = __uint_as_float(0xff800000u);
-    u32 best_i = 0xffffffffu;
-    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x)
-        if (z[i] > best) {
-            best = z[i];
-            best_i = i;
-        }
+// The block's (value, id) pairs reduced: the largest value, the lowest id among equals; NaN
+// never wins; id 0xffffffff when no value exceeds -inf.
+__device__ u32 block_best(float best, u32 best_i, float* vals, u32* ids) {
     vals[threadIdx.x] = best;
     ids[threadIdx.x] = best_i;
     __syncthreads();
@@ -93,11 +92,37 @@ __device__ u32 block_argmax(const float* __restrict__ z, u32 vocab, float* vals,
         }
         __syncthreads();
     }
-    return ids[0] == 0xffffffffu ? 0u : ids[0];
+    return ids[0];
 }
 
-// Writes token[0]. greedy != 0 (temperature 0) takes the argmax of z; so does a row whose
-// weights sum to zero or overflow.
+// Argmax of z over ids [lo, hi) (as sampling::argmax; 0xffffffff when no value exceeds -inf).
+__device__ u32 block_argmax(const float* __restrict__ z, u32 lo, u32 hi, float* vals, u32* ids) {
+    float best = __uint_as_float(0xff800000u);
+    u32 best_i = 0xffffffffu;
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x)
+        if (z[i] > best) {
+            best = z[i];
+            best_i = i;
+        }
+    return block_best(best, best_i, vals, ids);
+}
+
+// Greedy, first half: block b writes the argmax id of its span of z to span_ids[b] (the
+// weights scratch, as float bits).
+DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) argmax_spans(const float* __restrict__ z, u32 vocab,
+                                                                float* __restrict__ span_ids) {
+    pdl_enter();
+    __shared__ float vals[SAMPLE_THREADS];
+    __shared__ u32 ids[SAMPLE_THREADS];
+    const u32 spans = argmax_spans_of(vocab), span = (vocab + spans - 1u) / spans;
+    const u32 lo = min(blockIdx.x * span, vocab), hi = min(lo + span, vocab);
+    const u32 best = block_argmax(z, lo, hi, vals, ids);
+    if (threadIdx.x == 0u) span_ids[blockIdx.x] = __uint_as_float(best);
+}
+
+// Writes token[0]. greedy != 0 (temperature 0) takes the argmax of the span winners in w
+// (argmax_spans, spans in id order, so ties still go to the lowest id); a row whose weights
+// sum to zero or overflow takes the argmax of z.
 DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __restrict__ z, const float* __restrict__ w,
                                                                u32 vocab, u32 greedy, float top_p, u64 seed,
                                                                const u32* __restrict__ pos, u32* __restrict__ token) {
@@ -108,14 +133,15 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
     const u32 lo = min(threadIdx.x * chunk, vocab);
     const u32 hi = min(lo + chunk, vocab);
     if (greedy) {
-        const u32 t = block_argmax(z, vocab, part, ids);
-        if (threadIdx.x == 0u) token[0] = t;
+        const u32 i = threadIdx.x < argmax_spans_of(vocab) ? __float_as_uint(w[threadIdx.x]) : 0xffffffffu;
+        const u32 t = block_best(i != 0xffffffffu ? z[i] : __uint_as_float(0xff800000u), i, part, ids);
+        if (threadIdx.x == 0u) token[0] = t == 0xffffffffu ? 0u : t;
         return;
     }
     const float total = kept_mass(w, lo, hi, 0.0f, part);
     if (!(total > 0.0f && isfinite(total))) {
-        const u32 t = block_argmax(z, vocab, part, ids);
-        if (threadIdx.x == 0u) token[0] = t;
+        const u32 t = block_argmax(z, 0u, vocab, part, ids);
+        if (threadIdx.x == 0u) token[0] = t == 0xffffffffu ? 0u : t;
         return;
     }
     // The largest tau (as float bits, monotonic for w >= 0) whose kept mass reaches top_p * total.

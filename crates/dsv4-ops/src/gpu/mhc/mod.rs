@@ -121,10 +121,14 @@ pub struct HcPreOut {
     pub comb: DeviceTensor<f32>,
 }
 
-/// One block per token, at most 2^16 blocks (grid-stride over tokens).
-fn per_token(n: u32) -> LaunchConfig {
+/// Columns of the collapsed input one `hc_pre` / `hc_head` block writes (kernel constant).
+const COLLAPSE_COLS: u32 = 512;
+
+/// Blocks of `COLLAPSE_COLS` columns of `d` along x, tokens along y (at most 65535, then
+/// grid-stride).
+fn per_token(n: u32, d: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (n.clamp(1, 1 << 16), 1, 1),
+        grid_dim: (d.div_ceil(COLLAPSE_COLS).max(1), n.clamp(1, 65535), 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -157,7 +161,7 @@ pub fn hc_pre(
         launch(
             dev,
             "hc_pre",
-            per_token(n32),
+            per_token(n32, d32),
             Args::new()
                 .ptr(streams)
                 .arg(n32)
@@ -201,7 +205,7 @@ pub fn hc_head(
         launch(
             dev,
             "hc_head",
-            per_token(n32),
+            per_token(n32, d32),
             Args::new()
                 .ptr(streams)
                 .arg(n32)

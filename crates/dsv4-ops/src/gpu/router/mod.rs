@@ -76,10 +76,10 @@ pub fn route_topk(
         dim_u32("top-k", k)?,
         dim_u32("vocab", vocab)?,
     ];
-    // One warp per token, four tokens a block.
+    // One block of ROUTE_THREADS per token (grid-stride past 65536).
     let cfg = LaunchConfig {
-        grid_dim: (dims[0].div_ceil(4).min(1 << 16), 1, 1),
-        block_dim: (128, 1, 1),
+        grid_dim: (dims[0].min(1 << 16), 1, 1),
+        block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: logits [n, e], tokens [n], tid2eid [vocab, k] or bias [e] (the other null),

@@ -109,6 +109,47 @@ fn gpu_route_topk_matches_reference() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_route_topk_breaks_ties_to_the_lowest_expert() {
+    let dev = device();
+    let (e, k) = (256, 6);
+    // Token 0: every expert equal. Token 1: experts 250.. and 7 lead, tied with each other.
+    let mut logits = vec![0.25f32; 2 * e];
+    for x in [e + 7, e + 250, e + 251, e + 252, e + 253, e + 254, e + 255] {
+        logits[x] = 2.0;
+    }
+    let bias = vec![0.0f32; e];
+    let ld = dev.upload(DType::F32, &[2, e], &logits).unwrap();
+    let td = dev.upload(DType::U32, &[2], &[0u32, 0]).unwrap();
+    let bd = dev.upload(DType::F32, &[e], &bias).unwrap();
+    let mut ids = dev.alloc::<i32>(DType::I32, &[2, k]).unwrap();
+    let mut wts = dev.alloc::<f32>(DType::F32, &[2, k]).unwrap();
+    let by = DeviceRouteBy::Learned { bias: &bd };
+    route_topk(&dev, &ld, &td, by, 1.0, &mut ids, &mut wts).unwrap();
+    let ids = dev.download(&ids).unwrap();
+    assert_eq!(ids[..k], [0, 1, 2, 3, 4, 5]);
+    assert_eq!(ids[k..], [7, 250, 251, 252, 253, 254]);
+    for t in 0..2 {
+        let z = &logits[t * e..(t + 1) * e];
+        let want = cpu::route(z, RouteBy::Learned { bias: &bias }, 0, k, 1.0);
+        let got: Vec<usize> = ids[t * k..(t + 1) * k]
+            .iter()
+            .map(|&i| i as usize)
+            .collect();
+        assert_eq!(
+            got,
+            want.iter().map(|w| w.0).collect::<Vec<_>>(),
+            "token {t}"
+        );
+    }
+    let wts = dev.download(&wts).unwrap();
+    assert!(
+        wts[..k].iter().all(|&w| (w - 1.0 / 6.0).abs() < 1e-6),
+        "{wts:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_route_topk_rejects_bad_shapes() {
     let dev = device();
     let logits = dev.alloc::<f32>(DType::F32, &[2, 8]).unwrap();

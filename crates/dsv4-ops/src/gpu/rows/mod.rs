@@ -11,7 +11,7 @@ mod tests;
 use cudarc::driver::LaunchConfig;
 use half::bf16;
 
-use super::launch::{dim_u32, elementwise, launch, Args, THREADS};
+use super::launch::{dim_u32, elementwise, launch, Args};
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
 /// `out [n, hc·D]` (F32) = `hc` copies of row `tokens[t]` of the BF16 `table [vocab, D]`, for
@@ -84,9 +84,12 @@ pub fn rms_norm_rows(
     // Null selects the unscaled norm, and no BF16 copy, inside the kernel.
     let weight_ptr: u64 = weight.map_or(0, DeviceTensor::device_address);
     let out_b_ptr: u64 = out_b.map_or(0, |b| b.device_address());
+    // About four columns a thread, so that one row (a decode step's norm) spreads over a
+    // whole block of up to 1024 threads; the size depends on the width only.
+    let threads = (w32 / 4).next_multiple_of(32).clamp(32, 1024);
     let cfg = LaunchConfig {
         grid_dim: (r32.min(1 << 16), 1, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: x, out and out_b (when not null) are [rows, width], weight (when not null)

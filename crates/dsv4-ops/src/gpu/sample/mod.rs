@@ -56,6 +56,15 @@ impl Sampling {
     }
 }
 
+/// Ids a greedy span covers at least, and most spans (kernel constants).
+const ARGMAX_SPAN: u32 = 4096;
+const MAX_SPANS: u32 = 1024;
+
+/// Blocks of the greedy argmax's first half: spans of at least `ARGMAX_SPAN` ids.
+fn argmax_spans(vocab: u32) -> u32 {
+    vocab.div_ceil(ARGMAX_SPAN).min(MAX_SPANS)
+}
+
 fn one_block() -> LaunchConfig {
     LaunchConfig {
         grid_dim: (1, 1, 1),
@@ -96,6 +105,20 @@ pub fn sample(
                 "sample_weights",
                 one_block(),
                 Args::new().ptr(logits).arg(v32).arg(inv_t).ptr(weights),
+            )
+        }?;
+    } else {
+        let cfg = LaunchConfig {
+            grid_dim: (argmax_spans(v32), 1, 1),
+            ..one_block()
+        };
+        // SAFETY: logits hold vocab values, weights at least one per span (spans <= vocab).
+        unsafe {
+            launch(
+                dev,
+                "argmax_spans",
+                cfg,
+                Args::new().ptr(logits).arg(v32).ptr(weights),
             )
         }?;
     }

@@ -61,6 +61,37 @@ fn gpu_sampler_matches_reference() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_greedy_ties_go_to_the_lowest_id_across_spans() {
+    let dev = device();
+    let greedy = Sampling {
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let vocab = 129_280;
+    let pick = |z: &[f32]| {
+        let zd = dev.upload(DType::F32, &[vocab], z).unwrap();
+        let pd = dev.upload(DType::U32, &[1], &[0u32]).unwrap();
+        let mut wd = dev.alloc::<f32>(DType::F32, &[vocab]).unwrap();
+        let mut td = dev.upload(DType::U32, &[1], &[u32::MAX]).unwrap();
+        sample(&dev, &zd, &greedy, &pd, &mut wd, &mut td).unwrap();
+        dev.download(&td).unwrap()[0]
+    };
+    // The maximum in three spans (ids 4096 apart at least), a NaN in a fourth.
+    let mut z = vec![0.0f32; vocab];
+    for i in [90_001, 50_000, 9_999] {
+        z[i] = 3.0;
+    }
+    z[120_000] = f32::NAN;
+    assert_eq!(pick(&z), 9_999);
+    assert_eq!(pick(&z), cpu::sample_pick(&z, &[], true, 1.0, 0, 0));
+    // Nothing above -inf: id 0, as the reference.
+    let z = vec![f32::NEG_INFINITY; vocab];
+    assert_eq!(pick(&z), cpu::sample_pick(&z, &[], true, 1.0, 0, 0));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_sampler_rejects_bad_settings() {
     let dev = device();
     let z = dev.alloc::<f32>(DType::F32, &[8]).unwrap();
