@@ -236,7 +236,7 @@ fn bad_settings_configs_and_weights_are_named_errors() {
             "--max-context",
             "5",
         ],
-        "need 30 positions; --max-context is 5",
+        "need 40 positions; --max-context is 5",
     );
 
     let missing = tmp.path().join("nothing-here");

@@ -21,20 +21,14 @@ __device__ __forceinline__ float sigmoid_rn(float x) { return __fdiv_rn(1.0f, __
 // Per (token, column block): MIX dot products and the sum of squares.
 #define PART (MIX + 1)
 
-// The mix projection spread over the GPU: block (c, t) stages columns [c * MIX_COLS, ...) of
-// token t's streams, and warp w takes rows w, w + 8, ...: row k < mix is fn[k, cols] . s[cols],
+// Block (c, t)'s part of the mix projection, with columns [c * MIX_COLS, ...) of token t's
+// streams staged in sv: warp w takes rows w, w + 8, ...: row k < mix is fn[k, cols] . s[cols],
 // row `mix` the sum of squares. Lanes stride the columns; a fixed shuffle tree sums them.
 // partials is [n, gridDim.x, PART].
-DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
-                                 u32 mix, float* __restrict__ partials) {
-    pdl_enter();
-    __shared__ float sv[MIX_COLS];
+__device__ __forceinline__ void mix_rows(const float* sv, u32 len, u32 width, const float* __restrict__ fn, u32 mix,
+                                         float* __restrict__ partials) {
     const u32 t = blockIdx.y, c = blockIdx.x;
     const u32 j0 = c * MIX_COLS;
-    const u32 len = min(MIX_COLS, width - j0);
-    const float* s = streams + (u64)t * width + j0;
-    for (u32 i = threadIdx.x; i < len; i += blockDim.x) sv[i] = s[i];
-    __syncthreads();
     const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
     for (u32 k = warp; k <= mix; k += warps) {
         const float* w = fn + (u64)k * width + j0;
@@ -47,6 +41,54 @@ DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, c
         for (u32 o = 16u; o > 0u; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
         if (lane == 0u) partials[((u64)t * gridDim.x + c) * PART + k] = acc;
     }
+}
+
+// The mix projection spread over the GPU: block (c, t) stages its columns of token t's
+// streams and runs mix_rows.
+DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
+                                 u32 mix, float* __restrict__ partials) {
+    pdl_enter();
+    __shared__ float sv[MIX_COLS];
+    const u32 j0 = blockIdx.x * MIX_COLS;
+    const u32 len = min(MIX_COLS, width - j0);
+    const float* s = streams + (u64)blockIdx.y * width + j0;
+    for (u32 i = threadIdx.x; i < len; i += blockDim.x) sv[i] = s[i];
+    __syncthreads();
+    mix_rows(sv, len, width, fn, mix, partials);
+}
+
+// hc_post's output for one flattened column e = j * d + c of token t's new streams.
+__device__ __forceinline__ float post_value(const float* __restrict__ streams, const float* __restrict__ y,
+                                            const float* __restrict__ post, const float* __restrict__ comb, u64 t,
+                                            u32 d, u32 e) {
+    const u32 j = e / d, c = e % d;
+    const float* s = streams + t * HC * d;
+    const float* m = comb + t * HC * HC;
+    float acc = __fmul_rn(post[t * HC + j], y[t * d + c]);
+#pragma unroll
+    for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(m[i * HC + j], s[(u64)i * d + c]));
+    return acc;
+}
+
+// hc_post into out, then the next site's mix projection (fn [mix, HC * d]) of out, with
+// hc_mix_partials' grid and partials: block (c, t) expands its columns of token t, keeps them in
+// shared memory and runs mix_rows on them.
+DSV4_KERNEL void hc_post_mix(const float* __restrict__ streams, const float* __restrict__ y,
+                             const float* __restrict__ post, const float* __restrict__ comb, u32 d,
+                             float* __restrict__ out, const float* __restrict__ fn, u32 mix,
+                             float* __restrict__ partials) {
+    pdl_enter();
+    __shared__ float sv[MIX_COLS];
+    const u32 width = HC * d, t = blockIdx.y;
+    const u32 j0 = blockIdx.x * MIX_COLS;
+    const u32 len = min(MIX_COLS, width - j0);
+    for (u32 i = threadIdx.x; i < len; i += blockDim.x) {
+        const float v = post_value(streams, y, post, comb, t, d, j0 + i);
+        out[(u64)t * width + j0 + i] = v;
+        sv[i] = v;
+    }
+    __syncthreads();
+    mix_rows(sv, len, width, fn, mix, partials);
 }
 
 // mu[k] = rsqrt(mean(s^2) + eps) * (fn[k, :] . s) for k < mix, from one token's `splits`
@@ -181,13 +223,6 @@ DSV4_KERNEL void hc_post(const float* __restrict__ streams, const float* __restr
     const u64 total = (u64)n * HC * d;
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
         const u64 t = e / ((u64)HC * d);
-        const u32 j = (u32)((e / d) % HC);
-        const u32 c = (u32)(e % d);
-        const float* s = streams + t * HC * d;
-        const float* m = comb + t * HC * HC;
-        float acc = __fmul_rn(post[t * HC + j], y[t * d + c]);
-#pragma unroll
-        for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(m[i * HC + j], s[(u64)i * d + c]));
-        out[e] = acc;
+        out[e] = post_value(streams, y, post, comb, t, d, (u32)(e - t * HC * d));
     }
 }

@@ -17,17 +17,18 @@ __device__ __forceinline__ float route_score(float z) {
     return __fsqrt_rn(__fadd_rn(fmaxf(z, 0.0f), log1pf(expf(-fabsf(z)))));
 }
 
-// Selection order: by value (descending; NaN below everything), then by lower index. A total
-// order, so exactly k experts rank below k.
-__device__ __forceinline__ bool better(float v, u32 i, float w, u32 j) {
-    const float a = v != v ? __uint_as_float(0xff800000u) : v;
-    const float b = w != w ? __uint_as_float(0xff800000u) : w;
-    return a > b || (a == b && i < j);
+// Selection key: larger is better. The value's bits in an order-preserving form (NaN below
+// everything, -0 equal to +0) above the complemented index (ties to the lower index). Keys
+// are distinct, so exactly k experts have fewer than k keys above theirs.
+__device__ __forceinline__ u64 route_key(float v, u32 x) {
+    const u32 b = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 as +0: equal values tie
+    const u32 ordered = v != v ? 0u : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)ordered << 32) | (0xffffffffu - x);
 }
 
 // logits [n, e]; tid2eid [vocab, k] (hash, may be null) or bias [e] (learned); tokens [n];
 // ids [n, k] (i32), weights [n, k]. Learned: each thread scores its experts, then ranks each
-// against all e (the experts better than it); the k of rank < k are the choice, placed in
+// against all e (the keys above its own); the k of rank < k are the choice, placed in
 // ascending expert order by a prefix count of the chosen. No sequential rounds.
 DSV4_KERNEL void __launch_bounds__(ROUTE_THREADS) route_topk(const float* __restrict__ logits, u32 n, u32 e, u32 k,
                                                              const u32* __restrict__ tokens,
@@ -35,7 +36,7 @@ DSV4_KERNEL void __launch_bounds__(ROUTE_THREADS) route_topk(const float* __rest
                                                              const float* __restrict__ bias, float scale,
                                                              int* __restrict__ ids, float* __restrict__ weights) {
     pdl_enter();
-    __shared__ float value[ROUTE_E_MAX];
+    __shared__ u64 key[ROUTE_E_MAX];
     __shared__ u32 chosen_mask[ROUTE_E_MAX / 32];
     __shared__ u32 chosen[ROUTE_K_MAX];
     const u32 lane = threadIdx.x & 31u;
@@ -46,16 +47,17 @@ DSV4_KERNEL void __launch_bounds__(ROUTE_THREADS) route_topk(const float* __rest
             const u32 tok = tokens[t] < vocab ? tokens[t] : 0u;
             if (threadIdx.x < k) chosen[threadIdx.x] = min(tid2eid[(u64)tok * k + threadIdx.x], e - 1u);
         } else {
-            for (u32 x = threadIdx.x; x < e; x += blockDim.x) value[x] = __fadd_rn(route_score(z[x]), bias[x]);
+            for (u32 x = threadIdx.x; x < e; x += blockDim.x) key[x] = route_key(__fadd_rn(route_score(z[x]), bias[x]), x);
             __syncthreads();
             // Every warp covers whole 32-expert groups (blockDim.x is a multiple of 32).
             for (u32 x0 = threadIdx.x - lane; x0 < e; x0 += blockDim.x) {
                 const u32 x = x0 + lane;
                 bool pick = false;
                 if (x < e) {
-                    const float v = value[x];
+                    const u64 mine = key[x];
                     u32 rank = 0u;
-                    for (u32 y = 0; y < e && rank < k; y++) rank += better(value[y], y, v, x) ? 1u : 0u;
+#pragma unroll 8
+                    for (u32 y = 0; y < e; y++) rank += key[y] > mine ? 1u : 0u;
                     pick = rank < k;
                 }
                 const u32 mask = __ballot_sync(0xffffffffu, pick);
@@ -80,7 +82,7 @@ DSV4_KERNEL void __launch_bounds__(ROUTE_THREADS) route_topk(const float* __rest
                 weights[(u64)t * k + j] = __fmul_rn(__fdiv_rn(route_score(z[chosen[j]]), total), scale);
             }
         }
-        __syncthreads();  // value, chosen_mask and chosen are rewritten for the next token
+        __syncthreads();  // key, chosen_mask and chosen are rewritten for the next token
     }
 }
 

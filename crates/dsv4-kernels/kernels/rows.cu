@@ -26,11 +26,28 @@ DSV4_KERNEL void embed_hc_gather(const u16* __restrict__ table, u32 vocab, u32 d
     }
 }
 
+// Rotates the pair at `pair` to `position` by angle position * freq (sign -1: back). The angle
+// rounds to f32 as on the CPU; its sine and cosine are then taken in double through sincospi,
+// whose argument reduction is exact (sincosf's reduction of large angles, up to ~1e6 rad here,
+// spills to local memory).
+__device__ __forceinline__ void rope_pair(float* pair, u32 position, float freq, float sign) {
+    const double angle = (double)__fmul_rn((float)position, freq);
+    double sd, cd;
+    sincospi(angle * 0.31830988618379067154, &sd, &cd);
+    const float s = __fmul_rn((float)sd, sign);
+    const float c = (float)cd;
+    const float a = pair[0], b = pair[1];
+    pair[0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    pair[1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
 // One block per row (grid-stride over rows): out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps).
 // `weight` may be null (no scale). In place when out == x. A non-null `out_b` gets the same
-// values rounded to bf16.
+// values rounded to bf16. A non-null `inv_freq` then rotates the last 2 * rope_half channels
+// of each row as rope_rows does, row r at position pos[0] + r / rows_per_token.
 DSV4_KERNEL void rms_norm_rows(const float* x, u32 rows, u32 width, const float* __restrict__ weight,
-                               float eps, float* out, u16* __restrict__ out_b) {
+                               float eps, float* out, u16* __restrict__ out_b, const float* __restrict__ inv_freq,
+                               u32 rope_half, const u32* __restrict__ pos, u32 rows_per_token) {
     pdl_enter();
     __shared__ float scratch[32];
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -46,6 +63,14 @@ DSV4_KERNEL void rms_norm_rows(const float* x, u32 rows, u32 width, const float*
             const float y = weight ? __fmul_rn(weight[j], v) : v;
             dst[j] = y;
             if (dst_b) dst_b[j] = f32_to_bf16(y);
+        }
+        if (inv_freq) {
+            __syncthreads();  // the row's normalized values are all written
+            const u32 position = pos[0] + r / rows_per_token;
+            float* rot = dst + width - 2u * rope_half;
+            for (u32 k = threadIdx.x; k < rope_half; k += blockDim.x)
+                rope_pair(rot + 2u * k, position, inv_freq[k], 1.0f);
+            __syncthreads();  // before the next row's writes
         }
     }
 }
@@ -63,18 +88,7 @@ DSV4_KERNEL void rope_rows(float* __restrict__ x, u32 tokens, u32 heads, u32 wid
         const u32 k = (u32)(i % half);
         const u64 v = i / half;
         const u32 t = (u32)(v / heads);
-        // The angle rounds to f32 as on the CPU; its sine and cosine are then taken in double
-        // through sincospi, whose argument reduction is exact (sincosf's reduction of large
-        // angles, up to ~1e6 rad here, spills to local memory).
-        const double angle = (double)__fmul_rn((float)(p0 + t), inv_freq[k]);
-        double sd, cd;
-        sincospi(angle * 0.31830988618379067154, &sd, &cd);
-        const float s = __fmul_rn((float)sd, sign);
-        const float c = (float)cd;
-        float* pair = x + v * width + (width - rope_dim) + 2u * k;
-        const float a = pair[0], b = pair[1];
-        pair[0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        pair[1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+        rope_pair(x + v * width + (width - rope_dim) + 2u * k, p0 + t, inv_freq[k], sign);
     }
 }
 

@@ -368,7 +368,10 @@ impl FormatLaunch for StepOp {
                 site,
                 partials,
                 out,
-            } => mhc::hc_pre(dev, streams, site, &STEP_PARAMS, partials, out)?,
+            } => {
+                mhc::hc_mix(dev, streams, site, &STEP_PARAMS, partials)?;
+                mhc::hc_pre(dev, streams, site, &STEP_PARAMS, partials, out)?
+            }
             StepOp::HcPost {
                 streams,
                 y,

@@ -18,12 +18,13 @@ use std::sync::Arc;
 use dsv4_ops::gpu::attention::{self, Compressed};
 use dsv4_ops::gpu::gemv::{gemv, gemv_grouped, gemv_swiglu, GemvWeight};
 use dsv4_ops::gpu::mhc::reference::HcParams;
-use dsv4_ops::gpu::mhc::{hc_head, hc_post, hc_pre, DeviceHcSite, HcPreOut, HC};
+use dsv4_ops::gpu::mhc::{hc_head, hc_mix, hc_post_mix, hc_pre, DeviceHcSite, HcPreOut, HC};
 use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
 use dsv4_ops::gpu::moe_bf16::moe_bf16;
 use dsv4_ops::gpu::router::{gate_logits, route_topk, DeviceRouteBy, GateWeight};
 use dsv4_ops::gpu::rows::{
-    advance_position, copy_cols, embed_hc_gather, rms_norm_rows, rope_rows, Cols, RopeDirection,
+    advance_position, copy_cols, embed_hc_gather, rms_norm_rope_rows, rms_norm_rows, rope_rows,
+    Cols, RopeDirection, RowRope,
 };
 use dsv4_ops::gpu::sample::{sample, Sampling};
 use dsv4_ops::gpu::{BufferPool, DType, Device, DeviceTensor, GpuError};
@@ -614,50 +615,59 @@ impl GpuModel {
         let tokens = a.tokens.rows(n)?;
         let mut s0 = a.streams[0].rows(n)?;
         embed_hc_gather(dev, &self.w.embed, &tokens, c.hc_mult, &mut s0)?;
+        // The first site's mix projection; every later one comes with the expansion before it.
+        let first = self
+            .w
+            .layers
+            .first()
+            .map_or(&self.w.hc_head, |l| &l.hc_attn);
+        hc_mix(dev, &s0, first, &self.hc, &mut a.mix_partials.rows(n)?)?;
         let mut cur = 0;
         let eps = c.rms_norm_eps;
-        for (lw, ls) in self.w.layers.iter().zip(self.bufs.layers.iter_mut()) {
+        let layers = self.w.layers.iter().zip(self.bufs.layers.iter_mut());
+        for (l, (lw, ls)) in layers.enumerate() {
             let attn = |a: &mut _| attention_layer(dev, c, &self.w, lw, ls, a, n);
-            hc_sublayer(
-                dev,
-                &self.hc,
-                a,
-                n,
-                &mut cur,
-                &lw.hc_attn,
-                &lw.attn_norm,
-                eps,
-                attn,
-                |a| &a.y,
-            )?;
+            let site = Site {
+                hc: &lw.hc_attn,
+                norm: &lw.attn_norm,
+                next: &lw.hc_ffn,
+            };
+            hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, attn, |a| &a.y)?;
             let ffn = |a: &mut _| moe_layer(dev, c, lw, a, n, &tokens);
-            hc_sublayer(
-                dev,
-                &self.hc,
-                a,
-                n,
-                &mut cur,
-                &lw.hc_ffn,
-                &lw.ffn_norm,
-                eps,
-                ffn,
-                |a| &a.moe,
-            )?;
+            let site = Site {
+                hc: &lw.hc_ffn,
+                norm: &lw.ffn_norm,
+                next: self
+                    .w
+                    .layers
+                    .get(l + 1)
+                    .map_or(&self.w.hc_head, |next| &next.hc_attn),
+            };
+            hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, ffn, |a| &a.moe)?;
         }
         // Head: collapse, norm, lm_head.
         let streams = a.streams[cur].rows(n)?;
         let mut x = a.x.rows(n)?;
-        let mut part = a.mix_partials.rows(n)?;
-        hc_head(dev, &streams, &self.w.hc_head, &self.hc, &mut part, &mut x)?;
+        let part = a.mix_partials.rows(n)?;
+        hc_head(dev, &streams, &self.w.hc_head, &self.hc, &part, &mut x)?;
         let (mut xn, mut xb) = (a.xn.rows(n)?, a.xb.rows(n)?);
         rms_norm_rows(dev, &x, Some(&self.w.norm), eps, &mut xn, Some(&mut xb))?;
         gemv(dev, &xb, &self.w.head, &mut a.logits.rows(n)?, &mut a.ws)
     }
 }
 
-/// One mHC sub-layer (attention or MoE) on `streams[*cur]`: [`site_pre`] with the site's mHC
-/// weights and norm, `block` (which writes its output to `out(a)`), then `hc_post` into the
-/// other stream buffer, which `*cur` then names.
+/// A sub-layer's mHC site, its norm, and the site after it (whose mix projection the
+/// expansion computes).
+struct Site<'a> {
+    hc: &'a DeviceHcSite,
+    norm: &'a DeviceTensor<f32>,
+    next: &'a DeviceHcSite,
+}
+
+/// One mHC sub-layer (attention or MoE) on `streams[*cur]`, whose mix projection is in
+/// `acts.mix_partials`: [`site_pre`], `block` (which writes its output to `out(a)`), then the
+/// expansion into the other stream buffer, which `*cur` then names, with the next site's mix
+/// projection.
 #[allow(clippy::too_many_arguments)]
 fn hc_sublayer(
     dev: &Device,
@@ -665,23 +675,24 @@ fn hc_sublayer(
     a: &mut buffers::Acts<Taking>,
     n: usize,
     cur: &mut usize,
-    site: &DeviceHcSite,
-    norm: &DeviceTensor<f32>,
+    site: Site,
     eps: f32,
     block: impl FnOnce(&mut buffers::Acts<Taking>) -> Result<(), GpuError>,
     out: fn(&buffers::Acts<Taking>) -> &DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
     let src = a.streams[*cur].rows(n)?;
     let mut dst = a.streams[1 - *cur].rows(n)?;
-    let mix = site_pre(dev, p, a, n, &src, site, norm, eps)?;
+    let mix = site_pre(dev, p, a, n, &src, site.hc, site.norm, eps)?;
     block(a)?;
-    hc_post(dev, &src, &out(a).rows(n)?, &mix, &mut dst)?;
+    let y = out(a).rows(n)?;
+    let mut part = a.mix_partials.rows(n)?;
+    hc_post_mix(dev, &src, &y, &mix, &mut dst, site.next, p, &mut part)?;
     *cur = 1 - *cur;
     Ok(())
 }
 
-/// A site's collapse and norm: `acts.xn` (F32) and `acts.xb` (BF16) hold the sub-layer input;
-/// returns the mix for the expansion.
+/// A site's collapse (from its mix projection in `acts.mix_partials`) and norm: `acts.xn`
+/// (F32) and `acts.xb` (BF16) hold the sub-layer input; returns the mix for the expansion.
 #[allow(clippy::too_many_arguments)]
 fn site_pre(
     dev: &Device,
@@ -698,14 +709,7 @@ fn site_pre(
         post: a.post.rows(n)?,
         comb: a.comb.rows(n)?,
     };
-    hc_pre(
-        dev,
-        streams,
-        site,
-        p,
-        &mut a.mix_partials.rows(n)?,
-        &mut mix,
-    )?;
+    hc_pre(dev, streams, site, p, &a.mix_partials.rows(n)?, &mut mix)?;
     let (mut xn, mut xb) = (a.xn.rows(n)?, a.xb.rows(n)?);
     rms_norm_rows(dev, &mix.x, Some(norm), eps, &mut xn, Some(&mut xb))?;
     Ok(mix)
@@ -747,24 +751,25 @@ fn attention_layer(
     let qa = linear_f32(dev, &xb, &at.wq_a, &a.qa, &mut a.ws)?;
     let (mut qa_n, mut qab) = (a.qa_n.rows(n)?, a.qab.rows(n)?);
     rms_norm_rows(dev, &qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
-    // Queries: wq_b, per-head norm, rope.
+    // Queries: wq_b, per-head norm and rope.
     let q = linear_f32(dev, &qab, &at.wq_b, &a.q, &mut a.ws)?;
     let mut q_n = a.q_n.view(0, &[n * c.num_heads, hd])?;
-    rms_norm_rows(
-        dev,
-        &q.reshape(&[n * c.num_heads, hd])?,
-        None,
-        eps,
-        &mut q_n,
-        None,
-    )?;
-    let mut q_n = q_n.reshape(&[n, q_all])?;
-    rope_rows(dev, &mut q_n, hd, rope, &a.pos, RopeDirection::Forward)?;
-    // The shared key/value: wkv, kv_norm, rope.
+    let heads_rope = RowRope {
+        inv_freq: rope,
+        pos: &a.pos,
+        rows_per_token: c.num_heads,
+    };
+    let q_rows = q.reshape(&[n * c.num_heads, hd])?;
+    rms_norm_rope_rows(dev, &q_rows, None, eps, &heads_rope, &mut q_n)?;
+    let q_n = q_n.reshape(&[n, q_all])?;
+    // The shared key/value: wkv, kv_norm and rope.
     let kv = linear_f32(dev, &xb, &at.wkv, &a.kv, &mut a.ws)?;
     let mut kv_n = a.kv_n.rows(n)?;
-    rms_norm_rows(dev, &kv, Some(&at.kv_norm), eps, &mut kv_n, None)?;
-    rope_rows(dev, &mut kv_n, hd, rope, &a.pos, RopeDirection::Forward)?;
+    let kv_rope = RowRope {
+        rows_per_token: 1,
+        ..heads_rope
+    };
+    rms_norm_rope_rows(dev, &kv, Some(&at.kv_norm), eps, &kv_rope, &mut kv_n)?;
     // Compressors update every token and emit entries at their boundaries.
     if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
         compress(dev, c, w, cw, st.buffers()?, a, n)?;

@@ -1,8 +1,8 @@
 //! Launchers of the mHC kernels (`kernels/mhc.cu`): per token, the mix projection of the
-//! RMS-normalized streams (spread over many blocks) with Sinkhorn and the collapse
-//! ([`hc_pre`], [`hc_head`]), and the
-//! expansion back ([`hc_post`]). Four streams (every DeepSeek-V4 model). CPU references:
-//! [`reference`].
+//! RMS-normalized streams, spread over many blocks ([`hc_mix`], or fused into the previous
+//! site's expansion, [`hc_post_mix`]); Sinkhorn and the collapse from it ([`hc_pre`],
+//! [`hc_head`]); the expansion back ([`hc_post`]). Four streams (every DeepSeek-V4 model).
+//! CPU references: [`reference`].
 
 pub mod reference;
 #[cfg(test)]
@@ -21,40 +21,55 @@ pub const MIX: usize = (2 + HC) * HC;
 /// Columns of the flattened streams one mix-projection block takes (`MIX_COLS` in mhc.cu).
 const MIX_COLS: usize = 128;
 
-/// Shape of the mix-projection partials [`hc_pre`] and [`hc_head`] use as scratch for `n`
-/// tokens of width `d`: `[n, ceil(HC·d / 128), MIX + 1]` (F32).
+/// Shape of the mix-projection partials ([`hc_mix`], read by [`hc_pre`] and [`hc_head`]) of
+/// `n` tokens of width `d`: `[n, ceil(HC·d / 128), MIX + 1]` (F32).
 pub fn mix_partials_shape(n: usize, d: usize) -> [usize; 3] {
     [n, (HC * d).div_ceil(MIX_COLS), MIX + 1]
 }
 
-/// The mix projection of every token's RMS-normalized streams, spread over
-/// `ceil(HC·d / 128)` blocks a token: `mix` dot products and the sum of squares per block.
-fn mix_partials(
-    dev: &Device,
-    streams: &DeviceTensor<f32>,
-    site: &DeviceHcSite,
-    mix: usize,
+/// The grid of the mix projection (`ceil(HC·d / 128)` column blocks by `n` tokens) after
+/// checking `partials`, and the column block count.
+fn mix_grid(
     n: usize,
     d: usize,
-    partials: &mut DeviceTensor<f32>,
-) -> Result<u32, GpuError> {
+    partials: &DeviceTensor<f32>,
+) -> Result<(LaunchConfig, u32), GpuError> {
     let shape = mix_partials_shape(n, d);
     partials.expect("mHC mix partials", DType::F32, &shape)?;
-    let splits = dim_u32("mHC column blocks", shape[1])?;
-    let (width, mix32) = (dim_u32("mHC width", HC * d)?, dim_u32("mHC mix", mix)?);
-    let cfg = LaunchConfig {
-        grid_dim: (splits, dim_u32("tokens", n)?.min(65535), 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
     if n > 65535 {
         return Err(GpuError::invalid(
             "mHC",
             format!("{n} tokens (at most 65535 a launch)"),
         ));
     }
-    // SAFETY: streams [n, HC·d], fn [mix, HC·d] (checked by the callers), partials
-    // [n, splits, MIX + 1] with mix <= MIX.
+    let splits = dim_u32("mHC column blocks", shape[1])?;
+    let cfg = LaunchConfig {
+        grid_dim: (splits, dim_u32("tokens", n)?, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok((cfg, splits))
+}
+
+/// The mix projection of every token's RMS-normalized `streams [n, HC·D]` with `site`'s
+/// `fn_` (a layer site's `MIX` rows or the head's `HC`) into `partials`
+/// ([`mix_partials_shape`]): per column block, the dot products and the sum of squares.
+pub fn hc_mix(
+    dev: &Device,
+    streams: &DeviceTensor<f32>,
+    site: &DeviceHcSite,
+    p: &HcParams,
+    partials: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let (n, d) = stream_dims(streams, p)?;
+    let mix = site.rows(d)?;
+    let (cfg, _) = mix_grid(n, d, partials)?;
+    if n == 0 || d == 0 {
+        return Ok(());
+    }
+    let (width, mix32) = (dim_u32("mHC width", HC * d)?, dim_u32("mHC mix", mix)?);
+    // SAFETY: streams [n, HC·d], fn [mix, HC·d], partials [n, splits, MIX + 1] with
+    // mix <= MIX, checked above.
     unsafe {
         launch(
             dev,
@@ -67,8 +82,7 @@ fn mix_partials(
                 .arg(mix32)
                 .ptr(partials),
         )
-    }?;
-    Ok(splits)
+    }
 }
 
 /// `(tokens, D)` of `streams [n, HC·D]`, once the model's stream count is the kernels'.
@@ -106,6 +120,19 @@ impl DeviceHcSite {
         })
     }
 
+    /// Mix rows of the site: `MIX` (a layer site) or `HC` (the head).
+    fn rows(&self, d: usize) -> Result<usize, GpuError> {
+        let mix = self.base.len();
+        if mix != MIX && mix != HC {
+            return Err(GpuError::invalid(
+                "mHC site",
+                format!("{mix} mix rows (a layer site has {MIX}, the head {HC})"),
+            ));
+        }
+        self.check(mix, if mix == MIX { 3 } else { 1 }, d)?;
+        Ok(mix)
+    }
+
     fn check(&self, mix: usize, scales: usize, d: usize) -> Result<(), GpuError> {
         self.fn_.expect("mHC fn", DType::F32, &[mix, HC * d])?;
         self.base.expect("mHC base", DType::F32, &[mix])?;
@@ -134,14 +161,14 @@ fn per_token(n: u32, d: u32) -> LaunchConfig {
     }
 }
 
-/// `streams [n, HC·D]` → the site's collapsed input and mix (spec §4), all on the device;
-/// `partials` ([`mix_partials_shape`]) is scratch.
+/// `streams [n, HC·D]` → the site's collapsed input and mix (spec §4), all on the device, from
+/// the site's mix projection in `partials` ([`hc_mix`] or [`hc_post_mix`]).
 pub fn hc_pre(
     dev: &Device,
     streams: &DeviceTensor<f32>,
     site: &DeviceHcSite,
     p: &HcParams,
-    partials: &mut DeviceTensor<f32>,
+    partials: &DeviceTensor<f32>,
     out: &mut HcPreOut,
 ) -> Result<(), GpuError> {
     let (n, d) = stream_dims(streams, p)?;
@@ -154,7 +181,7 @@ pub fn hc_pre(
     }
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
     let iters = dim_u32("sinkhorn iterations", p.sinkhorn_iters)?;
-    let splits = mix_partials(dev, streams, site, MIX, n, d, partials)?;
+    let (_, splits) = mix_grid(n, d, partials)?;
     // SAFETY: streams [n, 4d], partials [n, splits, 25], base [24], scale [3], outputs [n, d], [n, 4],
     // [n, 16], all checked above.
     unsafe {
@@ -182,13 +209,14 @@ pub fn hc_pre(
 }
 
 /// The final collapse before the output norm: `streams [n, HC·D]` → `x [n, D]` with the head
-/// site's pre weights (`fn_ [HC, HC·D]`, `base [HC]`, `scale [1]`); `partials` is scratch.
+/// site's pre weights (`fn_ [HC, HC·D]`, `base [HC]`, `scale [1]`), from its mix projection in
+/// `partials`.
 pub fn hc_head(
     dev: &Device,
     streams: &DeviceTensor<f32>,
     site: &DeviceHcSite,
     p: &HcParams,
-    partials: &mut DeviceTensor<f32>,
+    partials: &DeviceTensor<f32>,
     x: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
     let (n, d) = stream_dims(streams, p)?;
@@ -198,7 +226,7 @@ pub fn hc_head(
         return Ok(());
     }
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
-    let splits = mix_partials(dev, streams, site, HC, n, d, partials)?;
+    let (_, splits) = mix_grid(n, d, partials)?;
     // SAFETY: streams [n, 4d], partials [n, splits, 25], base [4], scale [1], x [n, d], checked
     // above.
     unsafe {
@@ -258,4 +286,50 @@ pub fn hc_post(
         )
     }?;
     Ok(())
+}
+
+/// [`hc_post`], then [`hc_mix`] of the new streams with `next` (the following site), in one
+/// launch: each block expands its columns and projects them.
+#[allow(clippy::too_many_arguments)]
+pub fn hc_post_mix(
+    dev: &Device,
+    streams: &DeviceTensor<f32>,
+    y: &DeviceTensor<f32>,
+    mix: &HcPreOut,
+    out: &mut DeviceTensor<f32>,
+    next: &DeviceHcSite,
+    p: &HcParams,
+    partials: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let (n, d) = y.dims2("mHC sub-layer output", DType::F32)?;
+    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
+    mix.post.expect("mHC post", DType::F32, &[n, HC])?;
+    mix.comb.expect("mHC comb", DType::F32, &[n, HC * HC])?;
+    out.expect("mHC new streams", DType::F32, &[n, HC * d])?;
+    stream_dims(out, p)?;
+    let rows = next.rows(d)?;
+    let (cfg, _) = mix_grid(n, d, partials)?;
+    if n == 0 || d == 0 {
+        return Ok(());
+    }
+    let (d32, mix32) = (dim_u32("hidden", d)?, dim_u32("mHC mix", rows)?);
+    // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16],
+    // fn [mix, 4d], partials [n, splits, MIX + 1], checked above.
+    unsafe {
+        launch(
+            dev,
+            "hc_post_mix",
+            cfg,
+            Args::new()
+                .ptr(streams)
+                .ptr(y)
+                .ptr(&mix.post)
+                .ptr(&mix.comb)
+                .arg(d32)
+                .ptr(out)
+                .ptr(&next.fn_)
+                .arg(mix32)
+                .ptr(partials),
+        )
+    }
 }

@@ -84,9 +84,11 @@ fn gpu_hc_pre_and_head_match_reference() {
             comb: poisoned(&dev, &[n, HC * HC]),
         };
         let mut part = poisoned(&dev, &mix_partials_shape(n, d));
-        hc_pre(&dev, &sd, &site_d, &p, &mut part, &mut out).unwrap();
+        hc_mix(&dev, &sd, &site_d, &p, &mut part).unwrap();
+        hc_pre(&dev, &sd, &site_d, &p, &part, &mut out).unwrap();
         let mut hx = poisoned(&dev, &[n, d]);
-        hc_head(&dev, &sd, &head_d, &p, &mut part, &mut hx).unwrap();
+        hc_mix(&dev, &sd, &head_d, &p, &mut part).unwrap();
+        hc_head(&dev, &sd, &head_d, &p, &part, &mut hx).unwrap();
         let (x, post, comb) = (
             dev.download(&out.x).unwrap(),
             dev.download(&out.post).unwrap(),
@@ -163,6 +165,33 @@ fn gpu_hc_post_matches_reference_bit_for_bit() {
             &bits(&dev.download(&out).unwrap()),
             &bits(&want),
         );
+        // Fused with the next site's mix projection (a layer site, then the head's): the same
+        // streams and the same partials as the two launches.
+        let p = params();
+        for rows in [MIX, HC] {
+            let [fn_, base, sc] = random_site(&mut rng, rows, if rows == MIX { 3 } else { 1 }, d);
+            let next = HcSite {
+                fn_: &fn_,
+                base: &base,
+                scale: &sc,
+            };
+            let next = DeviceHcSite::upload(&dev, &next, d).unwrap();
+            let mut want_part = poisoned(&dev, &mix_partials_shape(n, d));
+            hc_mix(&dev, &out, &next, &p, &mut want_part).unwrap();
+            let mut fused = poisoned(&dev, &[n, HC * d]);
+            let mut part = poisoned(&dev, &mix_partials_shape(n, d));
+            hc_post_mix(&dev, &sd, &yd, &mix, &mut fused, &next, &p, &mut part).unwrap();
+            let what = format!("iter {iter}: n {n}, d {d}, fused with a {rows}-row mix");
+            assert_bits_eq(&what, &dev.download(&fused).unwrap(), &want);
+            // Only the first `rows` + 1 entries of each partial are written.
+            let (got_p, want_p) = (
+                dev.download(&part).unwrap(),
+                dev.download(&want_part).unwrap(),
+            );
+            for (g, w) in got_p.chunks(MIX + 1).zip(want_p.chunks(MIX + 1)) {
+                assert_bits_eq(&what, &g[..=rows], &w[..=rows]);
+            }
+        }
     }
 }
 
@@ -189,17 +218,22 @@ fn gpu_mhc_launchers_reject_other_stream_counts_and_shapes() {
         comb: dev.alloc(DType::F32, &[2, HC * HC]).unwrap(),
     };
     let mut part = dev.alloc(DType::F32, &mix_partials_shape(2, d)).unwrap();
-    hc_pre(&dev, &sd, &site, &params(), &mut part, &mut out).unwrap();
+    hc_mix(&dev, &sd, &site, &params(), &mut part).unwrap();
+    hc_pre(&dev, &sd, &site, &params(), &part, &mut out).unwrap();
     let three = HcParams { n: 3, ..params() };
-    assert!(hc_pre(&dev, &sd, &site, &three, &mut part, &mut out).is_err());
+    assert!(hc_pre(&dev, &sd, &site, &three, &part, &mut out).is_err());
     let mut small = dev.alloc(DType::F32, &mix_partials_shape(1, d)).unwrap();
     assert!(
-        hc_pre(&dev, &sd, &site, &params(), &mut small, &mut out).is_err(),
+        hc_pre(&dev, &sd, &site, &params(), &small, &mut out).is_err(),
+        "partials for one token"
+    );
+    assert!(
+        hc_mix(&dev, &sd, &site, &params(), &mut small).is_err(),
         "partials for one token"
     );
     let mut head_x = dev.alloc(DType::F32, &[2, d]).unwrap();
     assert!(
-        hc_head(&dev, &sd, &site, &params(), &mut part, &mut head_x).is_err(),
+        hc_head(&dev, &sd, &site, &params(), &part, &mut head_x).is_err(),
         "a layer site is not a head"
     );
     let mut wrong = dev.alloc(DType::F32, &[2, HC * d + 1]).unwrap();

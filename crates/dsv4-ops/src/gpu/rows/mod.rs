@@ -70,20 +70,83 @@ pub fn rms_norm_rows(
     out_b: Option<&mut DeviceTensor<bf16>>,
 ) -> Result<(), GpuError> {
     let (rows, width) = x.dims2("rms_norm input", DType::F32)?;
+    if let Some(b) = &out_b {
+        b.expect("rms_norm BF16 output", DType::BF16, &[rows, width])?;
+    }
+    // Null selects no BF16 copy inside the kernel.
+    let out_b = out_b.map_or(0, |b| b.device_address());
+    norm_rows(dev, x, weight, eps, out, out_b, None)
+}
+
+/// The rotary embedding [`rms_norm_rope_rows`] applies after the norm.
+pub struct RowRope<'a> {
+    /// `[half]`: the last `2·half` channels of each row rotate.
+    pub inv_freq: &'a DeviceTensor<f32>,
+    /// U32 `[1]`, the first row's position.
+    pub pos: &'a DeviceTensor<u32>,
+    /// Rows of one token (heads); row `r` sits at position `pos[0] + r / rows_per_token`.
+    pub rows_per_token: usize,
+}
+
+/// [`rms_norm_rows`] then [`rope_rows`] (forward) on its output, in one launch.
+pub fn rms_norm_rope_rows(
+    dev: &Device,
+    x: &DeviceTensor<f32>,
+    weight: Option<&DeviceTensor<f32>>,
+    eps: f32,
+    rope: &RowRope,
+    out: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    norm_rows(dev, x, weight, eps, out, 0, Some(rope))
+}
+
+fn norm_rows(
+    dev: &Device,
+    x: &DeviceTensor<f32>,
+    weight: Option<&DeviceTensor<f32>>,
+    eps: f32,
+    out: &mut DeviceTensor<f32>,
+    out_b: u64,
+    rope: Option<&RowRope>,
+) -> Result<(), GpuError> {
+    let (rows, width) = x.dims2("rms_norm input", DType::F32)?;
     out.expect("rms_norm output", DType::F32, &[rows, width])?;
     if let Some(w) = weight {
         w.expect("rms_norm weight", DType::F32, &[width])?;
     }
-    if let Some(b) = &out_b {
-        b.expect("rms_norm BF16 output", DType::BF16, &[rows, width])?;
-    }
+    let (inv_freq, half, pos, per_token) = match rope {
+        Some(r) => {
+            let half = r.inv_freq.len();
+            r.inv_freq
+                .expect("rope inverse frequencies", DType::F32, &[half])?;
+            r.pos.expect("rope position", DType::U32, &[1])?;
+            if 2 * half > width || r.rows_per_token == 0 || rows % r.rows_per_token != 0 {
+                return Err(GpuError::invalid(
+                    "rms_norm_rope",
+                    format!(
+                        "{rows} rows of {width} with {} rotated channels, {} rows a token",
+                        2 * half,
+                        r.rows_per_token
+                    ),
+                ));
+            }
+            let half = dim_u32("rope half", half)?;
+            let per_token = dim_u32("rows per token", r.rows_per_token)?;
+            (
+                r.inv_freq.device_address(),
+                half,
+                r.pos.device_address(),
+                per_token,
+            )
+        }
+        None => (0, 0, 0, 1),
+    };
     if rows == 0 || width == 0 {
         return Ok(());
     }
     let (r32, w32) = (dim_u32("rows", rows)?, dim_u32("width", width)?);
-    // Null selects the unscaled norm, and no BF16 copy, inside the kernel.
+    // Null selects the unscaled norm inside the kernel.
     let weight_ptr: u64 = weight.map_or(0, DeviceTensor::device_address);
-    let out_b_ptr: u64 = out_b.map_or(0, |b| b.device_address());
     // About four columns a thread, so that one row (a decode step's norm) spreads over a
     // whole block of up to 1024 threads; the size depends on the width only.
     let threads = (w32 / 4).next_multiple_of(32).clamp(32, 1024);
@@ -93,7 +156,8 @@ pub fn rms_norm_rows(
         shared_mem_bytes: 0,
     };
     // SAFETY: x, out and out_b (when not null) are [rows, width], weight (when not null)
-    // [width], checked above.
+    // [width], inv_freq (when not null) [half] with 2·half <= width and pos [1], checked
+    // above.
     unsafe {
         launch(
             dev,
@@ -106,7 +170,11 @@ pub fn rms_norm_rows(
                 .arg(weight_ptr)
                 .arg(eps)
                 .ptr(out)
-                .arg(out_b_ptr),
+                .arg(out_b)
+                .arg(inv_freq)
+                .arg(half)
+                .arg(pos)
+                .arg(per_token),
         )
     }?;
     Ok(())

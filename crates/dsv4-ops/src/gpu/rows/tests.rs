@@ -181,6 +181,52 @@ fn gpu_rope_rows_matches_reference_at_device_positions() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
+    let dev = device();
+    let mut rng = rng("gpu_rms_norm_rope_is_the_norm_then_the_rope");
+    // (tokens, heads, width, rotated): the queries' heads, the shared key, a small odd case.
+    for (tokens, heads, width, rot) in [(1, 64, 512, 64), (3, 1, 512, 64), (5, 3, 96, 32)] {
+        let rows = tokens * heads;
+        let x = random_f32(&mut rng, rows * width);
+        let weight = random_f32(&mut rng, width);
+        let freq: Vec<f32> = (0..rot / 2).map(|i| 0.9f32.powi(i as i32)).collect();
+        let position: u32 = rng.random_range(0..100_000);
+        let xd = dev.upload(DType::F32, &[rows, width], &x).unwrap();
+        let wd = dev.upload(DType::F32, &[width], &weight).unwrap();
+        let fd = dev.upload(DType::F32, &[rot / 2], &freq).unwrap();
+        let pd = dev.upload(DType::U32, &[1], &[position]).unwrap();
+        let mut two = poisoned_f32(&dev, &[rows, width]);
+        rms_norm_rows(&dev, &xd, Some(&wd), 1e-6, &mut two, None).unwrap();
+        let mut two = two.reshape(&[tokens, heads * width]).unwrap();
+        rope_rows(&dev, &mut two, width, &fd, &pd, RopeDirection::Forward).unwrap();
+        let mut one = poisoned_f32(&dev, &[rows, width]);
+        let rope = RowRope {
+            inv_freq: &fd,
+            pos: &pd,
+            rows_per_token: heads,
+        };
+        rms_norm_rope_rows(&dev, &xd, Some(&wd), 1e-6, &rope, &mut one).unwrap();
+        assert_bits_eq(
+            &format!("[{tokens} x {heads}, {width}] rotating {rot}"),
+            &dev.download(&one).unwrap(),
+            &dev.download(&two).unwrap(),
+        );
+    }
+    let x = dev.alloc::<f32>(DType::F32, &[3, 8]).unwrap();
+    let fd = dev.alloc::<f32>(DType::F32, &[2]).unwrap();
+    let pd = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
+    let mut out = dev.alloc::<f32>(DType::F32, &[3, 8]).unwrap();
+    let rope = RowRope {
+        inv_freq: &fd,
+        pos: &pd,
+        rows_per_token: 2,
+    };
+    let err = rms_norm_rope_rows(&dev, &x, None, 1e-6, &rope, &mut out).unwrap_err();
+    assert!(err.to_string().contains("2 rows a token"), "{err}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_row_launchers_reject_bad_shapes_and_positions_advance() {
     let dev = device();
     let table = dev.upload(DType::BF16, &[4, 8], &[bf16::ONE; 32]).unwrap();
