@@ -1,7 +1,7 @@
 // Decode GEMV / small-M GEMM: y[M, N] = x[M, K] . W[N, K]^T for M <= 16, bf16 activations,
-// f32 accumulation, bf16 or f32 output, weights in BF16, FP8 e4m3 (128x128-style block scales, e8m0 or
-// f32), NVFP4 (e4m3 per 16 + f32 global) or MXFP4 (e8m0 per 32). Also the fused gate+up
-// projection with the clamped SwiGLU epilogue.
+// f32 accumulation, bf16 or f32 output (or f32 added to y), weights in BF16, FP8 e4m3
+// (128x128-style block scales, e8m0 or f32), NVFP4 (e4m3 per 16 + f32 global) or MXFP4 (e8m0
+// per 32). Also the fused gate+up projection with the clamped SwiGLU epilogue.
 //
 // Weights are the A operand of mma.m16n8k16 (16 weight rows x 16 k), activations the B operand
 // (16 k x 8 activation rows), so one MMA covers 256 weight elements and M = 1..8 costs the same
@@ -72,14 +72,16 @@ struct GemvArgs {
     u32 tiles_log2;     // log2 of the tiles a block holds (block warps / G)
     u32 cluster_sum;    // 1: the blocks of a tile are one cluster and sum through `cluster_sum`
     u32 mail_offset;    // byte offset of the cluster mailbox in dynamic shared memory
-    u32 y_f32;          // 1: y is f32 (the sums as they are), 0: bf16 (rounded to nearest even)
+    u32 y_f32;          // 0: y is bf16 (rounded to nearest even); 1: f32 (the sums as they are);
+                        // 2: f32, the sums added to what y holds
     u32 x_ld;           // row stride of x (elements): k, or groups * k for a grouped launch
     u32 x_group_rows;   // grouped: output rows [g * x_group_rows, (g + 1) * x_group_rows) read
                         // x columns [g * k, (g + 1) * k); 0: every row reads columns [0, k)
 };
 
 __device__ __forceinline__ void store_y(const GemvArgs& a, u64 i, float v) {
-    if (a.y_f32) static_cast<float*>(a.y)[i] = v;
+    if (a.y_f32 == 2u) static_cast<float*>(a.y)[i] = __fadd_rn(static_cast<float*>(a.y)[i], v);
+    else if (a.y_f32) static_cast<float*>(a.y)[i] = v;
     else static_cast<u16*>(a.y)[i] = f32_to_bf16(v);
 }
 

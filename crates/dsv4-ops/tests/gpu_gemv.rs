@@ -172,6 +172,13 @@ fn check_gemv(
         &rounded,
         &got,
     );
+    // Added to an F32 y: one f32 add per element of what y held and the F32 output.
+    let base = gaussian(rng, m * n, 1.0);
+    let mut acc = dev.upload(DType::F32, &[m, n], &base).unwrap();
+    gemv::gemv_add(dev, &x, &w, &mut acc, ws).unwrap();
+    let want_sum: Vec<f32> = base.iter().zip(&y32).map(|(b, v)| b + v).collect();
+    let what = format!("{format} m={m} n={n} k={k}: added to y");
+    assert_bits_eq(&what, &dev.download(&acc).unwrap(), &want_sum);
     for (staging, cluster, whole) in [
         (true, true, true),
         (false, true, true),

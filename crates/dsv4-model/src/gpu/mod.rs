@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use dsv4_ops::gpu::attention::{self, Compressed};
-use dsv4_ops::gpu::gemv::{gemv, gemv_grouped, gemv_swiglu, GemvWeight};
+use dsv4_ops::gpu::gemv::{gemv, gemv_add, gemv_grouped, gemv_swiglu, GemvWeight};
 use dsv4_ops::gpu::mhc::reference::HcParams;
 use dsv4_ops::gpu::mhc::{hc_head, hc_mix, hc_post_mix, hc_pre, DeviceHcSite, HcPreOut, HC};
 use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
@@ -906,9 +906,8 @@ fn moe_layer(
     }
     let mut sh = a.shared_h.rows(n)?;
     gemv_swiglu(dev, &xb, &m.shared_w13, c.swiglu_limit, &mut sh, &mut a.ws)?;
-    let mut sy = a.shared_y.rows(n)?;
-    gemv(dev, &sh, &m.shared_w2, &mut sy, &mut a.ws)?;
-    copy_cols(dev, &sy, Cols::all(c.hidden_size), &mut out, 0, true)
+    // The shared expert's output added to the routed experts' sum in the GEMV's epilogue.
+    gemv_add(dev, &sh, &m.shared_w2, &mut out, &mut a.ws)
 }
 
 /// Weight bytes a decode step reads: every dense weight of every layer (the mHC projections

@@ -1160,7 +1160,7 @@ fn launch(
         tiles_log2: (p.block_warps() / p.group()).trailing_zeros(),
         cluster_sum: u32::from(sums.cluster),
         mail_offset: sums.staged as u32,
-        y_f32: u32::from(y.f32),
+        y_f32: y.mode,
         x_ld: dim_u32("gemv x row", groups * w.k)?,
         x_group_rows: if groups > 1 {
             dim_u32("gemv group rows", group_rows)?
@@ -1201,18 +1201,18 @@ fn kernel_name(prefix: &str, format: GemvFormat, m: usize) -> String {
     )
 }
 
-/// Where a launch writes its results.
+/// Where a launch writes its results, and how (`y_f32` in gemv.cu).
 struct Output {
     address: u64,
-    /// F32 sums as they are; else rounded to BF16.
-    f32: bool,
+    /// 0: rounded to BF16; 1: F32 sums as they are; 2: F32 sums added to what `y` holds.
+    mode: u32,
 }
 
 impl Output {
     fn of<Y: ActElem>(y: &DeviceTensor<Y>) -> Output {
         Output {
             address: y.device_address(),
-            f32: Y::DTYPE == DType::F32,
+            mode: u32::from(Y::DTYPE == DType::F32),
         }
     }
 }
@@ -1233,6 +1233,28 @@ pub fn gemv<Y: ActElem>(
     y.expect("gemv output y", Y::DTYPE, &[m, w.n])?;
     let kernel = kernel_name("gemv_", w.format, m);
     launch(dev, &kernel, x, m, w, 0.0, Output::of(y), 1, ws)
+}
+
+/// `y [M, N] += x [M, K] · Wᵀ` (F32 `y`): [`gemv`] whose sums are added to `y` (one add per
+/// element, so the result is what a separate add of the F32 output gives).
+pub fn gemv_add(
+    dev: &Device,
+    x: &DeviceTensor<bf16>,
+    w: &GemvWeight,
+    y: &mut DeviceTensor<f32>,
+    ws: &mut GemvWorkspace,
+) -> Result<(), GpuError> {
+    if w.gate_up {
+        return Err(invalid("gemv_add", "a gate+up weight goes to gemv_swiglu"));
+    }
+    let m = check_x(x, w.k)?;
+    y.expect("gemv_add output y", DType::F32, &[m, w.n])?;
+    let kernel = kernel_name("gemv_", w.format, m);
+    let out = Output {
+        address: y.device_address(),
+        mode: 2,
+    };
+    launch(dev, &kernel, x, m, w, 0.0, out, 1, ws)
 }
 
 /// A grouped projection in one launch: `W [N, K]` is `groups` blocks of `N / groups` rows, and
