@@ -183,7 +183,6 @@ struct DevAttention {
     wq_b: GemvWeight,
     wkv: GemvWeight,
     kv_norm: DeviceTensor<f32>,
-    /// One weight per output group.
     /// All `o_groups` groups, run by one grouped GEMV.
     wo_a: GemvWeight,
     wo_b: GemvWeight,
@@ -223,6 +222,16 @@ struct DevWeights {
     layers: Vec<DevLayer>,
     rope_main: DeviceTensor<f32>,
     rope_compress: DeviceTensor<f32>,
+}
+
+impl DevWeights {
+    /// The mHC site that first reads the streams entering layer `l`: its attention site, or the
+    /// head's past the last layer.
+    fn entry_site(&self, l: usize) -> &DeviceHcSite {
+        self.layers
+            .get(l)
+            .map_or(&self.hc_head, |layer| &layer.hc_attn)
+    }
 }
 
 fn upload_compressor(
@@ -616,11 +625,7 @@ impl GpuModel {
         let mut s0 = a.streams[0].rows(n)?;
         embed_hc_gather(dev, &self.w.embed, &tokens, c.hc_mult, &mut s0)?;
         // The first site's mix projection; every later one comes with the expansion before it.
-        let first = self
-            .w
-            .layers
-            .first()
-            .map_or(&self.w.hc_head, |l| &l.hc_attn);
+        let first = self.w.entry_site(0);
         hc_mix(dev, &s0, first, &self.hc, &mut a.mix_partials.rows(n)?)?;
         let mut cur = 0;
         let eps = c.rms_norm_eps;
@@ -637,11 +642,7 @@ impl GpuModel {
             let site = Site {
                 hc: &lw.hc_ffn,
                 norm: &lw.ffn_norm,
-                next: self
-                    .w
-                    .layers
-                    .get(l + 1)
-                    .map_or(&self.w.hc_head, |next| &next.hc_attn),
+                next: self.w.entry_site(l + 1),
             };
             hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, ffn, |a| &a.moe)?;
         }

@@ -1226,13 +1226,8 @@ pub fn gemv<Y: ActElem>(
     y: &mut DeviceTensor<Y>,
     ws: &mut GemvWorkspace,
 ) -> Result<(), GpuError> {
-    if w.gate_up {
-        return Err(invalid("gemv", "a gate+up weight goes to gemv_swiglu"));
-    }
-    let m = check_x(x, w.k)?;
-    y.expect("gemv output y", Y::DTYPE, &[m, w.n])?;
-    let kernel = kernel_name("gemv_", w.format, m);
-    launch(dev, &kernel, x, m, w, 0.0, Output::of(y), 1, ws)
+    let mode = Output::of(y).mode;
+    plain("gemv", dev, x, w, 1, y, mode, ws)
 }
 
 /// `y [M, N] += x [M, K] · Wᵀ` (F32 `y`): [`gemv`] whose sums are added to `y` (one add per
@@ -1244,17 +1239,7 @@ pub fn gemv_add(
     y: &mut DeviceTensor<f32>,
     ws: &mut GemvWorkspace,
 ) -> Result<(), GpuError> {
-    if w.gate_up {
-        return Err(invalid("gemv_add", "a gate+up weight goes to gemv_swiglu"));
-    }
-    let m = check_x(x, w.k)?;
-    y.expect("gemv_add output y", DType::F32, &[m, w.n])?;
-    let kernel = kernel_name("gemv_", w.format, m);
-    let out = Output {
-        address: y.device_address(),
-        mode: 2,
-    };
-    launch(dev, &kernel, x, m, w, 0.0, out, 1, ws)
+    plain("gemv_add", dev, x, w, 1, y, 2, ws)
 }
 
 /// A grouped projection in one launch: `W [N, K]` is `groups` blocks of `N / groups` rows, and
@@ -1269,22 +1254,40 @@ pub fn gemv_grouped<Y: ActElem>(
     y: &mut DeviceTensor<Y>,
     ws: &mut GemvWorkspace,
 ) -> Result<(), GpuError> {
-    if w.gate_up {
-        return Err(invalid(
-            "gemv_grouped",
-            "a gate+up weight goes to gemv_swiglu",
-        ));
-    }
     if groups == 0 || !w.n.is_multiple_of(groups) || !(w.n / groups).is_multiple_of(16) {
         return Err(invalid(
             "gemv_grouped",
             format!("{} rows are not {groups} groups of a multiple of 16", w.n),
         ));
     }
+    let mode = Output::of(y).mode;
+    plain("gemv_grouped", dev, x, w, groups, y, mode, ws)
+}
+
+/// The launch of [`gemv`], [`gemv_add`] and [`gemv_grouped`] (`what`): a plain weight, `x`
+/// `[M, groups·K]`, `y` `[M, N]` written in `mode` ([`Output`]).
+#[allow(clippy::too_many_arguments)]
+fn plain<Y: ActElem>(
+    what: &str,
+    dev: &Device,
+    x: &DeviceTensor<bf16>,
+    w: &GemvWeight,
+    groups: usize,
+    y: &DeviceTensor<Y>,
+    mode: u32,
+    ws: &mut GemvWorkspace,
+) -> Result<(), GpuError> {
+    if w.gate_up {
+        return Err(invalid(what, "a gate+up weight goes to gemv_swiglu"));
+    }
     let m = check_x(x, groups * w.k)?;
-    y.expect("gemv_grouped output y", Y::DTYPE, &[m, w.n])?;
+    y.expect(&format!("{what} output y"), Y::DTYPE, &[m, w.n])?;
     let kernel = kernel_name("gemv_", w.format, m);
-    launch(dev, &kernel, x, m, w, 0.0, Output::of(y), groups, ws)
+    let out = Output {
+        address: y.device_address(),
+        mode,
+    };
+    launch(dev, &kernel, x, m, w, 0.0, out, groups, ws)
 }
 
 /// Fused gate and up projections of a SwiGLU block: `h [M, I] = silu(min(x·W1ᵀ, L)) ·

@@ -70,11 +70,12 @@ pub(crate) unsafe fn launch(
     cfg: LaunchConfig,
     args: &Args,
 ) -> Result<(), GpuError> {
+    // Pointers to copies of the slots, on the stack: a launch allocates nothing.
     let mut slots = args.slots;
-    let mut params: Vec<*mut std::ffi::c_void> = slots[..args.n]
-        .iter_mut()
-        .map(|s| s as *mut u64 as *mut std::ffi::c_void)
-        .collect();
+    let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_ARGS];
+    for (p, s) in params.iter_mut().zip(&mut slots) {
+        *p = s as *mut u64 as *mut std::ffi::c_void;
+    }
     let (grid, block) = (cfg.grid_dim, cfg.block_dim);
     debug_assert!(block.1 == 1 && block.2 == 1, "1-D blocks");
     // SAFETY: the caller's; params point into `slots`, alive for the call.
@@ -84,7 +85,7 @@ pub(crate) unsafe fn launch(
             kernel,
             grid,
             (block.0, cfg.shared_mem_bytes),
-            &mut params,
+            &mut params[..args.n],
             PROGRAMMATIC_LAUNCH.get(),
             1,
         )

@@ -250,6 +250,22 @@ pub fn hc_head(
     Ok(())
 }
 
+/// `(tokens, D)` of an expansion's `y [n, D]`, once `streams` and `out` are `[n, HC·D]` and the
+/// mix `[n, HC]` / `[n, HC·HC]`.
+fn post_dims(
+    streams: &DeviceTensor<f32>,
+    y: &DeviceTensor<f32>,
+    mix: &HcPreOut,
+    out: &DeviceTensor<f32>,
+) -> Result<(usize, usize), GpuError> {
+    let (n, d) = y.dims2("mHC sub-layer output", DType::F32)?;
+    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
+    mix.post.expect("mHC post", DType::F32, &[n, HC])?;
+    mix.comb.expect("mHC comb", DType::F32, &[n, HC * HC])?;
+    out.expect("mHC new streams", DType::F32, &[n, HC * d])?;
+    Ok((n, d))
+}
+
 /// `out[t, j] = post[t, j] · y[t] + Σ_i comb[t, i, j] · streams[t, i]`: the sub-layer output
 /// `y [n, D]` expanded back into new streams `out [n, HC·D]` (a buffer other than `streams`).
 pub fn hc_post(
@@ -259,11 +275,7 @@ pub fn hc_post(
     mix: &HcPreOut,
     out: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    let (n, d) = y.dims2("mHC sub-layer output", DType::F32)?;
-    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
-    mix.post.expect("mHC post", DType::F32, &[n, HC])?;
-    mix.comb.expect("mHC comb", DType::F32, &[n, HC * HC])?;
-    out.expect("mHC new streams", DType::F32, &[n, HC * d])?;
+    let (n, d) = post_dims(streams, y, mix, out)?;
     let total = (n * HC * d) as u64;
     if total == 0 {
         return Ok(());
@@ -301,11 +313,7 @@ pub fn hc_post_mix(
     p: &HcParams,
     partials: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    let (n, d) = y.dims2("mHC sub-layer output", DType::F32)?;
-    streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
-    mix.post.expect("mHC post", DType::F32, &[n, HC])?;
-    mix.comb.expect("mHC comb", DType::F32, &[n, HC * HC])?;
-    out.expect("mHC new streams", DType::F32, &[n, HC * d])?;
+    let (n, d) = post_dims(streams, y, mix, out)?;
     stream_dims(out, p)?;
     let rows = next.rows(d)?;
     let (cfg, _) = mix_grid(n, d, partials)?;

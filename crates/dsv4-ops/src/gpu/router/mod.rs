@@ -15,8 +15,12 @@ use super::{DType, Device, DeviceTensor, GpuError};
 
 /// The largest experts-per-token the kernel holds (DeepSeek-V4 uses 6).
 pub const MAX_TOP_K: usize = 16;
-/// The most routed experts the kernel holds (16 a lane; Flash has 256, Pro 384).
+/// The most routed experts the kernel holds (`ROUTE_E_MAX` in router.cu, its block's keys;
+/// Flash has 256, Pro 384).
 pub const MAX_EXPERTS: usize = 512;
+
+/// Threads of a `route_topk` block (`ROUTE_THREADS` in router.cu).
+const ROUTE_THREADS: u32 = 256;
 /// The gate's width D must be a multiple of this (16-byte loads of the rows).
 pub const GATE_DIM_MULTIPLE: usize = 8;
 /// Tokens one gate block takes (`gate::TOKENS` in router.cu); the grid's y covers the rest.
@@ -76,10 +80,10 @@ pub fn route_topk(
         dim_u32("top-k", k)?,
         dim_u32("vocab", vocab)?,
     ];
-    // One block of ROUTE_THREADS per token (grid-stride past 65536).
+    // One block per token (grid-stride past 65536).
     let cfg = LaunchConfig {
         grid_dim: (dims[0].min(1 << 16), 1, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (ROUTE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: logits [n, e], tokens [n], tid2eid [vocab, k] or bias [e] (the other null),
