@@ -1002,6 +1002,13 @@ mod tests {
         c.index_head_dim = 256;
         let err = check_gpu_config(&c).unwrap_err().to_string();
         assert!(err.contains("index_head_dim = 256"), "{err}");
+        let mut c = Config::tiny();
+        c.o_lora_rank = 24;
+        let err = check_gpu_config(&c).unwrap_err().to_string();
+        assert!(
+            err.contains("o_lora_rank = 24") && err.contains("multiple of 16"),
+            "{err}"
+        );
     }
 
     #[test]
