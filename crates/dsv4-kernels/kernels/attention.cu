@@ -29,17 +29,18 @@ using namespace dsv4;
 // Compressor
 // ---------------------------------------------------------------------------------------------
 
+// The chunk's compressor projections are rows of 2 κc: the κc values, then the κc gate logits.
+
 // Gate logit and value of window row r (position q) at channel `ch` of the κc-wide rows: from
 // the chunk's projections when q >= pos0 (gate + ape[r], one rounding as on the CPU), else
 // from the open-window state written by earlier chunks (its gate already holds ape).
-__device__ __forceinline__ void comp_row(u32 q, u32 r, u32 ch, u32 pos0, u32 kc, const float* __restrict__ kv_proj,
-                                         const float* __restrict__ gate_proj, const float* __restrict__ ape,
-                                         const float* __restrict__ st_kv, const float* __restrict__ st_gate, float& z,
-                                         float& v) {
+__device__ __forceinline__ void comp_row(u32 q, u32 r, u32 ch, u32 pos0, u32 kc, const float* __restrict__ proj,
+                                         const float* __restrict__ ape, const float* __restrict__ st_kv,
+                                         const float* __restrict__ st_gate, float& z, float& v) {
     if (q >= pos0) {
-        const u64 i = (u64)(q - pos0) * kc + ch;
-        v = kv_proj[i];
-        z = __fadd_rn(gate_proj[i], ape[(u64)r * kc + ch]);
+        const u64 i = (u64)(q - pos0) * 2u * kc + ch;
+        v = proj[i];
+        z = __fadd_rn(proj[i + kc], ape[(u64)r * kc + ch]);
     } else {
         v = st_kv[(u64)r * kc + ch];
         z = st_gate[(u64)r * kc + ch];
@@ -51,19 +52,19 @@ __device__ __forceinline__ void comp_row(u32 q, u32 r, u32 ch, u32 pos0, u32 kc,
 // window closes inside this chunk, else from prev_*), slots [ratio, 2 ratio) this window's rows
 // through their B-half (the whole row without overlap, b_off = 0).
 __device__ __forceinline__ void comp_slot(u32 i, u32 j, u32 ws, u32 ratio, u32 c, u32 kc, u32 b_off, u32 pos0,
-                                          bool prev_in_state, const float* __restrict__ kv_proj,
-                                          const float* __restrict__ gate_proj, const float* __restrict__ ape,
+                                          bool prev_in_state, const float* __restrict__ proj,
+                                          const float* __restrict__ ape,
                                           const float* __restrict__ st_kv, const float* __restrict__ st_gate,
                                           const float* __restrict__ prev_kv, const float* __restrict__ prev_gate,
                                           float& z, float& v) {
     if (i >= ratio) {
         const u32 r = i - ratio;
-        comp_row(ws + r, r, b_off + j, pos0, kc, kv_proj, gate_proj, ape, st_kv, st_gate, z, v);
+        comp_row(ws + r, r, b_off + j, pos0, kc, proj, ape, st_kv, st_gate, z, v);
         return;
     }
     const u32 q = ws - ratio + i;
     if (q >= pos0 || prev_in_state) {
-        comp_row(q, i, j, pos0, kc, kv_proj, gate_proj, ape, st_kv, st_gate, z, v);
+        comp_row(q, i, j, pos0, kc, proj, ape, st_kv, st_gate, z, v);
     } else {
         z = prev_gate[(u64)i * c + j];
         v = prev_kv[(u64)i * c + j];
@@ -77,8 +78,7 @@ __device__ __forceinline__ void comp_slot(u32 i, u32 j, u32 ws, u32 ratio, u32 c
 // operations (max, then the sum of exp, then the sum of value * (exp / sum)). Then the
 // weighted RMSNorm over c channels and the forward RoPE at position e * ratio on the last
 // rope_dim channels. Entries past `cap` are not written. Dynamic shared memory: c floats.
-DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict__ kv_proj,
-                                                        const float* __restrict__ gate_proj, u32 tokens,
+DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict__ proj, u32 tokens,
                                                         const float* __restrict__ ape, u32 ratio, u32 c, u32 overlap,
                                                         const float* __restrict__ norm, float eps,
                                                         const float* __restrict__ inv_freq, u32 rope_dim,
@@ -110,22 +110,22 @@ DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict_
         float mx = NEG_INF;
         for (u32 i = s0; i < 2u * ratio; i++) {
             float z, v;
-            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, kv_proj, gate_proj, ape, st_kv, st_gate,
-                      prev_kv, prev_gate, z, v);
+            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, proj, ape, st_kv, st_gate, prev_kv,
+                      prev_gate, z, v);
             mx = fmaxf(mx, z);
         }
         float sum = NEG_ZERO;
         for (u32 i = s0; i < 2u * ratio; i++) {
             float z, v;
-            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, kv_proj, gate_proj, ape, st_kv, st_gate,
-                      prev_kv, prev_gate, z, v);
+            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, proj, ape, st_kv, st_gate, prev_kv,
+                      prev_gate, z, v);
             sum = __fadd_rn(sum, expf(__fsub_rn(z, mx)));
         }
         float o = NEG_ZERO;
         for (u32 i = s0; i < 2u * ratio; i++) {
             float z, v;
-            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, kv_proj, gate_proj, ape, st_kv, st_gate,
-                      prev_kv, prev_gate, z, v);
+            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, proj, ape, st_kv, st_gate, prev_kv,
+                      prev_gate, z, v);
             o = __fadd_rn(o, __fmul_rn(v, __fdiv_rn(expf(__fsub_rn(z, mx)), sum)));
         }
         pooled[j] = o;
@@ -138,19 +138,13 @@ DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict_
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)c), eps)));
     for (u32 j = threadIdx.x; j < c; j += blockDim.x) pooled[j] = __fmul_rn(norm[j], __fmul_rn(pooled[j], inv));
     __syncthreads();
-    // RoPE at the window's first position (as rope_rows: f32 angle, sine and cosine in double).
-    float* dst = entries + (u64)e * c;
+    // RoPE at the window's first position, then the entry out.
     const u32 rope_start = c - rope_dim;
-    for (u32 j = threadIdx.x; j < rope_start; j += blockDim.x) dst[j] = pooled[j];
-    for (u32 i = threadIdx.x; i < rope_dim / 2u; i += blockDim.x) {
-        const double angle = (double)__fmul_rn((float)ws, inv_freq[i]);
-        double sd, cd;
-        sincospi(angle * 0.31830988618379067154, &sd, &cd);
-        const float s = (float)sd, co = (float)cd;
-        const float a = pooled[rope_start + 2u * i], b = pooled[rope_start + 2u * i + 1u];
-        dst[rope_start + 2u * i] = __fsub_rn(__fmul_rn(a, co), __fmul_rn(b, s));
-        dst[rope_start + 2u * i + 1u] = __fadd_rn(__fmul_rn(b, co), __fmul_rn(a, s));
-    }
+    for (u32 i = threadIdx.x; i < rope_dim / 2u; i += blockDim.x)
+        rope_pair(pooled + rope_start + 2u * i, ws, inv_freq[i], 1.0f);
+    __syncthreads();
+    float* dst = entries + (u64)e * c;
+    for (u32 j = threadIdx.x; j < c; j += blockDim.x) dst[j] = pooled[j];
 }
 
 // After compressor_emit: one thread per state element (row r, channel j of the κc-wide rows).
@@ -158,8 +152,7 @@ DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict_
 // row r of the last such window, from the chunk or from the old state element this same
 // thread reads before overwriting it. Then row r takes the chunk's last token at a position
 // ≡ r (mod ratio), if any (gate + ape).
-DSV4_KERNEL void compressor_store(const float* __restrict__ kv_proj, const float* __restrict__ gate_proj,
-                                  u32 tokens, const float* __restrict__ ape, u32 ratio, u32 c, u32 overlap,
+DSV4_KERNEL void compressor_store(const float* __restrict__ proj, u32 tokens, const float* __restrict__ ape, u32 ratio, u32 c, u32 overlap,
                                   const u32* __restrict__ pos, float* __restrict__ st_kv,
                                   float* __restrict__ st_gate, float* __restrict__ prev_kv,
                                   float* __restrict__ prev_gate) {
@@ -176,7 +169,7 @@ DSV4_KERNEL void compressor_store(const float* __restrict__ kv_proj, const float
             const u32 ws = pos0 + last + 1u - ratio;
             const u32 q = ws + r;
             float z, v;
-            comp_row(q, r, j, pos0, kc, kv_proj, gate_proj, ape, st_kv, st_gate, z, v);
+            comp_row(q, r, j, pos0, kc, proj, ape, st_kv, st_gate, z, v);
             prev_kv[(u64)r * c + j] = v;
             prev_gate[(u64)r * c + j] = z;
         }
@@ -184,9 +177,9 @@ DSV4_KERNEL void compressor_store(const float* __restrict__ kv_proj, const float
         const u32 o = (r + ratio - pos0 % ratio) % ratio;  // first such offset
         if (o < tokens) {
             const u32 t = o + (tokens - 1u - o) / ratio * ratio;
-            const u64 src = (u64)t * kc + j;
-            st_kv[i] = kv_proj[src];
-            st_gate[i] = __fadd_rn(gate_proj[src], ape[i]);
+            const u64 src = (u64)t * 2u * kc + j;
+            st_kv[i] = proj[src];
+            st_gate[i] = __fadd_rn(proj[src + kc], ape[i]);
         }
     }
 }
@@ -365,29 +358,49 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 #define ATT_MAX_G 4u    // heads a block handles
 #define ATT_MAX_CPL 16u  // channels a lane holds: d <= 512
 
-// Block (x, t): heads [x * G, (x + 1) * G) of token t at p = pos[0] + t. Keys j in order: the
-// window positions max(0, p - W + 1) ..= p (from this chunk's kv when >= pos[0], else from the
-// ring slot position % W), then the compressed keys: mode 1 every visible entry
-// [0, min((p + 1) / ratio, cap)), mode 2 the k ids of selected[t] (-1 or an id >= cap: none).
-// Warp w takes keys w, w + 8, ...: per key the lanes hold d / 32 channels, each head's score is
-// a warp butterfly sum, and the head's running max, sum and weighted values are updated online.
-// The warps then merge in warp order through shared memory, the sink joins the denominator.
-DSV4_KERNEL void __launch_bounds__(ATT_THREADS) attention_heads(
+#define ATT_MAX_SPLITS 64u
+
+// Factors that bring two softmax states of maxima ma and mb to their common maximum mn.
+__device__ __forceinline__ void rescale(float ma, float mb, float& mn, float& fa, float& fb) {
+    mn = fmaxf(ma, mb);
+    fa = ma == mn ? 1.0f : expf(__fsub_rn(ma, mn));
+    fb = mb == mn ? 1.0f : expf(__fsub_rn(mb, mn));
+}
+
+// Block (x, t, s): heads [x * G, (x + 1) * G) of token t at p = pos[0] + t, over split s of the
+// token's keys. Keys j in order: the window positions max(0, p - W + 1) ..= p (from this
+// chunk's kv when >= pos[0], else from the ring slot position % W), then the compressed keys:
+// mode 1 every visible entry [0, min((p + 1) / ratio, cap)), mode 2 the k ids of selected[t]
+// (-1 or an id >= cap: none). The n keys are cut into S = gridDim.z consecutive splits of
+// ceil(n / S). Warp w takes its split's keys w, w + 8, ...: per key the lanes hold d / 32
+// channels, each head's score is a warp butterfly sum, and the head's running max, sum and
+// weighted values are updated online. The warps then merge in warp order through shared memory.
+// With S > 1 each block writes its split's state to `part` ([t][h][s][d] sums, [t][h][s][2]
+// max and denominator) and the last block of (x, t) to arrive (counted in counters[t, x], which
+// it sets back to 0 for the next launch) merges the S states in split order. So the result
+// depends on S but not on timing. Then the sink joins the denominator, the output is rotated
+// back (inverse RoPE at p on the last 2 rope_half channels of each head) and written as bf16.
+DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
     const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, u32 g, float scale,
-    float* __restrict__ out) {
+    const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    u32* __restrict__ counters, u16* __restrict__ out) {
     pdl_enter();
     __shared__ float q_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
     __shared__ float acc_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
     __shared__ float m_s[ATT_MAX_G], l_s[ATT_MAX_G];
+    __shared__ u32 last_s;
     const u32 t = blockIdx.y;
     const u32 h0 = blockIdx.x * g;
+    const u32 splits = gridDim.z, split = blockIdx.z;
     const u32 pos0 = pos[0];
     const u32 p = pos0 + t;
     const u32 n_w = min(p + 1u, wsize);
     const u32 n_c = mode == 1u ? min((p + 1u) / ratio, cap) : mode == 2u ? k : 0u;
     const u32 n = n_w + n_c;
+    const u32 per = (n + splits - 1u) / splits;
+    const u32 j_end = min(n, (split + 1u) * per);
     const float* qt = q + ((u64)t * heads + h0) * d;
     for (u32 i = threadIdx.x; i < g * d; i += blockDim.x) q_s[i] = qt[i];
     __syncthreads();
@@ -401,7 +414,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS) attention_heads(
 #pragma unroll
         for (u32 x = 0; x < ATT_MAX_CPL; x++) acc[h][x] = 0.0f;
     }
-    for (u32 j = warp; j < n; j += ATT_WARPS) {
+    for (u32 j = split * per + warp; j < j_end; j += ATT_WARPS) {
         const float* key;
         if (j < n_w) {
             const u32 kp = p + 1u - n_w + j;
@@ -441,34 +454,69 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS) attention_heads(
 #pragma unroll
             for (u32 h = 0; h < ATT_MAX_G; h++) {
                 if (h >= g) break;
-                if (w == 0u) {
+                const float mo = w == 0u ? NEG_INF : m_s[h], lo = w == 0u ? 0.0f : l_s[h];
+                float mn, fa, fb;
+                rescale(mo, m[h], mn, fa, fb);
 #pragma unroll
-                    for (u32 x = 0; x < ATT_MAX_CPL; x++)
-                        if (x < cpl) acc_s[h * d + lane + 32u * x] = acc[h][x];
-                    __syncwarp();
-                    if (lane == 0u) {
-                        m_s[h] = m[h];
-                        l_s[h] = l[h];
-                    }
-                } else {
-                    const float mo = m_s[h], lo = l_s[h];
-                    const float mn = fmaxf(mo, m[h]);
-                    const float a = mo == mn ? 1.0f : expf(__fsub_rn(mo, mn));
-                    const float b = m[h] == mn ? 1.0f : expf(__fsub_rn(m[h], mn));
-#pragma unroll
-                    for (u32 x = 0; x < ATT_MAX_CPL; x++) {
-                        if (x < cpl) {
-                            float* o = &acc_s[h * d + lane + 32u * x];
-                            *o = __fadd_rn(__fmul_rn(*o, a), __fmul_rn(acc[h][x], b));
-                        }
-                    }
-                    __syncwarp();
-                    if (lane == 0u) {
-                        m_s[h] = mn;
-                        l_s[h] = __fadd_rn(__fmul_rn(lo, a), __fmul_rn(l[h], b));
+                for (u32 x = 0; x < ATT_MAX_CPL; x++) {
+                    if (x < cpl) {
+                        float* o = &acc_s[h * d + lane + 32u * x];
+                        *o = __fadd_rn(__fmul_rn(w == 0u ? 0.0f : *o, fa), __fmul_rn(acc[h][x], fb));
                     }
                 }
+                __syncwarp();
+                if (lane == 0u) {
+                    m_s[h] = mn;
+                    l_s[h] = __fadd_rn(__fmul_rn(lo, fa), __fmul_rn(l[h], fb));
+                }
             }
+        }
+        __syncthreads();
+    }
+    if (splits > 1u) {
+        // This split's state out; the last block of (x, t) to finish merges every split's.
+        const u64 row0 = (u64)t * heads + h0;  // (token, head) row of the block's first head
+        for (u32 i = threadIdx.x; i < g * d; i += blockDim.x)
+            part_acc[((row0 + i / d) * splits + split) * d + i % d] = acc_s[i];
+        if (threadIdx.x < g) {
+            float* ml = part_ml + ((row0 + threadIdx.x) * splits + split) * 2u;
+            ml[0] = m_s[threadIdx.x];
+            ml[1] = l_s[threadIdx.x];
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0u) {
+            u32* counter = counters + (u64)t * gridDim.x + blockIdx.x;
+            last_s = atomicAdd(counter, 1u) == splits - 1u;
+            if (last_s) *counter = 0u;
+        }
+        __syncthreads();
+        if (!last_s) return;
+        __threadfence();
+        // Each split's factor to the common maximum, then the sums in split order (L2 reads:
+        // the other blocks' writes are not in this SM's L1).
+        __shared__ float f_s[ATT_MAX_G][ATT_MAX_SPLITS];
+        if (threadIdx.x < g) {
+            const u32 h = threadIdx.x;
+            const float* ml = part_ml + (row0 + h) * splits * 2u;
+            float mx = NEG_INF;
+            for (u32 s = 0; s < splits; s++) mx = fmaxf(mx, __ldcg(ml + 2u * s));
+            float den = 0.0f;
+            for (u32 s = 0; s < splits; s++) {
+                const float ms = __ldcg(ml + 2u * s);
+                f_s[h][s] = ms == mx ? 1.0f : expf(__fsub_rn(ms, mx));
+                den = __fadd_rn(den, __fmul_rn(__ldcg(ml + 2u * s + 1u), f_s[h][s]));
+            }
+            m_s[h] = mx;
+            l_s[h] = den;
+        }
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < g * d; i += blockDim.x) {
+            const u32 h = i / d;
+            const float* src = part_acc + (row0 + h) * splits * d + i % d;
+            float a = 0.0f;
+            for (u32 s = 0; s < splits; s++) a = __fadd_rn(a, __fmul_rn(__ldcg(src + (u64)s * d), f_s[h][s]));
+            acc_s[i] = a;
         }
         __syncthreads();
     }
@@ -479,8 +527,16 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS) attention_heads(
         const float mf = fmaxf(mo, sk);
         const float a = mo == mf ? 1.0f : expf(__fsub_rn(mo, mf));
         const float denom = __fadd_rn(__fmul_rn(l_s[h], a), expf(__fsub_rn(sk, mf)));
-        out[((u64)t * heads + h0) * d + i] = __fdiv_rn(__fmul_rn(acc_s[i], a), denom);
+        acc_s[i] = __fdiv_rn(__fmul_rn(acc_s[i], a), denom);
     }
+    __syncthreads();
+    // Rotated back to the token's position, as rope_rows with sign -1.
+    for (u32 i = threadIdx.x; i < g * rope_half; i += blockDim.x) {
+        const u32 h = i / rope_half, pr = i % rope_half;
+        rope_pair(acc_s + h * d + d - 2u * rope_half + 2u * pr, p, inv_freq[pr], -1.0f);
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < g * d; i += blockDim.x) out[((u64)t * heads + h0) * d + i] = f32_to_bf16(acc_s[i]);
 }
 
 // ring[(pos0 + t) % W] = kv[t] for the last min(T, W) rows t of the chunk.

@@ -130,6 +130,23 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return v;
 }
 
+// ---- rotary embedding ----
+
+// Rotates the pair at `pair` to `position` by angle position * freq (sign -1: back). The angle
+// rounds to f32 as on the CPU; its sine and cosine are then taken in double through sincospi,
+// whose argument reduction is exact (sincosf's reduction of large angles, up to ~1e6 rad here,
+// spills to local memory).
+__device__ __forceinline__ void rope_pair(float* pair, u32 position, float freq, float sign) {
+    const double angle = (double)__fmul_rn((float)position, freq);
+    double sd, cd;
+    sincospi(angle * 0.31830988618379067154, &sd, &cd);
+    const float s = __fmul_rn((float)sd, sign);
+    const float c = (float)cd;
+    const float a = pair[0], b = pair[1];
+    pair[0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    pair[1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
 // ---- programmatic dependent launch ----
 //
 // Every kernel of a decode step launches with the programmatic-serialization attribute, so it

@@ -26,21 +26,6 @@ DSV4_KERNEL void embed_hc_gather(const u16* __restrict__ table, u32 vocab, u32 d
     }
 }
 
-// Rotates the pair at `pair` to `position` by angle position * freq (sign -1: back). The angle
-// rounds to f32 as on the CPU; its sine and cosine are then taken in double through sincospi,
-// whose argument reduction is exact (sincosf's reduction of large angles, up to ~1e6 rad here,
-// spills to local memory).
-__device__ __forceinline__ void rope_pair(float* pair, u32 position, float freq, float sign) {
-    const double angle = (double)__fmul_rn((float)position, freq);
-    double sd, cd;
-    sincospi(angle * 0.31830988618379067154, &sd, &cd);
-    const float s = __fmul_rn((float)sd, sign);
-    const float c = (float)cd;
-    const float a = pair[0], b = pair[1];
-    pair[0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    pair[1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-}
-
 // One block per row (grid-stride over rows): out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps).
 // `weight` may be null (no scale). In place when out == x. A non-null `out_b` gets the same
 // values rounded to bf16. A non-null `inv_freq` then rotates the last 2 * rope_half channels
@@ -97,48 +82,4 @@ DSV4_KERNEL void rope_rows(float* __restrict__ x, u32 tokens, u32 heads, u32 wid
 DSV4_KERNEL void advance_position(u32* __restrict__ pos, u32 n) {
     pdl_enter();
     if (blockIdx.x == 0u && threadIdx.x == 0u) pos[0] += n;
-}
-
-// dst[t, dst_col + j] = src[t, src_col + j] for t < rows, j < width (or += with `accumulate`,
-// f32 destinations only), converting between f32 and bf16 (round to nearest even): the
-// activation casts around the bf16 GEMVs, the gather of one attention group's columns and the
-// placement of its projection.
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(u16 v) { return bf16_to_f32(v); }
-__device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_f32(u16* p, float v) { *p = f32_to_bf16(v); }
-
-template <typename S, typename D>
-__device__ __forceinline__ void copy_cols(const S* __restrict__ src, u32 src_stride, u32 src_col,
-                                          D* __restrict__ dst, u32 dst_stride, u32 dst_col, u32 rows,
-                                          u32 width, u32 accumulate) {
-    const u64 total = (u64)rows * width;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
-        const u64 t = i / width;
-        const u32 j = (u32)(i % width);
-        const float v = to_f32(src[t * src_stride + src_col + j]);
-        D* out = dst + t * dst_stride + dst_col + j;
-        store_f32(out, accumulate ? __fadd_rn(to_f32(*out), v) : v);
-    }
-}
-
-DSV4_KERNEL void copy_cols_f32_f32(const float* src, u32 src_stride, u32 src_col, float* dst, u32 dst_stride, u32 dst_col,
-                       u32 rows, u32 width, u32 accumulate) {
-    pdl_enter();
-    copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
-}
-DSV4_KERNEL void copy_cols_f32_bf16(const float* src, u32 src_stride, u32 src_col, u16* dst, u32 dst_stride, u32 dst_col,
-                       u32 rows, u32 width, u32 accumulate) {
-    pdl_enter();
-    copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
-}
-DSV4_KERNEL void copy_cols_bf16_f32(const u16* src, u32 src_stride, u32 src_col, float* dst, u32 dst_stride, u32 dst_col,
-                       u32 rows, u32 width, u32 accumulate) {
-    pdl_enter();
-    copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
-}
-DSV4_KERNEL void copy_cols_bf16_bf16(const u16* src, u32 src_stride, u32 src_col, u16* dst, u32 dst_stride, u32 dst_col,
-                       u32 rows, u32 width, u32 accumulate) {
-    pdl_enter();
-    copy_cols(src, src_stride, src_col, dst, dst_stride, dst_col, rows, width, accumulate);
 }

@@ -106,10 +106,6 @@ pub const FAMILIES: &[KernelFamily] = &[
             "rms_norm_rows",
             "rope_rows",
             "advance_position",
-            "copy_cols_f32_f32",
-            "copy_cols_f32_bf16",
-            "copy_cols_bf16_f32",
-            "copy_cols_bf16_bf16",
         ],
     },
     KernelFamily {

@@ -4,7 +4,7 @@
 //! capacity, so the same code runs twice: a sizing pass reserves every buffer by name in the
 //! open pool, and after sealing a second pass takes them (fixed addresses for graph replays).
 
-use dsv4_ops::gpu::attention::CompressorBuffers;
+use dsv4_ops::gpu::attention::{AttentionSplits, CompressorBuffers};
 use dsv4_ops::gpu::gemv::GemvWorkspace;
 use dsv4_ops::gpu::mhc::mix_partials_shape;
 use dsv4_ops::gpu::{BufferPool, DeviceElem, DeviceTensor, GpuError};
@@ -14,6 +14,10 @@ use crate::config::{Config, LayerKind};
 
 /// Most tokens one forward launch sequence takes (the small-M GEMV and MoE kernels' limit).
 pub const MAX_CHUNK: usize = 16;
+
+/// Splits of one decode token's attention keys the scratch has room for, per head (a decode
+/// step's heads / 4 blocks need a few splits to give every SM a block).
+const ATTENTION_SPLITS: usize = 16;
 
 /// How [`Buffers::build`] gets a buffer: reserved in the open pool, or taken from it sealed.
 pub trait Stage {
@@ -90,7 +94,6 @@ impl<S: Stage> CompState<S> {
 impl CompState<Taking> {
     /// The launchers' view of the state (the same memory).
     pub fn buffers(&self) -> Result<CompressorBuffers, GpuError> {
-        let whole = |t: &DeviceTensor<f32>| t.view(0, t.shape());
         Ok(CompressorBuffers {
             kv: whole(&self.kv)?,
             gate: whole(&self.gate)?,
@@ -103,6 +106,22 @@ impl CompState<Taking> {
     pub fn entries(&self) -> &DeviceTensor<f32> {
         &self.entries
     }
+}
+
+impl Acts<Taking> {
+    /// The attention launcher's view of its split scratch (the same memory).
+    pub fn attention_splits(&self) -> Result<AttentionSplits, GpuError> {
+        Ok(AttentionSplits {
+            acc: whole(&self.att_acc)?,
+            stats: whole(&self.att_stats)?,
+            counters: whole(&self.att_counters)?,
+        })
+    }
+}
+
+/// A second handle on all of `t`.
+fn whole<E: DeviceElem>(t: &DeviceTensor<E>) -> Result<DeviceTensor<E>, GpuError> {
+    t.view(0, t.shape())
 }
 
 /// The Lightning Indexer's compressor, score scratch and choice.
@@ -141,11 +160,15 @@ pub struct Acts<S: Stage> {
     pub q_n: S::Buf<f32>,
     pub kv: S::Buf<f32>,
     pub kv_n: S::Buf<f32>,
-    /// Compressor projections (kv, gate), up to `2·head_dim` wide.
-    pub comp: [S::Buf<f32>; 2],
+    /// A compressor's stacked projections (values, then gate logits), up to `4·head_dim` wide.
+    pub comp: S::Buf<f32>,
     pub iq: S::Buf<f32>,
     pub iw: S::Buf<f32>,
-    pub attn: S::Buf<f32>,
+    /// The attention's split states (see [`AttentionSplits`]).
+    pub att_acc: S::Buf<f32>,
+    pub att_stats: S::Buf<f32>,
+    pub att_counters: S::Buf<u32>,
+    /// The attention output, rotated back, in BF16 for the output projection.
     pub attn_b: S::Buf<bf16>,
     pub z: S::Buf<bf16>,
     pub y: S::Buf<f32>,
@@ -180,6 +203,7 @@ impl<S: Stage> Buffers<S> {
         let (d, hd, q_all) = (c.hidden_size, c.head_dim, c.num_heads * c.head_dim);
         let (ni, ic) = (c.index_n_heads, c.index_head_dim);
         let (k, inter) = (c.experts_per_token, c.moe_intermediate_size);
+        let split_shapes = AttentionSplits::shapes(c.num_heads * ATTENTION_SPLITS, hd);
         let acts = Acts {
             tokens: s.buf("tokens", &[m])?,
             pos: s.buf("pos", &[1])?,
@@ -200,13 +224,12 @@ impl<S: Stage> Buffers<S> {
             q_n: s.buf("q_n", &[m, q_all])?,
             kv: s.buf("kv", &[m, hd])?,
             kv_n: s.buf("kv_n", &[m, hd])?,
-            comp: [
-                s.buf("comp_kv", &[m, 2 * hd.max(ic)])?,
-                s.buf("comp_gate", &[m, 2 * hd.max(ic)])?,
-            ],
+            comp: s.buf("comp", &[m, 4 * hd.max(ic)])?,
             iq: s.buf("iq", &[m, ni * ic])?,
             iw: s.buf("iw", &[m, ni])?,
-            attn: s.buf("attn", &[m, q_all])?,
+            att_acc: s.buf("attention.split_sums", &split_shapes[0])?,
+            att_stats: s.buf("attention.split_stats", &split_shapes[1])?,
+            att_counters: s.buf("attention.split_counters", &split_shapes[2])?,
             attn_b: s.buf("attn_b", &[m, q_all])?,
             z: s.buf("z", &[m, c.o_groups * c.o_lora_rank])?,
             y: s.buf("y", &[m, d])?,

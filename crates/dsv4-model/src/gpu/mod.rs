@@ -23,11 +23,11 @@ use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
 use dsv4_ops::gpu::moe_bf16::moe_bf16;
 use dsv4_ops::gpu::router::{gate_logits, route_topk, DeviceRouteBy, GateWeight};
 use dsv4_ops::gpu::rows::{
-    advance_position, copy_cols, embed_hc_gather, rms_norm_rope_rows, rms_norm_rows, rope_rows,
-    Cols, RopeDirection, RowRope,
+    advance_position, embed_hc_gather, rms_norm_rope_rows, rms_norm_rows, rope_rows, RopeDirection,
+    RowRope,
 };
 use dsv4_ops::gpu::sample::{sample, Sampling};
-use dsv4_ops::gpu::{BufferPool, DType, Device, DeviceTensor, GpuError};
+use dsv4_ops::gpu::{BufferPool, DType, Device, DeviceTensor, GpuError, Readback};
 use half::bf16;
 
 use crate::checkpoint::{Checkpoint, LoadError};
@@ -164,8 +164,8 @@ impl Dense {
 }
 
 struct DevCompressor {
-    wkv: GemvWeight,
-    wgate: GemvWeight,
+    /// wkv and wgate stacked: one GEMV writes the values, then the gate logits.
+    proj: GemvWeight,
     ape: DeviceTensor<f32>,
     norm: DeviceTensor<f32>,
     overlap: bool,
@@ -240,8 +240,7 @@ fn upload_compressor(
     w: &crate::weights::CompressorWeights,
 ) -> Result<DevCompressor, GpuError> {
     Ok(DevCompressor {
-        wkv: upload::linear(dev, &format!("{name}.wkv"), &w.wkv)?,
-        wgate: upload::linear(dev, &format!("{name}.wgate"), &w.wgate)?,
+        proj: upload::stacked(dev, &format!("{name}.wkv+wgate"), &[&w.wkv, &w.wgate])?,
         ape: dev.upload(DType::F32, &[w.ratio, w.ape.len() / w.ratio], &w.ape)?,
         norm: upload::vector(dev, &w.norm)?,
         overlap: w.overlap,
@@ -323,16 +322,6 @@ fn cols<T: dsv4_ops::gpu::DeviceElem>(
     t.view(0, &[n, width])
 }
 
-/// `dst = src` converted (F32 ↔ BF16), all columns.
-fn cast<S: dsv4_ops::gpu::rows::ActElem, D: dsv4_ops::gpu::rows::ActElem>(
-    dev: &Device,
-    src: &DeviceTensor<S>,
-    dst: &mut DeviceTensor<D>,
-) -> Result<(), GpuError> {
-    let w = src.shape()[1];
-    copy_cols(dev, src, Cols::all(w), dst, 0, false)
-}
-
 pub struct GpuModel {
     config: Config,
     dev: Arc<Device>,
@@ -344,6 +333,8 @@ pub struct GpuModel {
     len: usize,
     /// Whether the token buffer holds a sampled token for the next decode step.
     token_ready: bool,
+    /// Where [`Self::read_token`] copies the sampled token.
+    token_readback: Readback<u32>,
     hc: HcParams,
     weight_bytes: usize,
 }
@@ -401,6 +392,7 @@ impl GpuModel {
         let mut taking = Taking(pool);
         let bufs = Buffers::build(&mut taking, c, capacity, shared_inter)?;
         let pool = taking.0;
+        let token_readback = dev.readback(1)?;
         Ok(GpuModel {
             hc: HcParams {
                 n: c.hc_mult,
@@ -416,6 +408,7 @@ impl GpuModel {
             capacity,
             len: 0,
             token_ready: false,
+            token_readback,
             weight_bytes,
         })
     }
@@ -573,9 +566,11 @@ impl GpuModel {
         self.len += steps;
     }
 
-    /// The token the last step sampled (waits for the device).
-    pub fn read_token(&self) -> Result<u32, GpuError> {
-        Ok(self.dev.download(&self.bufs.acts.tokens.rows(1)?)?[0])
+    /// The token the last step sampled: one copy into page-locked memory after the work
+    /// already enqueued, waited for.
+    pub fn read_token(&mut self) -> Result<u32, GpuError> {
+        let token = self.bufs.acts.tokens.rows(1)?;
+        Ok(self.dev.read(&token, &mut self.token_readback)?[0])
     }
 
     /// The logits of the last step's row `row` (waits for the device).
@@ -816,22 +811,30 @@ fn attention_layer(
         },
         _ => Compressed::None,
     };
-    let mut out = a.attn.rows(n)?;
+    // The output comes rotated back and in BF16.
+    let mut ob = a.attn_b.rows(n)?;
+    let mut splits = a.attention_splits()?;
     attention::attention(
-        dev, &q_n, &kv_n, &ls.window, compressed, &at.sink, &a.pos, &mut out,
+        dev,
+        &q_n,
+        &kv_n,
+        &ls.window,
+        compressed,
+        &at.sink,
+        &a.pos,
+        rope,
+        &mut splits,
+        &mut ob,
     )?;
-    rope_rows(dev, &mut out, hd, rope, &a.pos, RopeDirection::Inverse)?;
     attention::window_write(dev, &kv_n, &a.pos, &mut ls.window)?;
     // Grouped output projection: group g's heads (columns) through its rows of wo_a, in one
     // launch, then wo_b.
-    let mut ob = a.attn_b.rows(n)?;
-    cast(dev, &out, &mut ob)?;
     let mut z = a.z.rows(n)?;
     gemv_grouped(dev, &ob, &at.wo_a, c.o_groups, &mut z, &mut a.ws)?;
     gemv(dev, &z, &at.wo_b, &mut a.y.rows(n)?, &mut a.ws)
 }
 
-/// A compressor's projections of `acts.xb` and its state update.
+/// A compressor's projections of `acts.xb` (one GEMV) and its state update.
 fn compress(
     dev: &Device,
     c: &Config,
@@ -842,12 +845,10 @@ fn compress(
     n: usize,
 ) -> Result<(), GpuError> {
     let xb = a.xb.rows(n)?;
-    let kv = linear_f32(dev, &xb, &cw.wkv, &a.comp[0], &mut a.ws)?;
-    let gate = linear_f32(dev, &xb, &cw.wgate, &a.comp[1], &mut a.ws)?;
+    let proj = linear_f32(dev, &xb, &cw.proj, &a.comp, &mut a.ws)?;
     attention::compressor_update(
         dev,
-        &kv,
-        &gate,
+        &proj,
         &cw.ape,
         &cw.norm,
         &w.rope_compress,
@@ -918,7 +919,7 @@ fn moe_layer(
 fn step_bytes(c: &Config, w: &DevWeights) -> usize {
     let g = |x: &GemvWeight| x.bytes();
     let hc = |x: &DeviceHcSite| x.fn_.num_bytes();
-    let comp = |x: &DevCompressor| g(&x.wkv) + g(&x.wgate);
+    let comp = |x: &DevCompressor| g(&x.proj);
     let layers: usize = w
         .layers
         .iter()

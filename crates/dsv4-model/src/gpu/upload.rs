@@ -126,6 +126,69 @@ pub fn linear(dev: &Device, name: &str, lin: &Linear) -> Result<GemvWeight, GpuE
     GemvWeight::upload(dev, h.weight(), lin.rows(), lin.cols()).map_err(named(name))
 }
 
+/// Linears that read the same input stacked row-wise into one weight, so that one GEMV
+/// writes their outputs side by side in each output row. Kept in their format when they share
+/// it and every join falls on a whole scale block (BF16, FP8 blocks); otherwise stacked as BF16.
+pub fn stacked(dev: &Device, name: &str, parts: &[&Linear]) -> Result<GemvWeight, GpuError> {
+    let cols = parts[0].cols();
+    if let Some(l) = parts.iter().find(|l| l.cols() != cols) {
+        return Err(unsupported(
+            name,
+            format!("stacked linears of {cols} and {} columns", l.cols()),
+        ));
+    }
+    let rows: usize = parts.iter().map(|l| l.rows()).sum();
+    let host = parts
+        .iter()
+        .map(|l| host_rows(name, l, 0..l.rows()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let joins_on_blocks = |block_rows: usize| {
+        parts[..parts.len() - 1]
+            .iter()
+            .all(|l| l.rows().is_multiple_of(block_rows))
+    };
+    let joined = match &host[0] {
+        HostRows::Bf16(_) => host
+            .iter()
+            .map(|h| match h {
+                HostRows::Bf16(v) => Some(v.as_slice()),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()
+            .map(|v| HostRows::Bf16(v.concat())),
+        HostRows::Fp8 { format, block, .. } if joins_on_blocks(block.0) => {
+            let (format, block) = (*format, *block);
+            host.iter()
+                .map(|h| match h {
+                    HostRows::Fp8 {
+                        weight,
+                        scale,
+                        format: f,
+                        block: b,
+                    } if *f == format && *b == block => Some((weight.as_slice(), scale.as_slice())),
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>()
+                .map(|v| HostRows::Fp8 {
+                    weight: v.iter().flat_map(|p| p.0).copied().collect(),
+                    scale: v.iter().flat_map(|p| p.1).copied().collect(),
+                    format,
+                    block,
+                })
+        }
+        _ => None,
+    };
+    let joined = joined.unwrap_or_else(|| {
+        HostRows::Bf16(
+            parts
+                .iter()
+                .flat_map(|l| bf16_rows(l, 0..l.rows()))
+                .collect(),
+        )
+    });
+    GemvWeight::upload(dev, joined.weight(), rows, cols).map_err(named(name))
+}
+
 /// A SwiGLU block's gate and up projections, interleaved for `gemv_swiglu`, and its down
 /// projection.
 pub fn expert(

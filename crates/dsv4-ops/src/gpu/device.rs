@@ -2,7 +2,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute, CUstreamCaptureStatus};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, PinnedHostSlice};
 use dsv4_kernels::{driver_available, Arch, KernelCache, Kernels};
 
 use super::launch::cluster_attribute;
@@ -329,6 +329,43 @@ impl Device {
         Ok(out)
     }
 
+    /// A page-locked host buffer of `len` elements for values read back at every step (the
+    /// sampled token): the copy goes straight to it, not through a pageable staging buffer.
+    pub fn readback<T: DeviceElem>(&self, len: usize) -> Result<Readback<T>, GpuError> {
+        // SAFETY: plain (not write-combined) page-locked memory, read only after a copy into it
+        // has completed (`read` waits on the copy's event); every DeviceElem is valid for any
+        // bit pattern.
+        let buf = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len, 0) }
+            .map_err(GpuError::driver("allocating page-locked host memory"))?;
+        Ok(Readback { buf })
+    }
+
+    /// Copies `src` into `dst` after the work already on the stream, waits for that copy
+    /// alone and returns the values.
+    pub fn read<'a, T: DeviceElem>(
+        &self,
+        src: &DeviceTensor<T>,
+        dst: &'a mut Readback<T>,
+    ) -> Result<&'a [T], GpuError> {
+        self.refuse_in_capture("copying to the host")?;
+        if dst.buf.len() != src.len() {
+            return Err(GpuError::invalid(
+                "read",
+                format!(
+                    "tensor holds {} elements, the host buffer {}",
+                    src.len(),
+                    dst.buf.len()
+                ),
+            ));
+        }
+        self.stream
+            .memcpy_dtoh(src.slice(), &mut dst.buf)
+            .map_err(GpuError::driver("copying to the host"))?;
+        dst.buf
+            .as_slice()
+            .map_err(GpuError::driver("waiting for the copy to the host"))
+    }
+
     /// Sets every byte of the tensor (stream-ordered): poisons outputs in tests.
     pub fn fill_bytes<T: DeviceElem>(
         &self,
@@ -372,4 +409,9 @@ impl std::fmt::Debug for Device {
             .field("arch", &self.kernels.arch())
             .finish()
     }
+}
+
+/// Page-locked host memory that [`Device::read`] copies device values into.
+pub struct Readback<T> {
+    buf: PinnedHostSlice<T>,
 }

@@ -27,7 +27,7 @@ mod tensor;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
 
-pub use device::Device;
+pub use device::{Device, Readback};
 pub use pool::{BufferInfo, BufferPool, PoolError, Reservation};
 pub use tensor::{DType, DeviceElem, DeviceTensor};
 

@@ -13,6 +13,8 @@ mod tests;
 use cudarc::driver::LaunchConfig;
 
 use super::launch::{self, dim_u32, elementwise, Args};
+use half::bf16;
+
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
 /// Launches `kernel` with `cfg` and the arguments `args` pushes, in order.
@@ -83,7 +85,8 @@ pub struct CompressorBuffers {
     pub entries: DeviceTensor<f32>,
 }
 
-/// Feeds T tokens' compressor projections (`kv_proj`, `gate_proj` F32 `[T, κ·c]`, κ = 2 with
+/// Feeds T tokens' compressor projections (`proj` F32 `[T, 2·κ·c]`: each row the κ·c values,
+/// then the κ·c gate logits, as one GEMV of the stacked wkv and wgate writes them; κ = 2 with
 /// overlap (CSA), 1 without (HCA)) at positions pos[0].. into the state, token by token as
 /// [`reference::compressor_push`] does: gate + ape[p % ratio] stored at row p % ratio; when
 /// p % ratio == ratio − 1 the window closes and entry (p + 1) / ratio − 1 is written (unless it
@@ -96,8 +99,7 @@ pub struct CompressorBuffers {
 #[allow(clippy::too_many_arguments)]
 pub fn compressor_update(
     dev: &Device,
-    kv_proj: &DeviceTensor<f32>,
-    gate_proj: &DeviceTensor<f32>,
+    proj: &DeviceTensor<f32>,
     ape: &DeviceTensor<f32>,
     norm: &DeviceTensor<f32>,
     inv_freq: &DeviceTensor<f32>,
@@ -106,16 +108,16 @@ pub fn compressor_update(
     pos: &DeviceTensor<u32>,
     state: &mut CompressorBuffers,
 ) -> Result<(), GpuError> {
-    let (t, kc) = kv_proj.dims2("compressor kv projection", DType::F32)?;
-    gate_proj.expect("compressor gate projection", DType::F32, &[t, kc])?;
+    let (t, kc2) = proj.dims2("compressor projection", DType::F32)?;
+    let kc = kc2 / 2;
     let c = norm.len();
     norm.expect("compressor norm", DType::F32, &[c])?;
     let kappa = if overlap { 2 } else { 1 };
-    if c == 0 || kc != kappa * c || c > MAX_COMPRESSOR_WIDTH {
+    if c == 0 || kc2 != 2 * kappa * c || c > MAX_COMPRESSOR_WIDTH {
         return Err(GpuError::invalid(
             "compressor",
             format!(
-                "projection rows of {kc} for entries of {c} (need {kappa}·c, 1 ≤ c ≤ {MAX_COMPRESSOR_WIDTH})"
+                "projection rows of {kc2} for entries of {c} (need 2·{kappa}·c, 1 ≤ c ≤ {MAX_COMPRESSOR_WIDTH})"
             ),
         ));
     }
@@ -174,13 +176,13 @@ pub fn compressor_update(
         block_dim: (256, 1, 1),
         shared_mem_bytes: dims[2] * 4,
     };
-    // SAFETY: kv_proj and gate_proj [t, kc], ape [ratio, kc], norm [c], inv_freq [half] with
+    // SAFETY: proj [t, 2·kc], ape [ratio, kc], norm [c], inv_freq [half] with
     // 2·half <= c, pos [1], state kv and gate [ratio, kc], prev [ratio, c] (read only with
     // overlap), entries [cap, c] (entries >= cap are skipped), checked above; c floats of
     // dynamic shared memory (c <= 8192).
     unsafe {
         launch(dev, "compressor_emit", cfg, |b| {
-            compressor_projections(b, kv_proj, gate_proj, ape, &dims, ov);
+            compressor_projections(b, proj, ape, &dims, ov);
             b.ptr(norm)
                 .arg(eps)
                 .ptr(inv_freq)
@@ -199,7 +201,7 @@ pub fn compressor_update(
     // overlap, the prev element of the same row and channel).
     unsafe {
         launch(dev, "compressor_store", cfg, |b| {
-            compressor_projections(b, kv_proj, gate_proj, ape, &dims, ov);
+            compressor_projections(b, proj, ape, &dims, ov);
             b.ptr(pos)
                 .ptr(&state.kv)
                 .ptr(&state.gate)
@@ -213,14 +215,12 @@ pub fn compressor_update(
 /// window (ape and its shape) and the overlap flag.
 fn compressor_projections(
     b: &mut Args,
-    kv_proj: &DeviceTensor<f32>,
-    gate_proj: &DeviceTensor<f32>,
+    proj: &DeviceTensor<f32>,
     ape: &DeviceTensor<f32>,
     dims: &[u32; 5],
     ov: u32,
 ) {
-    b.ptr(kv_proj)
-        .ptr(gate_proj)
+    b.ptr(proj)
         .arg(dims[0])
         .ptr(ape)
         .arg(dims[1])
@@ -347,16 +347,60 @@ pub enum Compressed<'a> {
     },
 }
 
-/// Heads an `attention_heads` block may take (kernel constant).
+/// Heads an `attention_heads` block may take, and splits of a token's keys (kernel constants).
 const ATT_MAX_G: usize = 4;
+const ATT_MAX_SPLITS: usize = 64;
+/// Fewest keys a split is cut for (a few per warp).
+const MIN_SPLIT_KEYS: usize = 32;
+
+/// Scratch of the attention split over several blocks per (token, head group): each split's
+/// partial state per (token, head) row, and one arrival counter per (token, head group),
+/// which must start at zero (as the pool and [`Device::alloc`] give it) and which the kernel
+/// leaves at zero. Room for `rows` (token, head, split) triples; `rows = 0` never splits.
+pub struct AttentionSplits {
+    /// `[rows, d]` weighted value sums.
+    pub acc: DeviceTensor<f32>,
+    /// `[rows, 2]` running maximum and denominator.
+    pub stats: DeviceTensor<f32>,
+    /// U32 `[rows]`.
+    pub counters: DeviceTensor<u32>,
+}
+
+impl AttentionSplits {
+    /// The shapes for `rows` triples of heads `d` wide: `[acc, stats, counters]`.
+    pub fn shapes(rows: usize, d: usize) -> [Vec<usize>; 3] {
+        [vec![rows, d], vec![rows, 2], vec![rows]]
+    }
+}
+
+/// Splits of each token's keys: enough blocks for every SM, each split at least
+/// [`MIN_SPLIT_KEYS`] of the most keys a token may see, within the scratch's room.
+fn choose_splits(
+    sms: usize,
+    blocks: usize,
+    max_keys: usize,
+    rows_per_split: usize,
+    room: usize,
+) -> usize {
+    sms.div_ceil(blocks.max(1))
+        .min(max_keys / MIN_SPLIT_KEYS)
+        .min(ATT_MAX_SPLITS)
+        .min(room / rows_per_split.max(1))
+        .max(1)
+}
 
 /// Attention of T queries `q [T, H·d]` (one shared KV head, K = V, d = head width, a multiple
 /// of 32 up to [`MAX_HEAD_DIM`]) over the window and compressed keys, with a per-head sink
 /// logit `sink [H]`, scale 1/sqrt(d), as [`reference::attend`]: keys are the window positions
 /// max(0, p − W + 1) ..= p in order — a position ≥ pos[0] is read from this chunk's `kv [T, d]`
 /// (row p − pos[0]), an older one from the ring `window [W, d]` (slot position % W, written by
-/// earlier chunks) — then the compressed keys. Output `out [T, H·d]` (no inverse RoPE: the
-/// caller applies it). A selected id ≥ the entries' capacity counts as none.
+/// earlier chunks) — then the compressed keys. A selected id ≥ the entries' capacity counts as
+/// none. Each head's output is rotated back to the token's position (the inverse RoPE on its
+/// last `2·inv_freq.len()` channels, as [`super::rows::rope_rows`] backwards) and written as
+/// BF16 to `out [T, H·d]`, the output projection's input. When there are fewer (token, head
+/// group) blocks than SMs, each token's keys are split over several blocks (`splits` holds
+/// their partial states; the split count depends on the device and the shapes only, so a
+/// captured launch replays at any position).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     dev: &Device,
@@ -366,7 +410,9 @@ pub fn attention(
     compressed: Compressed<'_>,
     sink: &DeviceTensor<f32>,
     pos: &DeviceTensor<u32>,
-    out: &mut DeviceTensor<f32>,
+    inv_freq: &DeviceTensor<f32>,
+    splits: &mut AttentionSplits,
+    out: &mut DeviceTensor<bf16>,
 ) -> Result<(), GpuError> {
     let (t, hd) = q.dims2("attention queries", DType::F32)?;
     let (_, d) = matrix(kv, "attention keys", DType::F32, Some(t), None)?;
@@ -386,7 +432,28 @@ pub fn attention(
     }
     sink.expect("attention sink", DType::F32, &[heads])?;
     pos.expect("attention position", DType::U32, &[1])?;
-    out.expect("attention output", DType::F32, &[t, hd])?;
+    let half = inv_freq.len();
+    inv_freq.expect("attention rope inverse frequencies", DType::F32, &[half])?;
+    if 2 * half > d {
+        return Err(GpuError::invalid(
+            "attention",
+            format!("{} rotated channels of heads of {d}", 2 * half),
+        ));
+    }
+    let (room, _) = matrix(
+        &splits.acc,
+        "attention split sums",
+        DType::F32,
+        None,
+        Some(d),
+    )?;
+    splits
+        .stats
+        .expect("attention split maxima", DType::F32, &[room, 2])?;
+    splits
+        .counters
+        .expect("attention split counters", DType::U32, &[room])?;
+    out.expect("attention output", DType::BF16, &[t, hd])?;
     let (mode, entries_ptr, cap, ratio, sel_ptr, k) = match compressed {
         Compressed::None => (0u32, 0u64, 0usize, 1usize, 0u64, 0usize),
         Compressed::All { entries, ratio } => {
@@ -413,12 +480,13 @@ pub fn attention(
         return Ok(());
     }
     let tokens = grid_tokens("attention", t)?;
-    // Heads per block: share each key load over as many heads as still gives every SM a block.
-    let sms = dev.sm_count().max(1);
+    // Heads per block: each key load serves as many heads as divide H; splits fill the SMs.
     let g = [ATT_MAX_G, 2, 1]
         .into_iter()
-        .find(|&g| heads % g == 0 && t * (heads / g) >= sms)
+        .find(|&g| heads % g == 0)
         .unwrap_or(1);
+    let max_keys = w + if mode == 1 { cap } else { k };
+    let s = choose_splits(dev.sm_count(), t * heads / g, max_keys, t * heads, room);
     let dims = dims_u32([
         ("window", w),
         ("attention entries", cap),
@@ -427,16 +495,20 @@ pub fn attention(
         ("heads", heads),
         ("head width", d),
         ("heads per block", g),
+        ("rope half", half),
+        ("splits", s),
     ])?;
     let scale = 1.0 / (d as f32).sqrt();
     let cfg = LaunchConfig {
-        grid_dim: (dims[4] / dims[6], tokens, 1),
+        grid_dim: (dims[4] / dims[6], tokens, dims[8]),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1,
     // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),
-    // selected [t, k], sink [heads], pos [1], out [t, heads·d]; g divides heads and g <= 4.
+    // selected [t, k], sink [heads], pos [1], inv_freq [half] with 2·half <= d, out
+    // [t, heads·d] BF16; g divides heads and g <= 4; with s > 1, t·heads·s <= room rows of
+    // the split sums [room, d] and stats [room, 2], and t·heads/g <= room counters.
     unsafe {
         launch(dev, "attention_heads", cfg, |b| {
             b.ptr(q)
@@ -455,6 +527,11 @@ pub fn attention(
                 .arg(dims[5])
                 .arg(dims[6])
                 .arg(scale)
+                .ptr(inv_freq)
+                .arg(dims[7])
+                .ptr(&splits.acc)
+                .ptr(&splits.stats)
+                .ptr(&splits.counters)
                 .ptr(out);
         })
     }

@@ -23,7 +23,7 @@ use rand::Rng;
 
 use super::reference::{self as cpu, CompressorHost, HostCompressed};
 use super::*;
-use crate::gpu::rows::reference::{rms_norm, rope_rotate};
+use crate::gpu::rows::reference::{rms_norm, rope_rotate, rope_rows};
 use crate::gpu::rows::RopeDirection;
 
 fn uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
@@ -448,6 +448,15 @@ mod gpu {
         (dev.download(&scores).unwrap(), dev.download(&sel).unwrap())
     }
 
+    /// Rows of `kv` and `gate` (each `width` wide) side by side, as the stacked compressor
+    /// projection writes them.
+    fn stacked(kv: &[f32], gate: &[f32], width: usize) -> Vec<f32> {
+        kv.chunks(width)
+            .zip(gate.chunks(width))
+            .flat_map(|(k, g)| k.iter().chain(g).copied())
+            .collect()
+    }
+
     /// |got − want| ≤ rel · max |want| (and no NaN).
     fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
         assert_eq!(got.len(), want.len(), "{what}: length");
@@ -503,11 +512,12 @@ mod gpu {
             for t in chunks(&mut rng, total) {
                 let kv = uniform(&mut rng, t * kc, -1.0, 1.0);
                 let gate = uniform(&mut rng, t * kc, -3.0, 3.0);
-                let kv_d = dev.upload(DType::F32, &[t, kc], &kv).unwrap();
-                let gate_d = dev.upload(DType::F32, &[t, kc], &gate).unwrap();
+                let proj = dev
+                    .upload(DType::F32, &[t, 2 * kc], &stacked(&kv, &gate, kc))
+                    .unwrap();
                 let pos = position(&dev, pos0);
                 compressor_update(
-                    &dev, &kv_d, &gate_d, &ape_d, &norm_d, &f_d, eps, overlap, &pos, &mut st,
+                    &dev, &proj, &ape_d, &norm_d, &f_d, eps, overlap, &pos, &mut st,
                 )
                 .unwrap();
                 cpu::compressor_update(&kv, &gate, &ape, &norm, &f, eps, overlap, pos0, &mut host);
@@ -694,19 +704,69 @@ mod gpu {
                     },
                 ),
             };
-            let mut out = poisoned::<f32>(&dev, DType::F32, &[t, hd]);
-            attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &mut out).unwrap();
-            let want = cpu::attention(&q, &kv, &ring, d, hc, &sink, pos0);
-            let got = dev.download(&out).unwrap();
-            let what = format!("iter {iter}: H {h} d {d} W {w} mode {mode} T {t} at {pos0}");
-            for tt in 0..t {
-                assert_close(
-                    &format!("{what} token {tt}"),
-                    &got[tt * hd..(tt + 1) * hd],
-                    &want[tt * hd..(tt + 1) * hd],
-                    1e-5,
-                );
+            let half = [0, 1, d / 4, d / 2][rng.random_range(0..4)];
+            let f = inv_freq(half);
+            let fd = dev.upload(DType::F32, &[half], &f).unwrap();
+            let mut want = cpu::attention(&q, &kv, &ring, d, hc, &sink, pos0);
+            for (tt, row) in want.chunks_mut(hd).enumerate() {
+                rope_rows(row, h, d, &f, pos0 + tt, RopeDirection::Inverse);
             }
+            let what = format!("iter {iter}: H {h} d {d} W {w} mode {mode} T {t} at {pos0}");
+            // Unsplit (no scratch), split as the device chooses, and split again over the
+            // counters the previous launch left (they must be back at zero).
+            let mut splits = scratch(&dev, 0, d);
+            let mut big = scratch(&dev, SPLIT_ROWS, d);
+            let mut firsts = Vec::new();
+            for (run, sp) in [(0, &mut splits), (1, &mut big)] {
+                for again in 0..1 + run {
+                    let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
+                    attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &fd, sp, &mut out).unwrap();
+                    let got = dev.download(&out).unwrap();
+                    let got: Vec<f32> = got.iter().map(|v| v.to_f32()).collect();
+                    for tt in 0..t {
+                        assert_close_bf16(
+                            &format!("{what} run {run}.{again} token {tt}"),
+                            &got[tt * hd..(tt + 1) * hd],
+                            &want[tt * hd..(tt + 1) * hd],
+                            1e-5,
+                        );
+                    }
+                    if again == 0 {
+                        firsts.push(got);
+                    } else {
+                        assert_bits_eq(&format!("{what} relaunch"), &got, &firsts[run]);
+                    }
+                }
+            }
+            assert!(
+                dev.download(&big.counters).unwrap().iter().all(|&c| c == 0),
+                "{what}: split counters left non-zero"
+            );
+        }
+    }
+
+    /// Room for the attention's split states in the tests: Pro's 128 heads × 16 tokens × 4.
+    const SPLIT_ROWS: usize = 8192;
+
+    fn scratch(dev: &Device, rows: usize, d: usize) -> AttentionSplits {
+        let [acc, stats, counters] = AttentionSplits::shapes(rows, d);
+        AttentionSplits {
+            acc: dev.alloc(DType::F32, &acc).unwrap(),
+            stats: dev.alloc(DType::F32, &stats).unwrap(),
+            counters: dev.alloc(DType::U32, &counters).unwrap(),
+        }
+    }
+
+    /// As [`assert_close`], for a BF16 result of `want`: also half a BF16 step of |want| off.
+    fn assert_close_bf16(what: &str, got: &[f32], want: &[f32], rel: f32) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let bound = rel * scale + w.abs() / 256.0;
+            assert!(
+                (g - w).abs() <= bound,
+                "{what}: element {i}: got {g}, want {w} (bound {bound})"
+            );
         }
     }
 
@@ -765,6 +825,7 @@ mod gpu {
         };
         let (mut st, mut ist) = (bufs(d, cap), bufs(ic, icap));
         let mut ring_d = dev.alloc::<f32>(DType::F32, &[w, d]).unwrap();
+        let mut splits = scratch(&dev, SPLIT_ROWS, d);
         let mut host = CompressorHost::new(ratio, d, true, cap);
         let mut ihost = CompressorHost::new(ratio, ic, true, icap);
         let mut ring = vec![0.0f32; w * d];
@@ -785,8 +846,8 @@ mod gpu {
                 (&ckv, &cg, &aped, &normd, &mut st),
                 (&ikv, &ig, &iaped, &inormd, &mut ist),
             ] {
-                let (kv, gate) = (up(kv, &[t, kv.len() / t]), up(gate, &[t, gate.len() / t]));
-                compressor_update(&dev, &kv, &gate, ape, norm, &fd, eps, true, &pos, st).unwrap();
+                let proj = up(&stacked(kv, gate, kv.len() / t), &[t, 2 * kv.len() / t]);
+                compressor_update(&dev, &proj, ape, norm, &fd, eps, true, &pos, st).unwrap();
             }
             let mut scores = poisoned::<f32>(&dev, DType::F32, &[t, icap]);
             let mut sel = poisoned::<i32>(&dev, DType::I32, &[t, k]);
@@ -802,7 +863,7 @@ mod gpu {
             )
             .unwrap();
             let kvd = up(&kv, &[t, d]);
-            let mut out = poisoned::<f32>(&dev, DType::F32, &[t, hd]);
+            let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
             let comp = Compressed::Selected {
                 entries: &st.entries,
                 selected: &sel,
@@ -815,6 +876,8 @@ mod gpu {
                 comp,
                 &sd,
                 &pos,
+                &fd,
+                &mut splits,
                 &mut out,
             )
             .unwrap();
@@ -832,7 +895,7 @@ mod gpu {
             } else {
                 compared += 1;
             }
-            let want = cpu::attention(
+            let mut want = cpu::attention(
                 &q,
                 &kv,
                 &ring,
@@ -845,7 +908,16 @@ mod gpu {
                 &sink,
                 pos0,
             );
-            assert_close(&what, &dev.download(&out).unwrap(), &want, 1e-5);
+            for (tt, row) in want.chunks_mut(hd).enumerate() {
+                rope_rows(row, h, d, &f, pos0 + tt, RopeDirection::Inverse);
+            }
+            let got: Vec<f32> = dev
+                .download(&out)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            assert_close_bf16(&what, &got, &want, 1e-5);
             cpu::window_write(&kv, d, pos0, &mut ring);
             assert_bits_eq(
                 &format!("{what} ring"),
@@ -869,49 +941,53 @@ mod gpu {
             f32s(&[16, 32]),
             f32s(&[4]),
         );
-        let mut out = f32s(&[2, 4 * 32]);
+        let fr = f32s(&[4]);
+        let mut sp = scratch(&dev, 64, 32);
+        let mut out = dev.alloc::<bf16>(DType::BF16, &[2, 4 * 32]).unwrap();
+        let none = Compressed::None;
         attention(
-            &dev,
-            &q,
-            &kv,
-            &ring,
-            Compressed::None,
-            &sink,
-            &pos,
-            &mut out,
+            &dev, &q, &kv, &ring, none, &sink, &pos, &fr, &mut sp, &mut out,
         )
         .unwrap();
-        let bad_d = f32s(&[2, 48]);
-        assert!(attention(
-            &dev,
-            &f32s(&[2, 96]),
-            &bad_d,
-            &ring,
-            Compressed::None,
-            &sink,
-            &pos,
-            &mut out
-        )
-        .is_err());
+        let (bad_q, bad_d) = (f32s(&[2, 96]), f32s(&[2, 48]));
+        let r = attention(
+            &dev, &bad_q, &bad_d, &ring, none, &sink, &pos, &fr, &mut sp, &mut out,
+        );
+        assert!(r.is_err(), "heads of 48");
         let bad_sink = f32s(&[3]);
-        assert!(attention(
+        let r = attention(
+            &dev, &q, &kv, &ring, none, &bad_sink, &pos, &fr, &mut sp, &mut out,
+        );
+        assert!(r.is_err(), "3 sinks for 4 heads");
+        let big_rope = f32s(&[17]);
+        let r = attention(
+            &dev, &q, &kv, &ring, none, &sink, &pos, &big_rope, &mut sp, &mut out,
+        );
+        assert!(r.is_err(), "34 rotated channels of 32");
+        let mut bad_out = dev.alloc::<bf16>(DType::BF16, &[2, 3 * 32]).unwrap();
+        let r = attention(
             &dev,
             &q,
             &kv,
             &ring,
-            Compressed::None,
-            &bad_sink,
+            none,
+            &sink,
             &pos,
-            &mut out
-        )
-        .is_err());
+            &fr,
+            &mut sp,
+            &mut bad_out,
+        );
+        assert!(r.is_err(), "output of the wrong shape");
         let sel = dev.alloc::<i32>(DType::I32, &[3, 8]).unwrap();
         let entries = f32s(&[10, 32]);
         let comp = Compressed::Selected {
             entries: &entries,
             selected: &sel,
         };
-        assert!(attention(&dev, &q, &kv, &ring, comp, &sink, &pos, &mut out).is_err());
+        let r = attention(
+            &dev, &q, &kv, &ring, comp, &sink, &pos, &fr, &mut sp, &mut out,
+        );
+        assert!(r.is_err(), "a selection for 3 tokens");
 
         let (iq, iw, ie) = (f32s(&[2, 4 * 16]), f32s(&[2, 4]), f32s(&[10, 16]));
         let mut scores = f32s(&[2, 10]);
@@ -928,21 +1004,23 @@ mod gpu {
             prev_gate: f32s(&[4, 16]),
             entries: f32s(&[8, 16]),
         };
-        let (ckv, ape, norm, fr) = (f32s(&[3, 32]), f32s(&[4, 32]), f32s(&[16]), f32s(&[4]));
-        compressor_update(
-            &dev, &ckv, &ckv, &ape, &norm, &fr, 1e-6, true, &pos, &mut st,
-        )
-        .unwrap();
+        let (proj, ape, norm) = (f32s(&[3, 64]), f32s(&[4, 32]), f32s(&[16]));
+        compressor_update(&dev, &proj, &ape, &norm, &fr, 1e-6, true, &pos, &mut st).unwrap();
         assert!(
-            compressor_update(&dev, &ckv, &ckv, &ape, &norm, &fr, 1e-6, false, &pos, &mut st)
+            compressor_update(&dev, &proj, &ape, &norm, &fr, 1e-6, false, &pos, &mut st).is_err(),
+            "2·κ·c without overlap"
+        );
+        let half_proj = f32s(&[3, 32]);
+        assert!(
+            compressor_update(&dev, &half_proj, &ape, &norm, &fr, 1e-6, true, &pos, &mut st)
                 .is_err(),
-            "κ·c without overlap"
+            "values without gate logits"
         );
         let big_rope = f32s(&[9]);
-        assert!(compressor_update(
-            &dev, &ckv, &ckv, &ape, &norm, &big_rope, 1e-6, true, &pos, &mut st
-        )
-        .is_err());
+        assert!(
+            compressor_update(&dev, &proj, &ape, &norm, &big_rope, 1e-6, true, &pos, &mut st)
+                .is_err()
+        );
         dev.synchronize().unwrap();
     }
 }

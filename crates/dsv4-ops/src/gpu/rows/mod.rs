@@ -1,6 +1,5 @@
 //! Launchers of the row kernels (`kernels/rows.cu`): the embedding gather into the mHC
-//! streams, RMSNorm, rotary embedding and the column copies that cast activations between
-//! F32 and BF16. Token ids and positions are device buffers, so the
+//! streams, RMSNorm and the rotary embedding. Token ids and positions are device buffers, so the
 //! launches capture into a decode graph that replays with whatever the previous step wrote
 //! there. CPU references: [`reference`].
 
@@ -263,7 +262,7 @@ pub fn advance_position(dev: &Device, pos: &mut DeviceTensor<u32>, n: u32) -> Re
     Ok(())
 }
 
-/// An activation element type [`copy_cols`] converts between.
+/// An activation element type (F32 or BF16) a kernel reads or writes.
 pub trait ActElem: DeviceElem {
     const DTYPE: DType;
     const NAME: &'static str;
@@ -277,81 +276,4 @@ impl ActElem for f32 {
 impl ActElem for bf16 {
     const DTYPE: DType = DType::BF16;
     const NAME: &'static str = "bf16";
-}
-
-/// Columns `[col, col + width)` of a 2-D tensor.
-#[derive(Clone, Copy, Debug)]
-pub struct Cols {
-    pub col: usize,
-    pub width: usize,
-}
-
-impl Cols {
-    /// Every column of a tensor `width` wide.
-    pub fn all(width: usize) -> Cols {
-        Cols { col: 0, width }
-    }
-}
-
-/// `dst[t, dst_col + j] = src[t, src.col + j]` for every row and `j < src.width` (or `+=` with
-/// `accumulate`, F32 destinations only), converting F32 ↔ BF16 (round to nearest even).
-/// `src` and `dst` have the same number of rows.
-pub fn copy_cols<S: ActElem, D: ActElem>(
-    dev: &Device,
-    src: &DeviceTensor<S>,
-    cols: Cols,
-    dst: &mut DeviceTensor<D>,
-    dst_col: usize,
-    accumulate: bool,
-) -> Result<(), GpuError> {
-    let (rows, src_w) = src.dims2("copy_cols source", S::DTYPE)?;
-    let (dst_rows, dst_w) = dst.dims2("copy_cols destination", D::DTYPE)?;
-    if dst_rows != rows || cols.col + cols.width > src_w || dst_col + cols.width > dst_w {
-        return Err(GpuError::invalid(
-            "copy_cols",
-            format!(
-                "{} columns from {} of [{rows}, {src_w}] to {dst_col} of [{dst_rows}, {dst_w}]",
-                cols.width, cols.col
-            ),
-        ));
-    }
-    if accumulate && D::DTYPE != DType::F32 {
-        return Err(GpuError::invalid(
-            "copy_cols",
-            "only F32 destinations accumulate",
-        ));
-    }
-    let total = (rows * cols.width) as u64;
-    if total == 0 {
-        return Ok(());
-    }
-    let a = [
-        dim_u32("source width", src_w)?,
-        dim_u32("source column", cols.col)?,
-        dim_u32("destination width", dst_w)?,
-        dim_u32("destination column", dst_col)?,
-        dim_u32("rows", rows)?,
-        dim_u32("columns", cols.width)?,
-        u32::from(accumulate),
-    ];
-    let name = format!("copy_cols_{}_{}", S::NAME, D::NAME);
-    // SAFETY: both tensors are [rows, width] with the column ranges inside, checked above.
-    unsafe {
-        launch(
-            dev,
-            &name,
-            elementwise(total),
-            Args::new()
-                .ptr(src)
-                .arg(a[0])
-                .arg(a[1])
-                .ptr(dst)
-                .arg(a[2])
-                .arg(a[3])
-                .arg(a[4])
-                .arg(a[5])
-                .arg(a[6]),
-        )
-    }?;
-    Ok(())
 }

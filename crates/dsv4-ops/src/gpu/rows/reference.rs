@@ -83,29 +83,6 @@ pub fn rope_rows(
     }
 }
 
-/// [`super::copy_cols`] on f32 values: `round` models the destination type (identity for F32,
-/// a round trip through bf16 for BF16).
-#[allow(clippy::too_many_arguments)]
-pub fn copy_cols(
-    src: &[f32],
-    src_w: usize,
-    col: usize,
-    width: usize,
-    dst: &mut [f32],
-    dst_w: usize,
-    dst_col: usize,
-    accumulate: bool,
-    round: impl Fn(f32) -> f32,
-) {
-    for (s, d) in src.chunks_exact(src_w).zip(dst.chunks_exact_mut(dst_w)) {
-        for j in 0..width {
-            let v = s[col + j];
-            let o = &mut d[dst_col + j];
-            *o = round(if accumulate { *o + v } else { v });
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
