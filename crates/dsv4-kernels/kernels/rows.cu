@@ -27,16 +27,17 @@ DSV4_KERNEL void embed_hc_gather(const u16* __restrict__ table, u32 vocab, u32 d
 }
 
 // One block per row (grid-stride over rows): out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps).
-// `weight` may be null (no scale). In place when out == x. A non-null `out_b` gets the same
+// Row r of x starts at x + r * x_stride (x may be some columns of a wider projection output);
+// out is dense. `weight` may be null (no scale). In place when out == x. A non-null `out_b` gets the same
 // values rounded to bf16. A non-null `inv_freq` then rotates the last 2 * rope_half channels
 // of each row as rope_rows does, row r at position pos[0] + r / rows_per_token.
-DSV4_KERNEL void rms_norm_rows(const float* x, u32 rows, u32 width, const float* __restrict__ weight,
+DSV4_KERNEL void rms_norm_rows(const float* x, u32 x_stride, u32 rows, u32 width, const float* __restrict__ weight,
                                float eps, float* out, u16* __restrict__ out_b, const float* __restrict__ inv_freq,
                                u32 rope_half, const u32* __restrict__ pos, u32 rows_per_token) {
     pdl_enter();
     __shared__ float scratch[32];
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float* row = x + (u64)r * width;
+        const float* row = x + (u64)r * x_stride;
         float s = 0.0f;
         for (u32 j = threadIdx.x; j < width; j += blockDim.x) s = __fadd_rn(s, __fmul_rn(row[j], row[j]));
         s = block_sum(s, scratch);

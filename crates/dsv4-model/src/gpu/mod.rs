@@ -23,8 +23,8 @@ use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
 use dsv4_ops::gpu::moe_bf16::moe_bf16;
 use dsv4_ops::gpu::router::{gate_logits, route_topk, DeviceRouteBy, GateWeight};
 use dsv4_ops::gpu::rows::{
-    advance_position, embed_hc_gather, rms_norm_rope_rows, rms_norm_rows, rope_rows, RopeDirection,
-    RowRope,
+    advance_position, embed_hc_gather, rms_norm_rope_rows, rms_norm_rows, rope_rows, ColRange,
+    RopeDirection, RowRope,
 };
 use dsv4_ops::gpu::sample::{sample, Sampling};
 use dsv4_ops::gpu::{BufferPool, DType, Device, DeviceTensor, GpuError, Readback};
@@ -178,10 +178,10 @@ struct DevIndexer {
 }
 
 struct DevAttention {
-    wq_a: GemvWeight,
+    /// wq_a and wkv stacked: one GEMV writes the query latent, then the shared key/value.
+    wq_a_kv: GemvWeight,
     q_norm: DeviceTensor<f32>,
     wq_b: GemvWeight,
-    wkv: GemvWeight,
     kv_norm: DeviceTensor<f32>,
     /// All `o_groups` groups, run by one grouped GEMV.
     wo_a: GemvWeight,
@@ -256,10 +256,9 @@ fn upload_layer(
     let p = format!("layers.{l}");
     let a = &lw.attn;
     let attn = DevAttention {
-        wq_a: upload::linear(dev, &format!("{p}.attn.wq_a"), &a.wq_a)?,
+        wq_a_kv: upload::stacked(dev, &format!("{p}.attn.wq_a+wkv"), &[&a.wq_a, &a.wkv])?,
         q_norm: upload::vector(dev, &a.q_norm)?,
         wq_b: upload::linear(dev, &format!("{p}.attn.wq_b"), &a.wq_b)?,
-        wkv: upload::linear(dev, &format!("{p}.attn.wkv"), &a.wkv)?,
         kv_norm: upload::vector(dev, &a.kv_norm)?,
         wo_a: upload::linear(dev, &format!("{p}.attn.wo_a"), &a.wo_a)?,
         wo_b: upload::linear(dev, &format!("{p}.attn.wo_b"), &a.wo_b)?,
@@ -743,10 +742,15 @@ fn attention_layer(
         &w.rope_compress
     };
     let xb = a.xb.rows(n)?;
-    // Query latent: wq_a, q_norm.
-    let qa = linear_f32(dev, &xb, &at.wq_a, &a.qa, &mut a.ws)?;
+    // Query latent and shared key/value: one GEMV of wq_a and wkv stacked; q_norm.
+    let qa_kv = linear_f32(dev, &xb, &at.wq_a_kv, &a.qa_kv, &mut a.ws)?;
+    let qa = ColRange {
+        x: &qa_kv,
+        first: 0,
+        width: c.q_lora_rank,
+    };
     let (mut qa_n, mut qab) = (a.qa_n.rows(n)?, a.qab.rows(n)?);
-    rms_norm_rows(dev, &qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
+    rms_norm_rows(dev, qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
     // Queries: wq_b, per-head norm and rope.
     let q = linear_f32(dev, &qab, &at.wq_b, &a.q, &mut a.ws)?;
     let mut q_n = a.q_n.view(0, &[n * c.num_heads, hd])?;
@@ -758,14 +762,18 @@ fn attention_layer(
     let q_rows = q.reshape(&[n * c.num_heads, hd])?;
     rms_norm_rope_rows(dev, &q_rows, None, eps, &heads_rope, &mut q_n)?;
     let q_n = q_n.reshape(&[n, q_all])?;
-    // The shared key/value: wkv, kv_norm and rope.
-    let kv = linear_f32(dev, &xb, &at.wkv, &a.kv, &mut a.ws)?;
+    // The shared key/value: kv_norm and rope.
+    let kv = ColRange {
+        x: &qa_kv,
+        first: c.q_lora_rank,
+        width: hd,
+    };
     let mut kv_n = a.kv_n.rows(n)?;
     let kv_rope = RowRope {
         rows_per_token: 1,
         ..heads_rope
     };
-    rms_norm_rope_rows(dev, &kv, Some(&at.kv_norm), eps, &kv_rope, &mut kv_n)?;
+    rms_norm_rope_rows(dev, kv, Some(&at.kv_norm), eps, &kv_rope, &mut kv_n)?;
     // Compressors update every token and emit entries at their boundaries.
     if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
         compress(dev, c, w, cw, st.buffers()?, a, n)?;
@@ -925,9 +933,8 @@ fn step_bytes(c: &Config, w: &DevWeights) -> usize {
         .iter()
         .map(|l| {
             let a = &l.attn;
-            g(&a.wq_a)
+            g(&a.wq_a_kv)
                 + g(&a.wq_b)
-                + g(&a.wkv)
                 + g(&a.wo_a)
                 + g(&a.wo_b)
                 + a.compressor.as_ref().map_or(0, comp)

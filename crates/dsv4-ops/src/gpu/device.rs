@@ -340,8 +340,8 @@ impl Device {
         Ok(Readback { buf })
     }
 
-    /// Copies `src` into `dst` after the work already on the stream, waits for that copy
-    /// alone and returns the values.
+    /// Copies `src` into `dst` after the work already on the stream, waits for the stream
+    /// (the copy is its last work) and returns the values.
     pub fn read<'a, T: DeviceElem>(
         &self,
         src: &DeviceTensor<T>,
@@ -361,9 +361,12 @@ impl Device {
         self.stream
             .memcpy_dtoh(src.slice(), &mut dst.buf)
             .map_err(GpuError::driver("copying to the host"))?;
+        // With event tracking off the buffer's own event is never recorded, so its wait
+        // would not wait: the stream is waited for instead.
+        self.synchronize()?;
         dst.buf
             .as_slice()
-            .map_err(GpuError::driver("waiting for the copy to the host"))
+            .map_err(GpuError::driver("reading page-locked memory"))
     }
 
     /// Sets every byte of the tensor (stream-ordered): poisons outputs in tests.

@@ -373,8 +373,9 @@ impl AttentionSplits {
     }
 }
 
-/// Splits of each token's keys: enough blocks for every SM, each split at least
-/// [`MIN_SPLIT_KEYS`] of the most keys a token may see, within the scratch's room.
+/// Splits of each token's keys: as many as keep every block in one wave (a block fills an
+/// SM's registers), each split at least [`MIN_SPLIT_KEYS`] of the most keys a token may see,
+/// within the scratch's room.
 fn choose_splits(
     sms: usize,
     blocks: usize,
@@ -382,7 +383,7 @@ fn choose_splits(
     rows_per_split: usize,
     room: usize,
 ) -> usize {
-    sms.div_ceil(blocks.max(1))
+    (sms / blocks.max(1))
         .min(max_keys / MIN_SPLIT_KEYS)
         .min(ATT_MAX_SPLITS)
         .min(room / rows_per_split.max(1))

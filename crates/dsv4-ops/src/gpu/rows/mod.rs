@@ -57,18 +57,36 @@ pub fn embed_hc_gather(
     Ok(())
 }
 
-/// RMSNorm of every row of `x [rows, width]` (F32) into `out` of the same shape:
-/// `weight · x / sqrt(mean(x²) + eps)`, no scale when `weight` is `None`; with `out_b`, the
-/// same values rounded to BF16 there too (a GEMV's input).
-pub fn rms_norm_rows(
+/// Columns `[first, first + width)` of every row of an F32 `[rows, cols]` tensor: one
+/// projection's part of a stacked GEMV's output. A whole tensor converts into all its columns.
+#[derive(Clone, Copy)]
+pub struct ColRange<'a> {
+    pub x: &'a DeviceTensor<f32>,
+    pub first: usize,
+    pub width: usize,
+}
+
+impl<'a> From<&'a DeviceTensor<f32>> for ColRange<'a> {
+    fn from(x: &'a DeviceTensor<f32>) -> ColRange<'a> {
+        let width = x.shape().get(1).copied().unwrap_or(0);
+        ColRange { x, first: 0, width }
+    }
+}
+
+/// RMSNorm of every row of `x` (F32 `[rows, width]`, or a column range of a wider tensor) into
+/// `out [rows, width]`: `weight · x / sqrt(mean(x²) + eps)`, no scale when `weight` is `None`;
+/// with `out_b`, the same values rounded to BF16 there too (a GEMV's input).
+pub fn rms_norm_rows<'a>(
     dev: &Device,
-    x: &DeviceTensor<f32>,
+    x: impl Into<ColRange<'a>>,
     weight: Option<&DeviceTensor<f32>>,
     eps: f32,
     out: &mut DeviceTensor<f32>,
     out_b: Option<&mut DeviceTensor<bf16>>,
 ) -> Result<(), GpuError> {
-    let (rows, width) = x.dims2("rms_norm input", DType::F32)?;
+    let x = x.into();
+    let rows = x.x.dims2("rms_norm input", DType::F32)?.0;
+    let width = x.width;
     if let Some(b) = &out_b {
         b.expect("rms_norm BF16 output", DType::BF16, &[rows, width])?;
     }
@@ -88,27 +106,38 @@ pub struct RowRope<'a> {
 }
 
 /// [`rms_norm_rows`] then [`rope_rows`] (forward) on its output, in one launch.
-pub fn rms_norm_rope_rows(
+pub fn rms_norm_rope_rows<'a>(
     dev: &Device,
-    x: &DeviceTensor<f32>,
+    x: impl Into<ColRange<'a>>,
     weight: Option<&DeviceTensor<f32>>,
     eps: f32,
     rope: &RowRope,
     out: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    norm_rows(dev, x, weight, eps, out, 0, Some(rope))
+    norm_rows(dev, x.into(), weight, eps, out, 0, Some(rope))
 }
 
 fn norm_rows(
     dev: &Device,
-    x: &DeviceTensor<f32>,
+    x: ColRange,
     weight: Option<&DeviceTensor<f32>>,
     eps: f32,
     out: &mut DeviceTensor<f32>,
     out_b: u64,
     rope: Option<&RowRope>,
 ) -> Result<(), GpuError> {
-    let (rows, width) = x.dims2("rms_norm input", DType::F32)?;
+    let (rows, stride) = x.x.dims2("rms_norm input", DType::F32)?;
+    let width = x.width;
+    if x.first + width > stride {
+        return Err(GpuError::invalid(
+            "rms_norm",
+            format!(
+                "columns {}..{} of rows of {stride}",
+                x.first,
+                x.first + width
+            ),
+        ));
+    }
     out.expect("rms_norm output", DType::F32, &[rows, width])?;
     if let Some(w) = weight {
         w.expect("rms_norm weight", DType::F32, &[width])?;
@@ -143,7 +172,11 @@ fn norm_rows(
     if rows == 0 || width == 0 {
         return Ok(());
     }
-    let (r32, w32) = (dim_u32("rows", rows)?, dim_u32("width", width)?);
+    let (r32, w32, s32) = (
+        dim_u32("rows", rows)?,
+        dim_u32("width", width)?,
+        dim_u32("row stride", stride)?,
+    );
     // Null selects the unscaled norm inside the kernel.
     let weight_ptr: u64 = weight.map_or(0, DeviceTensor::device_address);
     // About four columns a thread, so that one row (a decode step's norm) spreads over a
@@ -154,7 +187,8 @@ fn norm_rows(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: x, out and out_b (when not null) are [rows, width], weight (when not null)
+    // SAFETY: x is [rows, stride] read from column `first` on, first + width <= stride; out and
+    // out_b (when not null) are [rows, width], weight (when not null)
     // [width], inv_freq (when not null) [half] with 2·half <= width and pos [1], checked
     // above.
     unsafe {
@@ -163,7 +197,8 @@ fn norm_rows(
             "rms_norm_rows",
             cfg,
             Args::new()
-                .ptr(x)
+                .arg(x.x.device_address() + (x.first * 4) as u64)
+                .arg(s32)
                 .arg(r32)
                 .arg(w32)
                 .arg(weight_ptr)

@@ -225,6 +225,95 @@ fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
     assert!(err.to_string().contains("2 rows a token"), "{err}");
 }
 
+/// A norm over a column range of a wider tensor (a stacked GEMV's output) gives the bits of the
+/// same norm over those columns copied out densely; a range past the row is refused.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_rms_norm_of_a_column_range_is_the_norm_of_those_columns() {
+    let dev = device();
+    let mut rng = rng("gpu_rms_norm_of_a_column_range_is_the_norm_of_those_columns");
+    // (rows, first part's width, second part's width, rotated channels of the second)
+    for (rows, wa, wb, rot) in [(1, 1024, 512, 64), (7, 1536, 512, 64), (3, 40, 24, 8)] {
+        let stride = wa + wb;
+        let x = random_f32(&mut rng, rows * stride);
+        let xd = dev.upload(DType::F32, &[rows, stride], &x).unwrap();
+        let part = |first: usize, width: usize| -> Vec<f32> {
+            x.chunks(stride)
+                .flat_map(|r| r[first..first + width].to_vec())
+                .collect()
+        };
+        let (wta, wtb) = (random_f32(&mut rng, wa), random_f32(&mut rng, wb));
+        let (wad, wbd) = (
+            dev.upload(DType::F32, &[wa], &wta).unwrap(),
+            dev.upload(DType::F32, &[wb], &wtb).unwrap(),
+        );
+        let what = format!("[{rows}, {wa} + {wb}]");
+        // The first columns, with the BF16 copy.
+        let dense = dev.upload(DType::F32, &[rows, wa], &part(0, wa)).unwrap();
+        let (mut want, mut want_b) = (
+            poisoned_f32(&dev, &[rows, wa]),
+            dev.alloc::<bf16>(DType::BF16, &[rows, wa]).unwrap(),
+        );
+        rms_norm_rows(&dev, &dense, Some(&wad), 1e-6, &mut want, Some(&mut want_b)).unwrap();
+        let (mut got, mut got_b) = (
+            poisoned_f32(&dev, &[rows, wa]),
+            dev.alloc::<bf16>(DType::BF16, &[rows, wa]).unwrap(),
+        );
+        let cols = ColRange {
+            x: &xd,
+            first: 0,
+            width: wa,
+        };
+        rms_norm_rows(&dev, cols, Some(&wad), 1e-6, &mut got, Some(&mut got_b)).unwrap();
+        assert_bits_eq(
+            &what,
+            &dev.download(&got).unwrap(),
+            &dev.download(&want).unwrap(),
+        );
+        let bits = |t: &DeviceTensor<bf16>| -> Vec<u16> {
+            dev.download(t)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_bits_eq(&format!("{what} bf16"), &bits(&got_b), &bits(&want_b));
+        // The last columns, with the rope.
+        let freq: Vec<f32> = (0..rot / 2).map(|i| 0.8f32.powi(i as i32)).collect();
+        let fd = dev.upload(DType::F32, &[rot / 2], &freq).unwrap();
+        let pd = dev
+            .upload(DType::U32, &[1], &[rng.random_range(0..5000u32)])
+            .unwrap();
+        let rope = RowRope {
+            inv_freq: &fd,
+            pos: &pd,
+            rows_per_token: 1,
+        };
+        let dense = dev.upload(DType::F32, &[rows, wb], &part(wa, wb)).unwrap();
+        let mut want = poisoned_f32(&dev, &[rows, wb]);
+        rms_norm_rope_rows(&dev, &dense, Some(&wbd), 1e-6, &rope, &mut want).unwrap();
+        let mut got = poisoned_f32(&dev, &[rows, wb]);
+        let cols = ColRange {
+            x: &xd,
+            first: wa,
+            width: wb,
+        };
+        rms_norm_rope_rows(&dev, cols, Some(&wbd), 1e-6, &rope, &mut got).unwrap();
+        assert_bits_eq(
+            &format!("{what} roped"),
+            &dev.download(&got).unwrap(),
+            &dev.download(&want).unwrap(),
+        );
+        let past = ColRange {
+            x: &xd,
+            first: wa + 1,
+            width: wb,
+        };
+        let err = rms_norm_rope_rows(&dev, past, Some(&wbd), 1e-6, &rope, &mut got).unwrap_err();
+        assert!(err.to_string().contains("columns"), "{err}");
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_row_launchers_reject_bad_shapes_and_positions_advance() {
