@@ -191,11 +191,10 @@ DSV4_KERNEL void compressor_store(const float* __restrict__ proj, u32 tokens, co
 #define IDX_THREADS 128u
 #define IDX_WARPS (IDX_THREADS / 32u)
 #define IDX_EPW 4u        // entries a warp scores at once
-#define IDX_PER_BLOCK 512u  // entries a block scores
 #define IDX_MAX_HEADS 64u
 #define IDX_MAX_C 128u
 
-// Block (x, t): entries [x * 512, (x + 1) * 512) ∩ [0, n_vis) for token t. q_t sits in shared
+// Block (x, t): entries [x * per_block, (x + 1) * per_block) ∩ [0, n_vis) for token t. q_t sits in shared
 // memory as [c][nh]; a warp stages 4 entries as [c][4] and each lane computes, for heads lane and
 // lane + 32, the four dot products sequentially over the channels (the CPU's order). The terms
 // max(dot, 0) * scale * w_h (w_h = weight * wscale, rounded as on the CPU) go to shared memory
@@ -204,7 +203,8 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
                                                              const float* __restrict__ weights,
                                                              const float* __restrict__ entries, u32 cap, u32 nh,
                                                              u32 c, u32 ratio, const u32* __restrict__ pos,
-                                                             float scale, float wscale, float* __restrict__ scores) {
+                                                             u32 per_block, float scale, float wscale,
+                                                             float* __restrict__ scores) {
     pdl_enter();
     __shared__ float q_s[IDX_MAX_C * IDX_MAX_HEADS];
     __shared__ float4 k_s[IDX_WARPS][IDX_MAX_C];
@@ -213,9 +213,9 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
     const u32 t = blockIdx.y;
     const u32 p = pos[0] + t;
     const u32 n_vis = min((p + 1u) / ratio, cap);
-    const u32 lo = blockIdx.x * IDX_PER_BLOCK;
+    const u32 lo = blockIdx.x * per_block;
     if (lo >= n_vis) return;
-    const u32 hi = min(lo + IDX_PER_BLOCK, n_vis);
+    const u32 hi = min(lo + per_block, n_vis);
     const float* qt = q + (u64)t * nh * c;
     for (u32 i = threadIdx.x; i < nh * c; i += blockDim.x) {
         const u32 h = i / c, ch = i % c;
@@ -367,6 +367,22 @@ __device__ __forceinline__ void rescale(float ma, float mb, float& mn, float& fa
     fb = mb == mn ? 1.0f : expf(__fsub_rn(mb, mn));
 }
 
+// Key j of token t (at p; the chunk starts at pos0): window position p + 1 - n_w + j from the
+// chunk's kv or the ring, else compressed entry j - n_w (mode 1) or the selected id (mode 2),
+// null when that selection slot holds none (-1 or an id >= cap).
+__device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0, u32 wsize, u32 d, u32 mode,
+                                                const float* __restrict__ kv, const float* __restrict__ window,
+                                                const float* __restrict__ entries, const int* __restrict__ sel_t,
+                                                u32 cap) {
+    if (j < n_w) {
+        const u32 kp = p + 1u - n_w + j;
+        return kp >= pos0 ? kv + (u64)(kp - pos0) * d : window + (u64)(kp % wsize) * d;
+    }
+    if (mode == 1u) return entries + (u64)(j - n_w) * d;
+    const int id = sel_t[j - n_w];
+    return id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
+}
+
 // Block (x, t, s): heads [x * G, (x + 1) * G) of token t at p = pos[0] + t, over split s of the
 // token's keys. Keys j in order: the window positions max(0, p - W + 1) ..= p (from this
 // chunk's kv when >= pos[0], else from the ring slot position % W), then the compressed keys:
@@ -374,7 +390,8 @@ __device__ __forceinline__ void rescale(float ma, float mb, float& mn, float& fa
 // (-1 or an id >= cap: none). The n keys are cut into S = gridDim.z consecutive splits of
 // ceil(n / S). Warp w takes its split's keys w, w + 8, ...: per key the lanes hold d / 32
 // channels, each head's score is a warp butterfly sum, and the head's running max, sum and
-// weighted values are updated online. The warps then merge in warp order through shared memory.
+// weighted values are updated online (while the next key loads). The warps then merge in warp
+// order through shared memory.
 // With S > 1 each block writes its split's state to `part` ([t][h][s][d] sums, [t][h][s][2]
 // max and denominator) and the last block of (x, t) to arrive (counted in counters[t, x], which
 // it sets back to 0 for the next launch) merges the S states in split order. So the result
@@ -414,39 +431,44 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 #pragma unroll
         for (u32 x = 0; x < ATT_MAX_CPL; x++) acc[h][x] = 0.0f;
     }
-    for (u32 j = split * per + warp; j < j_end; j += ATT_WARPS) {
-        const float* key;
-        if (j < n_w) {
-            const u32 kp = p + 1u - n_w + j;
-            key = kp >= pos0 ? kv + (u64)(kp - pos0) * d : window + (u64)(kp % wsize) * d;
-        } else if (mode == 1u) {
-            key = entries + (u64)(j - n_w) * d;
-        } else {
-            const int id = sel[(u64)t * k + (j - n_w)];
-            if (id < 0 || (u32)id >= cap) continue;  // warp-uniform
-            key = entries + (u64)id * d;
+    // Each warp loads its next key while it scores the current one.
+    const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
+    u32 j = split * per + warp;
+    const float* key = j < j_end ? att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
+    float kr[ATT_MAX_CPL];
+#pragma unroll
+    for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[x] = key && x < cpl ? key[lane + 32u * x] : 0.0f;
+    for (; j < j_end; j += ATT_WARPS) {
+        const u32 jn = j + ATT_WARPS;
+        const float* next =
+            jn < j_end ? att_key(jn, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
+        float kn[ATT_MAX_CPL];
+#pragma unroll
+        for (u32 x = 0; x < ATT_MAX_CPL; x++) kn[x] = next && x < cpl ? next[lane + 32u * x] : 0.0f;
+        if (key) {  // warp-uniform
+#pragma unroll
+            for (u32 h = 0; h < ATT_MAX_G; h++) {
+                if (h >= g) break;
+                float s = 0.0f;
+#pragma unroll
+                for (u32 x = 0; x < ATT_MAX_CPL; x++)
+                    if (x < cpl) s = __fadd_rn(s, __fmul_rn(q_s[h * d + lane + 32u * x], kr[x]));
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+                s = __fmul_rn(s, scale);
+                const float mn = fmaxf(m[h], s);
+                const float alpha = m[h] == mn ? 1.0f : expf(__fsub_rn(m[h], mn));
+                const float pr = expf(__fsub_rn(s, mn));
+                l[h] = __fadd_rn(__fmul_rn(l[h], alpha), pr);
+#pragma unroll
+                for (u32 x = 0; x < ATT_MAX_CPL; x++)
+                    acc[h][x] = __fadd_rn(__fmul_rn(acc[h][x], alpha), __fmul_rn(pr, kr[x]));
+                m[h] = mn;
+            }
         }
-        float kr[ATT_MAX_CPL];
+        key = next;
 #pragma unroll
-        for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[x] = x < cpl ? key[lane + 32u * x] : 0.0f;
-#pragma unroll
-        for (u32 h = 0; h < ATT_MAX_G; h++) {
-            if (h >= g) break;
-            float s = 0.0f;
-#pragma unroll
-            for (u32 x = 0; x < ATT_MAX_CPL; x++)
-                if (x < cpl) s = __fadd_rn(s, __fmul_rn(q_s[h * d + lane + 32u * x], kr[x]));
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-            s = __fmul_rn(s, scale);
-            const float mn = fmaxf(m[h], s);
-            const float alpha = m[h] == mn ? 1.0f : expf(__fsub_rn(m[h], mn));
-            const float pr = expf(__fsub_rn(s, mn));
-            l[h] = __fadd_rn(__fmul_rn(l[h], alpha), pr);
-#pragma unroll
-            for (u32 x = 0; x < ATT_MAX_CPL; x++) acc[h][x] = __fadd_rn(__fmul_rn(acc[h][x], alpha), __fmul_rn(pr, kr[x]));
-            m[h] = mn;
-        }
+        for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[x] = kn[x];
     }
     // Merge the warps' partial softmaxes in warp order.
     for (u32 w = 0; w < ATT_WARPS; w++) {
@@ -493,30 +515,54 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         __syncthreads();
         if (!last_s) return;
         __threadfence();
-        // Each split's factor to the common maximum, then the sums in split order (L2 reads:
-        // the other blocks' writes are not in this SM's L1).
-        __shared__ float f_s[ATT_MAX_G][ATT_MAX_SPLITS];
+        // Each split's factor to the common maximum, then the sums in split order. The reads
+        // go to L2 (the other blocks' writes are not in this SM's L1), many in flight at once.
+        __shared__ float f_s[ATT_MAX_G][ATT_MAX_SPLITS], den_s[ATT_MAX_G][ATT_MAX_SPLITS];
+        for (u32 i = threadIdx.x; i < g * splits; i += blockDim.x) {
+            const float* ml = part_ml + ((row0 + i / splits) * splits + i % splits) * 2u;
+            f_s[i / splits][i % splits] = __ldcg(ml);
+            den_s[i / splits][i % splits] = __ldcg(ml + 1);
+        }
+        __syncthreads();
         if (threadIdx.x < g) {
             const u32 h = threadIdx.x;
-            const float* ml = part_ml + (row0 + h) * splits * 2u;
             float mx = NEG_INF;
-            for (u32 s = 0; s < splits; s++) mx = fmaxf(mx, __ldcg(ml + 2u * s));
+            for (u32 s = 0; s < splits; s++) mx = fmaxf(mx, f_s[h][s]);
             float den = 0.0f;
             for (u32 s = 0; s < splits; s++) {
-                const float ms = __ldcg(ml + 2u * s);
+                const float ms = f_s[h][s];
                 f_s[h][s] = ms == mx ? 1.0f : expf(__fsub_rn(ms, mx));
-                den = __fadd_rn(den, __fmul_rn(__ldcg(ml + 2u * s + 1u), f_s[h][s]));
+                den = __fadd_rn(den, __fmul_rn(den_s[h][s], f_s[h][s]));
             }
             m_s[h] = mx;
             l_s[h] = den;
         }
         __syncthreads();
-        for (u32 i = threadIdx.x; i < g * d; i += blockDim.x) {
+        // Four channels a thread (d is a multiple of 32), eight splits' loads at a time.
+        for (u32 i = 4u * threadIdx.x; i < g * d; i += 4u * blockDim.x) {
             const u32 h = i / d;
-            const float* src = part_acc + (row0 + h) * splits * d + i % d;
-            float a = 0.0f;
-            for (u32 s = 0; s < splits; s++) a = __fadd_rn(a, __fmul_rn(__ldcg(src + (u64)s * d), f_s[h][s]));
-            acc_s[i] = a;
+            const float4* src = reinterpret_cast<const float4*>(part_acc + (row0 + h) * splits * d + i % d);
+            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (u32 s0 = 0; s0 < splits; s0 += 8u) {
+                float4 v[8];
+#pragma unroll
+                for (u32 k = 0; k < 8u; k++)
+                    v[k] = s0 + k < splits ? __ldcg(src + (u64)(s0 + k) * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (u32 k = 0; k < 8u; k++) {
+                    if (s0 + k < splits) {
+                        const float f = f_s[h][s0 + k];
+                        a.x = __fadd_rn(a.x, __fmul_rn(v[k].x, f));
+                        a.y = __fadd_rn(a.y, __fmul_rn(v[k].y, f));
+                        a.z = __fadd_rn(a.z, __fmul_rn(v[k].z, f));
+                        a.w = __fadd_rn(a.w, __fmul_rn(v[k].w, f));
+                    }
+                }
+            }
+            acc_s[i] = a.x;
+            acc_s[i + 1u] = a.y;
+            acc_s[i + 2u] = a.z;
+            acc_s[i + 3u] = a.w;
         }
         __syncthreads();
     }

@@ -228,8 +228,14 @@ fn compressor_projections(
         .arg(ov);
 }
 
-/// Entries an `index_scores` block scores (kernel constant).
-const INDEX_PER_BLOCK: usize = 512;
+/// Entries an `index_scores` block scores at once (its 4 warps × 4 entries).
+const INDEX_STEP: usize = 16;
+
+/// Entries an `index_scores` block scores: one step's when that gives every SM a couple of
+/// blocks, more at long contexts (each block stages a token's queries, 32 KB, once).
+fn index_per_block(cap: usize, sms: usize) -> usize {
+    INDEX_STEP * cap.div_ceil(INDEX_STEP * 2 * sms.max(1)).max(1)
+}
 
 /// Lightning Indexer (spec §7) for T queries: `q [T, nh·c]` (already rotated), `weights [T, nh]`
 /// (raw weights_proj outputs: the kernel multiplies them by 1/sqrt(nh) exactly as the CPU does
@@ -283,9 +289,10 @@ pub fn index_topk(
     let scale = 1.0 / (c as f32).sqrt();
     let wscale = 1.0 / (nh as f32).sqrt();
     if cap > 0 {
+        let per_block = index_per_block(cap, dev.sm_count());
         let cfg = LaunchConfig {
             grid_dim: (
-                dim_u32("indexer blocks", cap.div_ceil(INDEX_PER_BLOCK))?,
+                dim_u32("indexer blocks", cap.div_ceil(per_block))?,
                 tokens,
                 1,
             ),
@@ -305,6 +312,7 @@ pub fn index_topk(
                     .arg(dims[2])
                     .arg(dims[3])
                     .ptr(pos)
+                    .arg(per_block as u32)
                     .arg(scale)
                     .arg(wscale)
                     .ptr(scores);
