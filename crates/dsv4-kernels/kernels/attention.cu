@@ -194,9 +194,10 @@ DSV4_KERNEL void compressor_store(const float* __restrict__ proj, u32 tokens, co
 #define IDX_MAX_HEADS 64u
 #define IDX_MAX_C 128u
 
-// Block (x, t): entries [x * per_block, (x + 1) * per_block) ∩ [0, n_vis) for token t. q_t sits in shared
-// memory as [c][nh]; a warp stages 4 entries as [c][4] and each lane computes, for heads lane and
-// lane + 32, the four dot products sequentially over the channels (the CPU's order). The terms
+// Block (x, t): entries [x * per_block, (x + 1) * per_block) ∩ [0, n_vis) for token t. q_t sits
+// in shared memory as [c][nh + 1] (the pad keeps the transposing stores off one bank); a warp
+// stages 4 entries as [c][4] and each lane computes, for heads lane and lane + 32, the four dot
+// products sequentially over the channels (the CPU's order). The terms
 // max(dot, 0) * scale * w_h (w_h = weight * wscale, rounded as on the CPU) go to shared memory
 // and lanes 0..3 sum one entry's terms in head order, so scores are bit-identical to the CPU.
 DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __restrict__ q,
@@ -206,7 +207,7 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
                                                              u32 per_block, float scale, float wscale,
                                                              float* __restrict__ scores) {
     pdl_enter();
-    __shared__ float q_s[IDX_MAX_C * IDX_MAX_HEADS];
+    __shared__ float q_s[IDX_MAX_C * (IDX_MAX_HEADS + 1u)];
     __shared__ float4 k_s[IDX_WARPS][IDX_MAX_C];
     __shared__ float terms[IDX_WARPS][IDX_EPW][IDX_MAX_HEADS];
     __shared__ float w_s[IDX_MAX_HEADS];
@@ -217,13 +218,11 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
     if (lo >= n_vis) return;
     const u32 hi = min(lo + per_block, n_vis);
     const float* qt = q + (u64)t * nh * c;
-    for (u32 i = threadIdx.x; i < nh * c; i += blockDim.x) {
-        const u32 h = i / c, ch = i % c;
-        q_s[ch * nh + h] = qt[i];
-    }
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    for (u32 h = warp; h < nh; h += IDX_WARPS)
+        for (u32 ch = lane; ch < c; ch += 32u) q_s[ch * (nh + 1u) + h] = qt[(u64)h * c + ch];
     for (u32 h = threadIdx.x; h < nh; h += blockDim.x) w_s[h] = __fmul_rn(weights[(u64)t * nh + h], wscale);
     __syncthreads();
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     float* out = scores + (u64)t * cap;
     for (u32 e0 = lo + warp * IDX_EPW; e0 < hi; e0 += IDX_WARPS * IDX_EPW) {
         // Stage entries e0..e0+3 (missing ones as zeros; their scores are not written).
@@ -240,7 +239,7 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
             if (h >= nh) break;
             float d0 = NEG_ZERO, d1 = NEG_ZERO, d2 = NEG_ZERO, d3 = NEG_ZERO;
             for (u32 ch = 0; ch < c; ch++) {
-                const float qv = q_s[ch * nh + h];
+                const float qv = q_s[ch * (nh + 1u) + h];
                 const float4 k = k_s[warp][ch];
                 d0 = __fadd_rn(d0, __fmul_rn(qv, k.x));
                 d1 = __fadd_rn(d1, __fmul_rn(qv, k.y));
@@ -360,13 +359,6 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 
 #define ATT_MAX_SPLITS 64u
 
-// Factors that bring two softmax states of maxima ma and mb to their common maximum mn.
-__device__ __forceinline__ void rescale(float ma, float mb, float& mn, float& fa, float& fb) {
-    mn = fmaxf(ma, mb);
-    fa = ma == mn ? 1.0f : expf(__fsub_rn(ma, mn));
-    fb = mb == mn ? 1.0f : expf(__fsub_rn(mb, mn));
-}
-
 // Key j of token t (at p; the chunk starts at pos0): window position p + 1 - n_w + j from the
 // chunk's kv or the ring, else compressed entry j - n_w (mode 1) or the selected id (mode 2),
 // null when that selection slot holds none (-1 or an id >= cap).
@@ -390,8 +382,8 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 // (-1 or an id >= cap: none). The n keys are cut into S = gridDim.z consecutive splits of
 // ceil(n / S). Warp w takes its split's keys w, w + 8, ...: per key the lanes hold d / 32
 // channels, each head's score is a warp butterfly sum, and the head's running max, sum and
-// weighted values are updated online (while the next key loads). The warps then merge in warp
-// order through shared memory.
+// weighted values are updated online (while the next key loads). The warps' states then merge
+// through shared memory, summed in warp order.
 // With S > 1 each block writes its split's state to `part` ([t][h][s][d] sums, [t][h][s][2]
 // max and denominator) and the last block of (x, t) to arrive (counted in counters[t, x], which
 // it sets back to 0 for the next launch) merges the S states in split order. So the result
@@ -407,6 +399,8 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     __shared__ float q_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
     __shared__ float acc_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
     __shared__ float m_s[ATT_MAX_G], l_s[ATT_MAX_G];
+    __shared__ float wm_s[ATT_WARPS][ATT_MAX_G], wl_s[ATT_WARPS][ATT_MAX_G];
+    __shared__ float stage[ATT_WARPS][ATT_MAX_CPL * 32u];
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
     const u32 h0 = blockIdx.x * g;
@@ -470,28 +464,43 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 #pragma unroll
         for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[x] = kn[x];
     }
-    // Merge the warps' partial softmaxes in warp order.
-    for (u32 w = 0; w < ATT_WARPS; w++) {
-        if (warp == w) {
+    // Merge the warps' partial softmaxes: each warp's factor to the heads' common maximum, then
+    // per head the warps' scaled sums staged side by side and added in warp order per channel.
+    if (lane == 0u) {
 #pragma unroll
-            for (u32 h = 0; h < ATT_MAX_G; h++) {
-                if (h >= g) break;
-                const float mo = w == 0u ? NEG_INF : m_s[h], lo = w == 0u ? 0.0f : l_s[h];
-                float mn, fa, fb;
-                rescale(mo, m[h], mn, fa, fb);
+        for (u32 h = 0; h < ATT_MAX_G; h++) {
+            wm_s[warp][h] = m[h];
+            wl_s[warp][h] = l[h];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < g) {
+        const u32 h = threadIdx.x;
+        float mx = NEG_INF;
+        for (u32 w = 0; w < ATT_WARPS; w++) mx = fmaxf(mx, wm_s[w][h]);
+        float den = 0.0f;
+        for (u32 w = 0; w < ATT_WARPS; w++) {
+            const float mw = wm_s[w][h];
+            wm_s[w][h] = mw == mx ? 1.0f : expf(__fsub_rn(mw, mx));
+            den = __fadd_rn(den, __fmul_rn(wl_s[w][h], wm_s[w][h]));
+        }
+        m_s[h] = mx;
+        l_s[h] = den;
+    }
+    __syncthreads();
 #pragma unroll
-                for (u32 x = 0; x < ATT_MAX_CPL; x++) {
-                    if (x < cpl) {
-                        float* o = &acc_s[h * d + lane + 32u * x];
-                        *o = __fadd_rn(__fmul_rn(w == 0u ? 0.0f : *o, fa), __fmul_rn(acc[h][x], fb));
-                    }
-                }
-                __syncwarp();
-                if (lane == 0u) {
-                    m_s[h] = mn;
-                    l_s[h] = __fadd_rn(__fmul_rn(lo, fa), __fmul_rn(l[h], fb));
-                }
-            }
+    for (u32 h = 0; h < ATT_MAX_G; h++) {
+        if (h >= g) break;  // block-uniform
+        const float f = wm_s[warp][h];
+#pragma unroll
+        for (u32 x = 0; x < ATT_MAX_CPL; x++)
+            if (x < cpl) stage[warp][lane + 32u * x] = __fmul_rn(acc[h][x], f);
+        __syncthreads();
+        for (u32 ch = threadIdx.x; ch < d; ch += blockDim.x) {
+            float a = 0.0f;
+#pragma unroll
+            for (u32 w = 0; w < ATT_WARPS; w++) a = __fadd_rn(a, stage[w][ch]);
+            acc_s[h * d + ch] = a;
         }
         __syncthreads();
     }

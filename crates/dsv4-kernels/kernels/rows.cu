@@ -26,6 +26,16 @@ DSV4_KERNEL void embed_hc_gather(const u16* __restrict__ table, u32 vocab, u32 d
     }
 }
 
+#define NORM_HELD 8u
+
+// held[k] without dynamic indexing (which would put the array in local memory).
+__device__ __forceinline__ float held_at(const float (&held)[NORM_HELD], u32 k) {
+    float v = held[0];
+#pragma unroll
+    for (u32 i = 1; i < NORM_HELD; i++) v = k == i ? held[i] : v;
+    return v;
+}
+
 // One block per row (grid-stride over rows): out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps).
 // Row r of x starts at x + r * x_stride (x may be some columns of a wider projection output);
 // out is dense. `weight` may be null (no scale). In place when out == x. A non-null `out_b` gets the same
@@ -38,14 +48,26 @@ DSV4_KERNEL void rms_norm_rows(const float* x, u32 x_stride, u32 rows, u32 width
     __shared__ float scratch[32];
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* row = x + (u64)r * x_stride;
+        // A thread's first NORM_HELD columns are loaded at once and kept; wider rows read the
+        // rest again. The sum runs over the thread's columns in order either way.
+        float held[NORM_HELD];
+#pragma unroll
+        for (u32 k = 0; k < NORM_HELD; k++) {
+            const u32 j = threadIdx.x + k * blockDim.x;
+            held[k] = j < width ? row[j] : 0.0f;
+        }
         float s = 0.0f;
-        for (u32 j = threadIdx.x; j < width; j += blockDim.x) s = __fadd_rn(s, __fmul_rn(row[j], row[j]));
+#pragma unroll
+        for (u32 k = 0; k < NORM_HELD; k++)
+            if (threadIdx.x + k * blockDim.x < width) s = __fadd_rn(s, __fmul_rn(held[k], held[k]));
+        for (u32 j = threadIdx.x + NORM_HELD * blockDim.x; j < width; j += blockDim.x)
+            s = __fadd_rn(s, __fmul_rn(row[j], row[j]));
         s = block_sum(s, scratch);
         const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s, (float)width), eps)));
         float* dst = out + (u64)r * width;
         u16* dst_b = out_b ? out_b + (u64)r * width : nullptr;
-        for (u32 j = threadIdx.x; j < width; j += blockDim.x) {
-            const float v = __fmul_rn(row[j], inv);
+        for (u32 j = threadIdx.x, k = 0; j < width; j += blockDim.x, k++) {
+            const float v = __fmul_rn(k < NORM_HELD ? held_at(held, k) : row[j], inv);
             const float y = weight ? __fmul_rn(weight[j], v) : v;
             dst[j] = y;
             if (dst_b) dst_b[j] = f32_to_bf16(y);

@@ -358,8 +358,8 @@ pub enum Compressed<'a> {
 /// Heads an `attention_heads` block may take, and splits of a token's keys (kernel constants).
 const ATT_MAX_G: usize = 4;
 const ATT_MAX_SPLITS: usize = 64;
-/// Fewest keys a split is cut for (a few per warp).
-const MIN_SPLIT_KEYS: usize = 32;
+/// Fewest keys a split is cut for (two per warp).
+const MIN_SPLIT_KEYS: usize = 16;
 
 /// Scratch of the attention split over several blocks per (token, head group): each split's
 /// partial state per (token, head) row, and one arrival counter per (token, head group),

@@ -413,8 +413,9 @@ fn csa_entry_pools_previous_a_half_and_current_b_half() {
 fn attention_splits_fill_one_wave_within_the_keys_and_the_scratch() {
     // Flash decode: 16 head groups on 132 SMs, a CSA token's 128 + 512 keys.
     assert_eq!(choose_splits(132, 16, 640, 64, 1024), 8);
-    // An HCA token early in the context: 128 + 8 keys, 4 splits of 34.
-    assert_eq!(choose_splits(132, 16, 136, 64, 1024), 4);
+    // An HCA token early in the context: 128 + 8 keys, 8 splits of 17; a short window alone.
+    assert_eq!(choose_splits(132, 16, 136, 64, 1024), 8);
+    assert_eq!(choose_splits(132, 16, 40, 64, 1024), 2);
     // A prefill chunk already fills the GPU; no scratch; few keys; little room.
     assert_eq!(choose_splits(132, 256, 640, 1024, 16384), 1);
     assert_eq!(choose_splits(132, 16, 640, 64, 0), 1);
