@@ -359,6 +359,20 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 
 #define ATT_MAX_SPLITS 64u
 
+// n softmax states (maxima m[i * stride], denominators l[i * stride]) brought to their common
+// maximum: each m becomes the state's factor to it; mx gets the maximum and den the denominators
+// times their factors, summed in order.
+__device__ __forceinline__ void to_common_max(float* m, const float* l, u32 n, u32 stride, float& mx, float& den) {
+    mx = NEG_INF;
+    for (u32 i = 0; i < n; i++) mx = fmaxf(mx, m[i * stride]);
+    den = 0.0f;
+    for (u32 i = 0; i < n; i++) {
+        const float mi = m[i * stride];
+        m[i * stride] = mi == mx ? 1.0f : expf(__fsub_rn(mi, mx));
+        den = __fadd_rn(den, __fmul_rn(l[i * stride], m[i * stride]));
+    }
+}
+
 // Key j of token t (at p; the chunk starts at pos0): window position p + 1 - n_w + j from the
 // chunk's kv or the ring, else compressed entry j - n_w (mode 1) or the selected id (mode 2),
 // null when that selection slot holds none (-1 or an id >= cap).
@@ -375,8 +389,9 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
     return id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
 }
 
-// Block (x, t, s): heads [x * G, (x + 1) * G) of token t at p = pos[0] + t, over split s of the
-// token's keys. Keys j in order: the window positions max(0, p - W + 1) ..= p (from this
+// Block (x, t, s): heads [4x, 4x + 4) ∩ [0, heads) of token t at p = pos[0] + t, over split s of
+// the token's keys (always four heads' arithmetic, so their chains interleave; missing heads
+// get zero queries and write nothing). Keys j in order: the window positions max(0, p - W + 1) ..= p (from this
 // chunk's kv when >= pos[0], else from the ring slot position % W), then the compressed keys:
 // mode 1 every visible entry [0, min((p + 1) / ratio, cap)), mode 2 the k ids of selected[t]
 // (-1 or an id >= cap: none). The n keys are cut into S = gridDim.z consecutive splits of
@@ -392,7 +407,7 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
     const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
-    const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, u32 g, float scale,
+    const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
     u32* __restrict__ counters, u16* __restrict__ out) {
     pdl_enter();
@@ -403,7 +418,8 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     __shared__ float stage[ATT_WARPS][ATT_MAX_CPL * 32u];
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
-    const u32 h0 = blockIdx.x * g;
+    const u32 h0 = blockIdx.x * ATT_MAX_G;
+    const u32 hv = min(ATT_MAX_G, heads - h0);  // heads this block writes
     const u32 splits = gridDim.z, split = blockIdx.z;
     const u32 pos0 = pos[0];
     const u32 p = pos0 + t;
@@ -413,7 +429,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 per = (n + splits - 1u) / splits;
     const u32 j_end = min(n, (split + 1u) * per);
     const float* qt = q + ((u64)t * heads + h0) * d;
-    for (u32 i = threadIdx.x; i < g * d; i += blockDim.x) q_s[i] = qt[i];
+    for (u32 i = threadIdx.x; i < ATT_MAX_G * d; i += blockDim.x) q_s[i] = i < hv * d ? qt[i] : 0.0f;
     __syncthreads();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 cpl = d / 32u;
@@ -442,7 +458,6 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         if (key) {  // warp-uniform
 #pragma unroll
             for (u32 h = 0; h < ATT_MAX_G; h++) {
-                if (h >= g) break;
                 float s = 0.0f;
 #pragma unroll
                 for (u32 x = 0; x < ATT_MAX_CPL; x++)
@@ -474,23 +489,13 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         }
     }
     __syncthreads();
-    if (threadIdx.x < g) {
+    if (threadIdx.x < ATT_MAX_G) {
         const u32 h = threadIdx.x;
-        float mx = NEG_INF;
-        for (u32 w = 0; w < ATT_WARPS; w++) mx = fmaxf(mx, wm_s[w][h]);
-        float den = 0.0f;
-        for (u32 w = 0; w < ATT_WARPS; w++) {
-            const float mw = wm_s[w][h];
-            wm_s[w][h] = mw == mx ? 1.0f : expf(__fsub_rn(mw, mx));
-            den = __fadd_rn(den, __fmul_rn(wl_s[w][h], wm_s[w][h]));
-        }
-        m_s[h] = mx;
-        l_s[h] = den;
+        to_common_max(&wm_s[0][h], &wl_s[0][h], ATT_WARPS, ATT_MAX_G, m_s[h], l_s[h]);
     }
     __syncthreads();
 #pragma unroll
     for (u32 h = 0; h < ATT_MAX_G; h++) {
-        if (h >= g) break;  // block-uniform
         const float f = wm_s[warp][h];
 #pragma unroll
         for (u32 x = 0; x < ATT_MAX_CPL; x++)
@@ -507,9 +512,9 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     if (splits > 1u) {
         // This split's state out; the last block of (x, t) to finish merges every split's.
         const u64 row0 = (u64)t * heads + h0;  // (token, head) row of the block's first head
-        for (u32 i = threadIdx.x; i < g * d; i += blockDim.x)
+        for (u32 i = threadIdx.x; i < hv * d; i += blockDim.x)
             part_acc[((row0 + i / d) * splits + split) * d + i % d] = acc_s[i];
-        if (threadIdx.x < g) {
+        if (threadIdx.x < hv) {
             float* ml = part_ml + ((row0 + threadIdx.x) * splits + split) * 2u;
             ml[0] = m_s[threadIdx.x];
             ml[1] = l_s[threadIdx.x];
@@ -527,28 +532,19 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         // Each split's factor to the common maximum, then the sums in split order. The reads
         // go to L2 (the other blocks' writes are not in this SM's L1), many in flight at once.
         __shared__ float f_s[ATT_MAX_G][ATT_MAX_SPLITS], den_s[ATT_MAX_G][ATT_MAX_SPLITS];
-        for (u32 i = threadIdx.x; i < g * splits; i += blockDim.x) {
+        for (u32 i = threadIdx.x; i < hv * splits; i += blockDim.x) {
             const float* ml = part_ml + ((row0 + i / splits) * splits + i % splits) * 2u;
             f_s[i / splits][i % splits] = __ldcg(ml);
             den_s[i / splits][i % splits] = __ldcg(ml + 1);
         }
         __syncthreads();
-        if (threadIdx.x < g) {
+        if (threadIdx.x < hv) {
             const u32 h = threadIdx.x;
-            float mx = NEG_INF;
-            for (u32 s = 0; s < splits; s++) mx = fmaxf(mx, f_s[h][s]);
-            float den = 0.0f;
-            for (u32 s = 0; s < splits; s++) {
-                const float ms = f_s[h][s];
-                f_s[h][s] = ms == mx ? 1.0f : expf(__fsub_rn(ms, mx));
-                den = __fadd_rn(den, __fmul_rn(den_s[h][s], f_s[h][s]));
-            }
-            m_s[h] = mx;
-            l_s[h] = den;
+            to_common_max(f_s[h], den_s[h], splits, 1u, m_s[h], l_s[h]);
         }
         __syncthreads();
         // Four channels a thread (d is a multiple of 32), eight splits' loads at a time.
-        for (u32 i = 4u * threadIdx.x; i < g * d; i += 4u * blockDim.x) {
+        for (u32 i = 4u * threadIdx.x; i < hv * d; i += 4u * blockDim.x) {
             const u32 h = i / d;
             const float4* src = reinterpret_cast<const float4*>(part_acc + (row0 + h) * splits * d + i % d);
             float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -576,7 +572,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         __syncthreads();
     }
     // The sink: a zero-valued key of logit sink[h] (it may exceed every score).
-    for (u32 i = threadIdx.x; i < g * d; i += blockDim.x) {
+    for (u32 i = threadIdx.x; i < hv * d; i += blockDim.x) {
         const u32 h = i / d;
         const float mo = m_s[h], sk = sink[h0 + h];
         const float mf = fmaxf(mo, sk);
@@ -586,12 +582,12 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     }
     __syncthreads();
     // Rotated back to the token's position, as rope_rows with sign -1.
-    for (u32 i = threadIdx.x; i < g * rope_half; i += blockDim.x) {
+    for (u32 i = threadIdx.x; i < hv * rope_half; i += blockDim.x) {
         const u32 h = i / rope_half, pr = i % rope_half;
         rope_pair(acc_s + h * d + d - 2u * rope_half + 2u * pr, p, inv_freq[pr], -1.0f);
     }
     __syncthreads();
-    for (u32 i = threadIdx.x; i < g * d; i += blockDim.x) out[((u64)t * heads + h0) * d + i] = f32_to_bf16(acc_s[i]);
+    for (u32 i = threadIdx.x; i < hv * d; i += blockDim.x) out[((u64)t * heads + h0) * d + i] = f32_to_bf16(acc_s[i]);
 }
 
 // ring[(pos0 + t) % W] = kv[t] for the last min(T, W) rows t of the chunk.

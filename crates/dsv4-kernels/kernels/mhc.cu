@@ -2,7 +2,7 @@
 // projection of the RMS-normalized streams spread over many blocks (hc_mix_partials), then
 // the collapse spread over column blocks, each block of a token finishing the mix from the
 // partials itself and the first one also running Sinkhorn (hc_pre, and hc_head with pre
-// weights only); the expansion back (hc_post).
+// weights only); the expansion back fused with the next site's mix projection (hc_post_mix).
 //
 // The stream count is a compile-time 4 (every DeepSeek-V4 model), so the mixing arrays stay
 // in registers. Products and sums the CPU reference rounds one by one use __f*_rn in its
@@ -57,7 +57,7 @@ DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, c
     mix_rows(sv, len, width, fn, mix, partials);
 }
 
-// hc_post's output for one flattened column e = j * d + c of token t's new streams.
+// The expansion's output for one flattened column e = j * d + c of token t's new streams.
 __device__ __forceinline__ float post_value(const float* __restrict__ streams, const float* __restrict__ y,
                                             const float* __restrict__ post, const float* __restrict__ comb, u64 t,
                                             u32 d, u32 e) {
@@ -70,7 +70,7 @@ __device__ __forceinline__ float post_value(const float* __restrict__ streams, c
     return acc;
 }
 
-// hc_post into out, then the next site's mix projection (fn [mix, HC * d]) of out, with
+// The expansion into out, then the next site's mix projection (fn [mix, HC * d]) of out, with
 // hc_mix_partials' grid and partials: block (c, t) expands its columns of token t, keeps them in
 // shared memory and runs mix_rows on them.
 DSV4_KERNEL void hc_post_mix(const float* __restrict__ streams, const float* __restrict__ y,
@@ -213,16 +213,5 @@ DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const 
         __syncthreads();
         collapse(s, d, pre, x + (u64)t * d);
         __syncthreads();
-    }
-}
-
-// out[t, j, c] = post[t, j] * y[t, c] + sum_i comb[t, i, j] * streams[t, i, c] (out != streams).
-DSV4_KERNEL void hc_post(const float* __restrict__ streams, const float* __restrict__ y, const float* __restrict__ post,
-                         const float* __restrict__ comb, u32 n, u32 d, float* __restrict__ out) {
-    pdl_enter();
-    const u64 total = (u64)n * HC * d;
-    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
-        const u64 t = e / ((u64)HC * d);
-        out[e] = post_value(streams, y, post, comb, t, d, (u32)(e - t * HC * d));
     }
 }

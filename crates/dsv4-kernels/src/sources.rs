@@ -112,13 +112,7 @@ pub const FAMILIES: &[KernelFamily] = &[
         name: "mhc",
         file: "mhc.cu",
         source: include_str!("../kernels/mhc.cu"),
-        functions: &[
-            "hc_mix_partials",
-            "hc_post_mix",
-            "hc_pre",
-            "hc_head",
-            "hc_post",
-        ],
+        functions: &["hc_mix_partials", "hc_post_mix", "hc_pre", "hc_head"],
     },
     KernelFamily {
         name: "router",

@@ -4,7 +4,7 @@
 //! cuBLAS BF16 GEMV on a matrix of the same byte size. Also the format kernels: the NVFP4
 //! activation quantizer at M = 1 and 16 on the hidden and expert-intermediate widths, and the
 //! load-time NVFP4 / MXFP4 / FP8 dequantize of one Flash expert matrix. And the per-token
-//! kernels of the decode step (`step` cases): an mHC site's hc_pre and hc_post, RoPE on the
+//! kernels of the decode step (`step` cases): an mHC site's hc_pre and hc_post_mix, RoPE on the
 //! queries, routing, sampling.
 //!
 //! Method: each measurement is a CUDA graph of back-to-back launches, replayed and timed with
@@ -216,12 +216,14 @@ enum StepOp {
         partials: DeviceTensor<f32>,
         out: mhc::HcPreOut,
     },
-    /// The expansion back into 4 streams.
-    HcPost {
+    /// The expansion back into 4 streams with the next site's mix projection.
+    HcPostMix {
         streams: DeviceTensor<f32>,
         y: DeviceTensor<f32>,
         mix: mhc::HcPreOut,
         out: DeviceTensor<f32>,
+        next: mhc::DeviceHcSite,
+        partials: DeviceTensor<f32>,
     },
     /// RoPE on the 64 rotary channels of every attention head's query.
     Rope {
@@ -258,7 +260,7 @@ impl StepOp {
         Ok(dev.upload(DType::F32, shape, &bits.f32s(shape.iter().product()))?)
     }
 
-    /// `which` in hc_pre, hc_post, rope, route, sample; `d` the hidden size, `heads` the
+    /// `which` in hc_pre, hc_post_mix, rope, route, sample; `d` the hidden size, `heads` the
     /// attention heads, `experts` the routed experts.
     fn random(
         dev: &Device,
@@ -293,11 +295,17 @@ impl StepOp {
                     out: pre_out(&mut f)?,
                 }
             }
-            "hc_post" => StepOp::HcPost {
+            "hc_post_mix" => StepOp::HcPostMix {
                 streams: f(&[1, hc * d])?,
                 y: f(&[1, d])?,
                 mix: pre_out(&mut f)?,
                 out: f(&[1, hc * d])?,
+                next: mhc::DeviceHcSite {
+                    fn_: f(&[mhc::MIX, hc * d])?,
+                    base: f(&[mhc::MIX])?,
+                    scale: f(&[3])?,
+                },
+                partials: f(&mhc::mix_partials_shape(1, d))?,
             },
             "rope" => StepOp::Rope {
                 q: f(&[1, heads * 512])?,
@@ -342,9 +350,13 @@ impl FormatLaunch for StepOp {
                     + out.x.num_bytes()
                     + out.comb.num_bytes()
             }
-            StepOp::HcPost {
-                streams, y, out, ..
-            } => streams.num_bytes() + y.num_bytes() + out.num_bytes(),
+            StepOp::HcPostMix {
+                streams,
+                y,
+                out,
+                next,
+                ..
+            } => streams.num_bytes() + y.num_bytes() + out.num_bytes() + next.fn_.num_bytes(),
             StepOp::Rope { q, .. } => 2 * q.num_bytes() / 8,
             StepOp::Route { logits, bias, .. } => logits.num_bytes() + bias.num_bytes(),
             StepOp::Sample {
@@ -355,7 +367,7 @@ impl FormatLaunch for StepOp {
 
     fn shape(&self) -> &[usize] {
         match self {
-            StepOp::HcPre { streams, .. } | StepOp::HcPost { streams, .. } => streams.shape(),
+            StepOp::HcPre { streams, .. } | StepOp::HcPostMix { streams, .. } => streams.shape(),
             StepOp::Rope { q, .. } => q.shape(),
             StepOp::Route { logits, .. } | StepOp::Sample { logits, .. } => logits.shape(),
         }
@@ -372,12 +384,14 @@ impl FormatLaunch for StepOp {
                 mhc::hc_mix(dev, streams, site, &STEP_PARAMS, partials)?;
                 mhc::hc_pre(dev, streams, site, &STEP_PARAMS, partials, out)?
             }
-            StepOp::HcPost {
+            StepOp::HcPostMix {
                 streams,
                 y,
                 mix,
                 out,
-            } => mhc::hc_post(dev, streams, y, mix, out)?,
+                next,
+                partials,
+            } => mhc::hc_post_mix(dev, streams, y, mix, out, next, &STEP_PARAMS, partials)?,
             StepOp::Rope { q, inv_freq, pos } => {
                 rows::rope_rows(dev, q, 512, inv_freq, pos, rows::RopeDirection::Forward)?
             }
@@ -1071,7 +1085,7 @@ fn main() -> Res<()> {
         // The per-token kernels of the step (RoPE on the 64 rotary channels of each head's
         // query; the route over the layer's experts; sampling over the vocabulary).
         let experts = if model == "Flash" { 256 } else { 384 };
-        for which in ["hc_pre", "hc_post", "rope", "route", "sample"] {
+        for which in ["hc_pre", "hc_post_mix", "rope", "route", "sample"] {
             b.format_case(model, &format!("step {which}"), Fmt::F32, |dev, bits| {
                 StepOp::random(dev, bits, which, d, heads, experts)
             })?;

@@ -355,8 +355,8 @@ pub enum Compressed<'a> {
     },
 }
 
-/// Heads an `attention_heads` block may take, and splits of a token's keys (kernel constants).
-const ATT_MAX_G: usize = 4;
+/// Heads an `attention_heads` block takes, and most splits of a token's keys (kernel constants).
+const ATT_HEADS: usize = 4;
 const ATT_MAX_SPLITS: usize = 64;
 /// Fewest keys a split is cut for (two per warp).
 const MIN_SPLIT_KEYS: usize = 16;
@@ -489,13 +489,10 @@ pub fn attention(
         return Ok(());
     }
     let tokens = grid_tokens("attention", t)?;
-    // Heads per block: each key load serves as many heads as divide H; splits fill the SMs.
-    let g = [ATT_MAX_G, 2, 1]
-        .into_iter()
-        .find(|&g| heads % g == 0)
-        .unwrap_or(1);
+    // Each key load serves four heads; splits fill the SMs.
+    let groups = heads.div_ceil(ATT_HEADS);
     let max_keys = w + if mode == 1 { cap } else { k };
-    let s = choose_splits(dev.sm_count(), t * heads / g, max_keys, t * heads, room);
+    let s = choose_splits(dev.sm_count(), t * groups, max_keys, t * heads, room);
     let dims = dims_u32([
         ("window", w),
         ("attention entries", cap),
@@ -503,21 +500,22 @@ pub fn attention(
         ("attention top-k", k),
         ("heads", heads),
         ("head width", d),
-        ("heads per block", g),
+        ("head groups", groups),
         ("rope half", half),
         ("splits", s),
     ])?;
     let scale = 1.0 / (d as f32).sqrt();
     let cfg = LaunchConfig {
-        grid_dim: (dims[4] / dims[6], tokens, dims[8]),
+        grid_dim: (dims[6], tokens, dims[8]),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1,
     // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),
     // selected [t, k], sink [heads], pos [1], inv_freq [half] with 2·half <= d, out
-    // [t, heads·d] BF16; g divides heads and g <= 4; with s > 1, t·heads·s <= room rows of
-    // the split sums [room, d] and stats [room, 2], and t·heads/g <= room counters.
+    // [t, heads·d] BF16; a block reads and writes only its heads < heads; with s > 1,
+    // t·heads·s <= room rows of the split sums [room, d] and stats [room, 2], and
+    // t·ceil(heads / 4) <= room counters.
     unsafe {
         launch(dev, "attention_heads", cfg, |b| {
             b.ptr(q)
@@ -534,7 +532,6 @@ pub fn attention(
                 .ptr(pos)
                 .arg(dims[4])
                 .arg(dims[5])
-                .arg(dims[6])
                 .arg(scale)
                 .ptr(inv_freq)
                 .arg(dims[7])

@@ -1,7 +1,7 @@
 //! Launchers of the mHC kernels (`kernels/mhc.cu`): per token, the mix projection of the
 //! RMS-normalized streams, spread over many blocks ([`hc_mix`], or fused into the previous
 //! site's expansion, [`hc_post_mix`]); Sinkhorn and the collapse from it ([`hc_pre`],
-//! [`hc_head`]); the expansion back ([`hc_post`]). Four streams (every DeepSeek-V4 model).
+//! [`hc_head`]); the expansion back ([`hc_post_mix`]). Four streams (every DeepSeek-V4 model).
 //! CPU references: [`reference`].
 
 pub mod reference;
@@ -10,7 +10,7 @@ mod tests;
 
 use cudarc::driver::LaunchConfig;
 
-use super::launch::{dim_u32, elementwise, launch, Args, THREADS};
+use super::launch::{dim_u32, launch, Args, THREADS};
 use super::{DType, Device, DeviceTensor, GpuError};
 use reference::{HcParams, HcSite};
 
@@ -141,7 +141,7 @@ impl DeviceHcSite {
 }
 
 /// Outputs of [`hc_pre`] for `n` tokens: the sub-layer input `x [n, D]` and the mix the
-/// matching [`hc_post`] applies, `post [n, HC]` and `comb [n, HC·HC]`.
+/// matching [`hc_post_mix`] applies, `post [n, HC]` and `comb [n, HC·HC]`.
 pub struct HcPreOut {
     pub x: DeviceTensor<f32>,
     pub post: DeviceTensor<f32>,
@@ -266,41 +266,9 @@ fn post_dims(
     Ok((n, d))
 }
 
-/// `out[t, j] = post[t, j] · y[t] + Σ_i comb[t, i, j] · streams[t, i]`: the sub-layer output
-/// `y [n, D]` expanded back into new streams `out [n, HC·D]` (a buffer other than `streams`).
-pub fn hc_post(
-    dev: &Device,
-    streams: &DeviceTensor<f32>,
-    y: &DeviceTensor<f32>,
-    mix: &HcPreOut,
-    out: &mut DeviceTensor<f32>,
-) -> Result<(), GpuError> {
-    let (n, d) = post_dims(streams, y, mix, out)?;
-    let total = (n * HC * d) as u64;
-    if total == 0 {
-        return Ok(());
-    }
-    let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
-    // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16].
-    unsafe {
-        launch(
-            dev,
-            "hc_post",
-            elementwise(total),
-            Args::new()
-                .ptr(streams)
-                .ptr(y)
-                .ptr(&mix.post)
-                .ptr(&mix.comb)
-                .arg(n32)
-                .arg(d32)
-                .ptr(out),
-        )
-    }?;
-    Ok(())
-}
-
-/// [`hc_post`], then [`hc_mix`] of the new streams with `next` (the following site), in one
+/// The expansion back, `out[t, j] = post[t, j] · y[t] + Σ_i comb[t, i, j] · streams[t, i]`
+/// (the sub-layer output `y [n, D]` into new streams `out [n, HC·D]`, a buffer other than
+/// `streams`), then [`hc_mix`] of the new streams with `next` (the following site), in one
 /// launch: each block expands its columns and projects them.
 #[allow(clippy::too_many_arguments)]
 pub fn hc_post_mix(

@@ -1,7 +1,7 @@
 //! GPU tests of the mHC kernels against their CPU references on fresh random inputs. The
 //! mix logits are summed in another order and expf may differ by an ulp, so hc_pre and hc_head
 //! are held to bounds (post and comb within 1e-5, the collapsed input within 1e-5 of its
-//! largest magnitude); hc_post, given the same mix, is bit-exact. All `#[ignore]`d:
+//! largest magnitude); the expansion, given the same mix, is bit-exact. All `#[ignore]`d:
 //! `cargo xtask gpu-test`.
 
 use rand::rngs::StdRng;
@@ -128,9 +128,9 @@ fn gpu_hc_pre_and_head_match_reference() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
-fn gpu_hc_post_matches_reference_bit_for_bit() {
+fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
     let dev = device();
-    let mut rng = rng("gpu_hc_post_matches_reference_bit_for_bit");
+    let mut rng = rng("gpu_hc_post_mix_matches_reference_bit_for_bit");
     for iter in 0..6 {
         let d = [64, 4096, 7168, rng.random_range(1..700)][iter % 4];
         let n = rng.random_range(1..9);
@@ -157,16 +157,9 @@ fn gpu_hc_post_matches_reference_bit_for_bit() {
         };
         let sd = dev.upload(DType::F32, &[n, HC * d], &streams).unwrap();
         let yd = dev.upload(DType::F32, &[n, d], &y).unwrap();
-        let mut out = poisoned(&dev, &[n, HC * d]);
-        hc_post(&dev, &sd, &yd, &mix, &mut out).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-        assert_bits_eq(
-            &format!("iter {iter}: n {n}, d {d}"),
-            &bits(&dev.download(&out).unwrap()),
-            &bits(&want),
-        );
-        // Fused with the next site's mix projection (a layer site, then the head's): the same
-        // streams and the same partials as the two launches.
+        let want_d = dev.upload(DType::F32, &[n, HC * d], &want).unwrap();
+        // Into a layer site's mix projection, then the head's: the new streams are the
+        // reference's bits, and the partials those hc_mix gives on the reference's streams.
         let p = params();
         for rows in [MIX, HC] {
             let [fn_, base, sc] = random_site(&mut rng, rows, if rows == MIX { 3 } else { 1 }, d);
@@ -177,12 +170,13 @@ fn gpu_hc_post_matches_reference_bit_for_bit() {
             };
             let next = DeviceHcSite::upload(&dev, &next, d).unwrap();
             let mut want_part = poisoned(&dev, &mix_partials_shape(n, d));
-            hc_mix(&dev, &out, &next, &p, &mut want_part).unwrap();
+            hc_mix(&dev, &want_d, &next, &p, &mut want_part).unwrap();
             let mut fused = poisoned(&dev, &[n, HC * d]);
             let mut part = poisoned(&dev, &mix_partials_shape(n, d));
             hc_post_mix(&dev, &sd, &yd, &mix, &mut fused, &next, &p, &mut part).unwrap();
-            let what = format!("iter {iter}: n {n}, d {d}, fused with a {rows}-row mix");
-            assert_bits_eq(&what, &dev.download(&fused).unwrap(), &want);
+            let what = format!("iter {iter}: n {n}, d {d}, into a {rows}-row mix");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            assert_bits_eq(&what, &bits(&dev.download(&fused).unwrap()), &bits(&want));
             // Only the first `rows` + 1 entries of each partial are written.
             let (got_p, want_p) = (
                 dev.download(&part).unwrap(),
@@ -237,5 +231,15 @@ fn gpu_mhc_launchers_reject_other_stream_counts_and_shapes() {
         "a layer site is not a head"
     );
     let mut wrong = dev.alloc(DType::F32, &[2, HC * d + 1]).unwrap();
-    assert!(hc_post(&dev, &sd, &out.x, &out, &mut wrong).is_err());
+    let r = hc_post_mix(
+        &dev,
+        &sd,
+        &out.x,
+        &out,
+        &mut wrong,
+        &site,
+        &params(),
+        &mut part,
+    );
+    assert!(r.is_err(), "new streams of the wrong width");
 }
