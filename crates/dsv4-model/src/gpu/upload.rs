@@ -130,6 +130,12 @@ pub fn linear(dev: &Device, name: &str, lin: &Linear) -> Result<GemvWeight, GpuE
 /// writes their outputs side by side in each output row. Kept in their format when they share
 /// it and every join falls on a whole scale block (BF16, FP8 blocks); otherwise stacked as BF16.
 pub fn stacked(dev: &Device, name: &str, parts: &[&Linear]) -> Result<GemvWeight, GpuError> {
+    let (rows, cols, joined) = stacked_rows(name, parts)?;
+    GemvWeight::upload(dev, joined.weight(), rows, cols).map_err(named(name))
+}
+
+/// [`stacked`]'s rows on the host: `(rows, cols, rows in one format)`.
+fn stacked_rows(name: &str, parts: &[&Linear]) -> Result<(usize, usize, HostRows), GpuError> {
     let cols = parts[0].cols();
     if let Some(l) = parts.iter().find(|l| l.cols() != cols) {
         return Err(unsupported(
@@ -186,7 +192,7 @@ pub fn stacked(dev: &Device, name: &str, parts: &[&Linear]) -> Result<GemvWeight
                 .collect(),
         )
     });
-    GemvWeight::upload(dev, joined.weight(), rows, cols).map_err(named(name))
+    Ok((rows, cols, joined))
 }
 
 /// A SwiGLU block's gate and up projections, interleaved for `gemv_swiglu`, and its down
@@ -320,4 +326,104 @@ pub fn dense_f32(dev: &Device, lin: &Linear) -> Result<DeviceTensor<f32>, GpuErr
 pub fn bf16_matrix(dev: &Device, lin: &Linear) -> Result<DeviceTensor<bf16>, GpuError> {
     let v = bf16_rows(lin, 0..lin.rows());
     dev.upload(DType::BF16, &[lin.rows(), lin.cols()], &v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::Blob;
+    use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};
+
+    fn values(rows: usize, cols: usize, seed: u32) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| {
+                let h = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+                (h % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn fp8(rows: usize, cols: usize, seed: u32) -> Linear {
+        let w = values(rows, cols, seed);
+        let q = fp8_block::quantize(&w, rows, cols, ScaleFormat::E8m0, 128).unwrap();
+        let data = LinearData::Fp8Block {
+            weight: Blob::from_vec(q.weight),
+            scale: Blob::from_vec(q.scale),
+            scale_format: ScaleFormat::E8m0,
+            block_rows: 128,
+            block_cols: 128,
+        };
+        Linear::new(rows, cols, data).unwrap()
+    }
+
+    fn bf16_linear(rows: usize, cols: usize, seed: u32) -> Linear {
+        let v: Vec<u8> = values(rows, cols, seed)
+            .iter()
+            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+            .collect();
+        Linear::new(rows, cols, LinearData::Bf16(Blob::from_vec(v))).unwrap()
+    }
+
+    /// Every part's rows, dequantized, one after another, rounded to BF16.
+    fn bf16_rows_of(parts: &[&Linear]) -> Vec<bf16> {
+        parts
+            .iter()
+            .flat_map(|l| l.to_f32())
+            .map(bf16::from_f32)
+            .collect()
+    }
+
+    #[test]
+    fn fp8_parts_on_whole_scale_blocks_stack_as_fp8_with_their_scales() {
+        let (a, b) = (fp8(256, 300, 1), fp8(100, 300, 2));
+        let (rows, cols, h) = stacked_rows("s", &[&a, &b]).unwrap();
+        assert_eq!((rows, cols), (356, 300));
+        let HostRows::Fp8 {
+            weight,
+            scale,
+            format,
+            block,
+        } = h
+        else {
+            panic!("not kept as FP8");
+        };
+        let data = LinearData::Fp8Block {
+            weight: Blob::from_vec(weight),
+            scale: Blob::from_vec(scale),
+            scale_format: format,
+            block_rows: block.0,
+            block_cols: block.1,
+        };
+        let joined = Linear::new(rows, cols, data).unwrap();
+        let want: Vec<f32> = [&a, &b].iter().flat_map(|l| l.to_f32()).collect();
+        assert_eq!(joined.to_f32(), want);
+    }
+
+    #[test]
+    fn parts_that_cannot_share_a_format_stack_as_bf16() {
+        // A join inside a scale block; FP8 beside BF16; BF16 beside BF16 (kept bit for bit).
+        let (a, b) = (fp8(200, 64, 3), fp8(128, 64, 4));
+        let (c, d) = (bf16_linear(16, 64, 5), bf16_linear(8, 64, 6));
+        for parts in [[&a, &b], [&a, &c], [&c, &d]] {
+            let (rows, _, h) = stacked_rows("s", &parts).unwrap();
+            let HostRows::Bf16(v) = h else {
+                panic!("not BF16");
+            };
+            assert_eq!(v.len(), rows * 64);
+            assert_eq!(v, bf16_rows_of(&parts));
+        }
+    }
+
+    #[test]
+    fn stacked_parts_must_share_their_columns() {
+        let parts = [&fp8(128, 64, 1), &fp8(128, 32, 2)];
+        let err = stacked_rows("layers.0.attn.wq_a+wkv", &parts)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("wq_a+wkv") && err.contains("64 and 32"),
+            "{err}"
+        );
+    }
 }
