@@ -14,9 +14,11 @@
 //   bit-identical to the CPU reference; the top-k is a 4-pass 8-bit radix select over the
 //   total-order key of the float bits (the order of f32::total_cmp), then a compaction in index
 //   order that takes the lowest indices among the keys equal to the threshold.
-// - attention_heads: sink softmax over the window ∪ compressed keys (K = V) for G heads of one
-//   token per block; its 8 warps take interleaved keys with an online softmax each and merge
-//   in warp order, so the result does not depend on timing.
+// - attention_heads: sink softmax over the window ∪ compressed keys (K = V) for four heads of
+//   one token per block, the token's keys split over several blocks when few blocks would run;
+//   8 warps take interleaved keys with an online softmax each, the warps' and then the splits'
+//   states merge in a fixed order (so the result does not depend on timing), and the output is
+//   rotated back and written in bf16.
 // - window_write: the chunk's keys into the sliding-window ring.
 #include "dsv4_common.cuh"
 

@@ -355,8 +355,15 @@ impl FormatLaunch for StepOp {
                 y,
                 out,
                 next,
+                partials,
                 ..
-            } => streams.num_bytes() + y.num_bytes() + out.num_bytes() + next.fn_.num_bytes(),
+            } => {
+                streams.num_bytes()
+                    + y.num_bytes()
+                    + out.num_bytes()
+                    + next.fn_.num_bytes()
+                    + partials.num_bytes()
+            }
             StepOp::Rope { q, .. } => 2 * q.num_bytes() / 8,
             StepOp::Route { logits, bias, .. } => logits.num_bytes() + bias.num_bytes(),
             StepOp::Sample {

@@ -128,7 +128,8 @@ pub fn linear(dev: &Device, name: &str, lin: &Linear) -> Result<GemvWeight, GpuE
 
 /// Linears that read the same input stacked row-wise into one weight, so that one GEMV
 /// writes their outputs side by side in each output row. Kept in their format when they share
-/// it and every join falls on a whole scale block (BF16, FP8 blocks); otherwise stacked as BF16.
+/// it and every join falls on a whole scale block (BF16, FP8 blocks); otherwise (FP4 parts
+/// included: the model stacks only attention and compressor projections) stacked as BF16.
 pub fn stacked(dev: &Device, name: &str, parts: &[&Linear]) -> Result<GemvWeight, GpuError> {
     let (rows, cols, joined) = stacked_rows(name, parts)?;
     GemvWeight::upload(dev, joined.weight(), rows, cols).map_err(named(name))
@@ -136,7 +137,10 @@ pub fn stacked(dev: &Device, name: &str, parts: &[&Linear]) -> Result<GemvWeight
 
 /// [`stacked`]'s rows on the host: `(rows, cols, rows in one format)`.
 fn stacked_rows(name: &str, parts: &[&Linear]) -> Result<(usize, usize, HostRows), GpuError> {
-    let cols = parts[0].cols();
+    let Some(first) = parts.first() else {
+        return Err(unsupported(name, "no linears to stack".to_string()));
+    };
+    let cols = first.cols();
     if let Some(l) = parts.iter().find(|l| l.cols() != cols) {
         return Err(unsupported(
             name,

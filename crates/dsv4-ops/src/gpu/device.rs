@@ -333,8 +333,8 @@ impl Device {
     /// sampled token): the copy goes straight to it, not through a pageable staging buffer.
     pub fn readback<T: DeviceElem>(&self, len: usize) -> Result<Readback<T>, GpuError> {
         // SAFETY: plain (not write-combined) page-locked memory, read only after a copy into it
-        // has completed (`read` waits on the copy's event); every DeviceElem is valid for any
-        // bit pattern.
+        // has completed (`read` waits for the stream the copy ran on); every DeviceElem is
+        // valid for any bit pattern.
         let buf = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len, 0) }
             .map_err(GpuError::driver("allocating page-locked host memory"))?;
         Ok(Readback { buf })

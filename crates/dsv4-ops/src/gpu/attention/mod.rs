@@ -290,6 +290,7 @@ pub fn index_topk(
     let wscale = 1.0 / (nh as f32).sqrt();
     if cap > 0 {
         let per_block = index_per_block(cap, dev.sm_count());
+        let per_block32 = dim_u32("indexer entries a block", per_block)?;
         let cfg = LaunchConfig {
             grid_dim: (
                 dim_u32("indexer blocks", cap.div_ceil(per_block))?,
@@ -312,7 +313,7 @@ pub fn index_topk(
                     .arg(dims[2])
                     .arg(dims[3])
                     .ptr(pos)
-                    .arg(per_block as u32)
+                    .arg(per_block32)
                     .arg(scale)
                     .arg(wscale)
                     .ptr(scores);
@@ -363,8 +364,10 @@ const MIN_SPLIT_KEYS: usize = 16;
 
 /// Scratch of the attention split over several blocks per (token, head group): each split's
 /// partial state per (token, head) row, and one arrival counter per (token, head group),
-/// which must start at zero (as the pool and [`Device::alloc`] give it) and which the kernel
-/// leaves at zero. Room for `rows` (token, head, split) triples; `rows = 0` never splits.
+/// which must start at zero (as the pool and [`Device::alloc`] give it) and which a completed
+/// launch leaves at zero (after a device error, zero it again). Room for `rows` (token, head,
+/// split) triples; `rows = 0` never splits. The sums are read as 16-byte vectors: `acc` must
+/// start on a 16-byte boundary.
 pub struct AttentionSplits {
     /// `[rows, d]` weighted value sums.
     pub acc: DeviceTensor<f32>,
@@ -456,6 +459,12 @@ pub fn attention(
         None,
         Some(d),
     )?;
+    if !splits.acc.device_address().is_multiple_of(16) {
+        return Err(GpuError::invalid(
+            "attention",
+            "split sums not on a 16-byte boundary",
+        ));
+    }
     splits
         .stats
         .expect("attention split maxima", DType::F32, &[room, 2])?;
@@ -514,8 +523,8 @@ pub fn attention(
     // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),
     // selected [t, k], sink [heads], pos [1], inv_freq [half] with 2·half <= d, out
     // [t, heads·d] BF16; a block reads and writes only its heads < heads; with s > 1,
-    // t·heads·s <= room rows of the split sums [room, d] and stats [room, 2], and
-    // t·ceil(heads / 4) <= room counters.
+    // t·heads·s <= room rows of the split sums [room, d] (16-byte aligned; d % 4 == 0) and
+    // stats [room, 2], and t·ceil(heads / 4) <= room counters.
     unsafe {
         launch(dev, "attention_heads", cfg, |b| {
             b.ptr(q)

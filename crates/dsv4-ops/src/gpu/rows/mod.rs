@@ -218,7 +218,7 @@ fn norm_rows(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopeDirection {
     Forward,
-    /// By `-φ`: the inverse RoPE on the attention output.
+    /// By `-φ` (the attention kernel rotates its own output back the same way).
     Inverse,
 }
 
@@ -300,15 +300,12 @@ pub fn advance_position(dev: &Device, pos: &mut DeviceTensor<u32>, n: u32) -> Re
 /// An activation element type (F32 or BF16) a kernel reads or writes.
 pub trait ActElem: DeviceElem {
     const DTYPE: DType;
-    const NAME: &'static str;
 }
 
 impl ActElem for f32 {
     const DTYPE: DType = DType::F32;
-    const NAME: &'static str = "f32";
 }
 
 impl ActElem for bf16 {
     const DTYPE: DType = DType::BF16;
-    const NAME: &'static str = "bf16";
 }
