@@ -356,7 +356,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 
 #define ATT_THREADS 256u
 #define ATT_WARPS (ATT_THREADS / 32u)
-#define ATT_MAX_G 4u    // heads a block handles
+#define ATT_HEADS 4u    // heads a block handles
 #define ATT_MAX_CPL 16u  // channels a lane holds: d <= 512
 
 #define ATT_MAX_SPLITS 64u
@@ -413,15 +413,15 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
     u32* __restrict__ counters, u16* __restrict__ out) {
     pdl_enter();
-    __shared__ float q_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
-    __shared__ float acc_s[ATT_MAX_G * ATT_MAX_CPL * 32u];
-    __shared__ float m_s[ATT_MAX_G], l_s[ATT_MAX_G];
-    __shared__ float wm_s[ATT_WARPS][ATT_MAX_G], wl_s[ATT_WARPS][ATT_MAX_G];
+    __shared__ float q_s[ATT_HEADS * ATT_MAX_CPL * 32u];
+    __shared__ float acc_s[ATT_HEADS * ATT_MAX_CPL * 32u];
+    __shared__ float m_s[ATT_HEADS], l_s[ATT_HEADS];
+    __shared__ float wm_s[ATT_WARPS][ATT_HEADS], wl_s[ATT_WARPS][ATT_HEADS];
     __shared__ float stage[ATT_WARPS][ATT_MAX_CPL * 32u];
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
-    const u32 h0 = blockIdx.x * ATT_MAX_G;
-    const u32 hv = min(ATT_MAX_G, heads - h0);  // heads this block writes
+    const u32 h0 = blockIdx.x * ATT_HEADS;
+    const u32 hv = min(ATT_HEADS, heads - h0);  // heads this block writes
     const u32 splits = gridDim.z, split = blockIdx.z;
     const u32 pos0 = pos[0];
     const u32 p = pos0 + t;
@@ -431,13 +431,13 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 per = (n + splits - 1u) / splits;
     const u32 j_end = min(n, (split + 1u) * per);
     const float* qt = q + ((u64)t * heads + h0) * d;
-    for (u32 i = threadIdx.x; i < ATT_MAX_G * d; i += blockDim.x) q_s[i] = i < hv * d ? qt[i] : 0.0f;
+    for (u32 i = threadIdx.x; i < ATT_HEADS * d; i += blockDim.x) q_s[i] = i < hv * d ? qt[i] : 0.0f;
     __syncthreads();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 cpl = d / 32u;
-    float m[ATT_MAX_G], l[ATT_MAX_G], acc[ATT_MAX_G][ATT_MAX_CPL];
+    float m[ATT_HEADS], l[ATT_HEADS], acc[ATT_HEADS][ATT_MAX_CPL];
 #pragma unroll
-    for (u32 h = 0; h < ATT_MAX_G; h++) {
+    for (u32 h = 0; h < ATT_HEADS; h++) {
         m[h] = NEG_INF;
         l[h] = 0.0f;
 #pragma unroll
@@ -459,7 +459,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         for (u32 x = 0; x < ATT_MAX_CPL; x++) kn[x] = next && x < cpl ? next[lane + 32u * x] : 0.0f;
         if (key) {  // warp-uniform
 #pragma unroll
-            for (u32 h = 0; h < ATT_MAX_G; h++) {
+            for (u32 h = 0; h < ATT_HEADS; h++) {
                 float s = 0.0f;
 #pragma unroll
                 for (u32 x = 0; x < ATT_MAX_CPL; x++)
@@ -485,19 +485,19 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     // per head the warps' scaled sums staged side by side and added in warp order per channel.
     if (lane == 0u) {
 #pragma unroll
-        for (u32 h = 0; h < ATT_MAX_G; h++) {
+        for (u32 h = 0; h < ATT_HEADS; h++) {
             wm_s[warp][h] = m[h];
             wl_s[warp][h] = l[h];
         }
     }
     __syncthreads();
-    if (threadIdx.x < ATT_MAX_G) {
+    if (threadIdx.x < ATT_HEADS) {
         const u32 h = threadIdx.x;
-        to_common_max(&wm_s[0][h], &wl_s[0][h], ATT_WARPS, ATT_MAX_G, m_s[h], l_s[h]);
+        to_common_max(&wm_s[0][h], &wl_s[0][h], ATT_WARPS, ATT_HEADS, m_s[h], l_s[h]);
     }
     __syncthreads();
 #pragma unroll
-    for (u32 h = 0; h < ATT_MAX_G; h++) {
+    for (u32 h = 0; h < ATT_HEADS; h++) {
         const float f = wm_s[warp][h];
 #pragma unroll
         for (u32 x = 0; x < ATT_MAX_CPL; x++)
@@ -533,7 +533,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         __threadfence();
         // Each split's factor to the common maximum, then the sums in split order. The reads
         // go to L2 (the other blocks' writes are not in this SM's L1), many in flight at once.
-        __shared__ float f_s[ATT_MAX_G][ATT_MAX_SPLITS], den_s[ATT_MAX_G][ATT_MAX_SPLITS];
+        __shared__ float f_s[ATT_HEADS][ATT_MAX_SPLITS], den_s[ATT_HEADS][ATT_MAX_SPLITS];
         for (u32 i = threadIdx.x; i < hv * splits; i += blockDim.x) {
             const float* ml = part_ml + ((row0 + i / splits) * splits + i % splits) * 2u;
             f_s[i / splits][i % splits] = __ldcg(ml);

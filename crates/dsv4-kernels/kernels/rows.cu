@@ -39,8 +39,9 @@ __device__ __forceinline__ float held_at(const float (&held)[NORM_HELD], u32 k) 
 // One block per row (grid-stride over rows): out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps).
 // Row r of x starts at x + r * x_stride (x may be some columns of a wider projection output);
 // out is dense. `weight` may be null (no scale). In place when out == x and x_stride == width.
-// A non-null `out_b` gets the same values rounded to bf16. A non-null `inv_freq` then rotates the last 2 * rope_half channels
-// of each row as rope_rows does, row r at position pos[0] + r / rows_per_token.
+// A non-null `out_b` gets the same values rounded to bf16. A non-null `inv_freq` then rotates
+// the last 2 * rope_half channels of each row as rope_rows does, row r at position
+// pos[0] + r / rows_per_token.
 DSV4_KERNEL void rms_norm_rows(const float* x, u32 x_stride, u32 rows, u32 width, const float* __restrict__ weight,
                                float eps, float* out, u16* __restrict__ out_b, const float* __restrict__ inv_freq,
                                u32 rope_half, const u32* __restrict__ pos, u32 rows_per_token) {
@@ -84,7 +85,8 @@ DSV4_KERNEL void rms_norm_rows(const float* x, u32 x_stride, u32 rows, u32 width
 }
 
 // Rotates the last rope_dim channels of every width-sized vector of x in place, interleaved
-// pairs (2i, 2i+1) by angle p * inv_freq[i]; `sign` -1 rotates back. x is [tokens, heads, width]; token t sits at position pos[0] + t.
+// pairs (2i, 2i+1) by angle p * inv_freq[i]; `sign` -1 rotates back. x is
+// [tokens, heads, width]; token t sits at position pos[0] + t.
 DSV4_KERNEL void rope_rows(float* __restrict__ x, u32 tokens, u32 heads, u32 width, u32 rope_dim,
                            const float* __restrict__ inv_freq, const u32* __restrict__ pos, float sign) {
     pdl_enter();

@@ -12,9 +12,9 @@ mod tests;
 
 use cudarc::driver::LaunchConfig;
 
-use super::launch::{self, dim_u32, elementwise, Args};
 use half::bf16;
 
+use super::launch::{self, dim_u32, elementwise, Args};
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
 /// Launches `kernel` with `cfg` and the arguments `args` pushes, in order.

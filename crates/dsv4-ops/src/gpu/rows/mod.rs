@@ -84,15 +84,7 @@ pub fn rms_norm_rows<'a>(
     out: &mut DeviceTensor<f32>,
     out_b: Option<&mut DeviceTensor<bf16>>,
 ) -> Result<(), GpuError> {
-    let x = x.into();
-    let rows = x.x.dims2("rms_norm input", DType::F32)?.0;
-    let width = x.width;
-    if let Some(b) = &out_b {
-        b.expect("rms_norm BF16 output", DType::BF16, &[rows, width])?;
-    }
-    // Null selects no BF16 copy inside the kernel.
-    let out_b = out_b.map_or(0, |b| b.device_address());
-    norm_rows(dev, x, weight, eps, out, out_b, None)
+    norm_rows(dev, x.into(), weight, eps, out, out_b, None)
 }
 
 /// The rotary embedding [`rms_norm_rope_rows`] applies after the norm.
@@ -114,7 +106,7 @@ pub fn rms_norm_rope_rows<'a>(
     rope: &RowRope,
     out: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    norm_rows(dev, x.into(), weight, eps, out, 0, Some(rope))
+    norm_rows(dev, x.into(), weight, eps, out, None, Some(rope))
 }
 
 fn norm_rows(
@@ -123,7 +115,7 @@ fn norm_rows(
     weight: Option<&DeviceTensor<f32>>,
     eps: f32,
     out: &mut DeviceTensor<f32>,
-    out_b: u64,
+    out_b: Option<&mut DeviceTensor<bf16>>,
     rope: Option<&RowRope>,
 ) -> Result<(), GpuError> {
     let (rows, stride) = x.x.dims2("rms_norm input", DType::F32)?;
@@ -139,6 +131,11 @@ fn norm_rows(
         ));
     }
     out.expect("rms_norm output", DType::F32, &[rows, width])?;
+    if let Some(b) = &out_b {
+        b.expect("rms_norm BF16 output", DType::BF16, &[rows, width])?;
+    }
+    // Null selects no BF16 copy inside the kernel.
+    let out_b = out_b.map_or(0, |b| b.device_address());
     if let Some(w) = weight {
         w.expect("rms_norm weight", DType::F32, &[width])?;
     }
