@@ -419,7 +419,7 @@ mod tests {
     }
 
     #[test]
-    fn stacked_parts_must_share_their_columns() {
+    fn stacked_parts_must_exist_and_share_their_columns() {
         let parts = [&fp8(128, 64, 1), &fp8(128, 32, 2)];
         let err = stacked_rows("layers.0.attn.wq_a+wkv", &parts)
             .err()
@@ -427,6 +427,14 @@ mod tests {
             .to_string();
         assert!(
             err.contains("wq_a+wkv") && err.contains("64 and 32"),
+            "{err}"
+        );
+        let err = stacked_rows("layers.0.attn.compressor.wkv+wgate", &[])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("wkv+wgate") && err.contains("no linears"),
             "{err}"
         );
     }
