@@ -294,13 +294,37 @@ fn load_gpu_model(dir: &Path, max_context: Option<usize>) -> Result<GpuModel> {
         GpuModel::load(dir, dev, GpuOptions { max_context }, progress)
             .with_context(|| format!("loading {} onto the GPU", dir.display()))
     })?;
+    report_gpu_model(&model);
+    Ok(model)
+}
+
+/// A model of `config`'s widths with random weights drawn on the GPU in `format`'s layout.
+fn random_gpu_model(
+    config: Config,
+    format: SynthFormat,
+    max_context: Option<usize>,
+) -> Result<GpuModel> {
+    let dev = std::sync::Arc::new(Device::new(0).context("opening CUDA device 0")?);
+    let t = Instant::now();
+    let model = with_layer_bar("drawing", |progress| {
+        GpuModel::random(config, format, 0, dev, GpuOptions { max_context }, progress)
+            .context("drawing a random model on the GPU")
+    })?;
+    eprintln!(
+        "random {format:?} weights drawn on the GPU in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    report_gpu_model(&model);
+    Ok(model)
+}
+
+fn report_gpu_model(model: &GpuModel) {
     eprintln!(
         "{}: context capacity {} tokens, {:.3} GB of weights read per decode step",
         model.device().name(),
         model.capacity(),
         model.step_weight_bytes() as f64 / 1e9
     );
-    Ok(model)
 }
 
 /// Streams the tokens `next` yields until EOS or `max` tokens; returns how many it took.
@@ -473,8 +497,8 @@ fn bench(a: BenchArgs) -> Result<()> {
             a.decode
         );
     }
-    let synth_dir = match &a.model {
-        Some(_) => None,
+    let mut model = match &a.model {
+        Some(dir) => load_gpu_model(dir, Some(context))?,
         None => {
             let mut config = a.synth.config();
             match &a.schedule {
@@ -501,47 +525,31 @@ fn bench(a: BenchArgs) -> Result<()> {
             }
             // Learned routing in every layer (hash layers read one fixed table).
             config.num_hash_layers = 0;
-            // Written under $TMPDIR (a RAM-backed one makes this quick) and removed after loading.
-            let root = std::env::temp_dir();
-            let dir = root.join(format!("dsv4-bench-{}", std::process::id()));
-            let t = Instant::now();
-            let written = write_synthetic(&config, a.format.into(), &dir, 0, &mut |_, _| {});
-            let bytes = match written {
-                Ok(b) => b,
-                Err(e) => {
-                    let _ = std::fs::remove_dir_all(&dir);
-                    return Err(e.into());
-                }
-            };
-            eprintln!(
-                "synthetic model: {:.2} GB written to {} in {:.1} s",
-                bytes as f64 / 1e9,
-                dir.display(),
-                t.elapsed().as_secs_f64()
-            );
-            Some(dir)
+            random_gpu_model(config, a.format.into(), Some(context))?
         }
     };
-    let dir = a
-        .model
-        .clone()
-        .or(synth_dir.clone())
-        .expect("a model directory");
-    let loaded = load_gpu_model(&dir, Some(context));
-    if let Some(d) = &synth_dir {
-        std::fs::remove_dir_all(d).with_context(|| format!("removing {}", d.display()))?;
-    }
-    let mut model = loaded?;
     let cfg = model.config().clone();
     let schedule: Vec<&str> = cfg.layers.iter().map(|k| k.name()).collect();
     let dev = model.device().clone();
     let bw = dsv4_ops::gpu::bandwidth::measure_copy_bandwidth(&dev, 1 << 30, 20)?;
     let bytes = model.step_weight_bytes() as f64;
     let roofline_ms = bytes / bw.bytes_per_second * 1e3;
+    let source = match &a.model {
+        Some(dir) => dir.display().to_string(),
+        None => format!(
+            "random {} weights ({} widths) drawn on the GPU",
+            a.format
+                .to_possible_value()
+                .map_or_else(String::new, |v| v.get_name().to_string()),
+            a.synth
+                .to_possible_value()
+                .map_or_else(String::new, |v| v.get_name().to_string())
+        ),
+    };
     println!("device: {}", dev.name());
     println!(
         "model: {} · {} layers [{}] · hidden {} · experts {} top-{}",
-        dir.display(),
+        source,
         cfg.num_layers,
         schedule.join(", "),
         cfg.hidden_size,

@@ -225,7 +225,7 @@ fn bad_settings_configs_and_weights_are_named_errors() {
         &["--no-graph", "--backend", "cpu"],
         "apply to --backend cuda",
     );
-    // The bench's context is checked before a synthetic model is written.
+    // The bench's context is checked before a random model is drawn.
     fails_saying(
         &[
             "bench",

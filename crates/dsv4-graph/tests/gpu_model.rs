@@ -407,3 +407,46 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
         .to_string();
     assert!(err.contains("too little GPU memory"), "{err}");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_random_model_reads_what_its_checkpoint_reads_and_decodes() {
+    // The random model `dsv4 bench --synth` draws on the device: per format, the same bytes per
+    // decode step as the synthetic checkpoint of that format uploaded, finite logits, and graph
+    // replays bit-identical to eager launches (tiny widths: sliding, CSA, HCA and hash layers).
+    use dsv4_model::config::Config;
+    use dsv4_model::synth::{write_synthetic, SynthFormat};
+    let dev = device();
+    let config = Config::tiny();
+    let prompt: Vec<u32> = (0..37)
+        .map(|i| (i * 7919 + 13) % config.vocab_size as u32)
+        .collect();
+    for format in [SynthFormat::Bf16, SynthFormat::Official, SynthFormat::Nvfp4] {
+        let dir = tempfile::tempdir().unwrap();
+        write_synthetic(&config, format, dir.path(), 0, &mut |_, _| {}).unwrap();
+        let written = gpu_model(dir.path(), &dev, 80).step_weight_bytes();
+        let opts = GpuOptions {
+            max_context: Some(80),
+        };
+        let mut model =
+            GpuModel::random(config.clone(), format, 3, dev.clone(), opts, |_, _| {}).unwrap();
+        assert_eq!(
+            model.step_weight_bytes(),
+            written,
+            "{format:?}: bytes per step"
+        );
+        let (eager_tokens, eager_logits) = decode(&mut model, &prompt, 20, false);
+        let (graph_tokens, graph_logits) = decode(&mut model, &prompt, 20, true);
+        assert!(
+            eager_logits.iter().all(|v| v.is_finite()),
+            "{format:?}: logits not finite"
+        );
+        assert_eq!(graph_tokens, eager_tokens, "{format:?}: tokens");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&graph_logits) == bits(&eager_logits),
+            "{format:?}: graph logits differ from eager ones"
+        );
+        println!("{format:?}: {written} bytes per step, tokens {eager_tokens:?}");
+    }
+}

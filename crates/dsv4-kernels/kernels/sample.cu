@@ -45,13 +45,6 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_weights(const float* _
     }
 }
 
-__device__ __forceinline__ u64 splitmix64(u64 x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 // Writes the sum of the kept weights (w >= tau) of this thread's id range, summed in id
 // order, to part[threadIdx.x] (after a barrier, so part may still be in use before the call).
 __device__ __forceinline__ void thread_kept_sum(const float* __restrict__ w, u32 lo, u32 hi, float tau, float* part) {

@@ -139,6 +139,12 @@ pub const FAMILIES: &[KernelFamily] = &[
         source: include_str!("../kernels/sample.cu"),
         functions: &["sample_weights", "argmax_spans", "sample_pick"],
     },
+    KernelFamily {
+        name: "random",
+        file: "random.cu",
+        source: include_str!("../kernels/random.cu"),
+        functions: &["random_bytes", "random_bf16"],
+    },
 ];
 
 pub fn family(name: &str) -> Option<&'static KernelFamily> {

@@ -281,6 +281,47 @@ fn vector_values(name: &str, role: VectorRole, shape: &[usize]) -> Values {
     Values::new(name, mean, std)
 }
 
+/// The values the synthetic checkpoint draws for a vector or a matrix (`[rows, cols]`
+/// row-major, before rounding to its stored dtype); `None` for an index table.
+pub(crate) fn spec_values(spec: &TensorSpec, seed: u64) -> Option<Vec<f32>> {
+    let (rows, cols, v) = match &spec.kind {
+        TensorKind::Linear { rows, cols, role } => {
+            (*rows, *cols, linear_values(&spec.name, *role, *cols))
+        }
+        TensorKind::Vector { shape, role } => {
+            let cols = *shape.last().unwrap_or(&1);
+            let rows = shape.iter().product::<usize>() / cols.max(1);
+            (rows, cols, vector_values(&spec.name, *role, shape))
+        }
+        TensorKind::Index { .. } => return None,
+    };
+    let mut out = vec![0f32; rows * cols];
+    for (r, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+        v.fill_row(seed, r, row);
+    }
+    Some(out)
+}
+
+/// The expert ids the synthetic checkpoint draws for an index table (`tid2eid`), row-major
+/// `[rows, cols]`; `None` for other tensors.
+pub(crate) fn spec_expert_ids(spec: &TensorSpec, experts: usize, seed: u64) -> Option<Vec<u32>> {
+    let TensorKind::Index { rows, cols } = spec.kind else {
+        return None;
+    };
+    let bytes = tid2eid_rows(seed, fnv1a(&spec.name), 0, rows, cols, experts);
+    Some(
+        bytes
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect(),
+    )
+}
+
+/// A stable 64-bit key of a tensor name (seeds per tensor).
+pub(crate) fn name_key(name: &str) -> u64 {
+    fnv1a(name)
+}
+
 /// Plans every shard: top-level tensors first, then one shard per layer.
 fn plan(config: &Config, format: SynthFormat) -> Vec<Shard> {
     let hf = format == SynthFormat::Bf16;

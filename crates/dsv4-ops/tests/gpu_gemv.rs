@@ -578,3 +578,81 @@ fn gpu_gemv_chain_waits_for_each_input() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_random_weights_give_unit_outputs() {
+    // Random weights generated on the device (synthetic benchmarks): rows of RMS 1/sqrt(K), so
+    // a unit-variance input gives outputs of about unit variance (within the factor 2 that
+    // power-of-two scales allow), reproducible from the seed.
+    use dsv4_ops::gpu::gemv::GemvFormat;
+    let dev = device();
+    let mut rng = rng("gpu_random_weights_give_unit_outputs");
+    let mut ws = GemvWorkspace::alloc(&dev).unwrap();
+    let fp8 = |scale| GemvFormat::Fp8 {
+        scale,
+        block: (128, 128),
+    };
+    let formats = [
+        GemvFormat::Bf16,
+        fp8(ScaleFormat::E8m0),
+        fp8(ScaleFormat::F32),
+        GemvFormat::Nvfp4,
+        GemvFormat::Mxfp4,
+    ];
+    let (n, k) = (512, 2048);
+    let xh = to_bf16(&gaussian(&mut rng, k, 1.0));
+    let x = dev.upload(DType::BF16, &[1, k], &xh).unwrap();
+    let run = |w: &GemvWeight, ws: &mut GemvWorkspace| -> Vec<f32> {
+        let mut y = dev.alloc(DType::F32, &[1, n]).unwrap();
+        dev.fill_bytes(&mut y, POISON).unwrap();
+        gemv::gemv(&dev, &x, w, &mut y, ws).unwrap();
+        dev.download(&y).unwrap()
+    };
+    for format in formats {
+        let seed: u64 = rng.random();
+        let w = GemvWeight::random(&dev, format, n, k, false, seed).unwrap();
+        let y = run(&w, &mut ws);
+        assert!(y.iter().all(|v| v.is_finite()), "{format:?}: {y:?}");
+        let var = y.iter().map(|v| (v * v) as f64).sum::<f64>() / n as f64;
+        println!("  {format:?}: output variance {var:.3}");
+        assert!(
+            (0.4..2.5).contains(&var),
+            "{format:?}: output variance {var}"
+        );
+        let again = GemvWeight::random(&dev, format, n, k, false, seed).unwrap();
+        assert_bits_eq(&format!("{format:?}, same seed"), &run(&again, &mut ws), &y);
+        let other = GemvWeight::random(&dev, format, n, k, false, seed ^ 1).unwrap();
+        assert_ne!(run(&other, &mut ws), y, "{format:?}: another seed");
+        let w13 = GemvWeight::random(&dev, format, n, k, true, seed).unwrap();
+        assert!(w13.is_gate_up() && w13.bytes() == 2 * w.bytes());
+        let mut h = poisoned(&dev, 1, n);
+        gemv::gemv_swiglu(&dev, &x, &w13, 10.0, &mut h, &mut ws).unwrap();
+        let h = dev.download(&h).unwrap();
+        assert!(h.iter().all(|v| v.is_finite()), "{format:?} gate+up");
+        assert!(h.iter().any(|v| v.to_f32() != 0.0), "{format:?} gate+up");
+    }
+    // Off the tile sizes: the padding is never weighed, every output row is written.
+    let (n, k) = (100, 96);
+    let xh = to_bf16(&gaussian(&mut rng, k, 1.0));
+    let x = dev.upload(DType::BF16, &[1, k], &xh).unwrap();
+    for format in formats {
+        let w = GemvWeight::random(&dev, format, n, k, false, 5).unwrap();
+        let mut y = dev.alloc(DType::F32, &[1, n]).unwrap();
+        dev.fill_bytes(&mut y, POISON).unwrap();
+        gemv::gemv(&dev, &x, &w, &mut y, &mut ws).unwrap();
+        let y: Vec<f32> = dev.download(&y).unwrap();
+        assert!(
+            y.iter().all(|v| v.is_finite()),
+            "{format:?} [{n}, {k}]: {y:?}"
+        );
+    }
+    let err = GemvWeight::random(&dev, GemvFormat::Nvfp4, 64, 48, false, 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("[64, 48]") && err.contains("multiple of 32"),
+        "{err}"
+    );
+}

@@ -273,3 +273,63 @@ fn gpu_moe_token_output_does_not_depend_on_the_other_tokens() {
         &alone,
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_random_experts_give_finite_unit_order_outputs() {
+    // Experts generated on the device for synthetic benchmarks: every format's grouped MoE
+    // turns a unit-variance token into finite outputs of unit order, the same for the same seed.
+    use dsv4_ops::gpu::moe_bf16::{self, Bf16Experts};
+    let dev = device();
+    let mut rng = rng("gpu_random_experts_give_finite_unit_order_outputs");
+    let (e, d, inter, topk) = (16, 1024, 512, 4);
+    let x = dev
+        .upload(
+            DType::BF16,
+            &[1, d],
+            &common::to_bf16(&gaussian(&mut rng, d, 1.0)),
+        )
+        .unwrap();
+    let ids = dev
+        .upload(DType::I32, &[1, topk], &[3i32, 7, 8, 15])
+        .unwrap();
+    let w = dev.upload(DType::F32, &[1, topk], &[0.25f32; 4]).unwrap();
+    let check = |what: &str, out: &[f32], again: &[f32]| {
+        assert!(out.iter().all(|v| v.is_finite()), "{what}: {out:?}");
+        let rms = (out.iter().map(|v| v * v).sum::<f32>() / d as f32).sqrt();
+        println!("  {what}: output RMS {rms:.3}");
+        assert!((0.02..5.0).contains(&rms), "{what}: output RMS {rms}");
+        assert_bits_eq(&format!("{what}, same seed"), again, out);
+    };
+    for format in [MoeFormat::Nvfp4, MoeFormat::Mxfp4] {
+        let seed: u64 = rng.random();
+        let run = || {
+            let ex = MoeExperts::random(&dev, format, e, d, inter, seed).unwrap();
+            let mut h = dev.alloc(DType::BF16, &[1, topk, inter]).unwrap();
+            let mut out = dev.alloc(DType::F32, &[1, d]).unwrap();
+            dev.fill_bytes(&mut out, POISON).unwrap();
+            let o = MoeOut::F32(&mut out);
+            moe::moe_decode(&dev, &x, &ids, &w, &ex, 10.0, &mut h, o).unwrap();
+            dev.download(&out).unwrap()
+        };
+        check(&format!("{format:?}"), &run(), &run());
+    }
+    let seed: u64 = rng.random();
+    let run = || {
+        let ex = Bf16Experts::random(&dev, e, d, inter, seed).unwrap();
+        let mut h = dev.alloc(DType::F32, &[1, topk, inter]).unwrap();
+        let mut out = dev.alloc(DType::F32, &[1, d]).unwrap();
+        dev.fill_bytes(&mut out, POISON).unwrap();
+        moe_bf16::moe_bf16(&dev, &x, &ids, &w, &ex, 10.0, &mut h, &mut out).unwrap();
+        dev.download(&out).unwrap()
+    };
+    check("bf16", &run(), &run());
+    let err = MoeExperts::random(&dev, MoeFormat::Nvfp4, 4, 1024, 48, 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("I = 48") && err.contains("multiples of 32"),
+        "{err}"
+    );
+}

@@ -10,6 +10,7 @@
 //! choose experts and entries.
 
 mod buffers;
+mod random;
 mod upload;
 
 use std::path::Path;
@@ -35,6 +36,7 @@ use crate::config::{Config, LayerKind};
 use crate::cpu::{ForwardError, Logits};
 use crate::linear::{Linear, LinearData};
 use crate::rope::Rope;
+use crate::synth::SynthFormat;
 use crate::weights::{ModelWeights, Routing};
 pub use buffers::MAX_CHUNK;
 use buffers::{Buffers, Sizing, Taking};
@@ -380,8 +382,35 @@ impl GpuModel {
             rope_main: upload::vector(&dev, Rope::for_layer(c, false).inv_freq())?,
             rope_compress: upload::vector(&dev, Rope::for_layer(c, true).inv_freq())?,
         };
+        GpuModel::with_weights(config, w, dev, opts)
+    }
+
+    /// A model of `config`'s widths whose weights are drawn at random on `dev`, in the formats
+    /// and sizes of the synthetic checkpoint of `format` (for benchmarks: no checkpoint is
+    /// written or read). Every linear must fill whole GEMV tiles, as the real widths do.
+    pub fn random(
+        config: Config,
+        format: SynthFormat,
+        seed: u64,
+        dev: Arc<Device>,
+        opts: GpuOptions,
+        on_layer: impl FnMut(usize, usize),
+    ) -> Result<GpuModel, GpuModelError> {
+        check_gpu_config(&config)?;
+        let w = random::random_weights(&dev, &config, format, seed, on_layer)?;
+        GpuModel::with_weights(config, w, dev, opts)
+    }
+
+    /// Sets up the sequence state beside the device weights `w`.
+    fn with_weights(
+        config: Config,
+        w: DevWeights,
+        dev: Arc<Device>,
+        opts: GpuOptions,
+    ) -> Result<GpuModel, GpuModelError> {
+        let c = &config;
         let weight_bytes = step_bytes(c, &w);
-        let shared_inter = weights.layers[0].moe.shared.w1.rows();
+        let shared_inter = w.layers[0].moe.shared_w13.n();
         let (free, _) = dev.memory_info()?;
         let capacity = choose_capacity(c, opts.max_context, shared_inter, free)?;
         let mut sizing = Sizing(BufferPool::new());

@@ -21,6 +21,7 @@ use dsv4_kernels::GEMV_FP8_RING;
 use half::bf16;
 
 use super::launch::{dim_u32, launch_struct};
+use super::random;
 use super::rows::ActElem;
 use super::{BufferPool, DType, Device, DeviceTensor, GpuError, Reservation};
 use crate::codecs::fp8_block::ScaleFormat;
@@ -646,6 +647,99 @@ impl GemvWeight {
             fp8,
             post: (p1.post, p3.post),
             bytes: p1.bytes + p3.bytes,
+        })
+    }
+
+    /// A random `[n, k]` weight (or gate+up pair) generated on the device in the tile layout,
+    /// for benchmarks without a checkpoint: codes uniform over a format's values, scales that
+    /// give rows of RMS `1/sqrt(k)` (see [`random::unit_scale`]); the same `seed` gives the
+    /// same bytes. `k` must be a multiple of the format's chunk (as for [`Self::upload`]); the
+    /// tile padding gets random codes too, which the kernels never weigh (they read zero
+    /// activations past K and write no rows past N).
+    pub fn random(
+        dev: &Device,
+        format: GemvFormat,
+        n: usize,
+        k: usize,
+        gate_up: bool,
+        seed: u64,
+    ) -> Result<GemvWeight, GpuError> {
+        let what = format!("random {} weight [{n}, {k}]", format.name());
+        let ce = format.chunk_elems();
+        if n == 0 || k == 0 || !k.is_multiple_of(ce) {
+            return Err(invalid(
+                &what,
+                format!("n and k must be positive and k a multiple of {ce}"),
+            ));
+        }
+        dim_u32(&what, n)?;
+        dim_u32(&what, k)?;
+        let layout = pack::Layout {
+            rows: n,
+            chunks: k / ce,
+            gate_up,
+        };
+        let mats = if gate_up { 2 } else { 1 };
+        let mut codes = dev.alloc::<u8>(DType::U8, &[layout.slots() * 16])?;
+        let constant = |unit: usize, byte: u8| -> Result<DeviceTensor<u8>, GpuError> {
+            let mut t = dev.alloc::<u8>(DType::U8, &[layout.slots() * unit])?;
+            dev.fill_bytes(&mut t, byte)?;
+            Ok(t)
+        };
+        let (mut scales, mut fp8, mut post) = (None, None, 1.0);
+        let bytes = match format {
+            GemvFormat::Bf16 => {
+                let u = random::Uniform {
+                    mean: 0.0,
+                    half_range: (3.0 / k as f32).sqrt(),
+                };
+                random::fill_bf16_at(dev, codes.device_address(), codes.len() / 2, seed, u)?;
+                2 * n * k
+            }
+            GemvFormat::Fp8 { scale: sf, block } => {
+                if block.0 == 0 || block.0 % 16 != 0 || block.1 == 0 || block.1 % 64 != 0 {
+                    return Err(invalid(
+                        &what,
+                        format!("FP8 block {block:?}: rows a multiple of 16, columns of 64"),
+                    ));
+                }
+                random::fill_bytes(dev, &mut codes, seed, random::FP8_CODES)?;
+                let rms = random::fp8_codes_rms();
+                let raw: Vec<u8> = match sf {
+                    ScaleFormat::E8m0 => vec![random::unit_scale_e8m0(rms, k)],
+                    ScaleFormat::F32 => random::unit_scale(rms, k).to_le_bytes().to_vec(),
+                };
+                let sn = n.div_ceil(block.0) * k.div_ceil(block.1);
+                let raw = raw.repeat(sn);
+                let scale = || upload_fp8_scale(dev, &raw, sf, n, k, block);
+                fp8 = Some((scale()?, if gate_up { Some(scale()?) } else { None }));
+                n * k + raw.len()
+            }
+            GemvFormat::Nvfp4 => {
+                random::fill_bytes(dev, &mut codes, seed, random::Bytes::ANY)?;
+                // Block scales 1.0 (e4m3 0x38); the global scale carries the magnitude.
+                scales = Some(constant(2, 0x38)?);
+                post = random::unit_scale(random::e2m1_rms(), k) * 65536.0;
+                n * k / 2 + n * k / 16
+            }
+            GemvFormat::Mxfp4 => {
+                random::fill_bytes(dev, &mut codes, seed, random::Bytes::ANY)?;
+                let byte = random::unit_scale_e8m0(random::e2m1_rms(), k);
+                scales = Some(constant(1, byte.min(MXFP4_MAX_SCALE_BYTE))?);
+                post = 65536.0;
+                n * k / 2 + n * k / 32
+            }
+        };
+        Ok(GemvWeight {
+            format,
+            n,
+            k,
+            gate_up,
+            codes,
+            scales,
+            fp8,
+            post: (post, post),
+            bytes: mats * bytes,
         })
     }
 

@@ -20,6 +20,7 @@ pub mod mhc;
 pub mod moe;
 pub mod moe_bf16;
 mod pool;
+pub mod random;
 pub mod router;
 pub mod rows;
 pub mod sample;

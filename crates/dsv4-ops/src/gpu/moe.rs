@@ -15,9 +15,12 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::gemv::pack::{encode_codes, pack, CodeOrder, Layout};
-use super::gemv::{check_mxfp4_scales, resident_warps, staging_bytes, tuning};
+use super::gemv::{
+    check_mxfp4_scales, resident_warps, staging_bytes, tuning, MXFP4_MAX_SCALE_BYTE,
+};
 use super::launch::dim_u32;
 use super::launch::launch_struct;
+use super::random;
 use super::{DType, Device, DeviceTensor, GpuError};
 use crate::codecs::mxfp4::Mxfp4Quantized;
 use crate::codecs::nvfp4::Nvfp4Quantized;
@@ -252,6 +255,53 @@ impl MoeExperts {
             s2: dev.upload(DType::U8, &[e, sizes[3]], &s2)?,
             globals,
         })
+    }
+
+    /// `experts` random experts generated on the device (see
+    /// [`super::gemv::GemvWeight::random`]): random FP4 codes, scales that give rows of RMS
+    /// `1/sqrt(fan_in)`. Same requirements as [`Self::upload`].
+    pub fn random(
+        dev: &Device,
+        format: MoeFormat,
+        experts: usize,
+        d: usize,
+        inter: usize,
+        seed: u64,
+    ) -> Result<MoeExperts, GpuError> {
+        let what = format!("random {} experts", format.name());
+        check_dims(&what, experts, d, inter)?;
+        let [b13, bs13, b2, bs2] = packed_bytes(format, d, inter);
+        let rms = random::e2m1_rms();
+        let codes = |bytes: usize, seed: u64| -> Result<DeviceTensor<u8>, GpuError> {
+            let mut t = dev.alloc::<u8>(DType::U8, &[experts, bytes])?;
+            random::fill_bytes(dev, &mut t, seed, random::Bytes::ANY)?;
+            Ok(t)
+        };
+        let scales = |bytes: usize, byte: u8| -> Result<DeviceTensor<u8>, GpuError> {
+            let mut t = dev.alloc::<u8>(DType::U8, &[experts, bytes])?;
+            dev.fill_bytes(&mut t, byte)?;
+            Ok(t)
+        };
+        let (w13, w2) = (codes(b13, seed)?, codes(b2, seed ^ 0x5555)?);
+        let (s13, s2, globals) = match format {
+            // Block scales 1.0 (e4m3 0x38); the global scales carry the magnitude.
+            MoeFormat::Nvfp4 => {
+                let global = |k: usize| {
+                    let g = vec![random::unit_scale(rms, k); experts];
+                    dev.upload(DType::F32, &[experts], &g)
+                };
+                (
+                    scales(bs13, 0x38)?,
+                    scales(bs2, 0x38)?,
+                    Some([global(d)?, global(d)?, global(inter)?]),
+                )
+            }
+            MoeFormat::Mxfp4 => {
+                let byte = |k| random::unit_scale_e8m0(rms, k).min(MXFP4_MAX_SCALE_BYTE);
+                (scales(bs13, byte(d))?, scales(bs2, byte(inter))?, None)
+            }
+        };
+        MoeExperts::from_parts(format, d, inter, w13, s13, w2, s2, globals)
     }
 
     /// Experts from already packed, stacked device tensors (U8 `[E, bytes]`, as

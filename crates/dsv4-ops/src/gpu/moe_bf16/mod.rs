@@ -23,6 +23,7 @@ use half::bf16;
 use super::gemv::tuning::PROGRAMMATIC_LAUNCH;
 use super::launch::{dim_u32, launch_struct};
 use super::moe::{check_routing, same_expert_counts};
+use super::random;
 use super::{DType, Device, DeviceTensor, GpuError};
 
 /// Largest number of tokens one launch takes (`MAX_M` in moe_bf16.cu).
@@ -115,6 +116,35 @@ impl Bf16Experts {
             w1: upload(w1, [e, inter, d])?,
             w3: upload(w3, [e, inter, d])?,
             w2: upload(w2, [e, d, inter])?,
+        })
+    }
+
+    /// `experts` random experts generated on the device: uniform values of RMS
+    /// `1/sqrt(fan_in)`; the same `seed` gives the same values.
+    pub fn random(
+        dev: &Device,
+        experts: usize,
+        d: usize,
+        inter: usize,
+        seed: u64,
+    ) -> Result<Bf16Experts, GpuError> {
+        check_dims("random bf16 experts", experts, d, inter)?;
+        let fill = |shape: [usize; 3], fan_in: usize, seed: u64| {
+            let mut t = dev.alloc::<bf16>(DType::BF16, &shape)?;
+            let u = random::Uniform {
+                mean: 0.0,
+                half_range: (3.0 / fan_in as f32).sqrt(),
+            };
+            random::fill_bf16(dev, &mut t, seed, u)?;
+            Ok::<_, GpuError>(t)
+        };
+        Ok(Bf16Experts {
+            experts,
+            d,
+            inter,
+            w1: fill([experts, inter, d], d, seed)?,
+            w3: fill([experts, inter, d], d, seed ^ 0x3333)?,
+            w2: fill([experts, d, inter], inter, seed ^ 0x5555)?,
         })
     }
 

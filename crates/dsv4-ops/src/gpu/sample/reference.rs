@@ -1,6 +1,8 @@
 //! CPU reference of the device sampler, reproducing its fixed summation orders exactly, so
 //! that given the same weights it picks the same token.
 
+use crate::gpu::random::reference::splitmix64;
+
 /// Threads of the sampling block: the id ranges and the reduction tree follow from it.
 pub const THREADS: usize = 1024;
 
@@ -17,13 +19,6 @@ pub fn sample_weights(z: &[f32], inv_t: f32) -> Vec<f32> {
             }
         })
         .collect()
-}
-
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 /// The draw in [0, 1) for `(seed, position)`: 24 random bits.

@@ -1,0 +1,31 @@
+// Counter-based random fills: the weights of a synthetic model generated in place on the
+// device, in the kernels' own layouts, so a benchmark needs no checkpoint on disk. Element i
+// of a fill depends only on (seed, i), so any grid writes the same bytes, and the CPU
+// reference (dsv4_ops::gpu::random::reference) reproduces them bit for bit.
+#include "dsv4_common.cuh"
+
+using namespace dsv4;
+
+__device__ __forceinline__ u64 element_bits(u64 seed, u64 i) { return splitmix64(seed ^ splitmix64(i)); }
+
+// out[i] = lo + (the hash's top 32 bits * span >> 32), its sign bit (0x80) set when `sign` is
+// non-zero and the hash's bit 0 is: span 256 gives every byte, span 1 the constant lo.
+DSV4_KERNEL void random_bytes(u8* __restrict__ out, u64 n, u64 seed, u32 lo, u32 span, u32 sign) {
+    pdl_enter();
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 h = element_bits(seed, i);
+        u32 b = lo + (u32)(((h >> 32) * (u64)span) >> 32);
+        if (sign != 0u && (h & 1u) != 0u) b |= 0x80u;
+        out[i] = (u8)b;
+    }
+}
+
+// out[i] = bf16(mean + half_range * (2u - 1)), u in [0, 1) from the hash's top 24 bits.
+DSV4_KERNEL void random_bf16(u16* __restrict__ out, u64 n, u64 seed, float mean, float half_range) {
+    pdl_enter();
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const float u = __fmul_rn((float)(u32)(element_bits(seed, i) >> 40), 5.9604645e-8f);
+        const float v = __fadd_rn(mean, __fmul_rn(half_range, __fsub_rn(__fmul_rn(2.0f, u), 1.0f)));
+        out[i] = f32_to_bf16(v);
+    }
+}
