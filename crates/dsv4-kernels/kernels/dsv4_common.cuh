@@ -130,6 +130,18 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return v;
 }
 
+// Columns of a row an RMSNorm thread keeps in registers (rms_norm_rows, hc_pre, hc_head);
+// wider rows read the rest again.
+#define NORM_HELD 8u
+
+// held[k] without dynamic indexing (which would put the array in local memory).
+__device__ __forceinline__ float held_at(const float (&held)[NORM_HELD], u32 k) {
+    float v = held[0];
+#pragma unroll
+    for (u32 i = 1; i < NORM_HELD; i++) v = k == i ? held[i] : v;
+    return v;
+}
+
 // ---- rotary embedding ----
 
 // Rotates the pair at `pair` to `position` by angle position * freq (sign -1: back). The angle

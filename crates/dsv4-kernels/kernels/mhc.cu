@@ -1,8 +1,8 @@
 // Manifold-constrained hyper-connections (spec §4) for hc_mult = 4 streams: the mix
 // projection of the RMS-normalized streams spread over many blocks (hc_mix_partials), then
-// the collapse spread over column blocks, each block of a token finishing the mix from the
-// partials itself and the first one also running Sinkhorn (hc_pre, and hc_head with pre
-// weights only); the expansion back fused with the next site's mix projection (hc_post_mix).
+// one block per token finishing the mix from the partials, running Sinkhorn and the collapse
+// with the sub-layer's RMSNorm (hc_pre, and hc_head with pre weights only and the output
+// norm); the expansion back fused with the next site's mix projection (hc_post_mix).
 //
 // The stream count is a compile-time 4 (every DeepSeek-V4 model), so the mixing arrays stay
 // in registers. Products and sums the CPU reference rounds one by one use __f*_rn in its
@@ -110,17 +110,39 @@ __device__ __forceinline__ void mix_from_partials(const float* __restrict__ part
     __syncthreads();
 }
 
-// Columns of x one hc_pre / hc_head block collapses (COLLAPSE_COLS in mhc/mod.rs).
-#define COLLAPSE_COLS 512
-
-// x[c] = sum_i pre[i] * s[i * d + c] for this block's columns, accumulated from stream 0 up.
-__device__ __forceinline__ void collapse(const float* __restrict__ s, u32 d, const float* pre, float* __restrict__ x) {
-    const u32 end = min(d, (blockIdx.x + 1u) * COLLAPSE_COLS);
-    for (u32 c = blockIdx.x * COLLAPSE_COLS + threadIdx.x; c < end; c += blockDim.x) {
+// One token's sub-layer input, collapsed and RMS-normalized by one block: thread i takes
+// columns i, i + B, ... of x = sum_i pre[i] * s[i * d + c] (accumulated from stream 0 up),
+// keeping its first NORM_HELD in registers (the rest go through xn), then xn = weight * (x * r),
+// r = 1 / sqrt(mean(x^2) + eps), and its bf16 copy xb. The sum of squares runs over each
+// thread's columns in order, then block_sum: rms_norm_rows' order for the same block size.
+__device__ __forceinline__ void collapse_norm(const float* __restrict__ s, u32 d, const float* pre,
+                                              const float* __restrict__ weight, float eps, float* __restrict__ xn,
+                                              u16* __restrict__ xb, float* scratch) {
+    const auto x_at = [&](u32 c) {
         float acc = 0.0f;
 #pragma unroll
         for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(pre[i], s[(u64)i * d + c]));
-        x[c] = acc;
+        return acc;
+    };
+    float held[NORM_HELD];
+    float sq = 0.0f;
+#pragma unroll
+    for (u32 k = 0; k < NORM_HELD; k++) {
+        const u32 c = threadIdx.x + k * blockDim.x;
+        held[k] = c < d ? x_at(c) : 0.0f;
+        if (c < d) sq = __fadd_rn(sq, __fmul_rn(held[k], held[k]));
+    }
+    for (u32 c = threadIdx.x + NORM_HELD * blockDim.x; c < d; c += blockDim.x) {
+        const float v = x_at(c);
+        xn[c] = v;
+        sq = __fadd_rn(sq, __fmul_rn(v, v));
+    }
+    sq = block_sum(sq, scratch);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sq, (float)d), eps)));
+    for (u32 c = threadIdx.x, k = 0; c < d; c += blockDim.x, k++) {
+        const float y = __fmul_rn(weight[c], __fmul_rn(k < NORM_HELD ? held_at(held, k) : xn[c], inv));
+        xn[c] = y;
+        xb[c] = f32_to_bf16(y);
     }
 }
 
@@ -159,27 +181,27 @@ __device__ __forceinline__ float sinkhorn_lane(float c, u32 lane, u32 iters, flo
     return c;
 }
 
-// After hc_mix_partials: streams [n, HC * d] -> x [n, d], post [n, HC], comb [n, HC * HC].
-// Grid: x = column blocks of COLLAPSE_COLS, y = tokens (grid-stride); block x = 0 writes the
-// mix.
+// After hc_mix_partials: streams [n, HC * d] -> the normalized sub-layer input xn [n, d] (and
+// its bf16 copy xb), post [n, HC], comb [n, HC * HC]. One block per token (grid-stride), of at
+// least two warps: warp 1 writes post and runs Sinkhorn before its share of the collapse.
 DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                         u32 splits, const float* __restrict__ base, const float* __restrict__ scale,
-                        u32 sinkhorn_iters, float hc_eps, float norm_eps, float* __restrict__ x,
-                        float* __restrict__ post, float* __restrict__ comb) {
+                        u32 sinkhorn_iters, float hc_eps, float norm_eps, const float* __restrict__ weight,
+                        float eps, float* __restrict__ xn, u16* __restrict__ xb, float* __restrict__ post,
+                        float* __restrict__ comb) {
     pdl_enter();
     __shared__ float sums[PART];
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
+    __shared__ float scratch[32];
     const u32 width = HC * d;
-    for (u32 t = blockIdx.y; t < n; t += gridDim.y) {
-        const float* s = streams + (u64)t * width;
+    for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
         mix_from_partials(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, mu, sums);
         if (threadIdx.x < HC)
             pre[threadIdx.x] =
                 __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[threadIdx.x]), base[threadIdx.x])), hc_eps);
-        if (blockIdx.x == 0u && threadIdx.x >= 32u && threadIdx.x < 64u) {
-            // Warp 1 of the first block: lanes 0..3 the post weights, lanes 0..15 one comb
-            // element each (its Sinkhorn runs beside warp 0's collapse).
+        if (threadIdx.x >= 32u && threadIdx.x < 64u) {
+            // Warp 1: lanes 0..3 the post weights, lanes 0..15 one comb element each.
             const u32 lane = threadIdx.x - 32u, k = lane & 15u;
             if (lane < HC)
                 post[(u64)t * HC + lane] =
@@ -189,29 +211,30 @@ DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const f
             if (lane < HC * HC) comb[(u64)t * HC * HC + lane] = m;
         }
         __syncthreads();
-        collapse(s, d, pre, x + (u64)t * d);
+        collapse_norm(streams + (u64)t * width, d, pre, weight, eps, xn + (u64)t * d, xb + (u64)t * d, scratch);
         __syncthreads();  // pre and mu are rewritten for the next token
     }
 }
 
-// The final collapse before the output norm: pre weights only (fn [HC, HC * d], base [HC], scale [1]);
-// the grid as hc_pre's.
+// The final collapse and the output norm: pre weights only (fn [HC, HC * d], base [HC],
+// scale [1]); the grid as hc_pre's.
 DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                          u32 splits, const float* __restrict__ base, const float* __restrict__ scale, float hc_eps,
-                         float norm_eps, float* __restrict__ x) {
+                         float norm_eps, const float* __restrict__ weight, float eps, float* __restrict__ xn,
+                         u16* __restrict__ xb) {
     pdl_enter();
     __shared__ float sums[PART];
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
+    __shared__ float scratch[32];
     const u32 width = HC * d;
-    for (u32 t = blockIdx.y; t < n; t += gridDim.y) {
-        const float* s = streams + (u64)t * width;
+    for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
         mix_from_partials(partials + (u64)t * splits * PART, splits, HC, width, norm_eps, mu, sums);
         if (threadIdx.x < HC)
             pre[threadIdx.x] =
                 __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[threadIdx.x]), base[threadIdx.x])), hc_eps);
         __syncthreads();
-        collapse(s, d, pre, x + (u64)t * d);
+        collapse_norm(streams + (u64)t * width, d, pre, weight, eps, xn + (u64)t * d, xb + (u64)t * d, scratch);
         __syncthreads();
     }
 }

@@ -26,29 +26,52 @@ DSV4_KERNEL void embed_hc_gather(const u16* __restrict__ table, u32 vocab, u32 d
     }
 }
 
-#define NORM_HELD 8u
+// One row set of rms_norm_rows: rows of `width` at x + r * x_stride, their scale (null: none),
+// dense output, and the rows one token has (for the position of a rotated row).
+struct NormSet {
+    const float* x;
+    u32 x_stride;
+    u32 rows;
+    const float* weight;
+    float* out;
+    u32 rows_per_token;
+};
 
-// held[k] without dynamic indexing (which would put the array in local memory).
-__device__ __forceinline__ float held_at(const float (&held)[NORM_HELD], u32 k) {
-    float v = held[0];
-#pragma unroll
-    for (u32 i = 1; i < NORM_HELD; i++) v = k == i ? held[i] : v;
-    return v;
-}
+// rms_norm_rows' argument (NormArgs in rows/mod.rs, field for field).
+struct NormArgs {
+    NormSet a, b;
+    u32 width;
+    float eps;
+    u16* out_b;
+    const float* inv_freq;
+    u32 rope_half;
+    const u32* pos;
+};
 
-// One block per row (grid-stride over rows): out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps).
-// Row r of x starts at x + r * x_stride (x may be some columns of a wider projection output);
-// out is dense. `weight` may be null (no scale). In place when out == x and x_stride == width.
-// A non-null `out_b` gets the same values rounded to bf16. A non-null `inv_freq` then rotates
-// the last 2 * rope_half channels of each row as rope_rows does, row r at position
+// One block per row (grid-stride over rows) of set a, then of set b (b.rows may be 0):
+// out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps). Rows may be some columns of a wider
+// projection output; out is dense. In place when out == x and x_stride == width. A non-null
+// `out_b` gets set a's values rounded to bf16. A non-null `inv_freq` then rotates the last
+// 2 * rope_half channels of each row as rope_rows does, row r at position
 // pos[0] + r / rows_per_token.
-DSV4_KERNEL void rms_norm_rows(const float* x, u32 x_stride, u32 rows, u32 width, const float* __restrict__ weight,
-                               float eps, float* out, u16* __restrict__ out_b, const float* __restrict__ inv_freq,
-                               u32 rope_half, const u32* __restrict__ pos, u32 rows_per_token) {
+DSV4_KERNEL void rms_norm_rows(const NormArgs p) {
     pdl_enter();
+    const NormSet &a = p.a, &b = p.b;
+    const u32 width = p.width;
+    const float eps = p.eps;
+    u16* out_b = p.out_b;
+    const float* inv_freq = p.inv_freq;
+    const u32 rope_half = p.rope_half;
+    const u32* pos = p.pos;
     __shared__ float scratch[32];
-    for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float* row = x + (u64)r * x_stride;
+    for (u32 i = blockIdx.x; i < a.rows + b.rows; i += gridDim.x) {
+        // Field by field (selecting a whole parameter struct would copy it to local memory).
+        const bool first = i < a.rows;
+        const u32 r = first ? i : i - a.rows;
+        const float* row = (first ? a.x : b.x) + (u64)r * (first ? a.x_stride : b.x_stride);
+        const float* weight = first ? a.weight : b.weight;
+        float* out = first ? a.out : b.out;
+        const u32 rows_per_token = first ? a.rows_per_token : b.rows_per_token;
         // A thread's first NORM_HELD columns are loaded at once and kept; wider rows read the
         // rest again. The sum runs over the thread's columns in order either way.
         float held[NORM_HELD];
@@ -66,7 +89,7 @@ DSV4_KERNEL void rms_norm_rows(const float* x, u32 x_stride, u32 rows, u32 width
         s = block_sum(s, scratch);
         const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s, (float)width), eps)));
         float* dst = out + (u64)r * width;
-        u16* dst_b = out_b ? out_b + (u64)r * width : nullptr;
+        u16* dst_b = first && out_b ? out_b + (u64)r * width : nullptr;
         for (u32 j = threadIdx.x, k = 0; j < width; j += blockDim.x, k++) {
             const float v = __fmul_rn(k < NORM_HELD ? held_at(held, k) : row[j], inv);
             const float y = weight ? __fmul_rn(weight[j], v) : v;

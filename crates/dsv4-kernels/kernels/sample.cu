@@ -1,7 +1,7 @@
 // Next-token sampling on the device, so a decode graph needs no host decision: greedy
 // (argmax, ties to the lowest id, NaN never wins) or temperature + top-p with a counter-based
-// draw from (seed, position). The position is read from the device buffer the step advances,
-// so every replay draws afresh.
+// draw from (seed, position). The position is read from the device buffer, and sample_pick
+// then advances it (the step's last write), so every replay draws afresh.
 //
 // Greedy: argmax_spans takes the argmax of each span of ids in its own block, sample_pick the
 // argmax of those. Otherwise two kernels, one block each: sample_weights writes
@@ -118,7 +118,8 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) argmax_spans(const float* __r
 // sum to zero or overflow takes the argmax of z.
 DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __restrict__ z, const float* __restrict__ w,
                                                                u32 vocab, u32 greedy, float top_p, u64 seed,
-                                                               const u32* __restrict__ pos, u32* __restrict__ token) {
+                                                               u32* __restrict__ pos, u32 advance,
+                                                               u32* __restrict__ token) {
     pdl_enter();
     __shared__ float part[SAMPLE_THREADS];
     __shared__ u32 ids[SAMPLE_THREADS];
@@ -128,13 +129,19 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
     if (greedy) {
         const u32 i = threadIdx.x < argmax_spans_of(vocab) ? __float_as_uint(w[threadIdx.x]) : 0xffffffffu;
         const u32 t = block_best(i != 0xffffffffu ? z[i] : __uint_as_float(0xff800000u), i, part, ids);
-        if (threadIdx.x == 0u) token[0] = t == 0xffffffffu ? 0u : t;
+        if (threadIdx.x == 0u) {
+            token[0] = t == 0xffffffffu ? 0u : t;
+            pos[0] += advance;
+        }
         return;
     }
     const float total = kept_mass(w, lo, hi, 0.0f, part);
     if (!(total > 0.0f && isfinite(total))) {
         const u32 t = block_argmax(z, 0u, vocab, part, ids);
-        if (threadIdx.x == 0u) token[0] = t == 0xffffffffu ? 0u : t;
+        if (threadIdx.x == 0u) {
+            token[0] = t == 0xffffffffu ? 0u : t;
+            pos[0] += advance;
+        }
         return;
     }
     // The largest tau (as float bits, monotonic for w >= 0) whose kept mass reaches top_p * total.
@@ -186,5 +193,6 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
                 }
         }
         token[0] = chosen;
+        pos[0] += advance;
     }
 }

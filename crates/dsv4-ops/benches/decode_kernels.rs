@@ -209,18 +209,21 @@ impl FormatLaunch for ActQuantize {
 
 /// The per-token kernels of a decode step at M = 1, each on its own inputs and outputs.
 enum StepOp {
-    /// One mHC site: the mix projection of the 4 streams, Sinkhorn and collapse.
+    /// One mHC site: the mix projection of the 4 streams, Sinkhorn, collapse and norm.
     HcPre {
         streams: DeviceTensor<f32>,
         site: mhc::DeviceHcSite,
         partials: DeviceTensor<f32>,
-        out: mhc::HcPreOut,
+        norm: DeviceTensor<f32>,
+        xn: DeviceTensor<f32>,
+        xb: DeviceTensor<half::bf16>,
+        mix: mhc::DeviceHcMix,
     },
     /// The expansion back into 4 streams with the next site's mix projection.
     HcPostMix {
         streams: DeviceTensor<f32>,
         y: DeviceTensor<f32>,
-        mix: mhc::HcPreOut,
+        mix: mhc::DeviceHcMix,
         out: DeviceTensor<f32>,
         next: mhc::DeviceHcSite,
         partials: DeviceTensor<f32>,
@@ -273,9 +276,8 @@ impl StepOp {
         let hc = mhc::HC;
         let mut f = |shape: &[usize]| Self::f32s(dev, bits, shape);
         let pre_out =
-            |f: &mut dyn FnMut(&[usize]) -> Res<DeviceTensor<f32>>| -> Res<mhc::HcPreOut> {
-                Ok(mhc::HcPreOut {
-                    x: f(&[1, d])?,
+            |f: &mut dyn FnMut(&[usize]) -> Res<DeviceTensor<f32>>| -> Res<mhc::DeviceHcMix> {
+                Ok(mhc::DeviceHcMix {
                     post: f(&[1, hc])?,
                     comb: f(&[1, hc * hc])?,
                 })
@@ -292,7 +294,10 @@ impl StepOp {
                     streams,
                     site,
                     partials: f(&mhc::mix_partials_shape(1, d))?,
-                    out: pre_out(&mut f)?,
+                    norm: f(&[d])?,
+                    xn: f(&[1, d])?,
+                    xb: dev.alloc(DType::BF16, &[1, d])?,
+                    mix: pre_out(&mut f)?,
                 }
             }
             "hc_post_mix" => StepOp::HcPostMix {
@@ -343,12 +348,20 @@ impl FormatLaunch for StepOp {
     fn bytes(&self) -> usize {
         match self {
             StepOp::HcPre {
-                streams, site, out, ..
+                streams,
+                site,
+                norm,
+                xn,
+                xb,
+                mix,
+                ..
             } => {
                 streams.num_bytes()
                     + site.fn_.num_bytes()
-                    + out.x.num_bytes()
-                    + out.comb.num_bytes()
+                    + norm.num_bytes()
+                    + xn.num_bytes()
+                    + xb.num_bytes()
+                    + mix.comb.num_bytes()
             }
             StepOp::HcPostMix {
                 streams,
@@ -386,10 +399,19 @@ impl FormatLaunch for StepOp {
                 streams,
                 site,
                 partials,
-                out,
+                norm,
+                xn,
+                xb,
+                mix,
             } => {
                 mhc::hc_mix(dev, streams, site, &STEP_PARAMS, partials)?;
-                mhc::hc_pre(dev, streams, site, &STEP_PARAMS, partials, out)?
+                let input = mhc::NormedInput {
+                    weight: norm,
+                    eps: 1e-6,
+                    xn,
+                    xb,
+                };
+                mhc::hc_pre(dev, streams, site, &STEP_PARAMS, partials, input, mix)?
             }
             StepOp::HcPostMix {
                 streams,
@@ -428,7 +450,7 @@ impl FormatLaunch for StepOp {
                     top_p: 0.9,
                     seed: 1,
                 };
-                sample::sample(dev, logits, &s, pos, weights, token)?
+                sample::sample(dev, logits, &s, pos, 0, weights, token)?
             }
         }
         Ok(())

@@ -148,7 +148,6 @@ pub struct Acts<S: Stage> {
     pub streams: [S::Buf<f32>; 2],
     /// Scratch of the mHC mix projection.
     pub mix_partials: S::Buf<f32>,
-    pub x: S::Buf<f32>,
     pub post: S::Buf<f32>,
     pub comb: S::Buf<f32>,
     pub xn: S::Buf<f32>,
@@ -212,7 +211,6 @@ impl<S: Stage> Buffers<S> {
                 s.buf("streams.1", &[m, c.hc_dim()])?,
             ],
             mix_partials: s.buf("hc.partials", &mix_partials_shape(m, d))?,
-            x: s.buf("x", &[m, d])?,
             post: s.buf("hc.post", &[m, c.hc_mult])?,
             comb: s.buf("hc.comb", &[m, c.hc_mult * c.hc_mult])?,
             xn: s.buf("xn", &[m, d])?,

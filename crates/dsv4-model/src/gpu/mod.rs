@@ -19,13 +19,15 @@ use std::sync::Arc;
 use dsv4_ops::gpu::attention::{self, Compressed};
 use dsv4_ops::gpu::gemv::{gemv, gemv_add, gemv_grouped, gemv_swiglu, GemvWeight};
 use dsv4_ops::gpu::mhc::reference::HcParams;
-use dsv4_ops::gpu::mhc::{hc_head, hc_mix, hc_post_mix, hc_pre, DeviceHcSite, HcPreOut, HC};
+use dsv4_ops::gpu::mhc::{
+    hc_head, hc_mix, hc_post_mix, hc_pre, DeviceHcMix, DeviceHcSite, NormedInput, HC,
+};
 use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
 use dsv4_ops::gpu::moe_bf16::moe_bf16;
 use dsv4_ops::gpu::router::{gate_logits, route_topk, DeviceRouteBy, GateWeight};
 use dsv4_ops::gpu::rows::{
-    advance_position, embed_hc_gather, rms_norm_rope_rows, rms_norm_rows, rope_rows, ColRange,
-    RopeDirection, RowRope,
+    advance_position, embed_hc_gather, rms_norm_rope_pair, rms_norm_rows, rope_rows, ColRange,
+    NormRows, RopeDirection, RowRope,
 };
 use dsv4_ops::gpu::sample::{sample, Sampling};
 use dsv4_ops::gpu::{BufferPool, DType, Device, DeviceTensor, GpuError, Readback};
@@ -549,7 +551,6 @@ impl GpuModel {
                     self.launch_advance(n - 1)?;
                 }
                 self.launch_sample(n - 1, s)?;
-                self.launch_advance(1)?;
             } else {
                 self.launch_chunk(n)?;
             }
@@ -585,8 +586,7 @@ impl GpuModel {
     /// [`Self::note_decoded`] (checked first with [`Self::check_decode`]).
     pub fn launch_decode_step(&mut self, s: &Sampling) -> Result<(), GpuError> {
         self.launch_layers_and_head(1)?;
-        self.launch_sample(0, s)?;
-        self.launch_advance(1)
+        self.launch_sample(0, s)
     }
 
     /// Records that `steps` decode steps ran (eagerly or as graph replays).
@@ -623,6 +623,8 @@ impl GpuModel {
         advance_position(&self.dev, &mut self.bufs.acts.pos, n as u32)
     }
 
+    /// Samples from the logits of `row` into the token buffer, keyed by the device position,
+    /// which it then advances past that token.
     fn launch_sample(&mut self, row: usize, s: &Sampling) -> Result<(), GpuError> {
         let a = &mut self.bufs.acts;
         let v = self.config.vocab_size;
@@ -632,7 +634,8 @@ impl GpuModel {
             &self.dev,
             &logits,
             s,
-            &a.pos,
+            &mut a.pos,
+            1,
             &mut a.sample_weights,
             &mut token,
         )
@@ -669,13 +672,17 @@ impl GpuModel {
             };
             hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, ffn, |a| &a.moe)?;
         }
-        // Head: collapse, norm, lm_head.
+        // Head: collapse with the final norm, lm_head.
         let streams = a.streams[cur].rows(n)?;
-        let mut x = a.x.rows(n)?;
         let part = a.mix_partials.rows(n)?;
-        hc_head(dev, &streams, &self.w.hc_head, &self.hc, &part, &mut x)?;
         let (mut xn, mut xb) = (a.xn.rows(n)?, a.xb.rows(n)?);
-        rms_norm_rows(dev, &x, Some(&self.w.norm), eps, &mut xn, Some(&mut xb))?;
+        let input = NormedInput {
+            weight: &self.w.norm,
+            eps,
+            xn: &mut xn,
+            xb: &mut xb,
+        };
+        hc_head(dev, &streams, &self.w.hc_head, &self.hc, &part, input)?;
         gemv(dev, &xb, &self.w.head, &mut a.logits.rows(n)?, &mut a.ws)
     }
 }
@@ -715,7 +722,7 @@ fn hc_sublayer(
     Ok(())
 }
 
-/// A site's collapse (from its mix projection in `acts.mix_partials`) and norm: `acts.xn`
+/// A site's collapse (from its mix projection in `acts.mix_partials`) with its norm: `acts.xn`
 /// (F32) and `acts.xb` (BF16) hold the sub-layer input; returns the mix for the expansion.
 #[allow(clippy::too_many_arguments)]
 fn site_pre(
@@ -727,15 +734,27 @@ fn site_pre(
     site: &DeviceHcSite,
     norm: &DeviceTensor<f32>,
     eps: f32,
-) -> Result<HcPreOut, GpuError> {
-    let mut mix = HcPreOut {
-        x: a.x.rows(n)?,
+) -> Result<DeviceHcMix, GpuError> {
+    let mut mix = DeviceHcMix {
         post: a.post.rows(n)?,
         comb: a.comb.rows(n)?,
     };
-    hc_pre(dev, streams, site, p, &a.mix_partials.rows(n)?, &mut mix)?;
     let (mut xn, mut xb) = (a.xn.rows(n)?, a.xb.rows(n)?);
-    rms_norm_rows(dev, &mix.x, Some(norm), eps, &mut xn, Some(&mut xb))?;
+    let input = NormedInput {
+        weight: norm,
+        eps,
+        xn: &mut xn,
+        xb: &mut xb,
+    };
+    hc_pre(
+        dev,
+        streams,
+        site,
+        p,
+        &a.mix_partials.rows(n)?,
+        input,
+        &mut mix,
+    )?;
     Ok(mix)
 }
 
@@ -780,7 +799,8 @@ fn attention_layer(
     };
     let (mut qa_n, mut qab) = (a.qa_n.rows(n)?, a.qab.rows(n)?);
     rms_norm_rows(dev, qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
-    // Queries: wq_b, per-head norm and rope.
+    // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
+    // key/value's kv_norm and rope.
     let q = linear_f32(dev, &qab, &at.wq_b, &a.q, &mut a.ws)?;
     let mut q_n = a.q_n.view(0, &[n * c.num_heads, hd])?;
     let heads_rope = RowRope {
@@ -789,20 +809,25 @@ fn attention_layer(
         rows_per_token: c.num_heads,
     };
     let q_rows = q.reshape(&[n * c.num_heads, hd])?;
-    rms_norm_rope_rows(dev, &q_rows, None, eps, &heads_rope, &mut q_n)?;
-    let q_n = q_n.reshape(&[n, q_all])?;
-    // The shared key/value: kv_norm and rope.
-    let kv = ColRange {
-        x: &qa_kv,
-        first: c.q_lora_rank,
-        width: hd,
-    };
     let mut kv_n = a.kv_n.rows(n)?;
-    let kv_rope = RowRope {
-        rows_per_token: 1,
-        ..heads_rope
+    let heads = NormRows {
+        x: (&q_rows).into(),
+        weight: None,
+        rows_per_token: c.num_heads,
+        out: &mut q_n,
     };
-    rms_norm_rope_rows(dev, kv, Some(&at.kv_norm), eps, &kv_rope, &mut kv_n)?;
+    let kv = NormRows {
+        x: ColRange {
+            x: &qa_kv,
+            first: c.q_lora_rank,
+            width: hd,
+        },
+        weight: Some(&at.kv_norm),
+        rows_per_token: 1,
+        out: &mut kv_n,
+    };
+    rms_norm_rope_pair(dev, heads, kv, eps, &heads_rope)?;
+    let q_n = q_n.reshape(&[n, q_all])?;
     // Compressors update every token and emit entries at their boundaries.
     if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
         compress(dev, c, w, cw, st.buffers()?, a, n)?;

@@ -1,7 +1,7 @@
 //! Launchers of the mHC kernels (`kernels/mhc.cu`): per token, the mix projection of the
 //! RMS-normalized streams, spread over many blocks ([`hc_mix`], or fused into the previous
-//! site's expansion, [`hc_post_mix`]); Sinkhorn and the collapse from it ([`hc_pre`],
-//! [`hc_head`]); the expansion back ([`hc_post_mix`]). Four streams (every DeepSeek-V4 model).
+//! site's expansion, [`hc_post_mix`]); Sinkhorn and the collapse from it with the sub-layer's
+//! RMSNorm ([`hc_pre`], [`hc_head`]); the expansion back ([`hc_post_mix`]). Four streams (every DeepSeek-V4 model).
 //! CPU references: [`reference`].
 
 pub mod reference;
@@ -10,7 +10,10 @@ mod tests;
 
 use cudarc::driver::LaunchConfig;
 
+use half::bf16;
+
 use super::launch::{dim_u32, launch, Args, THREADS};
+use super::rows::norm_threads;
 use super::{DType, Device, DeviceTensor, GpuError};
 use reference::{HcParams, HcSite};
 
@@ -140,50 +143,67 @@ impl DeviceHcSite {
     }
 }
 
-/// Outputs of [`hc_pre`] for `n` tokens: the sub-layer input `x [n, D]` and the mix the
-/// matching [`hc_post_mix`] applies, `post [n, HC]` and `comb [n, HC·HC]`.
-pub struct HcPreOut {
-    pub x: DeviceTensor<f32>,
+/// The mix [`hc_pre`] writes for the matching [`hc_post_mix`], for `n` tokens:
+/// `post [n, HC]` and `comb [n, HC·HC]`.
+pub struct DeviceHcMix {
     pub post: DeviceTensor<f32>,
     pub comb: DeviceTensor<f32>,
 }
 
-/// Columns of the collapsed input one `hc_pre` / `hc_head` block writes (kernel constant).
-const COLLAPSE_COLS: u32 = 512;
+/// The sub-layer input [`hc_pre`] and [`hc_head`] write: the collapse RMS-normalized with
+/// `weight [D]` and `eps`, `xn [n, D]` (F32) and its BF16 copy `xb [n, D]`.
+pub struct NormedInput<'a> {
+    pub weight: &'a DeviceTensor<f32>,
+    pub eps: f32,
+    pub xn: &'a mut DeviceTensor<f32>,
+    pub xb: &'a mut DeviceTensor<bf16>,
+}
 
-/// Blocks of `COLLAPSE_COLS` columns of `d` along x, tokens along y (at most 65535, then
-/// grid-stride).
+impl NormedInput<'_> {
+    fn check(&self, n: usize, d: usize) -> Result<(), GpuError> {
+        self.weight.expect("mHC norm weight", DType::F32, &[d])?;
+        self.xn.expect("mHC normed input", DType::F32, &[n, d])?;
+        self.xb
+            .expect("mHC normed input (BF16)", DType::BF16, &[n, d])
+    }
+}
+
+/// One block per token (at most 65535, then grid-stride), as many threads as
+/// [`rms_norm_rows`](super::rows::rms_norm_rows) takes for a row of `d`, so that the norm sums
+/// in its order, and two warps at least (one runs Sinkhorn).
 fn per_token(n: u32, d: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (d.div_ceil(COLLAPSE_COLS).max(1), n.clamp(1, 65535), 1),
-        block_dim: (THREADS, 1, 1),
+        grid_dim: (n.clamp(1, 65535), 1, 1),
+        block_dim: (norm_threads(d).max(64), 1, 1),
         shared_mem_bytes: 0,
     }
 }
 
-/// `streams [n, HC·D]` → the site's collapsed input and mix (spec §4), all on the device, from
-/// the site's mix projection in `partials` ([`hc_mix`] or [`hc_post_mix`]).
+/// `streams [n, HC·D]` → the site's sub-layer input, collapsed and RMS-normalized, and its mix
+/// (spec §4), all on the device, from the site's mix projection in `partials` ([`hc_mix`] or
+/// [`hc_post_mix`]).
 pub fn hc_pre(
     dev: &Device,
     streams: &DeviceTensor<f32>,
     site: &DeviceHcSite,
     p: &HcParams,
     partials: &DeviceTensor<f32>,
-    out: &mut HcPreOut,
+    input: NormedInput,
+    mix: &mut DeviceHcMix,
 ) -> Result<(), GpuError> {
     let (n, d) = stream_dims(streams, p)?;
     site.check(MIX, 3, d)?;
-    out.x.expect("mHC input", DType::F32, &[n, d])?;
-    out.post.expect("mHC post", DType::F32, &[n, HC])?;
-    out.comb.expect("mHC comb", DType::F32, &[n, HC * HC])?;
+    input.check(n, d)?;
+    mix.post.expect("mHC post", DType::F32, &[n, HC])?;
+    mix.comb.expect("mHC comb", DType::F32, &[n, HC * HC])?;
     if n == 0 || d == 0 {
         return Ok(());
     }
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
     let iters = dim_u32("sinkhorn iterations", p.sinkhorn_iters)?;
     let (_, splits) = mix_grid(n, d, partials)?;
-    // SAFETY: streams [n, 4d], partials [n, splits, 25], base [24], scale [3], outputs [n, d], [n, 4],
-    // [n, 16], all checked above.
+    // SAFETY: streams [n, 4d], partials [n, splits, 25], base [24], scale [3], weight [d],
+    // outputs [n, d] (twice), [n, 4], [n, 16], all checked above.
     unsafe {
         launch(
             dev,
@@ -200,35 +220,37 @@ pub fn hc_pre(
                 .arg(iters)
                 .arg(p.hc_eps)
                 .arg(p.norm_eps)
-                .ptr(&out.x)
-                .ptr(&out.post)
-                .ptr(&out.comb),
+                .ptr(input.weight)
+                .arg(input.eps)
+                .ptr(input.xn)
+                .ptr(input.xb)
+                .ptr(&mix.post)
+                .ptr(&mix.comb),
         )
-    }?;
-    Ok(())
+    }
 }
 
-/// The final collapse before the output norm: `streams [n, HC·D]` → `x [n, D]` with the head
-/// site's pre weights (`fn_ [HC, HC·D]`, `base [HC]`, `scale [1]`), from its mix projection in
-/// `partials`.
+/// The final collapse with the output norm: `streams [n, HC·D]` → the head's input, with the
+/// head site's pre weights (`fn_ [HC, HC·D]`, `base [HC]`, `scale [1]`), from its mix
+/// projection in `partials`.
 pub fn hc_head(
     dev: &Device,
     streams: &DeviceTensor<f32>,
     site: &DeviceHcSite,
     p: &HcParams,
     partials: &DeviceTensor<f32>,
-    x: &mut DeviceTensor<f32>,
+    input: NormedInput,
 ) -> Result<(), GpuError> {
     let (n, d) = stream_dims(streams, p)?;
     site.check(HC, 1, d)?;
-    x.expect("mHC head output", DType::F32, &[n, d])?;
+    input.check(n, d)?;
     if n == 0 || d == 0 {
         return Ok(());
     }
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
     let (_, splits) = mix_grid(n, d, partials)?;
-    // SAFETY: streams [n, 4d], partials [n, splits, 25], base [4], scale [1], x [n, d], checked
-    // above.
+    // SAFETY: streams [n, 4d], partials [n, splits, 25], base [4], scale [1], weight [d],
+    // outputs [n, d] (twice), checked above.
     unsafe {
         launch(
             dev,
@@ -244,10 +266,12 @@ pub fn hc_head(
                 .ptr(&site.scale)
                 .arg(p.hc_eps)
                 .arg(p.norm_eps)
-                .ptr(x),
+                .ptr(input.weight)
+                .arg(input.eps)
+                .ptr(input.xn)
+                .ptr(input.xb),
         )
-    }?;
-    Ok(())
+    }
 }
 
 /// `(tokens, D)` of an expansion's `y [n, D]`, once `streams` and `out` are `[n, HC·D]` and the
@@ -255,7 +279,7 @@ pub fn hc_head(
 fn post_dims(
     streams: &DeviceTensor<f32>,
     y: &DeviceTensor<f32>,
-    mix: &HcPreOut,
+    mix: &DeviceHcMix,
     out: &DeviceTensor<f32>,
 ) -> Result<(usize, usize), GpuError> {
     let (n, d) = y.dims2("mHC sub-layer output", DType::F32)?;
@@ -275,7 +299,7 @@ pub fn hc_post_mix(
     dev: &Device,
     streams: &DeviceTensor<f32>,
     y: &DeviceTensor<f32>,
-    mix: &HcPreOut,
+    mix: &DeviceHcMix,
     out: &mut DeviceTensor<f32>,
     next: &DeviceHcSite,
     p: &HcParams,

@@ -1,7 +1,8 @@
 //! GPU tests of the mHC kernels against their CPU references on fresh random inputs. The
 //! mix logits are summed in another order and expf may differ by an ulp, so hc_pre and hc_head
-//! are held to bounds (post and comb within 1e-5, the collapsed input within 1e-5 of its
-//! largest magnitude); the expansion, given the same mix, is bit-exact. All `#[ignore]`d:
+//! are held to bounds (post and comb within 1e-5, the normalized input within 2e-5 of its
+//! largest magnitude, its BF16 copy its rounding); the expansion, given the same mix, is
+//! bit-exact. All `#[ignore]`d:
 //! `cargo xtask gpu-test`.
 
 use rand::rngs::StdRng;
@@ -10,6 +11,7 @@ use rand::Rng;
 use super::reference as cpu;
 use super::*;
 use crate::gpu::testing::{assert_bits_eq, device, rng, POISON};
+use half::bf16;
 
 fn uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(lo..hi)).collect()
@@ -75,52 +77,79 @@ fn gpu_hc_pre_and_head_match_reference() {
             scale: &hsc,
         };
 
+        let norm = uniform(&mut rng, d, 0.5, 1.5);
+        let eps = [1e-6f32, 1e-5][iter % 2];
         let sd = dev.upload(DType::F32, &[n, HC * d], &streams).unwrap();
         let site_d = DeviceHcSite::upload(&dev, &site, d).unwrap();
         let head_d = DeviceHcSite::upload(&dev, &head, d).unwrap();
-        let mut out = HcPreOut {
-            x: poisoned(&dev, &[n, d]),
+        let norm_d = dev.upload(DType::F32, &[d], &norm).unwrap();
+        let mut mix = DeviceHcMix {
             post: poisoned(&dev, &[n, HC]),
             comb: poisoned(&dev, &[n, HC * HC]),
         };
+        let mut xb = dev.alloc(DType::BF16, &[n, d]).unwrap();
+        let (mut xn, mut hxn) = (poisoned(&dev, &[n, d]), poisoned(&dev, &[n, d]));
         let mut part = poisoned(&dev, &mix_partials_shape(n, d));
         hc_mix(&dev, &sd, &site_d, &p, &mut part).unwrap();
-        hc_pre(&dev, &sd, &site_d, &p, &part, &mut out).unwrap();
-        let mut hx = poisoned(&dev, &[n, d]);
-        hc_mix(&dev, &sd, &head_d, &p, &mut part).unwrap();
-        hc_head(&dev, &sd, &head_d, &p, &part, &mut hx).unwrap();
+        let input = NormedInput {
+            weight: &norm_d,
+            eps,
+            xn: &mut xn,
+            xb: &mut xb,
+        };
+        hc_pre(&dev, &sd, &site_d, &p, &part, input, &mut mix).unwrap();
         let (x, post, comb) = (
-            dev.download(&out.x).unwrap(),
-            dev.download(&out.post).unwrap(),
-            dev.download(&out.comb).unwrap(),
+            dev.download(&xn).unwrap(),
+            dev.download(&mix.post).unwrap(),
+            dev.download(&mix.comb).unwrap(),
         );
-        let hx = dev.download(&hx).unwrap();
+        // The BF16 copy is the F32 output rounded.
+        let rounded: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let what = format!("iter {iter}: n {n}, d {d}: BF16 copy");
+        assert_bits_eq(&what, &dev.download(&xb).unwrap(), &rounded);
+        hc_mix(&dev, &sd, &head_d, &p, &mut part).unwrap();
+        let input = NormedInput {
+            weight: &norm_d,
+            eps,
+            xn: &mut hxn,
+            xb: &mut xb,
+        };
+        hc_head(&dev, &sd, &head_d, &p, &part, input).unwrap();
+        let hx = dev.download(&hxn).unwrap();
+        let rounded: Vec<bf16> = hx.iter().map(|&v| bf16::from_f32(v)).collect();
+        let what = format!("iter {iter}: n {n}, d {d}: head BF16 copy");
+        assert_bits_eq(&what, &dev.download(&xb).unwrap(), &rounded);
+        let normed = |mut v: Vec<f32>| {
+            crate::gpu::rows::reference::rms_norm(&mut v, Some(&norm), eps);
+            v
+        };
         for t in 0..n {
             let s = &streams[t * HC * d..(t + 1) * HC * d];
-            let (mix, want_x) = cpu::hc_pre(&site, s, &p);
+            let (want_mix, want_x) = cpu::hc_pre(&site, s, &p);
             let what = format!("iter {iter} token {t} of {n}, d {d}");
             assert_close(
                 &format!("{what} post"),
                 &post[t * HC..(t + 1) * HC],
-                &mix.post,
+                &want_mix.post,
                 1e-5,
             );
             let c = &comb[t * HC * HC..(t + 1) * HC * HC];
-            assert_close(&format!("{what} comb"), c, &mix.comb, 1e-5);
+            assert_close(&format!("{what} comb"), c, &want_mix.comb, 1e-5);
+            let want_x = normed(want_x);
             let max = want_x.iter().fold(0f32, |m, v| m.max(v.abs()));
             assert_close(
-                &format!("{what} x"),
+                &format!("{what} normed input"),
                 &x[t * d..(t + 1) * d],
                 &want_x,
-                1e-5 * max,
+                2e-5 * max,
             );
-            let want_h = cpu::hc_head(&head, s, &p);
+            let want_h = normed(cpu::hc_head(&head, s, &p));
             let max = want_h.iter().fold(0f32, |m, v| m.max(v.abs()));
             assert_close(
                 &format!("{what} head"),
                 &hx[t * d..(t + 1) * d],
                 &want_h,
-                1e-5 * max,
+                2e-5 * max,
             );
         }
     }
@@ -150,8 +179,7 @@ fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
                 &mix,
             );
         }
-        let mix = HcPreOut {
-            x: dev.alloc(DType::F32, &[n, d]).unwrap(),
+        let mix = DeviceHcMix {
             post: dev.upload(DType::F32, &[n, HC], &post).unwrap(),
             comb: dev.upload(DType::F32, &[n, HC * HC], &comb).unwrap(),
         };
@@ -206,40 +234,59 @@ fn gpu_mhc_launchers_reject_other_stream_counts_and_shapes() {
         d,
     )
     .unwrap();
-    let mut out = HcPreOut {
-        x: dev.alloc(DType::F32, &[2, d]).unwrap(),
+    let mut mix = DeviceHcMix {
         post: dev.alloc(DType::F32, &[2, HC]).unwrap(),
         comb: dev.alloc(DType::F32, &[2, HC * HC]).unwrap(),
     };
+    let norm = dev.upload(DType::F32, &[d], &[1.0f32; 8]).unwrap();
+    let mut xn = dev.alloc(DType::F32, &[2, d]).unwrap();
+    let mut xb = dev.alloc(DType::BF16, &[2, d]).unwrap();
+    macro_rules! input {
+        () => {
+            NormedInput {
+                weight: &norm,
+                eps: 1e-6,
+                xn: &mut xn,
+                xb: &mut xb,
+            }
+        };
+    }
     let mut part = dev.alloc(DType::F32, &mix_partials_shape(2, d)).unwrap();
     hc_mix(&dev, &sd, &site, &params(), &mut part).unwrap();
-    hc_pre(&dev, &sd, &site, &params(), &part, &mut out).unwrap();
+    hc_pre(&dev, &sd, &site, &params(), &part, input!(), &mut mix).unwrap();
     let three = HcParams { n: 3, ..params() };
-    assert!(hc_pre(&dev, &sd, &site, &three, &part, &mut out).is_err());
+    assert!(hc_pre(&dev, &sd, &site, &three, &part, input!(), &mut mix).is_err());
     let mut small = dev.alloc(DType::F32, &mix_partials_shape(1, d)).unwrap();
     assert!(
-        hc_pre(&dev, &sd, &site, &params(), &small, &mut out).is_err(),
+        hc_pre(&dev, &sd, &site, &params(), &small, input!(), &mut mix).is_err(),
         "partials for one token"
     );
     assert!(
         hc_mix(&dev, &sd, &site, &params(), &mut small).is_err(),
         "partials for one token"
     );
-    let mut head_x = dev.alloc(DType::F32, &[2, d]).unwrap();
     assert!(
-        hc_head(&dev, &sd, &site, &params(), &part, &mut head_x).is_err(),
+        hc_head(&dev, &sd, &site, &params(), &part, input!()).is_err(),
         "a layer site is not a head"
     );
-    let mut wrong = dev.alloc(DType::F32, &[2, HC * d + 1]).unwrap();
-    let r = hc_post_mix(
+    let wide = dev.upload(DType::F32, &[d + 1], &[1.0f32; 9]).unwrap();
+    let err = hc_pre(
         &dev,
         &sd,
-        &out.x,
-        &out,
-        &mut wrong,
         &site,
         &params(),
-        &mut part,
-    );
+        &part,
+        NormedInput {
+            weight: &wide,
+            ..input!()
+        },
+        &mut mix,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("mHC norm weight"), "{err}");
+    let y = dev.alloc(DType::F32, &[2, d]).unwrap();
+    let mut wrong = dev.alloc(DType::F32, &[2, HC * d + 1]).unwrap();
+    let r = hc_post_mix(&dev, &sd, &y, &mix, &mut wrong, &site, &params(), &mut part);
     assert!(r.is_err(), "new streams of the wrong width");
 }

@@ -7,10 +7,12 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use cudarc::driver::LaunchConfig;
 use half::bf16;
 
-use super::launch::{dim_u32, elementwise, launch, Args};
+use cudarc::driver::DeviceRepr;
+
+use super::gemv::tuning::PROGRAMMATIC_LAUNCH;
+use super::launch::{dim_u32, elementwise, launch, launch_struct, Args};
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
 /// `out [n, hc·D]` (F32) = `hc` copies of row `tokens[t]` of the BF16 `table [vocab, D]`, for
@@ -84,7 +86,13 @@ pub fn rms_norm_rows<'a>(
     out: &mut DeviceTensor<f32>,
     out_b: Option<&mut DeviceTensor<bf16>>,
 ) -> Result<(), GpuError> {
-    norm_rows(dev, x.into(), weight, eps, out, out_b, None)
+    let set = NormRows {
+        x: x.into(),
+        weight,
+        rows_per_token: 1,
+        out,
+    };
+    norm_rows(dev, set, None, eps, out_b, None)
 }
 
 /// The rotary embedding [`rms_norm_rope_rows`] applies after the norm.
@@ -106,109 +114,181 @@ pub fn rms_norm_rope_rows<'a>(
     rope: &RowRope,
     out: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    norm_rows(dev, x.into(), weight, eps, out, None, Some(rope))
+    let set = NormRows {
+        x: x.into(),
+        weight,
+        rows_per_token: rope.rows_per_token,
+        out,
+    };
+    norm_rows(dev, set, None, eps, None, Some(rope))
+}
+
+/// Rows of one width that [`rms_norm_rope_pair`] normalizes and rotates like
+/// [`rms_norm_rope_rows`].
+pub struct NormRows<'a, 'o> {
+    pub x: ColRange<'a>,
+    pub weight: Option<&'a DeviceTensor<f32>>,
+    /// Rows of one token (heads); row `r` sits at position `pos[0] + r / rows_per_token`.
+    pub rows_per_token: usize,
+    pub out: &'o mut DeviceTensor<f32>,
+}
+
+/// [`rms_norm_rope_rows`] of two sets of rows of one width (a token's query heads and its
+/// shared key) in one launch; `rope.rows_per_token` is ignored (each set gives its own).
+pub fn rms_norm_rope_pair(
+    dev: &Device,
+    a: NormRows,
+    b: NormRows,
+    eps: f32,
+    rope: &RowRope,
+) -> Result<(), GpuError> {
+    norm_rows(dev, a, Some(b), eps, None, Some(rope))
+}
+
+/// Mirrors `struct NormSet` in rows.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct NormSet {
+    x: u64,
+    x_stride: u32,
+    rows: u32,
+    weight: u64,
+    out: u64,
+    rows_per_token: u32,
+}
+
+/// Mirrors `struct NormArgs` in rows.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct NormArgs {
+    a: NormSet,
+    b: NormSet,
+    width: u32,
+    eps: f32,
+    out_b: u64,
+    inv_freq: u64,
+    rope_half: u32,
+    pos: u64,
+}
+
+// SAFETY: plain #[repr(C)] data with the exact layout of the CUDA structs.
+unsafe impl DeviceRepr for NormArgs {}
+
+/// Threads of a norm block for rows of `width`: about four columns a thread, so that one row
+/// (a decode step's norm) spreads over a whole block of up to 1024 threads. The summation
+/// order follows from it, so it depends on the width only.
+pub(crate) fn norm_threads(width: u32) -> u32 {
+    (width / 4).next_multiple_of(32).clamp(32, 1024)
+}
+
+/// A checked row set of `width` columns and the kernel's view of it.
+fn norm_set(set: &NormRows, width: usize, rope: bool) -> Result<NormSet, GpuError> {
+    let x = set.x;
+    let (rows, stride) = x.x.dims2("rms_norm input", DType::F32)?;
+    if x.width != width || x.first + width > stride {
+        return Err(GpuError::invalid(
+            "rms_norm",
+            format!(
+                "columns {}..{} of rows of {stride} (rows of {width} wanted)",
+                x.first,
+                x.first + x.width
+            ),
+        ));
+    }
+    set.out
+        .expect("rms_norm output", DType::F32, &[rows, width])?;
+    if let Some(w) = set.weight {
+        w.expect("rms_norm weight", DType::F32, &[width])?;
+    }
+    if rope && (set.rows_per_token == 0 || rows % set.rows_per_token != 0) {
+        return Err(GpuError::invalid(
+            "rms_norm_rope",
+            format!("{rows} rows, {} rows a token", set.rows_per_token),
+        ));
+    }
+    Ok(NormSet {
+        x: x.x.device_address() + (x.first * 4) as u64,
+        x_stride: dim_u32("row stride", stride)?,
+        rows: dim_u32("rows", rows)?,
+        // Null selects the unscaled norm inside the kernel.
+        weight: set.weight.map_or(0, DeviceTensor::device_address),
+        out: set.out.device_address(),
+        rows_per_token: dim_u32("rows per token", set.rows_per_token.max(1))?,
+    })
 }
 
 fn norm_rows(
     dev: &Device,
-    x: ColRange,
-    weight: Option<&DeviceTensor<f32>>,
+    a: NormRows,
+    b: Option<NormRows>,
     eps: f32,
-    out: &mut DeviceTensor<f32>,
     out_b: Option<&mut DeviceTensor<bf16>>,
     rope: Option<&RowRope>,
 ) -> Result<(), GpuError> {
-    let (rows, stride) = x.x.dims2("rms_norm input", DType::F32)?;
-    let width = x.width;
-    if x.first + width > stride {
-        return Err(GpuError::invalid(
-            "rms_norm",
-            format!(
-                "columns {}..{} of rows of {stride}",
-                x.first,
-                x.first + width
-            ),
-        ));
+    let width = a.x.width;
+    let first = norm_set(&a, width, rope.is_some())?;
+    let second = match &b {
+        Some(b) => norm_set(b, width, rope.is_some())?,
+        None => NormSet::default(),
+    };
+    if let Some(o) = &out_b {
+        o.expect(
+            "rms_norm BF16 output",
+            DType::BF16,
+            &[first.rows as usize, width],
+        )?;
     }
-    out.expect("rms_norm output", DType::F32, &[rows, width])?;
-    if let Some(b) = &out_b {
-        b.expect("rms_norm BF16 output", DType::BF16, &[rows, width])?;
-    }
-    // Null selects no BF16 copy inside the kernel.
-    let out_b = out_b.map_or(0, |b| b.device_address());
-    if let Some(w) = weight {
-        w.expect("rms_norm weight", DType::F32, &[width])?;
-    }
-    let (inv_freq, half, pos, per_token) = match rope {
+    let (inv_freq, rope_half, pos) = match rope {
         Some(r) => {
             let half = r.inv_freq.len();
             r.inv_freq
                 .expect("rope inverse frequencies", DType::F32, &[half])?;
             r.pos.expect("rope position", DType::U32, &[1])?;
-            if 2 * half > width || r.rows_per_token == 0 || rows % r.rows_per_token != 0 {
+            if 2 * half > width {
                 return Err(GpuError::invalid(
                     "rms_norm_rope",
-                    format!(
-                        "{rows} rows of {width} with {} rotated channels, {} rows a token",
-                        2 * half,
-                        r.rows_per_token
-                    ),
+                    format!("rows of {width} with {} rotated channels", 2 * half),
                 ));
             }
-            let half = dim_u32("rope half", half)?;
-            let per_token = dim_u32("rows per token", r.rows_per_token)?;
             (
                 r.inv_freq.device_address(),
-                half,
+                dim_u32("rope half", half)?,
                 r.pos.device_address(),
-                per_token,
             )
         }
-        None => (0, 0, 0, 1),
+        None => (0, 0, 0),
     };
+    let rows = first.rows as usize + second.rows as usize;
     if rows == 0 || width == 0 {
         return Ok(());
     }
-    let (r32, w32, s32) = (
-        dim_u32("rows", rows)?,
-        dim_u32("width", width)?,
-        dim_u32("row stride", stride)?,
-    );
-    // Null selects the unscaled norm inside the kernel.
-    let weight_ptr: u64 = weight.map_or(0, DeviceTensor::device_address);
-    // About four columns a thread, so that one row (a decode step's norm) spreads over a
-    // whole block of up to 1024 threads; the size depends on the width only.
-    let threads = (w32 / 4).next_multiple_of(32).clamp(32, 1024);
-    let cfg = LaunchConfig {
-        grid_dim: (r32.min(1 << 16), 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+    let w32 = dim_u32("width", width)?;
+    let args = NormArgs {
+        a: first,
+        b: second,
+        width: w32,
+        eps,
+        // Null selects no BF16 copy inside the kernel.
+        out_b: out_b.map_or(0, |o| o.device_address()),
+        inv_freq,
+        rope_half,
+        pos,
     };
-    // SAFETY: x is [rows, stride] read from column `first` on, first + width <= stride; out and
-    // out_b (when not null) are [rows, width], weight (when not null)
-    // [width], inv_freq (when not null) [half] with 2·half <= width and pos [1], checked
-    // above.
+    // SAFETY: NormArgs mirrors the kernel's argument; each set's x holds its rows of `stride`
+    // read from column `first` on (first + width <= stride), out [rows, width], weight (when
+    // not null) [width]; out_b (when not null) set a's [rows, width]; inv_freq (when not null)
+    // [half] with 2·half <= width and pos [1], checked above.
     unsafe {
-        launch(
+        launch_struct(
             dev,
             "rms_norm_rows",
-            cfg,
-            Args::new()
-                .arg(x.x.device_address() + (x.first * 4) as u64)
-                .arg(s32)
-                .arg(r32)
-                .arg(w32)
-                .arg(weight_ptr)
-                .arg(eps)
-                .ptr(out)
-                .arg(out_b)
-                .arg(inv_freq)
-                .arg(half)
-                .arg(pos)
-                .arg(per_token),
+            (dim_u32("rows", rows)?.min(1 << 16), 1, 1),
+            (norm_threads(w32), 0),
+            &args,
+            PROGRAMMATIC_LAUNCH.get(),
+            1,
         )
-    }?;
-    Ok(())
+    }
 }
 
 /// Which way [`rope_rows`] rotates.

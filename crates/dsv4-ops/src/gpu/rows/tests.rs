@@ -225,6 +225,99 @@ fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
     assert!(err.to_string().contains("2 rows a token"), "{err}");
 }
 
+/// Two row sets in one launch (a token's query heads, unscaled, and its shared key, a column
+/// range with a weight) give the bits of the two launches apart; sets of other widths are
+/// refused.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_rms_norm_rope_pair_is_the_two_launches() {
+    let dev = device();
+    let mut rng = rng("gpu_rms_norm_rope_pair_is_the_two_launches");
+    for (tokens, heads, width, lead) in [(1, 64, 512, 1024), (3, 4, 96, 40)] {
+        let q = random_f32(&mut rng, tokens * heads * width);
+        let kv = random_f32(&mut rng, tokens * (lead + width));
+        let weight = random_f32(&mut rng, width);
+        let freq: Vec<f32> = (0..16).map(|i| 0.8f32.powi(i)).collect();
+        let qd = dev
+            .upload(DType::F32, &[tokens * heads, width], &q)
+            .unwrap();
+        let kvd = dev
+            .upload(DType::F32, &[tokens, lead + width], &kv)
+            .unwrap();
+        let wd = dev.upload(DType::F32, &[width], &weight).unwrap();
+        let fd = dev.upload(DType::F32, &[16], &freq).unwrap();
+        let pd = dev
+            .upload(DType::U32, &[1], &[rng.random_range(0..100_000u32)])
+            .unwrap();
+        let rope = |rows_per_token| RowRope {
+            inv_freq: &fd,
+            pos: &pd,
+            rows_per_token,
+        };
+        let kv_cols = ColRange {
+            x: &kvd,
+            first: lead,
+            width,
+        };
+        let (mut q1, mut k1) = (
+            poisoned_f32(&dev, &[tokens * heads, width]),
+            poisoned_f32(&dev, &[tokens, width]),
+        );
+        rms_norm_rope_rows(&dev, &qd, None, 1e-6, &rope(heads), &mut q1).unwrap();
+        rms_norm_rope_rows(&dev, kv_cols, Some(&wd), 1e-6, &rope(1), &mut k1).unwrap();
+        let (mut q2, mut k2) = (
+            poisoned_f32(&dev, &[tokens * heads, width]),
+            poisoned_f32(&dev, &[tokens, width]),
+        );
+        let a = NormRows {
+            x: (&qd).into(),
+            weight: None,
+            rows_per_token: heads,
+            out: &mut q2,
+        };
+        let b = NormRows {
+            x: kv_cols,
+            weight: Some(&wd),
+            rows_per_token: 1,
+            out: &mut k2,
+        };
+        rms_norm_rope_pair(&dev, a, b, 1e-6, &rope(heads)).unwrap();
+        let what = format!("{tokens} tokens x {heads} heads of {width}");
+        let down = |t: &DeviceTensor<f32>| dev.download(t).unwrap();
+        assert_bits_eq(&format!("{what}: heads"), &down(&q2), &down(&q1));
+        assert_bits_eq(&format!("{what}: key"), &down(&k2), &down(&k1));
+    }
+    let x = dev.alloc::<f32>(DType::F32, &[2, 64]).unwrap();
+    let y = dev.alloc::<f32>(DType::F32, &[2, 32]).unwrap();
+    let fd = dev.alloc::<f32>(DType::F32, &[4]).unwrap();
+    let pd = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
+    let (mut ox, mut oy) = (
+        dev.alloc::<f32>(DType::F32, &[2, 64]).unwrap(),
+        dev.alloc::<f32>(DType::F32, &[2, 32]).unwrap(),
+    );
+    let rope = RowRope {
+        inv_freq: &fd,
+        pos: &pd,
+        rows_per_token: 1,
+    };
+    let set = |x, out| NormRows {
+        x,
+        weight: None,
+        rows_per_token: 1,
+        out,
+    };
+    let err = rms_norm_rope_pair(
+        &dev,
+        set((&x).into(), &mut ox),
+        set((&y).into(), &mut oy),
+        1e-6,
+        &rope,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("rows of 64 wanted"), "{err}");
+}
+
 /// A norm over a column range of a wider tensor (a stacked GEMV's output) gives the bits of the
 /// same norm over those columns copied out densely; a range past the row is refused.
 #[test]

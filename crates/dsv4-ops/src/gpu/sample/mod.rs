@@ -74,13 +74,15 @@ fn one_block() -> LaunchConfig {
 }
 
 /// Picks the next token from `logits [vocab]` (F32) into `token` (U32 `[1]`); the draw is
-/// keyed by `seed` and the device position `pos` (U32 `[1]`). `weights [vocab]` (F32) is
-/// scratch.
+/// keyed by `seed` and the device position `pos` (U32 `[1]`), which is then advanced by
+/// `advance` (a decode step's last write). `weights [vocab]` (F32) is scratch.
+#[allow(clippy::too_many_arguments)]
 pub fn sample(
     dev: &Device,
     logits: &DeviceTensor<f32>,
     s: &Sampling,
-    pos: &DeviceTensor<u32>,
+    pos: &mut DeviceTensor<u32>,
+    advance: u32,
     weights: &mut DeviceTensor<f32>,
     token: &mut DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
@@ -137,6 +139,7 @@ pub fn sample(
                 .arg(s.top_p)
                 .arg(s.seed)
                 .ptr(pos)
+                .arg(advance)
                 .ptr(token),
         )
     }?;

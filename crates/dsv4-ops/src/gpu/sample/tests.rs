@@ -31,12 +31,16 @@ fn gpu_sampler_matches_reference() {
         }
         let position: u32 = rng.random_range(0..1 << 20);
         let zd = dev.upload(DType::F32, &[vocab], &z).unwrap();
-        let pd = dev.upload(DType::U32, &[1], &[position]).unwrap();
+        let mut pd = dev.upload(DType::U32, &[1], &[position]).unwrap();
         let mut wd = dev.alloc::<f32>(DType::F32, &[vocab]).unwrap();
         let mut td = dev.upload(DType::U32, &[1], &[u32::MAX]).unwrap();
-        sample(&dev, &zd, &settings, &pd, &mut wd, &mut td).unwrap();
+        let advance = (iter % 3) as u32;
+        sample(&dev, &zd, &settings, &mut pd, advance, &mut wd, &mut td).unwrap();
         let got = dev.download(&td).unwrap()[0];
         let what = format!("iter {iter}: vocab {vocab}, {settings:?}, position {position}");
+        // The draw keyed by the position before the advance.
+        let moved = dev.download(&pd).unwrap()[0];
+        assert_eq!(moved, position + advance, "{what}: position advanced");
         let greedy = settings.temperature == 0.0;
         let w = if greedy {
             vec![0.0; vocab]
@@ -71,10 +75,15 @@ fn gpu_greedy_ties_go_to_the_lowest_id_across_spans() {
     let vocab = 129_280;
     let pick = |z: &[f32]| {
         let zd = dev.upload(DType::F32, &[vocab], z).unwrap();
-        let pd = dev.upload(DType::U32, &[1], &[0u32]).unwrap();
+        let mut pd = dev.upload(DType::U32, &[1], &[0u32]).unwrap();
         let mut wd = dev.alloc::<f32>(DType::F32, &[vocab]).unwrap();
         let mut td = dev.upload(DType::U32, &[1], &[u32::MAX]).unwrap();
-        sample(&dev, &zd, &greedy, &pd, &mut wd, &mut td).unwrap();
+        sample(&dev, &zd, &greedy, &mut pd, 1, &mut wd, &mut td).unwrap();
+        assert_eq!(
+            dev.download(&pd).unwrap(),
+            [1],
+            "greedy advances the position too"
+        );
         dev.download(&td).unwrap()[0]
     };
     // The maximum in three spans (ids 4096 apart at least), a NaN in a fourth.
@@ -95,7 +104,7 @@ fn gpu_greedy_ties_go_to_the_lowest_id_across_spans() {
 fn gpu_sampler_rejects_bad_settings() {
     let dev = device();
     let z = dev.alloc::<f32>(DType::F32, &[8]).unwrap();
-    let pos = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
+    let mut pos = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
     let mut w = dev.alloc::<f32>(DType::F32, &[8]).unwrap();
     let mut t = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
     for (temperature, top_p) in [(f32::NAN, 1.0), (-1.0, 1.0), (1.0, 0.0), (1.0, 1.5)] {
@@ -104,7 +113,10 @@ fn gpu_sampler_rejects_bad_settings() {
             top_p,
             seed: 0,
         };
-        assert!(sample(&dev, &z, &s, &pos, &mut w, &mut t).is_err(), "{s:?}");
+        assert!(
+            sample(&dev, &z, &s, &mut pos, 1, &mut w, &mut t).is_err(),
+            "{s:?}"
+        );
     }
     let mut short = dev.alloc::<f32>(DType::F32, &[7]).unwrap();
     let s = Sampling {
@@ -112,5 +124,5 @@ fn gpu_sampler_rejects_bad_settings() {
         top_p: 1.0,
         seed: 0,
     };
-    assert!(sample(&dev, &z, &s, &pos, &mut short, &mut t).is_err());
+    assert!(sample(&dev, &z, &s, &mut pos, 1, &mut short, &mut t).is_err());
 }
