@@ -1,8 +1,8 @@
 // Manifold-constrained hyper-connections (spec §4) for hc_mult = 4 streams: the mix
 // projection of the RMS-normalized streams spread over many blocks (hc_mix_partials), then
-// one block per token finishing the mix from the partials, running Sinkhorn and the collapse
-// with the sub-layer's RMSNorm (hc_pre, and hc_head with pre weights only and the output
-// norm); the expansion back fused with the next site's mix projection (hc_post_mix).
+// one block per token finishing the mix from the partials, then running Sinkhorn in one warp
+// beside the collapse with the sub-layer's RMSNorm in the others (hc_pre, and hc_head with pre
+// weights only and the output norm); the expansion back fused with the next site's mix projection (hc_post_mix).
 //
 // The stream count is a compile-time 4 (every DeepSeek-V4 model), so the mixing arrays stay
 // in registers. Products and sums the CPU reference rounds one by one use __f*_rn in its
@@ -110,14 +110,30 @@ __device__ __forceinline__ void mix_from_partials(const float* __restrict__ part
     __syncthreads();
 }
 
-// One token's sub-layer input, collapsed and RMS-normalized by one block: thread i takes
-// columns i, i + B, ... of x = sum_i pre[i] * s[i * d + c] (accumulated from stream 0 up),
-// keeping its first NORM_HELD in registers (the rest go through xn), then xn = weight * (x * r),
-// r = 1 / sqrt(mean(x^2) + eps), and its bf16 copy xb. The sum of squares runs over each
-// thread's columns in order, then block_sum: rms_norm_rows' order for the same block size.
+// Sum of v over the block's first `threads` threads (whole warps), for all of them: a shuffle
+// tree per warp, then over the warps in order. Named barrier 1 syncs only those threads, so a
+// warp past them (hc_pre's Sinkhorn warp) runs on meanwhile.
+__device__ __forceinline__ float collapse_sum(float v, float* scratch, u32 threads) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");  // scratch may still be read
+    if (lane == 0u) scratch[warp] = v;
+    asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+    v = lane < threads / 32u ? scratch[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// One token's sub-layer input, collapsed and RMS-normalized by the block's first `threads`
+// threads: thread i takes columns i, i + threads, ... of x = sum_i pre[i] * s[i * d + c]
+// (accumulated from stream 0 up), keeping its first NORM_HELD in registers (the rest go
+// through xn), then xn = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps), and its bf16 copy
+// xb. The sum of squares runs over each thread's columns in order, then collapse_sum.
 __device__ __forceinline__ void collapse_norm(const float* __restrict__ s, u32 d, const float* pre,
                                               const float* __restrict__ weight, float eps, float* __restrict__ xn,
-                                              u16* __restrict__ xb, float* scratch) {
+                                              u16* __restrict__ xb, float* scratch, u32 threads) {
     const auto x_at = [&](u32 c) {
         float acc = 0.0f;
 #pragma unroll
@@ -128,18 +144,18 @@ __device__ __forceinline__ void collapse_norm(const float* __restrict__ s, u32 d
     float sq = 0.0f;
 #pragma unroll
     for (u32 k = 0; k < NORM_HELD; k++) {
-        const u32 c = threadIdx.x + k * blockDim.x;
+        const u32 c = threadIdx.x + k * threads;
         held[k] = c < d ? x_at(c) : 0.0f;
         if (c < d) sq = __fadd_rn(sq, __fmul_rn(held[k], held[k]));
     }
-    for (u32 c = threadIdx.x + NORM_HELD * blockDim.x; c < d; c += blockDim.x) {
+    for (u32 c = threadIdx.x + NORM_HELD * threads; c < d; c += threads) {
         const float v = x_at(c);
         xn[c] = v;
         sq = __fadd_rn(sq, __fmul_rn(v, v));
     }
-    sq = block_sum(sq, scratch);
+    sq = collapse_sum(sq, scratch, threads);
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sq, (float)d), eps)));
-    for (u32 c = threadIdx.x, k = 0; c < d; c += blockDim.x, k++) {
+    for (u32 c = threadIdx.x, k = 0; c < d; c += threads, k++) {
         const float y = __fmul_rn(weight[c], __fmul_rn(k < NORM_HELD ? held_at(held, k) : xn[c], inv));
         xn[c] = y;
         xb[c] = f32_to_bf16(y);
@@ -182,8 +198,8 @@ __device__ __forceinline__ float sinkhorn_lane(float c, u32 lane, u32 iters, flo
 }
 
 // After hc_mix_partials: streams [n, HC * d] -> the normalized sub-layer input xn [n, d] (and
-// its bf16 copy xb), post [n, HC], comb [n, HC * HC]. One block per token (grid-stride), of at
-// least two warps: warp 1 writes post and runs Sinkhorn before its share of the collapse.
+// its bf16 copy xb), post [n, HC], comb [n, HC * HC]. One block per token (grid-stride): its
+// last warp writes post and runs Sinkhorn while the others collapse and normalize.
 DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                         u32 splits, const float* __restrict__ base, const float* __restrict__ scale,
                         u32 sinkhorn_iters, float hc_eps, float norm_eps, const float* __restrict__ weight,
@@ -194,30 +210,32 @@ DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const f
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
     __shared__ float scratch[32];
-    const u32 width = HC * d;
+    const u32 width = HC * d, collapse_threads = blockDim.x - 32u;
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
         mix_from_partials(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, mu, sums);
         if (threadIdx.x < HC)
             pre[threadIdx.x] =
                 __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[threadIdx.x]), base[threadIdx.x])), hc_eps);
-        if (threadIdx.x >= 32u && threadIdx.x < 64u) {
-            // Warp 1: lanes 0..3 the post weights, lanes 0..15 one comb element each.
-            const u32 lane = threadIdx.x - 32u, k = lane & 15u;
+        __syncthreads();
+        if (threadIdx.x >= collapse_threads) {
+            // The last warp: lanes 0..3 the post weights, lanes 0..15 one comb element each.
+            const u32 lane = threadIdx.x - collapse_threads, k = lane & 15u;
             if (lane < HC)
                 post[(u64)t * HC + lane] =
                     __fmul_rn(2.0f, sigmoid_rn(__fadd_rn(__fmul_rn(scale[1], mu[HC + lane]), base[HC + lane])));
             const float c = __fadd_rn(__fmul_rn(scale[2], mu[2 * HC + k]), base[2 * HC + k]);
             const float m = sinkhorn_lane(c, lane, sinkhorn_iters, hc_eps);
             if (lane < HC * HC) comb[(u64)t * HC * HC + lane] = m;
+        } else {
+            collapse_norm(streams + (u64)t * width, d, pre, weight, eps, xn + (u64)t * d, xb + (u64)t * d, scratch,
+                          collapse_threads);
         }
-        __syncthreads();
-        collapse_norm(streams + (u64)t * width, d, pre, weight, eps, xn + (u64)t * d, xb + (u64)t * d, scratch);
         __syncthreads();  // pre and mu are rewritten for the next token
     }
 }
 
 // The final collapse and the output norm: pre weights only (fn [HC, HC * d], base [HC],
-// scale [1]); the grid as hc_pre's.
+// scale [1]); the grid as hc_pre's (its last warp idle).
 DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                          u32 splits, const float* __restrict__ base, const float* __restrict__ scale, float hc_eps,
                          float norm_eps, const float* __restrict__ weight, float eps, float* __restrict__ xn,
@@ -234,7 +252,9 @@ DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const 
             pre[threadIdx.x] =
                 __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[threadIdx.x]), base[threadIdx.x])), hc_eps);
         __syncthreads();
-        collapse_norm(streams + (u64)t * width, d, pre, weight, eps, xn + (u64)t * d, xb + (u64)t * d, scratch);
+        if (threadIdx.x < blockDim.x - 32u)
+            collapse_norm(streams + (u64)t * width, d, pre, weight, eps, xn + (u64)t * d, xb + (u64)t * d, scratch,
+                          blockDim.x - 32u);
         __syncthreads();
     }
 }

@@ -2,7 +2,8 @@
 // (the device token id's row of tid2eid) or learned routing (top k of score + bias, ties to
 // the lowest expert, returned in ascending expert order), and the combine weights
 // score / sum(scores) * scale. One block per token; everything stays on the device.
-// Also the gate projection before it (gate_logits_*, at the end), in f32.
+// Also the gate projection before it (gate_logits_*), in f32, and both in one launch
+// (gate_route_*, at the end).
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
@@ -26,64 +27,83 @@ __device__ __forceinline__ u64 route_key(float v, u32 x) {
     return ((u64)ordered << 32) | (0xffffffffu - x);
 }
 
-// logits [n, e]; tid2eid [vocab, k] (hash, may be null) or bias [e] (learned); tokens [n];
-// ids [n, k] (i32), weights [n, k]. Learned: each thread scores its experts, then ranks each
-// against all e (the keys above its own); the k of rank < k are the choice, placed in
-// ascending expert order by a prefix count of the chosen. No sequential rounds.
+// Routes token t from its logits z [e] (read through L2: in gate_route they were written by
+// other blocks of the same launch); tid2eid [vocab, k] (hash, may be null) or bias [e]
+// (learned); ids [n, k] (i32), weights [n, k]. Learned: each thread scores its experts, then
+// ranks each against all e (the keys above its own); the k of rank < k are the choice, placed
+// in ascending expert order by a prefix count of the chosen. No sequential rounds. The whole
+// block calls it; blockDim.x is a multiple of 32.
+struct RouteShared {
+    u64 key[ROUTE_E_MAX];
+    u32 chosen_mask[ROUTE_E_MAX / 32];
+    u32 chosen[ROUTE_K_MAX];
+    float score[ROUTE_K_MAX];
+    float total;
+};
+
+__device__ __forceinline__ void route_token(const float* z, u32 t, u32 e, u32 k, const u32* __restrict__ tokens,
+                                            const u32* __restrict__ tid2eid, u32 vocab,
+                                            const float* __restrict__ bias, float scale, int* __restrict__ ids,
+                                            float* __restrict__ weights, RouteShared& sh) {
+    const u32 lane = threadIdx.x & 31u;
+    if (tid2eid) {
+        // An out-of-vocabulary token picks expert 0 k times rather than reading past the table.
+        const u32 tok = tokens[t] < vocab ? tokens[t] : 0u;
+        if (threadIdx.x < k) sh.chosen[threadIdx.x] = min(tid2eid[(u64)tok * k + threadIdx.x], e - 1u);
+    } else {
+        for (u32 x = threadIdx.x; x < e; x += blockDim.x)
+            sh.key[x] = route_key(__fadd_rn(route_score(__ldcg(z + x)), bias[x]), x);
+        __syncthreads();
+        // Every warp covers whole 32-expert groups.
+        for (u32 x0 = threadIdx.x - lane; x0 < e; x0 += blockDim.x) {
+            const u32 x = x0 + lane;
+            bool pick = false;
+            if (x < e) {
+                const u64 mine = sh.key[x];
+                u32 rank = 0u;
+#pragma unroll 8
+                for (u32 y = 0; y < e; y++) rank += sh.key[y] > mine ? 1u : 0u;
+                pick = rank < k;
+            }
+            const u32 mask = __ballot_sync(0xffffffffu, pick);
+            if (lane == 0u) sh.chosen_mask[x0 / 32u] = mask;
+        }
+        __syncthreads();
+        for (u32 x = threadIdx.x; x < e; x += blockDim.x) {
+            const u32 g = x / 32u, bit = 1u << (x & 31u);
+            if (!(sh.chosen_mask[g] & bit)) continue;
+            u32 slot = __popc(sh.chosen_mask[g] & (bit - 1u));
+            for (u32 h = 0; h < g; h++) slot += __popc(sh.chosen_mask[h]);
+            sh.chosen[slot] = x;
+        }
+    }
+    __syncthreads();
+    // The chosen experts' scores side by side, then thread 0 sums them in slot order.
+    if (threadIdx.x < k) sh.score[threadIdx.x] = route_score(__ldcg(z + sh.chosen[threadIdx.x]));
+    __syncthreads();
+    if (threadIdx.x == 0u) {
+        float total = 0.0f;
+        for (u32 j = 0; j < k; j++) total = __fadd_rn(total, sh.score[j]);
+        sh.total = __fadd_rn(total, 1e-20f);
+    }
+    __syncthreads();
+    if (threadIdx.x < k) {
+        ids[(u64)t * k + threadIdx.x] = (int)sh.chosen[threadIdx.x];
+        weights[(u64)t * k + threadIdx.x] = __fmul_rn(__fdiv_rn(sh.score[threadIdx.x], sh.total), scale);
+    }
+    __syncthreads();  // the shared arrays are rewritten for the next token
+}
+
+// One block per token (grid-stride) routes from the gate logits [n, e].
 DSV4_KERNEL void __launch_bounds__(ROUTE_THREADS) route_topk(const float* __restrict__ logits, u32 n, u32 e, u32 k,
                                                              const u32* __restrict__ tokens,
                                                              const u32* __restrict__ tid2eid, u32 vocab,
                                                              const float* __restrict__ bias, float scale,
                                                              int* __restrict__ ids, float* __restrict__ weights) {
     pdl_enter();
-    __shared__ u64 key[ROUTE_E_MAX];
-    __shared__ u32 chosen_mask[ROUTE_E_MAX / 32];
-    __shared__ u32 chosen[ROUTE_K_MAX];
-    const u32 lane = threadIdx.x & 31u;
-    for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
-        const float* z = logits + (u64)t * e;
-        if (tid2eid) {
-            // An out-of-vocabulary token picks expert 0 k times rather than reading past the table.
-            const u32 tok = tokens[t] < vocab ? tokens[t] : 0u;
-            if (threadIdx.x < k) chosen[threadIdx.x] = min(tid2eid[(u64)tok * k + threadIdx.x], e - 1u);
-        } else {
-            for (u32 x = threadIdx.x; x < e; x += blockDim.x) key[x] = route_key(__fadd_rn(route_score(z[x]), bias[x]), x);
-            __syncthreads();
-            // Every warp covers whole 32-expert groups (blockDim.x is a multiple of 32).
-            for (u32 x0 = threadIdx.x - lane; x0 < e; x0 += blockDim.x) {
-                const u32 x = x0 + lane;
-                bool pick = false;
-                if (x < e) {
-                    const u64 mine = key[x];
-                    u32 rank = 0u;
-#pragma unroll 8
-                    for (u32 y = 0; y < e; y++) rank += key[y] > mine ? 1u : 0u;
-                    pick = rank < k;
-                }
-                const u32 mask = __ballot_sync(0xffffffffu, pick);
-                if (lane == 0u) chosen_mask[x0 / 32u] = mask;
-            }
-            __syncthreads();
-            for (u32 x = threadIdx.x; x < e; x += blockDim.x) {
-                const u32 g = x / 32u, bit = 1u << (x & 31u);
-                if (!(chosen_mask[g] & bit)) continue;
-                u32 slot = __popc(chosen_mask[g] & (bit - 1u));
-                for (u32 h = 0; h < g; h++) slot += __popc(chosen_mask[h]);
-                chosen[slot] = x;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0u) {
-            float total = 0.0f;
-            for (u32 j = 0; j < k; j++) total = __fadd_rn(total, route_score(z[chosen[j]]));
-            total = __fadd_rn(total, 1e-20f);
-            for (u32 j = 0; j < k; j++) {
-                ids[(u64)t * k + j] = (int)chosen[j];
-                weights[(u64)t * k + j] = __fmul_rn(__fdiv_rn(route_score(z[chosen[j]]), total), scale);
-            }
-        }
-        __syncthreads();  // key, chosen_mask and chosen are rewritten for the next token
-    }
+    __shared__ RouteShared sh;
+    for (u32 t = blockIdx.x; t < n; t += gridDim.x)
+        route_token(logits + (u64)t * e, t, e, k, tokens, tid2eid, vocab, bias, scale, ids, weights, sh);
 }
 
 // ---- the gate projection ----
@@ -200,4 +220,49 @@ DSV4_KERNEL void __launch_bounds__(128) gate_logits_f32(const float* __restrict_
                                                         float* __restrict__ logits) {
     pdl_enter();
     gate::logits_of_row(x, n, d, w, experts, logits);
+}
+
+// The gate projection, then the routing of every token by the last block to finish (an atomic
+// ticket on `counter`, which it resets to 0 for the next launch): one launch from x to the
+// expert ids and weights. The grid and the logits are gate_logits_*'s.
+template <typename W>
+__device__ __forceinline__ void gate_route(const float* __restrict__ x, u32 n, u32 d, const W* __restrict__ w,
+                                           u32 e, float* __restrict__ logits, u32 k, const u32* __restrict__ tokens,
+                                           const u32* __restrict__ tid2eid, u32 vocab, const float* __restrict__ bias,
+                                           float scale, int* __restrict__ ids, float* __restrict__ weights,
+                                           u32* __restrict__ counter) {
+    gate::logits_of_row(x, n, d, w, e, logits);
+    __shared__ bool last;
+    __shared__ RouteShared sh;
+    __threadfence();  // this block's logits are visible before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0u) last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1u;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (u32 t = 0; t < n; t++)
+        route_token(logits + (u64)t * e, t, e, k, tokens, tid2eid, vocab, bias, scale, ids, weights, sh);
+    if (threadIdx.x == 0u) *counter = 0u;
+}
+
+DSV4_KERNEL void __launch_bounds__(128) gate_route_bf16(const float* __restrict__ x, u32 n, u32 d,
+                                                        const u16* __restrict__ w, u32 e, float* __restrict__ logits,
+                                                        u32 k, const u32* __restrict__ tokens,
+                                                        const u32* __restrict__ tid2eid, u32 vocab,
+                                                        const float* __restrict__ bias, float scale,
+                                                        int* __restrict__ ids, float* __restrict__ weights,
+                                                        u32* __restrict__ counter) {
+    pdl_enter();
+    gate_route(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
+}
+
+DSV4_KERNEL void __launch_bounds__(128) gate_route_f32(const float* __restrict__ x, u32 n, u32 d,
+                                                       const float* __restrict__ w, u32 e, float* __restrict__ logits,
+                                                       u32 k, const u32* __restrict__ tokens,
+                                                       const u32* __restrict__ tid2eid, u32 vocab,
+                                                       const float* __restrict__ bias, float scale,
+                                                       int* __restrict__ ids, float* __restrict__ weights,
+                                                       u32* __restrict__ counter) {
+    pdl_enter();
+    gate_route(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
 }

@@ -118,7 +118,13 @@ pub const FAMILIES: &[KernelFamily] = &[
         name: "router",
         file: "router.cu",
         source: include_str!("../kernels/router.cu"),
-        functions: &["route_topk", "gate_logits_bf16", "gate_logits_f32"],
+        functions: &[
+            "route_topk",
+            "gate_logits_bf16",
+            "gate_logits_f32",
+            "gate_route_bf16",
+            "gate_route_f32",
+        ],
     },
     KernelFamily {
         name: "attention",

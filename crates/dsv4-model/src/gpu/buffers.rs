@@ -167,6 +167,8 @@ pub struct Acts<S: Stage> {
     pub att_acc: S::Buf<f32>,
     pub att_stats: S::Buf<f32>,
     pub att_counters: S::Buf<u32>,
+    /// The gate-and-route launch's ticket (zero between launches).
+    pub route_counter: S::Buf<u32>,
     /// The attention output, rotated back, in BF16 for the output projection.
     pub attn_b: S::Buf<bf16>,
     pub z: S::Buf<bf16>,
@@ -226,6 +228,7 @@ impl<S: Stage> Buffers<S> {
             iw: s.buf("iw", &[m, ni])?,
             att_acc: s.buf("attention.split_sums", &split_shapes[0])?,
             att_stats: s.buf("attention.split_stats", &split_shapes[1])?,
+            route_counter: s.buf("router.ticket", &[1])?,
             att_counters: s.buf("attention.split_counters", &split_shapes[2])?,
             attn_b: s.buf("attn_b", &[m, q_all])?,
             z: s.buf("z", &[m, c.o_groups * c.o_lora_rank])?,

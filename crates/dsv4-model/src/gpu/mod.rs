@@ -24,7 +24,7 @@ use dsv4_ops::gpu::mhc::{
 };
 use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
 use dsv4_ops::gpu::moe_bf16::moe_bf16;
-use dsv4_ops::gpu::router::{gate_logits, route_topk, DeviceRouteBy, GateWeight};
+use dsv4_ops::gpu::router::{gate_logits, gate_route, DeviceRouteBy, GateWeight};
 use dsv4_ops::gpu::rows::{
     advance_position, embed_hc_gather, rms_norm_rope_pair, rms_norm_rows, rope_rows, ColRange,
     NormRows, RopeDirection, RowRope,
@@ -933,18 +933,20 @@ fn moe_layer(
     let m = &lw.moe;
     let xb = a.xb.rows(n)?;
     let mut logits = a.gate.rows(n)?;
-    gate_logits(dev, &a.xn.rows(n)?, m.gate.weight(), &mut logits)?;
     let by = match &m.routing {
         DevRouting::Hash(t) => DeviceRouteBy::Hash { tid2eid: t },
         DevRouting::Learned(b) => DeviceRouteBy::Learned { bias: b },
     };
     let (mut ids, mut wts) = (a.ids.rows(n)?, a.weights.rows(n)?);
-    route_topk(
+    gate_route(
         dev,
-        &logits,
+        &a.xn.rows(n)?,
+        m.gate.weight(),
         tokens,
         by,
         c.routed_scaling_factor,
+        &mut a.route_counter,
+        &mut logits,
         &mut ids,
         &mut wts,
     )?;

@@ -168,13 +168,13 @@ impl NormedInput<'_> {
     }
 }
 
-/// One block per token (at most 65535, then grid-stride), as many threads as
-/// [`rms_norm_rows`](super::rows::rms_norm_rows) takes for a row of `d`, so that the norm sums
-/// in its order, and two warps at least (one runs Sinkhorn).
+/// One block per token (at most 65535, then grid-stride): about four columns a collapsing
+/// thread, as [`rms_norm_rows`](super::rows::rms_norm_rows) takes for a row of `d` (up to 31
+/// warps), and one more warp for Sinkhorn.
 fn per_token(n: u32, d: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.clamp(1, 65535), 1, 1),
-        block_dim: (norm_threads(d).max(64), 1, 1),
+        block_dim: (norm_threads(d).min(1024 - 32) + 32, 1, 1),
         shared_mem_bytes: 0,
     }
 }

@@ -1,7 +1,7 @@
 //! Launchers of the router kernels (`kernels/router.cu`): the gate projection in f32
 //! ([`gate_logits`]), then from the gate logits to the expert ids and combine weights that the
-//! grouped MoE reads, on the device (hash routing reads the device token ids). CPU reference:
-//! [`reference`].
+//! grouped MoE reads, on the device (hash routing reads the device token ids), or both in one
+//! launch ([`gate_route`]). CPU reference: [`reference`].
 
 pub mod reference;
 #[cfg(test)]
@@ -35,18 +35,21 @@ pub enum DeviceRouteBy<'a> {
     Learned { bias: &'a DeviceTensor<f32> },
 }
 
-/// Routes `n` tokens: `logits [n, E]` (F32, the gate projection), `tokens` U32 `[n]` →
-/// `ids` I32 `[n, k]` and `weights` F32 `[n, k]` (`score / Σ scores · scale`).
-pub fn route_topk(
-    dev: &Device,
-    logits: &DeviceTensor<f32>,
+/// A checked routing: `[n, e, k, vocab]` and the table and bias addresses (one null).
+struct Route {
+    dims: [u32; 4],
+    tid2eid: u64,
+    bias: u64,
+}
+
+fn check_route(
+    n: usize,
+    e: usize,
     tokens: &DeviceTensor<u32>,
     by: DeviceRouteBy,
-    scale: f32,
-    ids: &mut DeviceTensor<i32>,
-    weights: &mut DeviceTensor<f32>,
-) -> Result<(), GpuError> {
-    let (n, e) = logits.dims2("router logits", DType::F32)?;
+    ids: &DeviceTensor<i32>,
+    weights: &DeviceTensor<f32>,
+) -> Result<Route, GpuError> {
     let k = ids.shape().get(1).copied().unwrap_or(0);
     if k == 0 || k > MAX_TOP_K || k > e || e > MAX_EXPERTS {
         return Err(GpuError::invalid(
@@ -71,18 +74,37 @@ pub fn route_topk(
             (0u64, 0, bias.device_address())
         }
     };
+    Ok(Route {
+        dims: [
+            dim_u32("tokens", n)?,
+            dim_u32("experts", e)?,
+            dim_u32("top-k", k)?,
+            dim_u32("vocab", vocab)?,
+        ],
+        tid2eid,
+        bias,
+    })
+}
+
+/// Routes `n` tokens: `logits [n, E]` (F32, the gate projection), `tokens` U32 `[n]` →
+/// `ids` I32 `[n, k]` and `weights` F32 `[n, k]` (`score / Σ scores · scale`).
+pub fn route_topk(
+    dev: &Device,
+    logits: &DeviceTensor<f32>,
+    tokens: &DeviceTensor<u32>,
+    by: DeviceRouteBy,
+    scale: f32,
+    ids: &mut DeviceTensor<i32>,
+    weights: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let (n, e) = logits.dims2("router logits", DType::F32)?;
+    let r = check_route(n, e, tokens, by, ids, weights)?;
     if n == 0 {
         return Ok(());
     }
-    let dims = [
-        dim_u32("tokens", n)?,
-        dim_u32("experts", e)?,
-        dim_u32("top-k", k)?,
-        dim_u32("vocab", vocab)?,
-    ];
     // One block per token (grid-stride past 65536).
     let cfg = LaunchConfig {
-        grid_dim: (dims[0].min(1 << 16), 1, 1),
+        grid_dim: (r.dims[0].min(1 << 16), 1, 1),
         block_dim: (ROUTE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -95,19 +117,18 @@ pub fn route_topk(
             cfg,
             Args::new()
                 .ptr(logits)
-                .arg(dims[0])
-                .arg(dims[1])
-                .arg(dims[2])
+                .arg(r.dims[0])
+                .arg(r.dims[1])
+                .arg(r.dims[2])
                 .ptr(tokens)
-                .arg(tid2eid)
-                .arg(dims[3])
-                .arg(bias)
+                .arg(r.tid2eid)
+                .arg(r.dims[3])
+                .arg(r.bias)
                 .arg(scale)
                 .ptr(ids)
                 .ptr(weights),
         )
-    }?;
-    Ok(())
+    }
 }
 
 /// The MoE gate weight `[E, D]`, as the checkpoint stores it.
@@ -117,25 +138,29 @@ pub enum GateWeight<'a> {
     F32(&'a DeviceTensor<f32>),
 }
 
-/// `logits [T, E]` F32 = `x [T, D]` F32 · Wᵀ, with the gate weight `w [E, D]` in BF16 or F32:
-/// f32 products and sums, never rounded to bf16 (top-k gaps are ~3e-4 relative). Each logit is
-/// summed in one fixed order that depends on D only, so a token's logits are the same alone and
-/// in a batch. D must be a multiple of [`GATE_DIM_MULTIPLE`].
-pub fn gate_logits(
-    dev: &Device,
+/// A checked gate projection: the kernels for its weight format (alone, with the routing),
+/// the weight's address, the launch grid and `[t, d, e]`.
+struct Gate {
+    kernels: (&'static str, &'static str),
+    w: u64,
+    cfg: LaunchConfig,
+    dims: [u32; 3],
+}
+
+fn check_gate(
     x: &DeviceTensor<f32>,
     w: GateWeight<'_>,
-    logits: &mut DeviceTensor<f32>,
-) -> Result<(), GpuError> {
+    logits: &DeviceTensor<f32>,
+) -> Result<Gate, GpuError> {
     let (t, d) = x.dims2("gate input x", DType::F32)?;
-    let (kernel, (e, wd), w_addr) = match w {
+    let (kernels, (e, wd), w_addr) = match w {
         GateWeight::Bf16(w) => (
-            "gate_logits_bf16",
+            ("gate_logits_bf16", "gate_route_bf16"),
             w.dims2("gate weight", DType::BF16)?,
             w.device_address(),
         ),
         GateWeight::F32(w) => (
-            "gate_logits_f32",
+            ("gate_logits_f32", "gate_route_f32"),
             w.dims2("gate weight", DType::F32)?,
             w.device_address(),
         ),
@@ -154,14 +179,6 @@ pub fn gate_logits(
         ));
     }
     logits.expect("gate logits", DType::F32, &[t, e])?;
-    if t == 0 || e == 0 {
-        return Ok(());
-    }
-    let dims = [
-        dim_u32("gate tokens", t)?,
-        dim_u32("gate width", d)?,
-        dim_u32("gate experts", e)?,
-    ];
     let token_blocks = t.div_ceil(GATE_TOKENS);
     if token_blocks > u16::MAX as usize {
         return Err(GpuError::invalid(
@@ -172,27 +189,102 @@ pub fn gate_logits(
             ),
         ));
     }
+    let dims = [
+        dim_u32("gate tokens", t)?,
+        dim_u32("gate width", d)?,
+        dim_u32("gate experts", e)?,
+    ];
     // One 4-warp block per expert row and group of 64 tokens.
     let cfg = LaunchConfig {
         grid_dim: (dims[2], token_blocks as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
+    Ok(Gate {
+        kernels,
+        w: w_addr,
+        cfg,
+        dims,
+    })
+}
+
+/// `logits [T, E]` F32 = `x [T, D]` F32 · Wᵀ, with the gate weight `w [E, D]` in BF16 or F32:
+/// f32 products and sums, never rounded to bf16 (top-k gaps are ~3e-4 relative). Each logit is
+/// summed in one fixed order that depends on D only, so a token's logits are the same alone and
+/// in a batch. D must be a multiple of [`GATE_DIM_MULTIPLE`].
+pub fn gate_logits(
+    dev: &Device,
+    x: &DeviceTensor<f32>,
+    w: GateWeight<'_>,
+    logits: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let g = check_gate(x, w, logits)?;
+    if g.dims[0] == 0 || g.dims[2] == 0 {
+        return Ok(());
+    }
     // SAFETY: x [t, d], w [e, d] of the kernel's element type (d a multiple of 8, so the
     // 16-byte loads are aligned), logits [t, e], checked above.
     unsafe {
         launch(
             dev,
-            kernel,
-            cfg,
+            g.kernels.0,
+            g.cfg,
             Args::new()
                 .ptr(x)
-                .arg(dims[0])
-                .arg(dims[1])
-                .arg(w_addr)
-                .arg(dims[2])
+                .arg(g.dims[0])
+                .arg(g.dims[1])
+                .arg(g.w)
+                .arg(g.dims[2])
                 .ptr(logits),
         )
-    }?;
-    Ok(())
+    }
+}
+
+/// [`gate_logits`] then [`route_topk`] in one launch: the last gate block to finish routes
+/// every token. `counter` (U32 `[1]`, zero before the first launch, e.g. from a sealed pool) is
+/// that block's ticket; the launch leaves it at zero. Outputs as the two launches give.
+#[allow(clippy::too_many_arguments)]
+pub fn gate_route(
+    dev: &Device,
+    x: &DeviceTensor<f32>,
+    w: GateWeight<'_>,
+    tokens: &DeviceTensor<u32>,
+    by: DeviceRouteBy,
+    scale: f32,
+    counter: &mut DeviceTensor<u32>,
+    logits: &mut DeviceTensor<f32>,
+    ids: &mut DeviceTensor<i32>,
+    weights: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    let g = check_gate(x, w, logits)?;
+    let (n, e) = (g.dims[0] as usize, g.dims[2] as usize);
+    let r = check_route(n, e, tokens, by, ids, weights)?;
+    counter.expect("router ticket counter", DType::U32, &[1])?;
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: as gate_logits and route_topk; counter [1], checked above.
+    unsafe {
+        launch(
+            dev,
+            g.kernels.1,
+            g.cfg,
+            Args::new()
+                .ptr(x)
+                .arg(g.dims[0])
+                .arg(g.dims[1])
+                .arg(g.w)
+                .arg(g.dims[2])
+                .ptr(logits)
+                .arg(r.dims[2])
+                .ptr(tokens)
+                .arg(r.tid2eid)
+                .arg(r.dims[3])
+                .arg(r.bias)
+                .arg(scale)
+                .ptr(ids)
+                .ptr(weights)
+                .ptr(counter),
+        )
+    }
 }

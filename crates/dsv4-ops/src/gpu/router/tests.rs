@@ -305,3 +305,117 @@ fn gpu_gate_logits_rejects_bad_shapes() {
     let mut l0 = dev.alloc::<f32>(DType::F32, &[0, 4]).unwrap();
     gate_logits(&dev, &x0, GateWeight::Bf16(&w), &mut l0).unwrap();
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gate_route_is_gate_logits_then_route_topk() {
+    // One launch against the two: the same logits, ids and weights bit for bit, over several
+    // launches on one counter (the last block leaves it at zero), learned and hash routing,
+    // BF16 and F32 gates, token counts past one gate block's 64.
+    let dev = device();
+    let mut rng = rng("gpu_gate_route_is_gate_logits_then_route_topk");
+    let mut counter = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
+    dev.fill_bytes(&mut counter, 0).unwrap();
+    for iter in 0..12 {
+        let (e, k) = [(256, 6), (384, 6), (16, 3)][iter % 3];
+        let n = [1, 5, 70, 3][iter % 4];
+        let d = 8 * rng.random_range(1..96);
+        let vocab = 40;
+        let x = random_f32(&mut rng, n * d);
+        let w = random_f32(&mut rng, e * d);
+        let xd = dev.upload(DType::F32, &[n, d], &x).unwrap();
+        let w32 = dev.upload(DType::F32, &[e, d], &w).unwrap();
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let w16 = dev.upload(DType::BF16, &[e, d], &wb).unwrap();
+        let gate = if iter % 4 < 2 {
+            GateWeight::Bf16(&w16)
+        } else {
+            GateWeight::F32(&w32)
+        };
+        let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab as u32)).collect();
+        let td = dev.upload(DType::U32, &[n], &tokens).unwrap();
+        let bias = dev
+            .upload(DType::F32, &[e], &random_f32(&mut rng, e))
+            .unwrap();
+        let table: Vec<u32> = (0..vocab * k).map(|i| (i as u32 * 7) % e as u32).collect();
+        let hd = dev.upload(DType::U32, &[vocab, k], &table).unwrap();
+        let by = if iter % 2 == 0 {
+            DeviceRouteBy::Learned { bias: &bias }
+        } else {
+            DeviceRouteBy::Hash { tid2eid: &hd }
+        };
+        let outputs = || {
+            let mut l = dev.alloc::<f32>(DType::F32, &[n, e]).unwrap();
+            let mut i = dev.alloc::<i32>(DType::I32, &[n, k]).unwrap();
+            let mut w = dev.alloc::<f32>(DType::F32, &[n, k]).unwrap();
+            dev.fill_bytes(&mut l, POISON).unwrap();
+            dev.fill_bytes(&mut i, POISON).unwrap();
+            dev.fill_bytes(&mut w, POISON).unwrap();
+            (l, i, w)
+        };
+        let (mut l1, mut i1, mut w1) = outputs();
+        gate_logits(&dev, &xd, gate, &mut l1).unwrap();
+        route_topk(&dev, &l1, &td, by, 2.5, &mut i1, &mut w1).unwrap();
+        let (mut l2, mut i2, mut w2) = outputs();
+        gate_route(
+            &dev,
+            &xd,
+            gate,
+            &td,
+            by,
+            2.5,
+            &mut counter,
+            &mut l2,
+            &mut i2,
+            &mut w2,
+        )
+        .unwrap();
+        let what = format!("iter {iter}: {n} tokens, {e} experts, top-{k}, D {d}");
+        assert_bits_eq(
+            &format!("{what}: logits"),
+            &dev.download(&l2).unwrap(),
+            &dev.download(&l1).unwrap(),
+        );
+        assert_bits_eq(
+            &format!("{what}: ids"),
+            &dev.download(&i2).unwrap(),
+            &dev.download(&i1).unwrap(),
+        );
+        assert_bits_eq(
+            &format!("{what}: weights"),
+            &dev.download(&w2).unwrap(),
+            &dev.download(&w1).unwrap(),
+        );
+        assert_eq!(
+            dev.download(&counter).unwrap(),
+            [0],
+            "{what}: counter reset"
+        );
+    }
+    let x = dev.alloc::<f32>(DType::F32, &[1, 8]).unwrap();
+    let w = dev.alloc::<f32>(DType::F32, &[4, 8]).unwrap();
+    let t = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
+    let b = dev.alloc::<f32>(DType::F32, &[4]).unwrap();
+    let (mut l, mut i, mut wt) = (
+        dev.alloc::<f32>(DType::F32, &[1, 4]).unwrap(),
+        dev.alloc::<i32>(DType::I32, &[1, 2]).unwrap(),
+        dev.alloc::<f32>(DType::F32, &[1, 2]).unwrap(),
+    );
+    let mut two = dev.alloc::<u32>(DType::U32, &[2]).unwrap();
+    let by = DeviceRouteBy::Learned { bias: &b };
+    let err = gate_route(
+        &dev,
+        &x,
+        GateWeight::F32(&w),
+        &t,
+        by,
+        1.0,
+        &mut two,
+        &mut l,
+        &mut i,
+        &mut wt,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("router ticket counter"), "{err}");
+}
