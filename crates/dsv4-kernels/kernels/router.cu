@@ -29,13 +29,13 @@ __device__ __forceinline__ u64 route_key(float v, u32 x) {
 
 // Routes token t from its logits z [e] (read through L2: in gate_route they were written by
 // other blocks of the same launch); tid2eid [vocab, k] (hash, may be null) or bias [e]
-// (learned); ids [n, k] (i32), weights [n, k]. Learned: each thread scores its experts, then
-// ranks each against all e (the keys above its own); the k of rank < k are the choice, placed
-// in ascending expert order by a prefix count of the chosen. No sequential rounds. The whole
-// block calls it; blockDim.x is a multiple of 32.
+// (learned); ids [n, k] (i32), weights [n, k]. Learned: k rounds of a block-wide max over the
+// keys (distinct, so each round has one winner, whose key its owner then zeroes: below every
+// key), then the winners in ascending expert order. The whole block calls it; blockDim.x is a
+// multiple of 32, at most 1024.
 struct RouteShared {
     u64 key[ROUTE_E_MAX];
-    u32 chosen_mask[ROUTE_E_MAX / 32];
+    u64 best[2][32];
     u32 chosen[ROUTE_K_MAX];
     float score[ROUTE_K_MAX];
     float total;
@@ -45,36 +45,37 @@ __device__ __forceinline__ void route_token(const float* z, u32 t, u32 e, u32 k,
                                             const u32* __restrict__ tid2eid, u32 vocab,
                                             const float* __restrict__ bias, float scale, int* __restrict__ ids,
                                             float* __restrict__ weights, RouteShared& sh) {
-    const u32 lane = threadIdx.x & 31u;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (tid2eid) {
         // An out-of-vocabulary token picks expert 0 k times rather than reading past the table.
         const u32 tok = tokens[t] < vocab ? tokens[t] : 0u;
         if (threadIdx.x < k) sh.chosen[threadIdx.x] = min(tid2eid[(u64)tok * k + threadIdx.x], e - 1u);
     } else {
+        // Each thread reads and writes only its own keys (x = threadIdx.x + i * blockDim.x).
         for (u32 x = threadIdx.x; x < e; x += blockDim.x)
             sh.key[x] = route_key(__fadd_rn(route_score(__ldcg(z + x)), bias[x]), x);
-        __syncthreads();
-        // Every warp covers whole 32-expert groups.
-        for (u32 x0 = threadIdx.x - lane; x0 < e; x0 += blockDim.x) {
-            const u32 x = x0 + lane;
-            bool pick = false;
-            if (x < e) {
-                const u64 mine = sh.key[x];
-                u32 rank = 0u;
-#pragma unroll 8
-                for (u32 y = 0; y < e; y++) rank += sh.key[y] > mine ? 1u : 0u;
-                pick = rank < k;
-            }
-            const u32 mask = __ballot_sync(0xffffffffu, pick);
-            if (lane == 0u) sh.chosen_mask[x0 / 32u] = mask;
+        for (u32 j = 0; j < k; j++) {
+            u64 best = 0u;
+            for (u32 x = threadIdx.x; x < e; x += blockDim.x) best = max(best, sh.key[x]);
+#pragma unroll
+            for (u32 o = 16u; o > 0u; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+            if (lane == 0u) sh.best[j & 1u][warp] = best;
+            __syncthreads();
+            u64 win = 0u;
+            for (u32 w = 0; w < warps; w++) win = max(win, sh.best[j & 1u][w]);
+            const u32 x = 0xffffffffu - (u32)win;
+            if (x % blockDim.x == threadIdx.x) sh.key[x] = 0u;
+            if (threadIdx.x == 0u) sh.chosen[j] = x;
         }
         __syncthreads();
-        for (u32 x = threadIdx.x; x < e; x += blockDim.x) {
-            const u32 g = x / 32u, bit = 1u << (x & 31u);
-            if (!(sh.chosen_mask[g] & bit)) continue;
-            u32 slot = __popc(sh.chosen_mask[g] & (bit - 1u));
-            for (u32 h = 0; h < g; h++) slot += __popc(sh.chosen_mask[h]);
-            sh.chosen[slot] = x;
+        if (threadIdx.x == 0u) {
+            // Ascending expert order (insertion sort of k <= 16).
+            for (u32 a = 1; a < k; a++) {
+                const u32 v = sh.chosen[a];
+                u32 b = a;
+                for (; b > 0u && sh.chosen[b - 1u] > v; b--) sh.chosen[b] = sh.chosen[b - 1u];
+                sh.chosen[b] = v;
+            }
         }
     }
     __syncthreads();
