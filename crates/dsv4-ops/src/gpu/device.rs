@@ -418,3 +418,24 @@ impl std::fmt::Debug for Device {
 pub struct Readback<T> {
     buf: PinnedHostSlice<T>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::testing::device;
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+    fn gpu_read_copies_into_page_locked_memory_and_refuses_other_lengths() {
+        let dev = device();
+        let src = dev.upload(DType::U32, &[3], &[7u32, 8, 9]).unwrap();
+        let mut three = dev.readback::<u32>(3).unwrap();
+        assert_eq!(dev.read(&src, &mut three).unwrap(), [7, 8, 9]);
+        let mut two = dev.readback::<u32>(2).unwrap();
+        let err = dev.read(&src, &mut two).unwrap_err().to_string();
+        assert!(
+            err.contains("3 elements") && err.contains("host buffer 2"),
+            "{err}"
+        );
+    }
+}

@@ -994,6 +994,29 @@ mod gpu {
             &mut bad_out,
         );
         assert!(r.is_err(), "output of the wrong shape");
+        // Split sums a float past a 16-byte boundary (the merge reads them as vectors).
+        let [acc, stats, counters] = AttentionSplits::shapes(64, 32);
+        let wide = f32s(&[acc[0] + 1, acc[1]]);
+        let mut skewed = AttentionSplits {
+            acc: wide.view(1, &acc).unwrap(),
+            stats: f32s(&stats),
+            counters: dev.alloc(DType::U32, &counters).unwrap(),
+        };
+        let err = attention(
+            &dev,
+            &q,
+            &kv,
+            &ring,
+            none,
+            &sink,
+            &pos,
+            &fr,
+            &mut skewed,
+            &mut out,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("16-byte boundary"), "{err}");
         let sel = dev.alloc::<i32>(DType::I32, &[3, 8]).unwrap();
         let entries = f32s(&[10, 32]);
         let comp = Compressed::Selected {
