@@ -183,7 +183,10 @@ pub struct Acts<S: Stage> {
     pub shared_h: S::Buf<bf16>,
     pub logits: S::Buf<f32>,
     pub sample_weights: S::Buf<f32>,
+    /// The GEMV workspace of the device's stream, and the side stream's (the compressors, the
+    /// indexer and the shared expert's gate+up run beside the main path).
     pub ws: S::Workspace,
+    pub ws_side: S::Workspace,
 }
 
 pub struct Buffers<S: Stage> {
@@ -243,6 +246,7 @@ impl<S: Stage> Buffers<S> {
             logits: s.buf("logits", &[m, c.vocab_size])?,
             sample_weights: s.buf("sample_weights", &[c.vocab_size])?,
             ws: s.workspace("gemv")?,
+            ws_side: s.workspace("gemv.side")?,
         };
         let layers = c
             .layers

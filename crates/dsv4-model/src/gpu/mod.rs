@@ -799,6 +799,10 @@ fn attention_layer(
     };
     let (mut qa_n, mut qab) = (a.qa_n.rows(n)?, a.qab.rows(n)?);
     rms_norm_rows(dev, qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
+    // Beside the query path, on the side stream: the compressors' updates and the indexer's
+    // selection (they write only their own buffers and this layer's compressor state).
+    dev.fork()?;
+    dev.on_side(|| compress_and_select(dev, c, w, lw, ls, a, n))?;
     // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
     // key/value's kv_norm and rope.
     let q = linear_f32(dev, &qab, &at.wq_b, &a.q, &mut a.ws)?;
@@ -828,36 +832,7 @@ fn attention_layer(
     };
     rms_norm_rope_pair(dev, heads, kv, eps, &heads_rope)?;
     let q_n = q_n.reshape(&[n, q_all])?;
-    // Compressors update every token and emit entries at their boundaries.
-    if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
-        compress(dev, c, w, cw, st.buffers()?, a, n)?;
-    }
-    if let (Some(iw), Some(ist)) = (&at.indexer, &mut ls.index) {
-        compress(dev, c, w, &iw.compressor, ist.comp.buffers()?, a, n)?;
-        let mut iq = linear_f32(dev, &qab, &iw.wq_b, &a.iq, &mut a.ws)?;
-        rope_rows(
-            dev,
-            &mut iq,
-            c.index_head_dim,
-            &w.rope_compress,
-            &a.pos,
-            RopeDirection::Forward,
-        )?;
-        let mut iwt = a.iw.rows(n)?;
-        gate_logits(dev, &a.xn.rows(n)?, iw.weights_proj.weight(), &mut iwt)?;
-        let ratio = lw.kind.ratio();
-        let mut sel = ist.selected.rows(n)?;
-        attention::index_topk(
-            dev,
-            &iq,
-            &iwt,
-            ist.comp.entries(),
-            ratio,
-            &a.pos,
-            &mut ist.scores.rows(n)?,
-            &mut sel,
-        )?;
-    }
+    dev.join()?;
     let selected;
     let compressed = match (&ls.comp, &ls.index) {
         (Some(st), Some(ist)) => {
@@ -896,28 +871,64 @@ fn attention_layer(
     gemv(dev, &z, &at.wo_b, &mut a.y.rows(n)?, &mut a.ws)
 }
 
-/// A compressor's projections of `acts.xb` (one GEMV) and its state update.
-fn compress(
+/// The attention's compressors (each its projections of `acts.xb`, one GEMV, and its state
+/// update) and, in a CSA layer, the indexer's top-k of the compressed entries for each query:
+/// the work the attention needs beside the queries, which [`attention_layer`] runs on the side
+/// stream (GEMVs on `acts.ws_side`).
+fn compress_and_select(
     dev: &Device,
     c: &Config,
     w: &DevWeights,
-    cw: &DevCompressor,
-    mut st: attention::CompressorBuffers,
+    lw: &DevLayer,
+    ls: &mut buffers::LayerState<Taking>,
     a: &mut buffers::Acts<Taking>,
     n: usize,
 ) -> Result<(), GpuError> {
+    let at = &lw.attn;
     let xb = a.xb.rows(n)?;
-    let proj = linear_f32(dev, &xb, &cw.proj, &a.comp, &mut a.ws)?;
-    attention::compressor_update(
+    let mut compress = |cw: &DevCompressor, mut st: attention::CompressorBuffers| {
+        let proj = linear_f32(dev, &xb, &cw.proj, &a.comp, &mut a.ws_side)?;
+        attention::compressor_update(
+            dev,
+            &proj,
+            &cw.ape,
+            &cw.norm,
+            &w.rope_compress,
+            c.rms_norm_eps,
+            cw.overlap,
+            &a.pos,
+            &mut st,
+        )
+    };
+    if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
+        compress(cw, st.buffers()?)?;
+    }
+    let (Some(iw), Some(ist)) = (&at.indexer, &mut ls.index) else {
+        return Ok(());
+    };
+    compress(&iw.compressor, ist.comp.buffers()?)?;
+    let qab = a.qab.rows(n)?;
+    let mut iq = linear_f32(dev, &qab, &iw.wq_b, &a.iq, &mut a.ws_side)?;
+    rope_rows(
         dev,
-        &proj,
-        &cw.ape,
-        &cw.norm,
+        &mut iq,
+        c.index_head_dim,
         &w.rope_compress,
-        c.rms_norm_eps,
-        cw.overlap,
         &a.pos,
-        &mut st,
+        RopeDirection::Forward,
+    )?;
+    let mut iwt = a.iw.rows(n)?;
+    gate_logits(dev, &a.xn.rows(n)?, iw.weights_proj.weight(), &mut iwt)?;
+    let mut sel = ist.selected.rows(n)?;
+    attention::index_topk(
+        dev,
+        &iq,
+        &iwt,
+        ist.comp.entries(),
+        lw.kind.ratio(),
+        &a.pos,
+        &mut ist.scores.rows(n)?,
+        &mut sel,
     )
 }
 
@@ -932,6 +943,20 @@ fn moe_layer(
 ) -> Result<(), GpuError> {
     let m = &lw.moe;
     let xb = a.xb.rows(n)?;
+    // The shared expert's gate and up projections on the side stream, beside the routing and
+    // the routed experts.
+    let mut sh = a.shared_h.rows(n)?;
+    dev.fork()?;
+    dev.on_side(|| {
+        gemv_swiglu(
+            dev,
+            &xb,
+            &m.shared_w13,
+            c.swiglu_limit,
+            &mut sh,
+            &mut a.ws_side,
+        )
+    })?;
     let mut logits = a.gate.rows(n)?;
     let by = match &m.routing {
         DevRouting::Hash(t) => DeviceRouteBy::Hash { tid2eid: t },
@@ -970,8 +995,7 @@ fn moe_layer(
             moe_bf16(dev, &xb, &ids, &wts, e, c.swiglu_limit, &mut h, &mut out)?;
         }
     }
-    let mut sh = a.shared_h.rows(n)?;
-    gemv_swiglu(dev, &xb, &m.shared_w13, c.swiglu_limit, &mut sh, &mut a.ws)?;
+    dev.join()?;
     // The shared expert's output added to the routed experts' sum in the GEMV's epilogue.
     gemv_add(dev, &sh, &m.shared_w2, &mut out, &mut a.ws)
 }

@@ -1,8 +1,9 @@
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute, CUstreamCaptureStatus};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, PinnedHostSlice};
 use dsv4_kernels::{driver_available, Arch, KernelCache, Kernels};
 
 use super::launch::cluster_attribute;
@@ -27,16 +28,25 @@ struct KernelFacts {
     clusters: HashMap<(u32, u32, u32), u32>,
 }
 
-/// One GPU: its context, the single stream all work is issued on, and the loaded kernels.
+/// One GPU: its context, the stream all work is issued on, a side stream for launches that may
+/// run beside it ([`Device::fork`], [`Device::on_side`], [`Device::join`]), and the loaded
+/// kernels.
 ///
 /// Event tracking is disabled before anything is allocated, so cudarc never records or waits
-/// on per-buffer events: all work is ordered by the one stream, and launches on it can be
-/// captured into CUDA graphs (the context's legacy default stream cannot be).
+/// on per-buffer events: all work is ordered by the stream (and the fork and join events), and
+/// launches on it can be captured into CUDA graphs (the context's legacy default stream cannot
+/// be); a side stream that waits on a capturing stream's event joins its capture.
 pub struct Device {
     ordinal: usize,
     name: String,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    side: Arc<CudaStream>,
+    /// Whether launches go to the side stream (inside [`Device::on_side`]).
+    on_side: AtomicBool,
+    /// Recorded on the stream at a fork (the side waits on it) and on the side at a join.
+    fork_event: CudaEvent,
+    join_event: CudaEvent,
     kernels: Kernels,
     sm_count: usize,
     /// Shared memory a block may use once its kernel opts in, in bytes.
@@ -78,6 +88,14 @@ impl Device {
         let stream = ctx
             .new_stream()
             .map_err(GpuError::driver("creating the stream"))?;
+        let side = ctx
+            .new_stream()
+            .map_err(GpuError::driver("creating the side stream"))?;
+        let event = || {
+            ctx.new_event(None)
+                .map_err(GpuError::driver("creating a fork or join event"))
+        };
+        let (fork_event, join_event) = (event()?, event()?);
         let name = ctx
             .name()
             .map_err(GpuError::driver("reading the device name"))?;
@@ -101,6 +119,10 @@ impl Device {
             name,
             ctx,
             stream,
+            side,
+            on_side: AtomicBool::new(false),
+            fork_event,
+            join_event,
             kernels,
             sm_count,
             max_block_shared,
@@ -124,8 +146,44 @@ impl Device {
         &self.ctx
     }
 
+    /// The stream launches go to: the device's stream, or its side stream inside
+    /// [`Device::on_side`].
     pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        if self.on_side.load(Ordering::Relaxed) {
+            &self.side
+        } else {
+            &self.stream
+        }
+    }
+
+    /// Makes the side stream wait for the work issued on the stream so far: launches
+    /// [`Device::on_side`] issues next may run beside the stream's later ones.
+    pub fn fork(&self) -> Result<(), GpuError> {
+        self.fork_event
+            .record(&self.stream)
+            .map_err(GpuError::driver("recording the fork event"))?;
+        self.side
+            .wait(&self.fork_event)
+            .map_err(GpuError::driver("waiting on the fork event"))
+    }
+
+    /// Runs `f` with its launches issued on the side stream (buffers it writes must be its
+    /// own until [`Device::join`]).
+    pub fn on_side<R>(&self, f: impl FnOnce() -> Result<R, GpuError>) -> Result<R, GpuError> {
+        self.on_side.store(true, Ordering::Relaxed);
+        let r = f();
+        self.on_side.store(false, Ordering::Relaxed);
+        r
+    }
+
+    /// Makes the stream wait for the work issued on the side stream so far.
+    pub fn join(&self) -> Result<(), GpuError> {
+        self.join_event
+            .record(&self.side)
+            .map_err(GpuError::driver("recording the join event"))?;
+        self.stream
+            .wait(&self.join_event)
+            .map_err(GpuError::driver("waiting on the join event"))
     }
 
     pub fn kernels(&self) -> &Kernels {

@@ -996,7 +996,12 @@ mod gpu {
         assert!(r.is_err(), "output of the wrong shape");
         // Split sums a float past a 16-byte boundary (the merge reads them as vectors).
         let [acc, stats, counters] = AttentionSplits::shapes(64, 32);
-        let wide = f32s(&[acc[0] + 1, acc[1]]);
+        let mut pool = crate::gpu::BufferPool::new();
+        let wide = pool
+            .reserve::<f32>("wide", DType::F32, &[acc[0] + 1, acc[1]])
+            .unwrap();
+        pool.seal(&dev).unwrap();
+        let wide = pool.take(wide).unwrap();
         let mut skewed = AttentionSplits {
             acc: wide.view(1, &acc).unwrap(),
             stats: f32s(&stats),
