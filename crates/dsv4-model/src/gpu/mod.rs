@@ -790,6 +790,11 @@ fn attention_layer(
         &w.rope_compress
     };
     let xb = a.xb.rows(n)?;
+    // On the side stream, beside the query path: the compressors' updates and the indexer's
+    // head weights now, its selection once the query latent is normalized (they write only
+    // their own buffers and this layer's compressor and indexer state).
+    dev.fork()?;
+    dev.on_side(|| compress(dev, c, w, lw, ls, a, n))?;
     // Query latent and shared key/value: one GEMV of wq_a and wkv stacked; q_norm.
     let qa_kv = linear_f32(dev, &xb, &at.wq_a_kv, &a.qa_kv, &mut a.ws)?;
     let qa = ColRange {
@@ -799,10 +804,10 @@ fn attention_layer(
     };
     let (mut qa_n, mut qab) = (a.qa_n.rows(n)?, a.qab.rows(n)?);
     rms_norm_rows(dev, qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
-    // Beside the query path, on the side stream: the compressors' updates and the indexer's
-    // selection (they write only their own buffers and this layer's compressor state).
-    dev.fork()?;
-    dev.on_side(|| compress_and_select(dev, c, w, lw, ls, a, n))?;
+    if at.indexer.is_some() {
+        dev.fork()?;
+        dev.on_side(|| select(dev, c, w, lw, ls, a, n))?;
+    }
     // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
     // key/value's kv_norm and rope.
     let q = linear_f32(dev, &qab, &at.wq_b, &a.q, &mut a.ws)?;
@@ -872,10 +877,9 @@ fn attention_layer(
 }
 
 /// The attention's compressors (each its projections of `acts.xb`, one GEMV, and its state
-/// update) and, in a CSA layer, the indexer's top-k of the compressed entries for each query:
-/// the work the attention needs beside the queries, which [`attention_layer`] runs on the side
-/// stream (GEMVs on `acts.ws_side`).
-fn compress_and_select(
+/// update) and, in a CSA layer, the indexer's head weights: work [`attention_layer`] runs on
+/// the side stream (GEMVs on `acts.ws_side`).
+fn compress(
     dev: &Device,
     c: &Config,
     w: &DevWeights,
@@ -903,10 +907,32 @@ fn compress_and_select(
     if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
         compress(cw, st.buffers()?)?;
     }
-    let (Some(iw), Some(ist)) = (&at.indexer, &mut ls.index) else {
+    let (Some(iw), Some(ist)) = (&at.indexer, &ls.index) else {
         return Ok(());
     };
     compress(&iw.compressor, ist.comp.buffers()?)?;
+    gate_logits(
+        dev,
+        &a.xn.rows(n)?,
+        iw.weights_proj.weight(),
+        &mut a.iw.rows(n)?,
+    )
+}
+
+/// In a CSA layer, the indexer's top-k of the compressed entries for each query, from the
+/// normalized query latent `acts.qab` (after [`compress`], on the side stream).
+fn select(
+    dev: &Device,
+    c: &Config,
+    w: &DevWeights,
+    lw: &DevLayer,
+    ls: &mut buffers::LayerState<Taking>,
+    a: &mut buffers::Acts<Taking>,
+    n: usize,
+) -> Result<(), GpuError> {
+    let (Some(iw), Some(ist)) = (&lw.attn.indexer, &mut ls.index) else {
+        return Ok(());
+    };
     let qab = a.qab.rows(n)?;
     let mut iq = linear_f32(dev, &qab, &iw.wq_b, &a.iq, &mut a.ws_side)?;
     rope_rows(
@@ -917,13 +943,11 @@ fn compress_and_select(
         &a.pos,
         RopeDirection::Forward,
     )?;
-    let mut iwt = a.iw.rows(n)?;
-    gate_logits(dev, &a.xn.rows(n)?, iw.weights_proj.weight(), &mut iwt)?;
     let mut sel = ist.selected.rows(n)?;
     attention::index_topk(
         dev,
         &iq,
-        &iwt,
+        &a.iw.rows(n)?,
         ist.comp.entries(),
         lw.kind.ratio(),
         &a.pos,
