@@ -108,7 +108,10 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     });
 }
 
-template <int F, int MT, bool OUT_F32>
+// How the down kernel writes out: bf16, f32, or added to the f32 already there (one add).
+enum Out { OUT_BF16, OUT_F32, OUT_F32_ADD };
+
+template <int F, int MT, int OUT>
 __device__ __forceinline__ void down(const MoeArgs& a) {
     using namespace gemv;
     // Items are whole K steps of one expert: the ring must hold exactly one step.
@@ -280,8 +283,10 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     for (u32 c = 0; c < OUTS; ++c) {
         const u32 o = threadIdx.x + c * blockDim.x, m = out_token(o), r = out_row(o);
         if (o >= PER_ITEM || m >= a.m || r >= a.d) continue;
-        if (OUT_F32) static_cast<float*>(a.out)[(u64)m * a.d + r] = acc[c];
-        else static_cast<u16*>(a.out)[(u64)m * a.d + r] = f32_to_bf16(acc[c]);
+        const u64 i = (u64)m * a.d + r;
+        if (OUT == OUT_F32_ADD) static_cast<float*>(a.out)[i] = __fadd_rn(static_cast<float*>(a.out)[i], acc[c]);
+        else if (OUT == OUT_F32) static_cast<float*>(a.out)[i] = acc[c];
+        else static_cast<u16*>(a.out)[i] = f32_to_bf16(acc[c]);
     }
 }
 
@@ -291,11 +296,15 @@ DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) moe_gate_up_nvfp4_m8(con
 DSV4_KERNEL void moe_gate_up_nvfp4_m16(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 2>(a); }
 DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) moe_gate_up_mxfp4_m8(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 1>(a); }
 DSV4_KERNEL void moe_gate_up_mxfp4_m16(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 2>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8(const MoeArgs a) { moe::down<gemv::NVFP4, 1, false>(a); }
-DSV4_KERNEL void moe_down_nvfp4_m16(const MoeArgs a) { moe::down<gemv::NVFP4, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8(const MoeArgs a) { moe::down<gemv::MXFP4, 1, false>(a); }
-DSV4_KERNEL void moe_down_mxfp4_m16(const MoeArgs a) { moe::down<gemv::MXFP4, 2, false>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 1, true>(a); }
-DSV4_KERNEL void moe_down_nvfp4_m16_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 2, true>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 1, true>(a); }
-DSV4_KERNEL void moe_down_mxfp4_m16_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 2, true>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8(const MoeArgs a) { moe::down<gemv::NVFP4, 1, moe::OUT_BF16>(a); }
+DSV4_KERNEL void moe_down_nvfp4_m16(const MoeArgs a) { moe::down<gemv::NVFP4, 2, moe::OUT_BF16>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8(const MoeArgs a) { moe::down<gemv::MXFP4, 1, moe::OUT_BF16>(a); }
+DSV4_KERNEL void moe_down_mxfp4_m16(const MoeArgs a) { moe::down<gemv::MXFP4, 2, moe::OUT_BF16>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 1, moe::OUT_F32>(a); }
+DSV4_KERNEL void moe_down_nvfp4_m16_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 2, moe::OUT_F32>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 1, moe::OUT_F32>(a); }
+DSV4_KERNEL void moe_down_mxfp4_m16_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 2, moe::OUT_F32>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8_f32add(const MoeArgs a) { moe::down<gemv::NVFP4, 1, moe::OUT_F32_ADD>(a); }
+DSV4_KERNEL void moe_down_nvfp4_m16_f32add(const MoeArgs a) { moe::down<gemv::NVFP4, 2, moe::OUT_F32_ADD>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8_f32add(const MoeArgs a) { moe::down<gemv::MXFP4, 1, moe::OUT_F32_ADD>(a); }
+DSV4_KERNEL void moe_down_mxfp4_m16_f32add(const MoeArgs a) { moe::down<gemv::MXFP4, 2, moe::OUT_F32_ADD>(a); }

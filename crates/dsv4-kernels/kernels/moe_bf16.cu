@@ -36,6 +36,7 @@ struct MoeBf16Args {
     float* out;            // [m, d]
     u32 m, topk, experts, d, inter;
     float limit;
+    u32 accumulate;  // nonzero: out += the sum (one add) instead of out = the sum
 };
 
 namespace moe_bf16 {
@@ -339,6 +340,7 @@ DSV4_KERNEL void __launch_bounds__(128) moe_bf16_down(const MoeBf16Args a) {
             const u32 p = by_token[t * k + s];
             acc = __fadd_rn(acc, __fmul_rn(a.weights[p], y[p * BLOCK_ROWS + i]));
         }
-        a.out[(u64)t * a.d + row] = acc;
+        const u64 at = (u64)t * a.d + row;
+        a.out[at] = a.accumulate ? __fadd_rn(a.out[at], acc) : acc;
     }
 }

@@ -89,6 +89,10 @@ pub const FAMILIES: &[KernelFamily] = &[
             "moe_down_nvfp4_m16_f32",
             "moe_down_mxfp4_m8_f32",
             "moe_down_mxfp4_m16_f32",
+            "moe_down_nvfp4_m8_f32add",
+            "moe_down_nvfp4_m16_f32add",
+            "moe_down_mxfp4_m8_f32add",
+            "moe_down_mxfp4_m16_f32add",
         ],
     },
     KernelFamily {

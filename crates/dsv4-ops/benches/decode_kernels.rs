@@ -904,7 +904,17 @@ impl Bench {
         let enqueue = |i: usize| -> Res<()> {
             let (ids, w) = &routes[i];
             let (mut h, mut out) = (h.borrow_mut(), out.borrow_mut());
-            moe::moe_decode(dev, &x, ids, w, &ex, 10.0, &mut h, MoeOut::Bf16(&mut out))?;
+            moe::moe_decode(
+                dev,
+                &x,
+                ids,
+                w,
+                &ex,
+                10.0,
+                &mut h,
+                MoeOut::Bf16(&mut out),
+                || Ok(()),
+            )?;
             Ok(())
         };
         let timer = Timer::capture(dev, batch, enqueue)?;

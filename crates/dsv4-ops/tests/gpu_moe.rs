@@ -159,13 +159,18 @@ fn run(
             limit,
             &mut h,
             MoeOut::F32(&mut out),
+            || Ok(()),
         )
         .unwrap();
-        dev.download(&out)
-            .unwrap()
-            .iter()
-            .map(|&v| v as f64)
-            .collect()
+        let got = dev.download(&out).unwrap();
+        // Added onto other values: one f32 add of the same sum each.
+        let base: Vec<f32> = (0..m * d).map(|i| (i % 7) as f32 - 3.0).collect();
+        let mut onto = dev.upload(DType::F32, &[m, d], &base).unwrap();
+        let o = MoeOut::F32Add(&mut onto);
+        moe::moe_decode(dev, &xd, &idd, &wd, &ex.gpu, limit, &mut h, o, || Ok(())).unwrap();
+        let want: Vec<f32> = base.iter().zip(&got).map(|(b, v)| b + v).collect();
+        assert_bits_eq("added onto", &dev.download(&onto).unwrap(), &want);
+        got.iter().map(|&v| v as f64).collect()
     } else {
         let mut out: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[m, d]).unwrap();
         dev.fill_bytes(&mut out, POISON).unwrap();
@@ -178,6 +183,7 @@ fn run(
             limit,
             &mut h,
             MoeOut::Bf16(&mut out),
+            || Ok(()),
         )
         .unwrap();
         dev.download(&out)
@@ -309,7 +315,7 @@ fn gpu_random_experts_give_finite_unit_order_outputs() {
             let mut out = dev.alloc(DType::F32, &[1, d]).unwrap();
             dev.fill_bytes(&mut out, POISON).unwrap();
             let o = MoeOut::F32(&mut out);
-            moe::moe_decode(&dev, &x, &ids, &w, &ex, 10.0, &mut h, o).unwrap();
+            moe::moe_decode(&dev, &x, &ids, &w, &ex, 10.0, &mut h, o, || Ok(())).unwrap();
             dev.download(&out).unwrap()
         };
         check(&format!("{format:?}"), &run(), &run());
@@ -320,7 +326,19 @@ fn gpu_random_experts_give_finite_unit_order_outputs() {
         let mut h = dev.alloc(DType::F32, &[1, topk, inter]).unwrap();
         let mut out = dev.alloc(DType::F32, &[1, d]).unwrap();
         dev.fill_bytes(&mut out, POISON).unwrap();
-        moe_bf16::moe_bf16(&dev, &x, &ids, &w, &ex, 10.0, &mut h, &mut out).unwrap();
+        moe_bf16::moe_bf16(
+            &dev,
+            &x,
+            &ids,
+            &w,
+            &ex,
+            10.0,
+            &mut h,
+            &mut out,
+            false,
+            || Ok(()),
+        )
+        .unwrap();
         dev.download(&out).unwrap()
     };
     check("bf16", &run(), &run());

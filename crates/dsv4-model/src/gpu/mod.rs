@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use dsv4_ops::gpu::attention::{self, Compressed};
-use dsv4_ops::gpu::gemv::{gemv, gemv_add, gemv_grouped, gemv_swiglu, GemvWeight};
+use dsv4_ops::gpu::gemv::{gemv, gemv_grouped, gemv_swiglu, GemvWeight};
 use dsv4_ops::gpu::mhc::reference::HcParams;
 use dsv4_ops::gpu::mhc::{
     hc_head, hc_mix, hc_post_mix, hc_pre, DeviceHcMix, DeviceHcSite, NormedInput, HC,
@@ -967,9 +967,11 @@ fn moe_layer(
 ) -> Result<(), GpuError> {
     let m = &lw.moe;
     let xb = a.xb.rows(n)?;
-    // The shared expert's gate and up projections on the side stream, beside the routing and
-    // the routed experts.
+    // The shared expert on the side stream, beside the routing and the routed experts' gate
+    // and up projections: its output goes to `out` first, and the routed experts' down
+    // projection, once the side has joined, adds their sum onto it.
     let mut sh = a.shared_h.rows(n)?;
+    let mut out = a.moe.rows(n)?;
     dev.fork()?;
     dev.on_side(|| {
         gemv_swiglu(
@@ -979,7 +981,8 @@ fn moe_layer(
             c.swiglu_limit,
             &mut sh,
             &mut a.ws_side,
-        )
+        )?;
+        gemv(dev, &sh, &m.shared_w2, &mut out, &mut a.ws_side)
     })?;
     let mut logits = a.gate.rows(n)?;
     let by = match &m.routing {
@@ -999,11 +1002,16 @@ fn moe_layer(
         &mut ids,
         &mut wts,
     )?;
-    let mut out = a.moe.rows(n)?;
+    let join = || dev.join();
     match &m.experts {
         RoutedExperts::Fp4(e) => {
             let mut h = a.h_b.rows(n)?;
-            moe_decode(
+            let onto = MoeOut::F32Add(&mut out);
+            moe_decode(dev, &xb, &ids, &wts, e, c.swiglu_limit, &mut h, onto, join)
+        }
+        RoutedExperts::Bf16(e) => {
+            let mut h = a.h.rows(n)?;
+            moe_bf16(
                 dev,
                 &xb,
                 &ids,
@@ -1011,17 +1019,12 @@ fn moe_layer(
                 e,
                 c.swiglu_limit,
                 &mut h,
-                MoeOut::F32(&mut out),
-            )?;
-        }
-        RoutedExperts::Bf16(e) => {
-            let mut h = a.h.rows(n)?;
-            moe_bf16(dev, &xb, &ids, &wts, e, c.swiglu_limit, &mut h, &mut out)?;
+                &mut out,
+                true,
+                join,
+            )
         }
     }
-    dev.join()?;
-    // The shared expert's output added to the routed experts' sum in the GEMV's epilogue.
-    gemv_add(dev, &sh, &m.shared_w2, &mut out, &mut a.ws)
 }
 
 /// Weight bytes a decode step reads: every dense weight of every layer (the mHC projections

@@ -383,10 +383,12 @@ impl MoeExperts {
     }
 }
 
-/// The MoE output: bf16, or f32 (e.g. for a residual stream kept in f32).
+/// The MoE output: bf16, or f32 (e.g. for a residual stream kept in f32), or added to the
+/// f32 values already there (one f32 add each: e.g. onto the shared expert's output).
 pub enum MoeOut<'a> {
     Bf16(&'a mut DeviceTensor<bf16>),
     F32(&'a mut DeviceTensor<f32>),
+    F32Add(&'a mut DeviceTensor<f32>),
 }
 
 /// Kernel arguments; mirrors `struct MoeArgs` in moe.cu field for field.
@@ -421,7 +423,9 @@ unsafe impl DeviceRepr for MoeArgs {}
 /// Routed experts for `x [M, D]`: `ids` I32 `[M, top_k]` and `weights` F32 `[M, top_k]` (the
 /// router's choices, on the device), `h` BF16 `[M, top_k, I]` scratch (reserve it in the
 /// pool), `out [M, D] = Σⱼ weights[t, j] · expert(ids[t, j], x[t])` with the clamped SwiGLU
-/// (`limit` = swiglu_limit). Two launches; nothing is read back.
+/// (`limit` = swiglu_limit). Two launches; `between` runs after the first (gate+up) and before
+/// the second (down), which writes `out` (e.g. a join of the stream that wrote what
+/// [`MoeOut::F32Add`] adds onto). Nothing is read back.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_decode(
     dev: &Device,
@@ -432,6 +436,7 @@ pub fn moe_decode(
     limit: f32,
     h: &mut DeviceTensor<bf16>,
     out: MoeOut<'_>,
+    between: impl FnOnce() -> Result<(), GpuError>,
 ) -> Result<(), GpuError> {
     let (m, d, topk) = check_routing(
         ("moe", "moe_decode"),
@@ -443,14 +448,18 @@ pub fn moe_decode(
         (MAX_M, MAX_PAIRS),
     )?;
     h.expect("moe intermediate h", DType::BF16, &[m, topk, experts.inter])?;
-    let (out_addr, out_f32) = match out {
+    let (out_addr, out_suffix) = match out {
         MoeOut::Bf16(t) => {
             t.expect("moe output", DType::BF16, &[m, d])?;
-            (t.device_address(), false)
+            (t.device_address(), "")
         }
         MoeOut::F32(t) => {
             t.expect("moe output", DType::F32, &[m, d])?;
-            (t.device_address(), true)
+            (t.device_address(), "_f32")
+        }
+        MoeOut::F32Add(t) => {
+            t.expect("moe output", DType::F32, &[m, d])?;
+            (t.device_address(), "_f32add")
         }
     };
     let g = |i: usize| {
@@ -462,7 +471,7 @@ pub fn moe_decode(
     let mt = if m <= 8 { "m8" } else { "m16" };
     let fmt = experts.format.name();
     let gate_up = format!("moe_gate_up_{fmt}_{mt}");
-    let down = format!("moe_down_{fmt}_{mt}{}", if out_f32 { "_f32" } else { "" });
+    let down = format!("moe_down_{fmt}_{mt}{out_suffix}");
     // Gate+up: 8-row tiles of the intermediate, one set per (token, slot) pair (duplicates of
     // an expert exit at once), each tile's K split over up_wpt warps so that top_k experts'
     // tiles fill the GPU once. The split depends on the shapes only (the m8 kernel's occupancy
@@ -536,6 +545,7 @@ pub fn moe_decode(
             1,
         )
     }?;
+    between()?;
     unsafe {
         launch_struct(
             dev,

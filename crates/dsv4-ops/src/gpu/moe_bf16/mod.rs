@@ -186,6 +186,7 @@ struct MoeBf16Args {
     d: u32,
     inter: u32,
     limit: f32,
+    accumulate: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA struct.
@@ -197,7 +198,9 @@ unsafe impl DeviceRepr for MoeBf16Args {}
 /// with `L = limit` (swiglu_limit), each token's terms summed in ascending expert id order in a
 /// fixed order (no atomics). Ids outside `[0, experts)` select nothing (a token without a valid
 /// id gets zeros); a token's ids are normally distinct (repeated ones each add their term, in
-/// slot order). `1 <= M <= 16`, `M · k <= 256`. Two launches; nothing is read back.
+/// slot order). `1 <= M <= 16`, `M · k <= 256`. With `accumulate`, the sum is added to what
+/// `out` holds (one f32 add each) instead. Two launches; `between` runs after the first
+/// (gate+up) and before the second (down), which writes `out`. Nothing is read back.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_bf16(
     dev: &Device,
@@ -208,6 +211,8 @@ pub fn moe_bf16(
     limit: f32,
     h: &mut DeviceTensor<f32>,
     out: &mut DeviceTensor<f32>,
+    accumulate: bool,
+    between: impl FnOnce() -> Result<(), GpuError>,
 ) -> Result<(), GpuError> {
     let (m, d, topk) = check_routing(
         ("moe_bf16", "moe_bf16"),
@@ -236,6 +241,7 @@ pub fn moe_bf16(
         d: d as u32,
         inter: inter as u32,
         limit,
+        accumulate: u32::from(accumulate),
     };
     let up = LaunchConfig {
         grid_dim: (
@@ -260,9 +266,11 @@ pub fn moe_bf16(
     // checked above (D and I multiples of 8, so every 16-byte load is aligned); the kernels
     // bound-check expert ids and touch nothing outside those shapes.
     let pdl = PROGRAMMATIC_LAUNCH.get();
-    for (kernel, cfg) in [("moe_bf16_gate_up", up), ("moe_bf16_down", down)] {
+    let launch = |kernel, cfg: LaunchConfig| {
         let block = (cfg.block_dim.0, cfg.shared_mem_bytes);
-        unsafe { launch_struct(dev, kernel, cfg.grid_dim, block, &args, pdl, 1) }?;
-    }
-    Ok(())
+        unsafe { launch_struct(dev, kernel, cfg.grid_dim, block, &args, pdl, 1) }
+    };
+    launch("moe_bf16_gate_up", up)?;
+    between()?;
+    launch("moe_bf16_down", down)
 }

@@ -226,8 +226,43 @@ fn run(dev: &Device, ex: &Bf16Experts, c: &Case, m: usize) -> (Vec<f32>, Vec<f32
     let mut out = dev.alloc::<f32>(DType::F32, &[m, d]).unwrap();
     dev.fill_bytes(&mut h, POISON).unwrap();
     dev.fill_bytes(&mut out, POISON).unwrap();
-    moe_bf16(dev, &x, &ids, &wts, ex, c.limit, &mut h, &mut out).unwrap();
-    (dev.download(&out).unwrap(), dev.download(&h).unwrap())
+    moe_bf16(
+        dev,
+        &x,
+        &ids,
+        &wts,
+        ex,
+        c.limit,
+        &mut h,
+        &mut out,
+        false,
+        || Ok(()),
+    )
+    .unwrap();
+    let got = dev.download(&out).unwrap();
+    // Accumulated onto other values: one f32 add of the same sum each.
+    let base: Vec<f32> = (0..m * d).map(|i| (i % 7) as f32 - 3.0).collect();
+    let mut onto = dev.upload(DType::F32, &[m, d], &base).unwrap();
+    moe_bf16(
+        dev,
+        &x,
+        &ids,
+        &wts,
+        ex,
+        c.limit,
+        &mut h,
+        &mut onto,
+        true,
+        || Ok(()),
+    )
+    .unwrap();
+    let want: Vec<f32> = base.iter().zip(&got).map(|(b, v)| b + v).collect();
+    assert_eq!(
+        bits(&dev.download(&onto).unwrap()),
+        bits(&want),
+        "accumulated"
+    );
+    (got, dev.download(&h).unwrap())
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -393,7 +428,18 @@ fn gpu_moe_bf16_rejects_bad_shapes() {
         let w = dev.alloc::<f32>(DType::F32, &[m, k]).unwrap();
         let mut h = dev.alloc::<f32>(DType::F32, &hs).unwrap();
         let mut out = dev.alloc::<f32>(DType::F32, &od).unwrap();
-        moe_bf16(&dev, &x, &ids, &w, &ex, limit, &mut h, &mut out)
+        moe_bf16(
+            &dev,
+            &x,
+            &ids,
+            &w,
+            &ex,
+            limit,
+            &mut h,
+            &mut out,
+            false,
+            || Ok(()),
+        )
     };
     call(2, 3, d, [2, 3, inter], [2, d], 10.0).unwrap();
     for (what, m, k, xd, hs, od, limit) in [
@@ -413,7 +459,19 @@ fn gpu_moe_bf16_rejects_bad_shapes() {
     let w = dev.alloc::<f32>(DType::F32, &[2, 2]).unwrap();
     let mut h = dev.alloc::<f32>(DType::F32, &[2, 3, inter]).unwrap();
     let mut out = dev.alloc::<f32>(DType::F32, &[2, d]).unwrap();
-    assert!(moe_bf16(&dev, &x, &ids, &w, &ex, 10.0, &mut h, &mut out).is_err());
+    assert!(moe_bf16(
+        &dev,
+        &x,
+        &ids,
+        &w,
+        &ex,
+        10.0,
+        &mut h,
+        &mut out,
+        false,
+        || Ok(())
+    )
+    .is_err());
 }
 
 #[test]
