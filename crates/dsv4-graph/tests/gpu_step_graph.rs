@@ -175,3 +175,66 @@ fn gpu_captured_step_cannot_do_host_work() {
     outer.replay().unwrap();
     assert_eq!(dev.download(&pos).unwrap(), vec![1]);
 }
+
+/// Norms `a` on the side stream and `b` on the stream, joins, then norms the side's output.
+fn side_step(
+    dev: &Device,
+    (a, b): (&DeviceTensor<f32>, &DeviceTensor<f32>),
+    a_n: &mut DeviceTensor<f32>,
+    b_n: &mut DeviceTensor<f32>,
+    out: &mut DeviceTensor<f32>,
+) -> Result<(), GpuError> {
+    dev.fork()?;
+    dev.on_side(|| rows::rms_norm_rows(dev, a, None, EPS, a_n, None))?;
+    rows::rms_norm_rows(dev, b, None, EPS, b_n, None)?;
+    dev.join()?;
+    rows::rms_norm_rows(dev, &*a_n, None, EPS, out, None)
+}
+
+/// Work forked to the side stream joins the capture: [`side_step`] replays to the bits of the
+/// same launches issued eagerly, on fresh inputs copied in before each replay, and after
+/// `on_side` launches go to the stream again.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_side_stream_work_joins_the_capture() {
+    let dev = device();
+    let mut rng = rng("gpu_side_stream_work_joins_the_capture");
+    let alloc = || dev.alloc::<f32>(DType::F32, &[4, D]).unwrap();
+    let (mut a, mut b) = (alloc(), alloc());
+    let (mut a_n, mut b_n, mut out) = (alloc(), alloc(), alloc());
+    let main = dev.stream().cu_stream();
+    let mut fresh = |a: &mut DeviceTensor<f32>, b: &mut DeviceTensor<f32>| {
+        for t in [a, b] {
+            let v: Vec<f32> = (0..4 * D).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            dev.write(t, &v).unwrap();
+        }
+    };
+    fresh(&mut a, &mut b);
+    side_step(&dev, (&a, &b), &mut a_n, &mut b_n, &mut out).unwrap();
+    assert_eq!(
+        dev.stream().cu_stream(),
+        main,
+        "launches go to the stream again"
+    );
+    let graph = StepGraph::capture(&dev, || {
+        side_step(&dev, (&a, &b), &mut a_n, &mut b_n, &mut out)
+    })
+    .unwrap();
+    for round in 0..3 {
+        fresh(&mut a, &mut b);
+        graph.replay().unwrap();
+        let (got_b, got) = (dev.download(&b_n).unwrap(), dev.download(&out).unwrap());
+        side_step(&dev, (&a, &b), &mut a_n, &mut b_n, &mut out).unwrap();
+        let what = format!("replay {round}");
+        assert_bits_eq(
+            &format!("{what}: the stream's norm"),
+            &got_b,
+            &dev.download(&b_n).unwrap(),
+        );
+        assert_bits_eq(
+            &format!("{what}: after the join"),
+            &got,
+            &dev.download(&out).unwrap(),
+        );
+    }
+}
