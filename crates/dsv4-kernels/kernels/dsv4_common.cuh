@@ -163,10 +163,12 @@ __device__ __forceinline__ void rope_pair(float* pair, u32 position, float freq,
 //
 // Every kernel of a decode step launches with the programmatic-serialization attribute, so it
 // may start while its predecessor in the stream still runs. Before `pdl_wait` returns, a kernel
-// may read only what no earlier kernel writes (weights); after it, the predecessor (and, by
-// induction, every earlier kernel) has finished and its writes are visible.
-// `pdl_launch_dependents` lets the successor start launching; a kernel calls it after its own
-// wait, so at most two grids of the stream are resident.
+// may read only what no earlier kernel writes (weights); after it, the predecessor in its
+// stream (and, by induction, every earlier kernel of that stream) has finished and its writes
+// are visible. Kernels of the other stream (the device's side stream) are covered only up to
+// the last fork or join between the two: a kernel issued after a fork must not read what the
+// other stream writes after it. `pdl_launch_dependents` lets the successor start launching; a
+// kernel calls it after its own wait, so at most two grids of a stream are resident.
 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 

@@ -6,7 +6,8 @@
 //
 // The stream count is a compile-time 4 (every DeepSeek-V4 model), so the mixing arrays stay
 // in registers. Products and sums the CPU reference rounds one by one use __f*_rn in its
-// order; only the mix dot products are summed in another (fixed) order.
+// order; the mix dot products and the norm's sum of squares are summed in another (fixed)
+// order.
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
@@ -112,12 +113,12 @@ __device__ __forceinline__ void mix_from_partials(const float* __restrict__ part
 
 // Sum of v over the block's first `threads` threads (whole warps), for all of them: a shuffle
 // tree per warp, then over the warps in order. Named barrier 1 syncs only those threads, so a
-// warp past them (hc_pre's Sinkhorn warp) runs on meanwhile.
+// warp past them (hc_pre's Sinkhorn warp) runs on meanwhile. Once per token: the callers'
+// __syncthreads between tokens orders the reuse of scratch.
 __device__ __forceinline__ float collapse_sum(float v, float* scratch, u32 threads) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");  // scratch may still be read
     if (lane == 0u) scratch[warp] = v;
     asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
     v = lane < threads / 32u ? scratch[lane] : 0.0f;
@@ -200,7 +201,7 @@ __device__ __forceinline__ float sinkhorn_lane(float c, u32 lane, u32 iters, flo
 // After hc_mix_partials: streams [n, HC * d] -> the normalized sub-layer input xn [n, d] (and
 // its bf16 copy xb), post [n, HC], comb [n, HC * HC]. One block per token (grid-stride): its
 // last warp writes post and runs Sinkhorn while the others collapse and normalize.
-DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
+DSV4_KERNEL void __launch_bounds__(1024) hc_pre(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                         u32 splits, const float* __restrict__ base, const float* __restrict__ scale,
                         u32 sinkhorn_iters, float hc_eps, float norm_eps, const float* __restrict__ weight,
                         float eps, float* __restrict__ xn, u16* __restrict__ xb, float* __restrict__ post,
@@ -236,7 +237,7 @@ DSV4_KERNEL void hc_pre(const float* __restrict__ streams, u32 n, u32 d, const f
 
 // The final collapse and the output norm: pre weights only (fn [HC, HC * d], base [HC],
 // scale [1]); the grid as hc_pre's (its last warp idle).
-DSV4_KERNEL void hc_head(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
+DSV4_KERNEL void __launch_bounds__(1024) hc_head(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                          u32 splits, const float* __restrict__ base, const float* __restrict__ scale, float hc_eps,
                          float norm_eps, const float* __restrict__ weight, float eps, float* __restrict__ xn,
                          u16* __restrict__ xb) {

@@ -1,9 +1,9 @@
 // The MoE router after the gate projection (spec §8): sqrt-softplus scores, then hash routing
 // (the device token id's row of tid2eid) or learned routing (top k of score + bias, ties to
 // the lowest expert, returned in ascending expert order), and the combine weights
-// score / sum(scores) * scale. One block per token; everything stays on the device.
-// Also the gate projection before it (gate_logits_*), in f32, and both in one launch
-// (gate_route_*, at the end).
+// score / sum(scores) * scale, all on the device: one block per token (route_topk), or the last
+// block of the gate projection for every token (gate_route_*, at the end, the gate and the
+// routing in one launch). Also the gate projection alone (gate_logits_*), in f32.
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
@@ -20,7 +20,8 @@ __device__ __forceinline__ float route_score(float z) {
 
 // Selection key: larger is better. The value's bits in an order-preserving form (NaN below
 // everything, -0 equal to +0) above the complemented index (ties to the lower index). Keys
-// are distinct, so exactly k experts have fewer than k keys above theirs.
+// are distinct and never 0, so each round of the top-k has one winner, and a taken key set
+// to 0 is below every other.
 __device__ __forceinline__ u64 route_key(float v, u32 x) {
     const u32 b = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 as +0: equal values tie
     const u32 ordered = v != v ? 0u : (b & 0x80000000u) ? ~b : (b | 0x80000000u);

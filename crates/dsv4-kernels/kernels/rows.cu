@@ -54,7 +54,7 @@ struct NormArgs {
 // `out_b` gets set a's values rounded to bf16. A non-null `inv_freq` then rotates the last
 // 2 * rope_half channels of each row as rope_rows does, row r at position
 // pos[0] + r / rows_per_token.
-DSV4_KERNEL void rms_norm_rows(const NormArgs p) {
+DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
     pdl_enter();
     const NormSet &a = p.a, &b = p.b;
     const u32 width = p.width;

@@ -184,7 +184,7 @@ pub struct Acts<S: Stage> {
     pub logits: S::Buf<f32>,
     pub sample_weights: S::Buf<f32>,
     /// The GEMV workspace of the device's stream, and the side stream's (the compressors, the
-    /// indexer and the shared expert's gate+up run beside the main path).
+    /// indexer and the shared expert run beside the main path).
     pub ws: S::Workspace,
     pub ws_side: S::Workspace,
 }

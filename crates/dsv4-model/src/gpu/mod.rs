@@ -1,7 +1,8 @@
 //! The model on one GPU. Weights are uploaded once into the kernels' layouts; the sequence
 //! state and every activation live in one sealed buffer pool; a forward chunk is a fixed list
-//! of launches on the device's stream that reads the token ids and the position from device
-//! buffers and advances the position itself. So a decode step (layers, head, sampling into the
+//! of launches on the device's stream (and its side stream, forked and joined inside each
+//! sub-layer) that reads the token ids and the position from device buffers and advances the
+//! position itself. So a decode step (layers, head, sampling into the
 //! token buffer) issues the same launches at every position and can be captured once as a CUDA
 //! graph and replayed (`dsv4-graph`); run eagerly it is the same launches.
 //!
@@ -389,7 +390,7 @@ impl GpuModel {
 
     /// A model of `config`'s widths whose weights are drawn at random on `dev`, in the formats
     /// and sizes of the synthetic checkpoint of `format` (for benchmarks: no checkpoint is
-    /// written or read). Every linear must fill whole GEMV tiles, as the real widths do.
+    /// written or read).
     pub fn random(
         config: Config,
         format: SynthFormat,

@@ -168,12 +168,17 @@ impl Device {
     }
 
     /// Runs `f` with its launches issued on the side stream (buffers it writes must be its
-    /// own until [`Device::join`]).
+    /// own until [`Device::join`]); launches go where they went before once `f` returns or
+    /// unwinds.
     pub fn on_side<R>(&self, f: impl FnOnce() -> Result<R, GpuError>) -> Result<R, GpuError> {
-        self.on_side.store(true, Ordering::Relaxed);
-        let r = f();
-        self.on_side.store(false, Ordering::Relaxed);
-        r
+        struct Restore<'a>(&'a AtomicBool, bool);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                self.0.store(self.1, Ordering::Relaxed);
+            }
+        }
+        let _restore = Restore(&self.on_side, self.on_side.swap(true, Ordering::Relaxed));
+        f()
     }
 
     /// Makes the stream wait for the work issued on the side stream so far.
@@ -379,6 +384,8 @@ impl Device {
     /// Waits for the stream and copies the tensor to the host.
     pub fn download<T: DeviceElem>(&self, src: &DeviceTensor<T>) -> Result<Vec<T>, GpuError> {
         self.refuse_in_capture("copying to the host")?;
+        // After the side stream's work too (a step that failed between a fork and its join).
+        self.join()?;
         let mut out = vec![T::default(); src.len()];
         self.stream
             .memcpy_dtoh(src.slice(), &mut out[..])
@@ -398,8 +405,8 @@ impl Device {
         Ok(Readback { buf })
     }
 
-    /// Copies `src` into `dst` after the work already on the stream, waits for the stream
-    /// (the copy is its last work) and returns the values.
+    /// Copies `src` into `dst` after the work already on the stream and the side stream,
+    /// waits for the stream (the copy is its last work) and returns the values.
     pub fn read<'a, T: DeviceElem>(
         &self,
         src: &DeviceTensor<T>,
@@ -416,6 +423,7 @@ impl Device {
                 ),
             ));
         }
+        self.join()?;
         self.stream
             .memcpy_dtoh(src.slice(), &mut dst.buf)
             .map_err(GpuError::driver("copying to the host"))?;
@@ -456,6 +464,8 @@ impl Device {
 
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.refuse_in_capture("waiting for the stream")?;
+        // The side stream's work too (a step that failed between a fork and its join).
+        self.join()?;
         self.stream
             .synchronize()
             .map_err(GpuError::driver("synchronizing the stream"))

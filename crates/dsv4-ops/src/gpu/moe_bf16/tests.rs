@@ -476,6 +476,7 @@ fn gpu_moe_bf16_rejects_bad_shapes() {
 
 #[test]
 fn args_layout_matches_the_cuda_struct() {
-    // 8 pointers, 5 u32 and one f32.
-    assert_eq!(std::mem::size_of::<MoeBf16Args>(), 88);
+    // 8 pointers, 5 u32, one f32 and the u32 flag, padded to the pointers' 8 bytes.
+    assert_eq!(std::mem::size_of::<MoeBf16Args>(), 96);
+    assert_eq!(std::mem::offset_of!(MoeBf16Args, accumulate), 88);
 }

@@ -67,7 +67,12 @@ pub fn fill_bytes(
     if dist.span == 0 || dist.lo as usize + dist.span as usize > 256 {
         return Err(GpuError::invalid(
             "random bytes",
-            format!("lo {} + span {} must be in 1..=256", dist.lo, dist.span),
+            format!(
+                "span {} must be in 1..={} (256 - lo {})",
+                dist.span,
+                256 - dist.lo as usize,
+                dist.lo
+            ),
         ));
     }
     if out.is_empty() {

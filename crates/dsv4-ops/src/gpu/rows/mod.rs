@@ -181,13 +181,13 @@ pub(crate) fn norm_threads(width: u32) -> u32 {
     (width / 4).next_multiple_of(32).clamp(32, 1024)
 }
 
-/// A checked row set of `width` columns and the kernel's view of it.
-fn norm_set(set: &NormRows, width: usize, rope: bool) -> Result<NormSet, GpuError> {
+/// A checked row set of `width` columns (named `what` in errors) and the kernel's view of it.
+fn norm_set(set: &NormRows, width: usize, rope: bool, what: &str) -> Result<NormSet, GpuError> {
     let x = set.x;
-    let (rows, stride) = x.x.dims2("rms_norm input", DType::F32)?;
+    let (rows, stride) = x.x.dims2(&format!("{what} input"), DType::F32)?;
     if x.width != width || x.first + width > stride {
         return Err(GpuError::invalid(
-            "rms_norm",
+            what,
             format!(
                 "columns {}..{} of rows of {stride} (rows of {width} wanted)",
                 x.first,
@@ -196,13 +196,13 @@ fn norm_set(set: &NormRows, width: usize, rope: bool) -> Result<NormSet, GpuErro
         ));
     }
     set.out
-        .expect("rms_norm output", DType::F32, &[rows, width])?;
+        .expect(&format!("{what} output"), DType::F32, &[rows, width])?;
     if let Some(w) = set.weight {
-        w.expect("rms_norm weight", DType::F32, &[width])?;
+        w.expect(&format!("{what} weight"), DType::F32, &[width])?;
     }
     if rope && (set.rows_per_token == 0 || rows % set.rows_per_token != 0) {
         return Err(GpuError::invalid(
-            "rms_norm_rope",
+            what,
             format!("{rows} rows, {} rows a token", set.rows_per_token),
         ));
     }
@@ -226,9 +226,17 @@ fn norm_rows(
     rope: Option<&RowRope>,
 ) -> Result<(), GpuError> {
     let width = a.x.width;
-    let first = norm_set(&a, width, rope.is_some())?;
+    let (what_a, what_b) = match (&b, rope) {
+        (Some(_), _) => (
+            "rms_norm_rope pair, first rows",
+            "rms_norm_rope pair, second rows",
+        ),
+        (None, Some(_)) => ("rms_norm_rope", ""),
+        (None, None) => ("rms_norm", ""),
+    };
+    let first = norm_set(&a, width, rope.is_some(), what_a)?;
     let second = match &b {
-        Some(b) => norm_set(b, width, rope.is_some())?,
+        Some(b) => norm_set(b, width, rope.is_some(), what_b)?,
         None => NormSet::default(),
     };
     if let Some(o) = &out_b {
