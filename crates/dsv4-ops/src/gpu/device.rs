@@ -390,7 +390,7 @@ impl Device {
         self.stream
             .memcpy_dtoh(src.slice(), &mut out[..])
             .map_err(GpuError::driver("copying to the host"))?;
-        self.synchronize()?;
+        self.wait_stream()?;
         Ok(out)
     }
 
@@ -429,7 +429,7 @@ impl Device {
             .map_err(GpuError::driver("copying to the host"))?;
         // With event tracking off the buffer's own event is never recorded, so its wait
         // would not wait: the stream is waited for instead.
-        self.synchronize()?;
+        self.wait_stream()?;
         dst.buf
             .as_slice()
             .map_err(GpuError::driver("reading page-locked memory"))
@@ -466,6 +466,11 @@ impl Device {
         self.refuse_in_capture("waiting for the stream")?;
         // The side stream's work too (a step that failed between a fork and its join).
         self.join()?;
+        self.wait_stream()
+    }
+
+    /// Waits for the stream alone (after a join, or a copy issued after one).
+    fn wait_stream(&self) -> Result<(), GpuError> {
         self.stream
             .synchronize()
             .map_err(GpuError::driver("synchronizing the stream"))

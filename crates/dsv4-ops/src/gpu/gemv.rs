@@ -408,6 +408,31 @@ struct Parts<'a> {
     bytes: usize,
 }
 
+/// `[n, k]` in `format`: both positive, k a multiple of the format's 16-byte chunk, both u32.
+fn check_shape(what: &str, format: GemvFormat, n: usize, k: usize) -> Result<(), GpuError> {
+    let ce = format.chunk_elems();
+    if n == 0 || k == 0 || !k.is_multiple_of(ce) {
+        return Err(invalid(
+            what,
+            format!("n and k must be positive and k a multiple of {ce}"),
+        ));
+    }
+    dim_u32(what, n)?;
+    dim_u32(what, k)?;
+    Ok(())
+}
+
+/// FP8 scale blocks the kernels take: rows a multiple of 16, columns of 64.
+fn check_fp8_block(what: &str, block: (usize, usize)) -> Result<(), GpuError> {
+    if block.0 == 0 || !block.0.is_multiple_of(16) || block.1 == 0 || !block.1.is_multiple_of(64) {
+        return Err(invalid(
+            what,
+            format!("FP8 block {block:?}: rows must be a multiple of 16 and columns of 64"),
+        ));
+    }
+    Ok(())
+}
+
 fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuError> {
     let format = match w {
         HostWeight::Bf16(_) => GemvFormat::Bf16,
@@ -419,15 +444,7 @@ fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuErro
         HostWeight::Mxfp4(_) => GemvFormat::Mxfp4,
     };
     let what = format!("{} weight [{n}, {k}]", format.name());
-    let ce = format.chunk_elems();
-    if n == 0 || k == 0 || !k.is_multiple_of(ce) {
-        return Err(invalid(
-            &what,
-            format!("n and k must be positive and k a multiple of {ce}"),
-        ));
-    }
-    dim_u32(&what, n)?;
-    dim_u32(&what, k)?;
+    check_shape(&what, format, n, k)?;
     Ok(match w {
         HostWeight::Bf16(data) => {
             check_len(&what, n * k, data.len())?;
@@ -447,12 +464,7 @@ fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuErro
             format: sf,
             block,
         } => {
-            if block.0 == 0 || block.0 % 16 != 0 || block.1 == 0 || block.1 % 64 != 0 {
-                return Err(invalid(
-                    &what,
-                    format!("FP8 block {block:?}: rows must be a multiple of 16 and columns of 64"),
-                ));
-            }
+            check_fp8_block(&what, block)?;
             check_len(&what, n * k, weight.len())?;
             let sn = n.div_ceil(block.0) * k.div_ceil(block.1) * sf.bytes();
             check_len(&format!("{what} scale"), sn, scale.len())?;
@@ -665,18 +677,10 @@ impl GemvWeight {
         seed: u64,
     ) -> Result<GemvWeight, GpuError> {
         let what = format!("random {} weight [{n}, {k}]", format.name());
-        let ce = format.chunk_elems();
-        if n == 0 || k == 0 || !k.is_multiple_of(ce) {
-            return Err(invalid(
-                &what,
-                format!("n and k must be positive and k a multiple of {ce}"),
-            ));
-        }
-        dim_u32(&what, n)?;
-        dim_u32(&what, k)?;
+        check_shape(&what, format, n, k)?;
         let layout = pack::Layout {
             rows: n,
-            chunks: k / ce,
+            chunks: k / format.chunk_elems(),
             gate_up,
         };
         let mats = if gate_up { 2 } else { 1 };
@@ -697,12 +701,7 @@ impl GemvWeight {
                 2 * n * k
             }
             GemvFormat::Fp8 { scale: sf, block } => {
-                if block.0 == 0 || block.0 % 16 != 0 || block.1 == 0 || block.1 % 64 != 0 {
-                    return Err(invalid(
-                        &what,
-                        format!("FP8 block {block:?}: rows a multiple of 16, columns of 64"),
-                    ));
-                }
+                check_fp8_block(&what, block)?;
                 random::fill_bytes(dev, &mut codes, seed, random::FP8_CODES)?;
                 let rms = random::fp8_codes_rms();
                 let raw: Vec<u8> = match sf {

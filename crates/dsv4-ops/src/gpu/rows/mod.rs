@@ -183,8 +183,10 @@ pub(crate) fn norm_threads(width: u32) -> u32 {
 
 /// A checked row set of `width` columns (named `what` in errors) and the kernel's view of it.
 fn norm_set(set: &NormRows, width: usize, rope: bool, what: &str) -> Result<NormSet, GpuError> {
+    // Errors name the set; nothing is formatted unless one occurs.
+    let named = |e: GpuError| GpuError::invalid(what, e.to_string());
     let x = set.x;
-    let (rows, stride) = x.x.dims2(&format!("{what} input"), DType::F32)?;
+    let (rows, stride) = x.x.dims2("input", DType::F32).map_err(named)?;
     if x.width != width || x.first + width > stride {
         return Err(GpuError::invalid(
             what,
@@ -196,9 +198,10 @@ fn norm_set(set: &NormRows, width: usize, rope: bool, what: &str) -> Result<Norm
         ));
     }
     set.out
-        .expect(&format!("{what} output"), DType::F32, &[rows, width])?;
+        .expect("output", DType::F32, &[rows, width])
+        .map_err(named)?;
     if let Some(w) = set.weight {
-        w.expect(&format!("{what} weight"), DType::F32, &[width])?;
+        w.expect("weight", DType::F32, &[width]).map_err(named)?;
     }
     if rope && (set.rows_per_token == 0 || rows % set.rows_per_token != 0) {
         return Err(GpuError::invalid(
