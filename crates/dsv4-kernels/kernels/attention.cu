@@ -73,6 +73,9 @@ __device__ __forceinline__ void comp_slot(u32 i, u32 j, u32 ws, u32 ratio, u32 c
     }
 }
 
+// Window rows compressor_emit reads at once per channel.
+#define EMIT_BATCH 8u
+
 // One block per window that closes inside the chunk (block b: the b-th closing position).
 // Entry e = (p + 1) / ratio - 1 pools, per channel j, the softmax of the gate logits over the
 // window's rows (with overlap: the previous window's A-half rows first, then this window's
@@ -107,28 +110,32 @@ DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict_
     // inside it (ws - 1 >= pos0), in which case its older rows are still the open-window state.
     const bool prev_in_state = has_prev && ws - 1u >= pos0;
 
-    const u32 s0 = has_prev ? 0u : ratio;
+    // Three passes over the window's rows per channel (the maximum, the sum of exp, the
+    // weighted values), each reading EMIT_BATCH rows at once (all in flight together) and then
+    // folding them in row order.
+    const u32 s0 = has_prev ? 0u : ratio, s1 = 2u * ratio;
     for (u32 j = threadIdx.x; j < c; j += blockDim.x) {
-        float mx = NEG_INF;
-        for (u32 i = s0; i < 2u * ratio; i++) {
-            float z, v;
-            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, proj, ape, st_kv, st_gate, prev_kv,
-                      prev_gate, z, v);
-            mx = fmaxf(mx, z);
-        }
-        float sum = NEG_ZERO;
-        for (u32 i = s0; i < 2u * ratio; i++) {
-            float z, v;
-            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, proj, ape, st_kv, st_gate, prev_kv,
-                      prev_gate, z, v);
-            sum = __fadd_rn(sum, expf(__fsub_rn(z, mx)));
-        }
-        float o = NEG_ZERO;
-        for (u32 i = s0; i < 2u * ratio; i++) {
-            float z, v;
-            comp_slot(i, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, proj, ape, st_kv, st_gate, prev_kv,
-                      prev_gate, z, v);
-            o = __fadd_rn(o, __fmul_rn(v, __fdiv_rn(expf(__fsub_rn(z, mx)), sum)));
+        float mx = NEG_INF, sum = NEG_ZERO, o = NEG_ZERO;
+        for (u32 pass = 0; pass < 3u; pass++) {
+            for (u32 i0 = s0; i0 < s1; i0 += EMIT_BATCH) {
+                float z[EMIT_BATCH], v[EMIT_BATCH];
+#pragma unroll
+                for (u32 u = 0; u < EMIT_BATCH; u++)
+                    if (i0 + u < s1)
+                        comp_slot(i0 + u, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, proj, ape, st_kv, st_gate,
+                                  prev_kv, prev_gate, z[u], v[u]);
+#pragma unroll
+                for (u32 u = 0; u < EMIT_BATCH; u++) {
+                    if (i0 + u >= s1) break;
+                    if (pass == 0u) {
+                        mx = fmaxf(mx, z[u]);
+                        continue;
+                    }
+                    const float e = expf(__fsub_rn(z[u], mx));
+                    if (pass == 1u) sum = __fadd_rn(sum, e);
+                    else o = __fadd_rn(o, __fmul_rn(v[u], __fdiv_rn(e, sum)));
+                }
+            }
         }
         pooled[j] = o;
     }
@@ -221,8 +228,27 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
     const u32 hi = min(lo + per_block, n_vis);
     const float* qt = q + (u64)t * nh * c;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    for (u32 h = warp; h < nh; h += IDX_WARPS)
-        for (u32 ch = lane; ch < c; ch += 32u) q_s[ch * (nh + 1u) + h] = qt[(u64)h * c + ch];
+    // The token's queries, 16-byte pieces (4 channels of one head; c % 4 == 0) eight at a time
+    // in flight per thread, transposed into q_s.
+    const float4* q4 = reinterpret_cast<const float4*>(qt);
+    for (u32 i0 = threadIdx.x; i0 < nh * c / 4u; i0 += 8u * IDX_THREADS) {
+        float4 v[8];
+#pragma unroll
+        for (u32 u = 0; u < 8u; u++) {
+            const u32 i = i0 + u * IDX_THREADS;
+            v[u] = i < nh * c / 4u ? q4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (u32 u = 0; u < 8u; u++) {
+            const u32 i = i0 + u * IDX_THREADS;
+            if (i >= nh * c / 4u) break;
+            const u32 h = 4u * i / c, ch = 4u * i % c;
+            q_s[ch * (nh + 1u) + h] = v[u].x;
+            q_s[(ch + 1u) * (nh + 1u) + h] = v[u].y;
+            q_s[(ch + 2u) * (nh + 1u) + h] = v[u].z;
+            q_s[(ch + 3u) * (nh + 1u) + h] = v[u].w;
+        }
+    }
     for (u32 h = threadIdx.x; h < nh; h += blockDim.x) w_s[h] = __fmul_rn(weights[(u64)t * nh + h], wscale);
     __syncthreads();
     float* out = scores + (u64)t * cap;
@@ -397,7 +423,8 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 // chunk's kv when >= pos[0], else from the ring slot position % W), then the compressed keys:
 // mode 1 every visible entry [0, min((p + 1) / ratio, cap)), mode 2 the k ids of selected[t]
 // (-1 or an id >= cap: none). The n keys are cut into S = gridDim.z consecutive splits of
-// ceil(n / S). Warp w takes its split's keys w, w + 8, ...: per key the lanes hold d / 32
+// ceil(n / S). Dynamic shared memory: 8 · 4 · d floats (the warps' states). Warp w takes
+// its split's keys w, w + 8, ...: per key the lanes hold d / 32
 // channels, each head's score is a warp butterfly sum, and the head's running max, sum and
 // weighted values are updated online (while the next key loads). The warps' states then merge
 // through shared memory, summed in warp order.
@@ -413,11 +440,11 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
     u32* __restrict__ counters, u16* __restrict__ out) {
     pdl_enter();
-    __shared__ float q_s[ATT_HEADS * ATT_MAX_CPL * 32u];
+    __shared__ __align__(16) float q_s[ATT_HEADS * ATT_MAX_CPL * 32u];
     __shared__ float acc_s[ATT_HEADS * ATT_MAX_CPL * 32u];
     __shared__ float m_s[ATT_HEADS], l_s[ATT_HEADS];
     __shared__ float wm_s[ATT_WARPS][ATT_HEADS], wl_s[ATT_WARPS][ATT_HEADS];
-    __shared__ float stage[ATT_WARPS][ATT_MAX_CPL * 32u];
+    extern __shared__ float stage[];  // [ATT_WARPS][ATT_HEADS][d]
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
     const u32 h0 = blockIdx.x * ATT_HEADS;
@@ -431,7 +458,13 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 per = (n + splits - 1u) / splits;
     const u32 j_end = min(n, (split + 1u) * per);
     const float* qt = q + ((u64)t * heads + h0) * d;
-    for (u32 i = threadIdx.x; i < ATT_HEADS * d; i += blockDim.x) q_s[i] = i < hv * d ? qt[i] : 0.0f;
+    // 16-byte pieces, all in flight at once (d % 32 == 0); missing heads are zeros.
+    for (u32 i = 4u * threadIdx.x; i < ATT_HEADS * d; i += 4u * blockDim.x) {
+        if (i < hv * d) cp_async16(q_s + i, qt + i);
+        else *reinterpret_cast<float4*>(q_s + i) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 cpl = d / 32u;
@@ -482,7 +515,8 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[x] = kn[x];
     }
     // Merge the warps' partial softmaxes: each warp's factor to the heads' common maximum, then
-    // per head the warps' scaled sums staged side by side and added in warp order per channel.
+    // the warps' scaled sums staged side by side (all heads at once) and added in warp order
+    // per channel.
     if (lane == 0u) {
 #pragma unroll
         for (u32 h = 0; h < ATT_HEADS; h++) {
@@ -499,18 +533,19 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 #pragma unroll
     for (u32 h = 0; h < ATT_HEADS; h++) {
         const float f = wm_s[warp][h];
+        float* st = stage + (warp * ATT_HEADS + h) * d;
 #pragma unroll
         for (u32 x = 0; x < ATT_MAX_CPL; x++)
-            if (x < cpl) stage[warp][lane + 32u * x] = __fmul_rn(acc[h][x], f);
-        __syncthreads();
-        for (u32 ch = threadIdx.x; ch < d; ch += blockDim.x) {
-            float a = 0.0f;
-#pragma unroll
-            for (u32 w = 0; w < ATT_WARPS; w++) a = __fadd_rn(a, stage[w][ch]);
-            acc_s[h * d + ch] = a;
-        }
-        __syncthreads();
+            if (x < cpl) st[lane + 32u * x] = __fmul_rn(acc[h][x], f);
     }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < ATT_HEADS * d; i += blockDim.x) {
+        float a = 0.0f;
+#pragma unroll
+        for (u32 w = 0; w < ATT_WARPS; w++) a = __fadd_rn(a, stage[w * ATT_HEADS * d + i]);
+        acc_s[i] = a;
+    }
+    __syncthreads();
     if (splits > 1u) {
         // This split's state out; the last block of (x, t) to finish merges every split's.
         const u64 row0 = (u64)t * heads + h0;  // (token, head) row of the block's first head

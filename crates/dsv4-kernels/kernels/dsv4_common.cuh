@@ -182,6 +182,25 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_launch_dependents();
 }
 
+// ---- asynchronous copies into shared memory ----
+
+// One 16-byte piece from global to shared memory (both 16-byte aligned), in flight until a
+// wait: every piece a thread issues is outstanding at once, where a load-store loop would wait
+// one L2 round trip per piece.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const u32 to = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(gmem) : "memory");
+}
+
+// Closes the thread's pieces issued since the last commit into one group.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most N of the thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // SplitMix64's output function: a counter-based generator (the sampler's draws, the random
 // fills of synthetic weights).
 __device__ __forceinline__ u64 splitmix64(u64 x) {

@@ -401,16 +401,14 @@ __device__ __forceinline__ u32 sub_end(const Lane& L, u32 s1) { return min(U * s
 
 // Copies `rows` rows of `len` bf16 (len and both strides multiples of 8, 16-byte aligned rows)
 // from global memory into shared memory. Every thread of the block calls it; it ends with a
-// barrier. Asynchronous copies put all of a thread's 16-byte pieces in flight at once (a
-// load-store loop waits one L2 round trip per piece: H200, MoE down staging 24 KB per block,
-// Flash 16.7 -> 15.9 us).
+// barrier. Asynchronous copies (H200, MoE down staging 24 KB per block, Flash 16.7 -> 15.9 us
+// against a load-store loop).
 __device__ __forceinline__ void stage_rows(u16* dst, u32 dst_stride, const u16* src, u64 src_stride, u32 rows,
                                            u32 len) {
     const u32 per_row = len / 8;
     for (u32 i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
         const u32 r = i / per_row, c = (i % per_row) * 8;
-        const u32 to = (u32)__cvta_generic_to_shared(dst + (u64)r * dst_stride + c);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src + r * src_stride + c) : "memory");
+        cp_async16(dst + (u64)r * dst_stride + c, src + r * src_stride + c);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();

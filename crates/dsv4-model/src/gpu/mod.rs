@@ -100,8 +100,8 @@ fn check_gpu_config(c: &Config) -> Result<(), GpuModelError> {
         (
             "index_head_dim",
             c.index_head_dim,
-            c.index_head_dim <= MAX_INDEX_DIM,
-            format!("at most {MAX_INDEX_DIM}"),
+            c.index_head_dim <= MAX_INDEX_DIM && c.index_head_dim.is_multiple_of(4),
+            format!("a multiple of 4 up to {MAX_INDEX_DIM}"),
         ),
         (
             "n_routed_experts",
@@ -1118,6 +1118,9 @@ mod tests {
         c.index_head_dim = 256;
         let err = check_gpu_config(&c).unwrap_err().to_string();
         assert!(err.contains("index_head_dim = 256"), "{err}");
+        c.index_head_dim = 66;
+        let err = check_gpu_config(&c).unwrap_err().to_string();
+        assert!(err.contains("a multiple of 4"), "{err}");
         let mut c = Config::tiny();
         c.o_lora_rank = 24;
         let err = check_gpu_config(&c).unwrap_err().to_string();

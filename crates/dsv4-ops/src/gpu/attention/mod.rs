@@ -260,13 +260,26 @@ pub fn index_topk(
     let (t, nhc) = q.dims2("indexer queries", DType::F32)?;
     let (_, nh) = matrix(weights, "indexer weights", DType::F32, Some(t), None)?;
     let (cap, c) = entries.dims2("indexer entries", DType::F32)?;
-    if nh == 0 || nh > MAX_INDEX_HEADS || c == 0 || c > MAX_INDEX_DIM || nhc != nh * c {
+    if nh == 0
+        || nh > MAX_INDEX_HEADS
+        || c == 0
+        || c > MAX_INDEX_DIM
+        || !c.is_multiple_of(4)
+        || nhc != nh * c
+    {
         return Err(GpuError::invalid(
             "indexer",
             format!(
                 "queries of {nhc} for {nh} heads of entries of {c} (need nh·c, \
-                 1 ≤ nh ≤ {MAX_INDEX_HEADS}, 1 ≤ c ≤ {MAX_INDEX_DIM})"
+                 1 ≤ nh ≤ {MAX_INDEX_HEADS}, c a multiple of 4 up to {MAX_INDEX_DIM})"
             ),
+        ));
+    }
+    // The queries are read in 16-byte pieces.
+    if !q.device_address().is_multiple_of(16) {
+        return Err(GpuError::invalid(
+            "indexer",
+            "queries not on a 16-byte boundary",
         ));
     }
     if ratio == 0 {
@@ -494,6 +507,14 @@ pub fn attention(
             )
         }
     };
+    // The queries are copied into shared memory in 16-byte pieces (rows of d floats keep the
+    // bound).
+    if !q.device_address().is_multiple_of(16) {
+        return Err(GpuError::invalid(
+            "attention",
+            "queries not on a 16-byte boundary",
+        ));
+    }
     if t == 0 {
         return Ok(());
     }
@@ -514,10 +535,14 @@ pub fn attention(
         ("splits", s),
     ])?;
     let scale = 1.0 / (d as f32).sqrt();
+    // The 8 warps' states of ATT_HEADS heads in shared memory (the first launch opts the
+    // kernel in past 48 KiB).
+    let stage_bytes = 8 * ATT_HEADS * d * std::mem::size_of::<f32>();
+    dev.kernel_limits("attention_heads")?;
     let cfg = LaunchConfig {
         grid_dim: (dims[6], tokens, dims[8]),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: stage_bytes as u32,
     };
     // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1,
     // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),

@@ -1021,7 +1021,18 @@ mod gpu {
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("16-byte boundary"), "{err}");
+        assert!(
+            err.contains("split sums not on a 16-byte boundary"),
+            "{err}"
+        );
+        // Queries a float past a 16-byte boundary (they are copied in 16-byte pieces).
+        let skewed_q = wide.view(1, &[2, 4 * 32]).unwrap();
+        let err = attention(
+            &dev, &skewed_q, &kv, &ring, none, &sink, &pos, &fr, &mut sp, &mut out,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("queries not on a 16-byte"), "{err}");
         let sel = dev.alloc::<i32>(DType::I32, &[3, 8]).unwrap();
         let entries = f32s(&[10, 32]);
         let comp = Compressed::Selected {
@@ -1040,6 +1051,17 @@ mod gpu {
         let mut bad_scores = f32s(&[2, 9]);
         assert!(index_topk(&dev, &iq, &iw, &ie, 4, &pos, &mut bad_scores, &mut sel).is_err());
         assert!(index_topk(&dev, &iq, &iw, &ie, 0, &pos, &mut scores, &mut sel).is_err());
+        let (iq6, ie6) = (f32s(&[2, 4 * 6]), f32s(&[10, 6]));
+        let err = index_topk(&dev, &iq6, &iw, &ie6, 4, &pos, &mut scores, &mut sel).unwrap_err();
+        assert!(err.to_string().contains("multiple of 4"), "{err}");
+        let skewed_iq = wide.view(1, &[2, 4 * 16]).unwrap();
+        let err = index_topk(&dev, &skewed_iq, &iw, &ie, 4, &pos, &mut scores, &mut sel);
+        assert!(
+            err.unwrap_err()
+                .to_string()
+                .contains("queries not on a 16-byte"),
+            "skewed indexer queries"
+        );
 
         let mut st = CompressorBuffers {
             kv: f32s(&[4, 32]),
