@@ -159,8 +159,10 @@ pub struct Acts<S: Stage> {
     pub q: S::Buf<f32>,
     pub q_n: S::Buf<f32>,
     pub kv_n: S::Buf<f32>,
-    /// A compressor's stacked projections (values, then gate logits), up to `4·head_dim` wide.
+    /// The compressor's stacked projections (values, then gate logits), up to `4·head_dim`
+    /// wide, and the indexer compressor's (they may run on the two streams at once).
     pub comp: S::Buf<f32>,
+    pub icomp: S::Buf<f32>,
     pub iq: S::Buf<f32>,
     pub iw: S::Buf<f32>,
     /// The attention's split states (see [`AttentionSplits`]).
@@ -226,7 +228,8 @@ impl<S: Stage> Buffers<S> {
             q: s.buf("q", &[m, q_all])?,
             q_n: s.buf("q_n", &[m, q_all])?,
             kv_n: s.buf("kv_n", &[m, hd])?,
-            comp: s.buf("comp", &[m, 4 * hd.max(ic)])?,
+            comp: s.buf("comp", &[m, 4 * hd])?,
+            icomp: s.buf("icomp", &[m, 4 * ic])?,
             iq: s.buf("iq", &[m, ni * ic])?,
             iw: s.buf("iw", &[m, ni])?,
             att_acc: s.buf("attention.split_sums", &split_shapes[0])?,

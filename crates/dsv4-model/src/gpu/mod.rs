@@ -791,11 +791,11 @@ fn attention_layer(
         &w.rope_compress
     };
     let xb = a.xb.rows(n)?;
-    // On the side stream, beside the query path: the compressors' updates and the indexer's
-    // head weights now, its selection once the query latent is normalized (they write only
-    // their own buffers and this layer's compressor and indexer state).
+    // On the side stream, beside the query path: the indexer's compressor and head weights now
+    // and its selection once the query latent is normalized, or (no indexer) the compressor
+    // (they write only their own buffers and this layer's compressor and indexer state).
     dev.fork()?;
-    dev.on_side(|| compress(dev, c, w, lw, ls, a, n))?;
+    dev.on_side(|| side_compress(dev, c, w, lw, ls, a, n))?;
     // Query latent and shared key/value: one GEMV of wq_a and wkv stacked; q_norm.
     let qa_kv = linear_f32(dev, &xb, &at.wq_a_kv, &a.qa_kv, &mut a.ws)?;
     let qa = ColRange {
@@ -838,6 +838,20 @@ fn attention_layer(
     };
     rms_norm_rope_pair(dev, heads, kv, eps, &heads_rope)?;
     let q_n = q_n.reshape(&[n, q_all])?;
+    // Beside an indexer the side stream is the longer one: the compressor runs here.
+    if let (Some(cw), Some(st), Some(_)) = (&at.compressor, &ls.comp, &at.indexer) {
+        compressor_step(
+            dev,
+            c,
+            w,
+            cw,
+            st.buffers()?,
+            &xb,
+            &a.comp,
+            &a.pos,
+            &mut a.ws,
+        )?;
+    }
     dev.join()?;
     let selected;
     let compressed = match (&ls.comp, &ls.index) {
@@ -877,10 +891,38 @@ fn attention_layer(
     gemv(dev, &z, &at.wo_b, &mut a.y.rows(n)?, &mut a.ws)
 }
 
-/// The attention's compressors (each its projections of `acts.xb`, one GEMV, and its state
-/// update) and, in a CSA layer, the indexer's head weights: work [`attention_layer`] runs on
-/// the side stream (GEMVs on `acts.ws_side`).
-fn compress(
+/// One compressor's projections of `xb` (one GEMV into the front of `proj`) and its state
+/// update.
+#[allow(clippy::too_many_arguments)]
+fn compressor_step(
+    dev: &Device,
+    c: &Config,
+    w: &DevWeights,
+    cw: &DevCompressor,
+    mut st: attention::CompressorBuffers,
+    xb: &DeviceTensor<bf16>,
+    proj: &DeviceTensor<f32>,
+    pos: &DeviceTensor<u32>,
+    ws: &mut dsv4_ops::gpu::gemv::GemvWorkspace,
+) -> Result<(), GpuError> {
+    let proj = linear_f32(dev, xb, &cw.proj, proj, ws)?;
+    attention::compressor_update(
+        dev,
+        &proj,
+        &cw.ape,
+        &cw.norm,
+        &w.rope_compress,
+        c.rms_norm_eps,
+        cw.overlap,
+        pos,
+        &mut st,
+    )
+}
+
+/// The attention's side-stream work before the selection (GEMVs on `acts.ws_side`): with an
+/// indexer, its compressor (projections in `acts.icomp`) and head weights; without one, the
+/// layer's compressor (projections in `acts.comp`).
+fn side_compress(
     dev: &Device,
     c: &Config,
     w: &DevWeights,
@@ -891,27 +933,25 @@ fn compress(
 ) -> Result<(), GpuError> {
     let at = &lw.attn;
     let xb = a.xb.rows(n)?;
-    let mut compress = |cw: &DevCompressor, mut st: attention::CompressorBuffers| {
-        let proj = linear_f32(dev, &xb, &cw.proj, &a.comp, &mut a.ws_side)?;
-        attention::compressor_update(
-            dev,
-            &proj,
-            &cw.ape,
-            &cw.norm,
-            &w.rope_compress,
-            c.rms_norm_eps,
-            cw.overlap,
-            &a.pos,
-            &mut st,
-        )
-    };
-    if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
-        compress(cw, st.buffers()?)?;
-    }
     let (Some(iw), Some(ist)) = (&at.indexer, &ls.index) else {
+        if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
+            let buffers = st.buffers()?;
+            compressor_step(dev, c, w, cw, buffers, &xb, &a.comp, &a.pos, &mut a.ws_side)?;
+        }
         return Ok(());
     };
-    compress(&iw.compressor, ist.comp.buffers()?)?;
+    let buffers = ist.comp.buffers()?;
+    compressor_step(
+        dev,
+        c,
+        w,
+        &iw.compressor,
+        buffers,
+        &xb,
+        &a.icomp,
+        &a.pos,
+        &mut a.ws_side,
+    )?;
     gate_logits(
         dev,
         &a.xn.rows(n)?,
@@ -921,7 +961,7 @@ fn compress(
 }
 
 /// In a CSA layer, the indexer's top-k of the compressed entries for each query, from the
-/// normalized query latent `acts.qab` (after [`compress`], on the side stream).
+/// normalized query latent `acts.qab` (after [`side_compress`], on the side stream).
 fn select(
     dev: &Device,
     c: &Config,
