@@ -2,8 +2,8 @@
 //! and stage them in `.device-bin/` with a script that runs them on a GPU machine.
 //!
 //! GPU tests are `#[ignore]`d (so a plain `cargo test` reports them as not run) and have
-//! `gpu` in their path; the script runs exactly those with `--ignored gpu`, then again under
-//! compute-sanitizer's memcheck and racecheck. The binaries load the CUDA driver and NVRTC
+//! `gpu` in their path; the script runs exactly those with `--ignored gpu`, then each of them
+//! alone under compute-sanitizer's memcheck and racecheck, several at once. The binaries load the CUDA driver and NVRTC
 //! dynamically, so they run on any x86-64 Linux machine with a driver and CUDA 13 NVRTC.
 
 use std::path::Path;
@@ -110,10 +110,14 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     println!();
     println!("On a GPU machine, from the repository root (logs go to $OUT, else {OUT_DIR}/logs):");
     println!("  bash {OUT_DIR}/{SCRIPT}");
-    println!("which runs, for each binary B:");
+    println!("which runs, for each binary B and each of its GPU tests T:");
     println!("  {OUT_DIR}/B --ignored --test-threads=1 --nocapture gpu");
-    println!("  compute-sanitizer --tool memcheck --error-exitcode 99 {OUT_DIR}/B --ignored --test-threads=1 gpu");
-    println!("  compute-sanitizer --tool racecheck --error-exitcode 99 {OUT_DIR}/B --ignored --test-threads=1 gpu");
+    println!(
+        "  compute-sanitizer --tool memcheck --error-exitcode 99 {OUT_DIR}/B --ignored --exact T"
+    );
+    println!(
+        "  compute-sanitizer --tool racecheck --error-exitcode 99 {OUT_DIR}/B --ignored --exact T"
+    );
     Ok(())
 }
 
@@ -152,8 +156,10 @@ fn package_name(id: &str) -> Option<&str> {
 fn run_script(binaries: &[String]) -> String {
     format!(
         r#"#!/usr/bin/env bash
-# Runs the GPU tests staged by `cargo xtask gpu-test`: each binary normally, then under
-# compute-sanitizer memcheck and racecheck. Usage: bash {OUT_DIR}/{SCRIPT} [LOG_DIR]
+# Runs the GPU tests staged by `cargo xtask gpu-test`: each binary normally, then every GPU
+# test alone under compute-sanitizer memcheck and racecheck, DSV4_SANITIZE_JOBS (default 6) at
+# a time on the one GPU, each cut off after DSV4_SANITIZE_TIMEOUT seconds (default 560).
+# Usage: bash {OUT_DIR}/{SCRIPT} [LOG_DIR]
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 logs=${{1:-${{OUT:-$here/logs}}}}
@@ -167,7 +173,7 @@ if ! ldconfig -p | grep -q 'libnvrtc.so.13'; then
 fi
 # Oracle fixtures of the tree the script sits in.
 export DSV4_FIXTURES=${{DSV4_FIXTURES:-$here/../tests/fixtures}}
-# A private kernel cache: the first binary compiles (cold), the sanitizer runs reuse it.
+# A private kernel cache: the plain runs compile (cold), the sanitizer runs reuse it.
 export DSV4_KERNEL_CACHE=${{DSV4_KERNEL_CACHE:-$(mktemp -d)}}
 
 command -v nvidia-smi > /dev/null && nvidia-smi -L
@@ -179,12 +185,35 @@ for b in "${{binaries[@]}}"; do
   rc=$?; cat "$logs/$b.log"; [ $rc -eq 0 ] || status=1
   summary+="$b: exit $rc"$'\n'
 done
+
+# One sanitizer run: tool, binary, test. Its log says the exit code on its last line. The
+# longest tests take shorter lengths there (DSV4_SANITIZER_RUN, dsv4_tests::sanitizer_length).
+sanitize() {{
+  local log="$logs/$2.$1.${{3//::/.}}.log"
+  DSV4_SANITIZER_RUN=1 timeout "${{DSV4_SANITIZE_TIMEOUT:-560}}" \
+    compute-sanitizer --tool "$1" --error-exitcode 99 "$here/$2" --ignored --exact --test-threads=1 "$3" > "$log" 2>&1
+  printf '\nexit %d\n' $? >> "$log"
+}}
 if command -v compute-sanitizer > /dev/null; then
+  export -f sanitize
+  export logs here
   for tool in memcheck racecheck; do
     for b in "${{binaries[@]}}"; do
-      compute-sanitizer --tool $tool --error-exitcode 99 "$here/$b" --ignored --test-threads=1 gpu > "$logs/$b.$tool.log" 2>&1
-      rc=$?; [ $rc -eq 0 ] || status=1
-      summary+="$b under $tool: exit $rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/$b.$tool.log" | tail -n 1)"$'\n'
+      "$here/$b" --list --ignored gpu | sed -n 's/: test$//p' | sed "s|^|$tool $b |"
+    done
+  done | xargs -P "${{DSV4_SANITIZE_JOBS:-6}}" -L 1 bash -c 'sanitize "$@"' _
+  for tool in memcheck racecheck; do
+    for b in "${{binaries[@]}}"; do
+      runs=0; failed=""
+      for log in "$logs/$b.$tool".*.log; do
+        [ -e "$log" ] || continue
+        runs=$((runs + 1))
+        if [ "$(tail -n 1 "$log")" != "exit 0" ]; then
+          failed+=" $(basename "$log" .log) ($(tail -n 1 "$log"), $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -n 1))"
+        fi
+      done
+      [ -z "$failed" ] || status=1
+      summary+="$b under $tool: $runs tests,${{failed:- all clean}}"$'\n'
     done
   done
 else
@@ -224,6 +253,7 @@ mod tests {
         let s = run_script(&["a-lib".to_string(), "b-lib".to_string()]);
         assert!(s.contains("binaries=(a-lib b-lib)"));
         assert!(s.contains("for tool in memcheck racecheck"));
-        assert!(s.contains("--ignored --test-threads=1 gpu"));
+        assert!(s.contains("--ignored --test-threads=1 --nocapture gpu"));
+        assert!(s.contains("--ignored --exact --test-threads=1 \"$3\""));
     }
 }

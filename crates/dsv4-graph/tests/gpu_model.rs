@@ -20,7 +20,12 @@ use dsv4_model::gpu::{GpuModel, GpuOptions, MAX_CHUNK};
 use dsv4_model::weights::ModelWeights;
 use dsv4_ops::gpu::sample::Sampling;
 use dsv4_ops::gpu::Device;
-use dsv4_tests::{bf16_copy, fixtures, load_oracle};
+use dsv4_tests::{bf16_copy, fixtures, load_oracle, sanitizer_length};
+
+/// The prefix of each fixture a sanitizer run checks: on the long fixture (window 16, CSA
+/// ratio 4 with top-k 8, HCA ratio 32) it crosses a window wrap, both compressors' emissions
+/// and more visible CSA entries than top-k.
+const PREFIX: usize = 40;
 
 fn device() -> Arc<Device> {
     Arc::new(Device::new(0).expect("a CUDA device"))
@@ -159,7 +164,12 @@ fn gpu_model_matches_cpu_and_oracle_on_every_fixture() {
     let mut bad = Vec::new();
     for dir in fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let oracle = load_oracle(&dir);
+        let mut oracle = load_oracle(&dir);
+        // A sanitizer run checks a prefix (the model is causal, so the oracle's first rows
+        // are that prefix's logits).
+        let t = sanitizer_length(oracle.input_ids.len(), PREFIX);
+        oracle.input_ids.truncate(t);
+        oracle.logits.truncate(t * oracle.vocab);
         let ids = &oracle.input_ids;
         // Both sides read the BF16 weights the GPU runs (the same files for BF16 fixtures).
         let (copy, rounded) = bf16_fixture(&dir);
@@ -172,8 +182,7 @@ fn gpu_model_matches_cpu_and_oracle_on_every_fixture() {
             .forward(&mut mirror.new_state(), ids, Logits::All)
             .unwrap();
         let well_conditioned = compare(&want_exact, &want, oracle.vocab).0.is_empty();
-        let mut gpu = gpu_model(copy.path(), &dev, ids.len());
-        let t = ids.len();
+        let mut gpu = gpu_model(copy.path(), &dev, t);
         let uneven = [7.min(t), 5.min(t.saturating_sub(7))];
         let uneven: Vec<usize> = uneven.into_iter().filter(|&n| n > 0).collect();
         for (how, chunks) in [
@@ -211,7 +220,8 @@ fn gpu_model_matches_cpu_with_every_entry_selected() {
     let mut bad = Vec::new();
     for dir in fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let ids = load_oracle(&dir).input_ids;
+        let mut ids = load_oracle(&dir).input_ids;
+        ids.truncate(sanitizer_length(ids.len(), PREFIX));
         let (copy, _) = bf16_fixture(&dir);
         let ck = Checkpoint::open(copy.path()).unwrap();
         let mut config = ck.config().clone();
@@ -277,12 +287,14 @@ fn decode(model: &mut GpuModel, prompt: &[u32], steps: usize, graph: bool) -> (V
 fn gpu_graph_replay_is_bit_identical_to_eager_launches() {
     let dev = device();
     // Window 16, CSA ratio 4 with index_topk 8, HCA ratio 32: 300 steps from position 5 cross
-    // window wraps, both compressors' emissions and more visible entries than top-k.
+    // window wraps, both compressors' emissions and more visible entries than top-k; so do
+    // the 48 of a sanitizer run (to position 53).
+    let steps = sanitizer_length(300, 48);
     let dir = dsv4_tests::fixtures_dir().join("long");
     let mut model = gpu_model(&dir, &dev, 320);
     let prompt: Vec<u32> = load_oracle(&dir).input_ids[..5].to_vec();
-    let (eager_tokens, eager_logits) = decode(&mut model, &prompt, 300, false);
-    let (graph_tokens, graph_logits) = decode(&mut model, &prompt, 300, true);
+    let (eager_tokens, eager_logits) = decode(&mut model, &prompt, steps, false);
+    let (graph_tokens, graph_logits) = decode(&mut model, &prompt, steps, true);
     assert_eq!(graph_tokens, eager_tokens, "sampled tokens");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let (g, e) = (bits(&graph_logits), bits(&eager_logits));
@@ -295,10 +307,10 @@ fn gpu_graph_replay_is_bit_identical_to_eager_launches() {
             eager_logits[i]
         );
     }
-    // The capture happened at position 5; the sequence is now 305 long.
-    assert_eq!(model.len(), 305);
+    // The capture happened at position 5.
+    assert_eq!(model.len(), 5 + steps);
     println!(
-        "300 graph replays bit-identical to eager launches; tokens {:?}",
+        "{steps} graph replays bit-identical to eager launches; tokens {:?}",
         &graph_tokens[..12]
     );
 }
@@ -311,7 +323,8 @@ fn gpu_teacher_forced_decode_does_not_drift() {
     let dir = copy.path();
     let exact = CpuModel::load(dir, |_, _| {}).unwrap();
     let vocab = exact.config().vocab_size as u64;
-    let n = 1000;
+    // 64 positions under a sanitizer: past window wraps and both compressors' emissions.
+    let n = sanitizer_length(1000, 64);
     // A fixed pseudo-random token sequence.
     let ids: Vec<u32> = (0..n as u64)
         .map(|i| ((i * 2654435761 + 97) % vocab) as u32)
@@ -330,7 +343,7 @@ fn gpu_teacher_forced_decode_does_not_drift() {
     let mut gpu = gpu_model(dir, &dev, n);
     let got = gpu_logits(&mut gpu, &ids, &[]);
     assert_none(judge(
-        "1000 teacher-forced positions",
+        &format!("{n} teacher-forced positions"),
         &got,
         &want,
         &want_exact,
@@ -435,8 +448,9 @@ fn gpu_random_model_reads_what_its_checkpoint_reads_and_decodes() {
             written,
             "{format:?}: bytes per step"
         );
-        let (eager_tokens, eager_logits) = decode(&mut model, &prompt, 20, false);
-        let (graph_tokens, graph_logits) = decode(&mut model, &prompt, 20, true);
+        let steps = sanitizer_length(20, 8);
+        let (eager_tokens, eager_logits) = decode(&mut model, &prompt, steps, false);
+        let (graph_tokens, graph_logits) = decode(&mut model, &prompt, steps, true);
         assert!(
             eager_logits.iter().all(|v| v.is_finite()),
             "{format:?}: logits not finite"

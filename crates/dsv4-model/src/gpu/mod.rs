@@ -792,10 +792,17 @@ fn attention_layer(
     };
     let xb = a.xb.rows(n)?;
     // On the side stream, beside the query path: the indexer's compressor and head weights now
-    // and its selection once the query latent is normalized, or (no indexer) the compressor
-    // (they write only their own buffers and this layer's compressor and indexer state).
+    // and its selection once the query latent is normalized (they write only their own buffers
+    // and this layer's indexer state). The layer's compressor goes there too, except beside an
+    // indexer, whose work already makes the side stream the longer one.
+    let compressor_on_side = at.indexer.is_none();
     dev.fork()?;
-    dev.on_side(|| side_compress(dev, c, w, lw, ls, a, n))?;
+    dev.on_side(|| {
+        if compressor_on_side {
+            layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, &a.pos, &mut a.ws_side)?;
+        }
+        indexer_inputs(dev, c, w, lw, ls, a, n)
+    })?;
     // Query latent and shared key/value: one GEMV of wq_a and wkv stacked; q_norm.
     let qa_kv = linear_f32(dev, &xb, &at.wq_a_kv, &a.qa_kv, &mut a.ws)?;
     let qa = ColRange {
@@ -838,19 +845,8 @@ fn attention_layer(
     };
     rms_norm_rope_pair(dev, heads, kv, eps, &heads_rope)?;
     let q_n = q_n.reshape(&[n, q_all])?;
-    // Beside an indexer the side stream is the longer one: the compressor runs here.
-    if let (Some(cw), Some(st), Some(_)) = (&at.compressor, &ls.comp, &at.indexer) {
-        compressor_step(
-            dev,
-            c,
-            w,
-            cw,
-            st.buffers()?,
-            &xb,
-            &a.comp,
-            &a.pos,
-            &mut a.ws,
-        )?;
+    if !compressor_on_side {
+        layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, &a.pos, &mut a.ws)?;
     }
     dev.join()?;
     let selected;
@@ -919,10 +915,28 @@ fn compressor_step(
     )
 }
 
-/// The attention's side-stream work before the selection (GEMVs on `acts.ws_side`): with an
-/// indexer, its compressor (projections in `acts.icomp`) and head weights; without one, the
-/// layer's compressor (projections in `acts.comp`).
-fn side_compress(
+/// The layer's compressor step, if it has one (projections in `proj`, GEMVs on `ws`).
+#[allow(clippy::too_many_arguments)]
+fn layer_compressor(
+    dev: &Device,
+    c: &Config,
+    w: &DevWeights,
+    lw: &DevLayer,
+    ls: &buffers::LayerState<Taking>,
+    xb: &DeviceTensor<bf16>,
+    proj: &DeviceTensor<f32>,
+    pos: &DeviceTensor<u32>,
+    ws: &mut dsv4_ops::gpu::gemv::GemvWorkspace,
+) -> Result<(), GpuError> {
+    let (Some(cw), Some(st)) = (&lw.attn.compressor, &ls.comp) else {
+        return Ok(());
+    };
+    compressor_step(dev, c, w, cw, st.buffers()?, xb, proj, pos, ws)
+}
+
+/// In a CSA layer, the indexer's work before the selection, on the side stream (GEMVs on
+/// `acts.ws_side`): its compressor (projections in `acts.icomp`) and head weights.
+fn indexer_inputs(
     dev: &Device,
     c: &Config,
     w: &DevWeights,
@@ -931,22 +945,16 @@ fn side_compress(
     a: &mut buffers::Acts<Taking>,
     n: usize,
 ) -> Result<(), GpuError> {
-    let at = &lw.attn;
-    let xb = a.xb.rows(n)?;
-    let (Some(iw), Some(ist)) = (&at.indexer, &ls.index) else {
-        if let (Some(cw), Some(st)) = (&at.compressor, &ls.comp) {
-            let buffers = st.buffers()?;
-            compressor_step(dev, c, w, cw, buffers, &xb, &a.comp, &a.pos, &mut a.ws_side)?;
-        }
+    let (Some(iw), Some(ist)) = (&lw.attn.indexer, &ls.index) else {
         return Ok(());
     };
-    let buffers = ist.comp.buffers()?;
+    let xb = a.xb.rows(n)?;
     compressor_step(
         dev,
         c,
         w,
         &iw.compressor,
-        buffers,
+        ist.comp.buffers()?,
         &xb,
         &a.icomp,
         &a.pos,
@@ -961,7 +969,7 @@ fn side_compress(
 }
 
 /// In a CSA layer, the indexer's top-k of the compressed entries for each query, from the
-/// normalized query latent `acts.qab` (after [`side_compress`], on the side stream).
+/// normalized query latent `acts.qab` (after [`indexer_inputs`], on the side stream).
 fn select(
     dev: &Device,
     c: &Config,

@@ -960,40 +960,58 @@ mod gpu {
         let fr = f32s(&[4]);
         let mut sp = scratch(&dev, 64, 32);
         let mut out = dev.alloc::<bf16>(DType::BF16, &[2, 4 * 32]).unwrap();
-        let none = Compressed::None;
-        attention(
-            &dev, &q, &kv, &ring, none, &sink, &pos, &fr, &mut sp, &mut out,
-        )
-        .unwrap();
+        // The inputs of a good call; each check below changes one of them.
+        #[derive(Clone, Copy)]
+        struct Call<'a> {
+            q: &'a DeviceTensor<f32>,
+            kv: &'a DeviceTensor<f32>,
+            comp: Compressed<'a>,
+            sink: &'a DeviceTensor<f32>,
+            rope: &'a DeviceTensor<f32>,
+        }
+        let good = Call {
+            q: &q,
+            kv: &kv,
+            comp: Compressed::None,
+            sink: &sink,
+            rope: &fr,
+        };
+        let run = |c: Call, sp: &mut AttentionSplits, out: &mut DeviceTensor<bf16>| {
+            attention(
+                &dev, c.q, c.kv, &ring, c.comp, c.sink, &pos, c.rope, sp, out,
+            )
+        };
+        run(good, &mut sp, &mut out).unwrap();
         let (bad_q, bad_d) = (f32s(&[2, 96]), f32s(&[2, 48]));
-        let r = attention(
-            &dev, &bad_q, &bad_d, &ring, none, &sink, &pos, &fr, &mut sp, &mut out,
-        );
-        assert!(r.is_err(), "heads of 48");
+        let heads_48 = Call {
+            q: &bad_q,
+            kv: &bad_d,
+            ..good
+        };
+        assert!(run(heads_48, &mut sp, &mut out).is_err(), "heads of 48");
         let bad_sink = f32s(&[3]);
-        let r = attention(
-            &dev, &q, &kv, &ring, none, &bad_sink, &pos, &fr, &mut sp, &mut out,
+        let sinks_3 = Call {
+            sink: &bad_sink,
+            ..good
+        };
+        assert!(
+            run(sinks_3, &mut sp, &mut out).is_err(),
+            "3 sinks for 4 heads"
         );
-        assert!(r.is_err(), "3 sinks for 4 heads");
         let big_rope = f32s(&[17]);
-        let r = attention(
-            &dev, &q, &kv, &ring, none, &sink, &pos, &big_rope, &mut sp, &mut out,
+        let rope_34 = Call {
+            rope: &big_rope,
+            ..good
+        };
+        assert!(
+            run(rope_34, &mut sp, &mut out).is_err(),
+            "34 rotated channels of 32"
         );
-        assert!(r.is_err(), "34 rotated channels of 32");
         let mut bad_out = dev.alloc::<bf16>(DType::BF16, &[2, 3 * 32]).unwrap();
-        let r = attention(
-            &dev,
-            &q,
-            &kv,
-            &ring,
-            none,
-            &sink,
-            &pos,
-            &fr,
-            &mut sp,
-            &mut bad_out,
+        assert!(
+            run(good, &mut sp, &mut bad_out).is_err(),
+            "output of the wrong shape"
         );
-        assert!(r.is_err(), "output of the wrong shape");
         // Split sums a float past a 16-byte boundary (the merge reads them as vectors).
         let [acc, stats, counters] = AttentionSplits::shapes(64, 32);
         let mut pool = crate::gpu::BufferPool::new();
@@ -1007,42 +1025,32 @@ mod gpu {
             stats: f32s(&stats),
             counters: dev.alloc(DType::U32, &counters).unwrap(),
         };
-        let err = attention(
-            &dev,
-            &q,
-            &kv,
-            &ring,
-            none,
-            &sink,
-            &pos,
-            &fr,
-            &mut skewed,
-            &mut out,
-        )
-        .unwrap_err()
-        .to_string();
+        let err = run(good, &mut skewed, &mut out).unwrap_err().to_string();
         assert!(
             err.contains("split sums not on a 16-byte boundary"),
             "{err}"
         );
         // Queries a float past a 16-byte boundary (they are copied in 16-byte pieces).
         let skewed_q = wide.view(1, &[2, 4 * 32]).unwrap();
-        let err = attention(
-            &dev, &skewed_q, &kv, &ring, none, &sink, &pos, &fr, &mut sp, &mut out,
-        )
-        .unwrap_err()
-        .to_string();
+        let skewed_call = Call {
+            q: &skewed_q,
+            ..good
+        };
+        let err = run(skewed_call, &mut sp, &mut out).unwrap_err().to_string();
         assert!(err.contains("queries not on a 16-byte"), "{err}");
         let sel = dev.alloc::<i32>(DType::I32, &[3, 8]).unwrap();
         let entries = f32s(&[10, 32]);
-        let comp = Compressed::Selected {
-            entries: &entries,
-            selected: &sel,
+        let sel_3 = Call {
+            comp: Compressed::Selected {
+                entries: &entries,
+                selected: &sel,
+            },
+            ..good
         };
-        let r = attention(
-            &dev, &q, &kv, &ring, comp, &sink, &pos, &fr, &mut sp, &mut out,
+        assert!(
+            run(sel_3, &mut sp, &mut out).is_err(),
+            "a selection for 3 tokens"
         );
-        assert!(r.is_err(), "a selection for 3 tokens");
 
         let (iq, iw, ie) = (f32s(&[2, 4 * 16]), f32s(&[2, 4]), f32s(&[10, 16]));
         let mut scores = f32s(&[2, 10]);

@@ -35,11 +35,29 @@ pub enum DeviceRouteBy<'a> {
     Learned { bias: &'a DeviceTensor<f32> },
 }
 
-/// A checked routing: `[n, e, k, vocab]` and the table and bias addresses (one null).
+/// A checked routing: `[n, e, k, vocab]`, the table and bias addresses (one null), the scale
+/// and the token, id and weight addresses.
 struct Route {
     dims: [u32; 4],
     tid2eid: u64,
     bias: u64,
+    scale: f32,
+    tensors: [u64; 3],
+}
+
+impl Route {
+    /// The routing's arguments, in the order `route_topk` and `gate_route_*` end with.
+    fn push_args(&self, args: &mut Args) {
+        let [tokens, ids, weights] = self.tensors;
+        args.arg(self.dims[2])
+            .arg(tokens)
+            .arg(self.tid2eid)
+            .arg(self.dims[3])
+            .arg(self.bias)
+            .arg(self.scale)
+            .arg(ids)
+            .arg(weights);
+    }
 }
 
 fn check_route(
@@ -47,6 +65,7 @@ fn check_route(
     e: usize,
     tokens: &DeviceTensor<u32>,
     by: DeviceRouteBy,
+    scale: f32,
     ids: &DeviceTensor<i32>,
     weights: &DeviceTensor<f32>,
 ) -> Result<Route, GpuError> {
@@ -83,6 +102,12 @@ fn check_route(
         ],
         tid2eid,
         bias,
+        scale,
+        tensors: [
+            tokens.device_address(),
+            ids.device_address(),
+            weights.device_address(),
+        ],
     })
 }
 
@@ -98,7 +123,7 @@ pub fn route_topk(
     weights: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
     let (n, e) = logits.dims2("router logits", DType::F32)?;
-    let r = check_route(n, e, tokens, by, ids, weights)?;
+    let r = check_route(n, e, tokens, by, scale, ids, weights)?;
     if n == 0 {
         return Ok(());
     }
@@ -108,27 +133,12 @@ pub fn route_topk(
         block_dim: (ROUTE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    let mut args = Args::new();
+    args.ptr(logits).arg(r.dims[0]).arg(r.dims[1]);
+    r.push_args(&mut args);
     // SAFETY: logits [n, e], tokens [n], tid2eid [vocab, k] or bias [e] (the other null),
     // ids and weights [n, k] with k <= 16, checked above.
-    unsafe {
-        launch(
-            dev,
-            "route_topk",
-            cfg,
-            Args::new()
-                .ptr(logits)
-                .arg(r.dims[0])
-                .arg(r.dims[1])
-                .arg(r.dims[2])
-                .ptr(tokens)
-                .arg(r.tid2eid)
-                .arg(r.dims[3])
-                .arg(r.bias)
-                .arg(scale)
-                .ptr(ids)
-                .ptr(weights),
-        )
-    }
+    unsafe { launch(dev, "route_topk", cfg, &args) }
 }
 
 /// The MoE gate weight `[E, D]`, as the checkpoint stores it.
@@ -208,6 +218,20 @@ fn check_gate(
     })
 }
 
+impl Gate {
+    /// The gate's arguments, in the order `gate_logits_*` and `gate_route_*` begin with.
+    fn args(&self, x: &DeviceTensor<f32>, logits: &DeviceTensor<f32>) -> Args {
+        let mut args = Args::new();
+        args.ptr(x)
+            .arg(self.dims[0])
+            .arg(self.dims[1])
+            .arg(self.w)
+            .arg(self.dims[2])
+            .ptr(logits);
+        args
+    }
+}
+
 /// `logits [T, E]` F32 = `x [T, D]` F32 · Wᵀ, with the gate weight `w [E, D]` in BF16 or F32:
 /// f32 products and sums, never rounded to bf16 (top-k gaps are ~3e-4 relative). Each logit is
 /// summed in one fixed order that depends on D only, so a token's logits are the same alone and
@@ -224,20 +248,7 @@ pub fn gate_logits(
     }
     // SAFETY: x [t, d], w [e, d] of the kernel's element type (d a multiple of 8, so the
     // 16-byte loads are aligned), logits [t, e], checked above.
-    unsafe {
-        launch(
-            dev,
-            g.kernels.0,
-            g.cfg,
-            Args::new()
-                .ptr(x)
-                .arg(g.dims[0])
-                .arg(g.dims[1])
-                .arg(g.w)
-                .arg(g.dims[2])
-                .ptr(logits),
-        )
-    }
+    unsafe { launch(dev, g.kernels.0, g.cfg, &g.args(x, logits)) }
 }
 
 /// [`gate_logits`] then [`route_topk`] in one launch: the last gate block to finish routes
@@ -258,33 +269,14 @@ pub fn gate_route(
 ) -> Result<(), GpuError> {
     let g = check_gate(x, w, logits)?;
     let (n, e) = (g.dims[0] as usize, g.dims[2] as usize);
-    let r = check_route(n, e, tokens, by, ids, weights)?;
+    let r = check_route(n, e, tokens, by, scale, ids, weights)?;
     counter.expect("router ticket counter", DType::U32, &[1])?;
     if n == 0 {
         return Ok(());
     }
+    let mut args = g.args(x, logits);
+    r.push_args(&mut args);
+    args.ptr(counter);
     // SAFETY: as gate_logits and route_topk; counter [1], checked above.
-    unsafe {
-        launch(
-            dev,
-            g.kernels.1,
-            g.cfg,
-            Args::new()
-                .ptr(x)
-                .arg(g.dims[0])
-                .arg(g.dims[1])
-                .arg(g.w)
-                .arg(g.dims[2])
-                .ptr(logits)
-                .arg(r.dims[2])
-                .ptr(tokens)
-                .arg(r.tid2eid)
-                .arg(r.dims[3])
-                .arg(r.bias)
-                .arg(scale)
-                .ptr(ids)
-                .ptr(weights)
-                .ptr(counter),
-        )
-    }
+    unsafe { launch(dev, g.kernels.1, g.cfg, &args) }
 }
