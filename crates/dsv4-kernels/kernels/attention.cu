@@ -386,6 +386,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 #define ATT_MAX_CPL 16u  // channels a lane holds: d <= 512
 
 #define ATT_MAX_SPLITS 64u
+#define ATT_AHEAD 3u  // keys a warp has in flight beyond the one it scores
 
 // n softmax states (maxima m[i * stride], denominators l[i * stride]) brought to their common
 // maximum: each m becomes the state's factor to it; mx gets the maximum and den the denominators
@@ -417,16 +418,18 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
     return id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
 }
 
-// Block (x, t, s): heads [4x, 4x + 4) ∩ [0, heads) of token t at p = pos[0] + t, over split s of
-// the token's keys (always four heads' arithmetic, so their chains interleave; missing heads
-// get zero queries and write nothing). Keys j in order: the window positions max(0, p - W + 1) ..= p (from this
-// chunk's kv when >= pos[0], else from the ring slot position % W), then the compressed keys:
-// mode 1 every visible entry [0, min((p + 1) / ratio, cap)), mode 2 the k ids of selected[t]
-// (-1 or an id >= cap: none). The n keys are cut into S = gridDim.z consecutive splits of
-// ceil(n / S). Dynamic shared memory: 8 · 4 · d floats (the warps' states). Warp w takes
-// its split's keys w, w + 8, ...: per key the lanes hold d / 32
-// channels, each head's score is a warp butterfly sum, and the head's running max, sum and
-// weighted values are updated online (while the next key loads). The warps' states then merge
+// Block (x, t, s): heads [4x, 4x + 4) ∩ [0, heads) of token t at p = pos[0] + t, over split s
+// of the token's keys (always four heads' arithmetic, so their chains interleave; missing
+// heads get zero queries and write nothing). Keys j in order: the window positions
+// max(0, p - W + 1) ..= p (from this chunk's kv when >= pos[0], else from the ring slot
+// position % W), then the compressed keys: mode 1 every visible entry
+// [0, min((p + 1) / ratio, cap)), mode 2 the ids in the first min(k, that count) slots of
+// selected[t] (-1 or an id >= cap: none; index_select leaves -1 in the slots past them).
+// The n keys are cut into S = gridDim.z consecutive splits of ceil(n / S). Dynamic shared
+// memory: 8 · 4 · d floats (the warps' states). Warp w takes its split's keys w, w + 8, ...:
+// per key the lanes hold d / 32 channels, each head's score is a warp butterfly sum, and the
+// head's running max, sum and weighted values are updated online while the warp's next
+// ATT_AHEAD keys load (its first ones while the queries arrive). The warps' states then merge
 // through shared memory, summed in warp order.
 // With S > 1 each block writes its split's state to `part` ([t][h][s][d] sums, [t][h][s][2]
 // max and denominator) and the last block of (x, t) to arrive (counted in counters[t, x], which
@@ -453,7 +456,9 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 pos0 = pos[0];
     const u32 p = pos0 + t;
     const u32 n_w = min(p + 1u, wsize);
-    const u32 n_c = mode == 1u ? min((p + 1u) / ratio, cap) : mode == 2u ? k : 0u;
+    // Visible entries; a selection holds its ids in its first min(k, visible) slots.
+    const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
+    const u32 n_c = mode == 2u ? min(k, n_vis) : n_vis;
     const u32 n = n_w + n_c;
     const u32 per = (n + splits - 1u) / splits;
     const u32 j_end = min(n, (split + 1u) * per);
@@ -464,10 +469,23 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         else *reinterpret_cast<float4*>(q_s + i) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 cpl = d / 32u;
+    // The warp's first keys load while the queries arrive: slot i of the ring holds key
+    // j + 8 i, the warp's keys j, j + 8, ... (null past the split or for an empty slot).
+    const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
+    u32 j = split * per + warp;
+    const float* keys[ATT_AHEAD + 1u];
+    float kr[ATT_AHEAD + 1u][ATT_MAX_CPL];
+#pragma unroll
+    for (u32 i = 0; i <= ATT_AHEAD; i++) {
+        const u32 ji = j + i * ATT_WARPS;
+        keys[i] = ji < j_end ? att_key(ji, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
+#pragma unroll
+        for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[i][x] = keys[i] && x < cpl ? keys[i][lane + 32u * x] : 0.0f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
     float m[ATT_HEADS], l[ATT_HEADS], acc[ATT_HEADS][ATT_MAX_CPL];
 #pragma unroll
     for (u32 h = 0; h < ATT_HEADS; h++) {
@@ -476,43 +494,40 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 #pragma unroll
         for (u32 x = 0; x < ATT_MAX_CPL; x++) acc[h][x] = 0.0f;
     }
-    // Each warp loads its next key while it scores the current one.
-    const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
-    u32 j = split * per + warp;
-    const float* key = j < j_end ? att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
-    float kr[ATT_MAX_CPL];
+    // The warp scores its keys in order, slot by slot of the ring (unrolled, so the slots stay
+    // in registers), each slot refilled with the key ATT_AHEAD + 1 places on once scored.
+    constexpr u32 RING = ATT_AHEAD + 1u;
+    for (; j < j_end; j += RING * ATT_WARPS) {
 #pragma unroll
-    for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[x] = key && x < cpl ? key[lane + 32u * x] : 0.0f;
-    for (; j < j_end; j += ATT_WARPS) {
-        const u32 jn = j + ATT_WARPS;
-        const float* next =
-            jn < j_end ? att_key(jn, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
-        float kn[ATT_MAX_CPL];
+        for (u32 r = 0; r < RING; r++) {
+            const u32 jr = j + r * ATT_WARPS;
+            if (jr >= j_end) break;
+            if (keys[r]) {  // warp-uniform
 #pragma unroll
-        for (u32 x = 0; x < ATT_MAX_CPL; x++) kn[x] = next && x < cpl ? next[lane + 32u * x] : 0.0f;
-        if (key) {  // warp-uniform
+                for (u32 h = 0; h < ATT_HEADS; h++) {
+                    float s = 0.0f;
 #pragma unroll
-            for (u32 h = 0; h < ATT_HEADS; h++) {
-                float s = 0.0f;
+                    for (u32 x = 0; x < ATT_MAX_CPL; x++)
+                        if (x < cpl) s = __fadd_rn(s, __fmul_rn(q_s[h * d + lane + 32u * x], kr[r][x]));
 #pragma unroll
-                for (u32 x = 0; x < ATT_MAX_CPL; x++)
-                    if (x < cpl) s = __fadd_rn(s, __fmul_rn(q_s[h * d + lane + 32u * x], kr[x]));
+                    for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+                    s = __fmul_rn(s, scale);
+                    const float mn = fmaxf(m[h], s);
+                    const float alpha = m[h] == mn ? 1.0f : expf(__fsub_rn(m[h], mn));
+                    const float pr = expf(__fsub_rn(s, mn));
+                    l[h] = __fadd_rn(__fmul_rn(l[h], alpha), pr);
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-                s = __fmul_rn(s, scale);
-                const float mn = fmaxf(m[h], s);
-                const float alpha = m[h] == mn ? 1.0f : expf(__fsub_rn(m[h], mn));
-                const float pr = expf(__fsub_rn(s, mn));
-                l[h] = __fadd_rn(__fmul_rn(l[h], alpha), pr);
-#pragma unroll
-                for (u32 x = 0; x < ATT_MAX_CPL; x++)
-                    acc[h][x] = __fadd_rn(__fmul_rn(acc[h][x], alpha), __fmul_rn(pr, kr[x]));
-                m[h] = mn;
+                    for (u32 x = 0; x < ATT_MAX_CPL; x++)
+                        acc[h][x] = __fadd_rn(__fmul_rn(acc[h][x], alpha), __fmul_rn(pr, kr[r][x]));
+                    m[h] = mn;
+                }
             }
-        }
-        key = next;
+            const u32 jn = jr + RING * ATT_WARPS;
+            keys[r] = jn < j_end ? att_key(jn, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap)
+                                 : nullptr;
 #pragma unroll
-        for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[x] = kn[x];
+            for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[r][x] = keys[r] && x < cpl ? keys[r][lane + 32u * x] : 0.0f;
+        }
     }
     // Merge the warps' partial softmaxes: each warp's factor to the heads' common maximum, then
     // the warps' scaled sums staged side by side (all heads at once) and added in warp order
@@ -608,14 +623,20 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         }
         __syncthreads();
     }
-    // The sink: a zero-valued key of logit sink[h] (it may exceed every score).
-    for (u32 i = threadIdx.x; i < hv * d; i += blockDim.x) {
-        const u32 h = i / d;
+    // The sink: a zero-valued key of logit sink[h] (it may exceed every score). Each head's
+    // factor to the common maximum replaces m_s[h], its denominator l_s[h].
+    if (threadIdx.x < hv) {
+        const u32 h = threadIdx.x;
         const float mo = m_s[h], sk = sink[h0 + h];
         const float mf = fmaxf(mo, sk);
         const float a = mo == mf ? 1.0f : expf(__fsub_rn(mo, mf));
-        const float denom = __fadd_rn(__fmul_rn(l_s[h], a), expf(__fsub_rn(sk, mf)));
-        acc_s[i] = __fdiv_rn(__fmul_rn(acc_s[i], a), denom);
+        m_s[h] = a;
+        l_s[h] = __fadd_rn(__fmul_rn(l_s[h], a), expf(__fsub_rn(sk, mf)));
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < hv * d; i += blockDim.x) {
+        const u32 h = i / d;
+        acc_s[i] = __fdiv_rn(__fmul_rn(acc_s[i], m_s[h]), l_s[h]);
     }
     __syncthreads();
     // Rotated back to the token's position, as rope_rows with sign -1.

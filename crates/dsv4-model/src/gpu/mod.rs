@@ -856,6 +856,7 @@ fn attention_layer(
             Compressed::Selected {
                 entries: st.entries(),
                 selected: &selected,
+                ratio: lw.kind.ratio(),
             }
         }
         (Some(st), None) => Compressed::All {
@@ -879,12 +880,17 @@ fn attention_layer(
         &mut splits,
         &mut ob,
     )?;
-    attention::window_write(dev, &kv_n, &a.pos, &mut ls.window)?;
+    // The ring takes the chunk's keys on the side stream, beside the output projection: only
+    // this layer's next chunk reads it, and the join below comes before the next layer
+    // rewrites kv_n (or the position moves on).
+    dev.fork()?;
+    dev.on_side(|| attention::window_write(dev, &kv_n, &a.pos, &mut ls.window))?;
     // Grouped output projection: group g's heads (columns) through its rows of wo_a, in one
     // launch, then wo_b.
     let mut z = a.z.rows(n)?;
     gemv_grouped(dev, &ob, &at.wo_a, c.o_groups, &mut z, &mut a.ws)?;
-    gemv(dev, &z, &at.wo_b, &mut a.y.rows(n)?, &mut a.ws)
+    gemv(dev, &z, &at.wo_b, &mut a.y.rows(n)?, &mut a.ws)?;
+    dev.join()
 }
 
 /// One compressor's projections of `xb` (one GEMV into the front of `proj`) and its state

@@ -362,10 +362,13 @@ pub enum Compressed<'a> {
         entries: &'a DeviceTensor<f32>,
         ratio: usize,
     },
-    /// CSA: the indexer's choice (`selected` I32 [T, k], −1 = none) among `entries`.
+    /// CSA: the indexer's choice among `entries`, `selected` I32 [T, k], as [`index_topk`]
+    /// leaves it: ids (−1 or ≥ capacity: none) in the first min(k, visible) slots, visible =
+    /// min((p + 1) / ratio, capacity); the slots past those hold −1 and are not read.
     Selected {
         entries: &'a DeviceTensor<f32>,
         selected: &'a DeviceTensor<i32>,
+        ratio: usize,
     },
 }
 
@@ -494,14 +497,21 @@ pub fn attention(
             }
             (1, entries.device_address(), cap, ratio, 0, 0)
         }
-        Compressed::Selected { entries, selected } => {
+        Compressed::Selected {
+            entries,
+            selected,
+            ratio,
+        } => {
             let (cap, _) = matrix(entries, "attention entries", DType::F32, None, Some(d))?;
             let (_, k) = matrix(selected, "attention selection", DType::I32, Some(t), None)?;
+            if ratio == 0 {
+                return Err(GpuError::invalid("attention", "compression ratio 0"));
+            }
             (
                 2,
                 entries.device_address(),
                 cap,
-                1,
+                ratio,
                 selected.device_address(),
                 k,
             )

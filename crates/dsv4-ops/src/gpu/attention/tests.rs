@@ -712,6 +712,7 @@ mod gpu {
                     Compressed::Selected {
                         entries: &ed,
                         selected: &seld,
+                        ratio,
                     },
                     HostCompressed::Selected {
                         entries: &entries,
@@ -737,8 +738,7 @@ mod gpu {
                 for again in 0..1 + run {
                     let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
                     attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &fd, sp, &mut out).unwrap();
-                    let got = dev.download(&out).unwrap();
-                    let got: Vec<f32> = got.iter().map(|v| v.to_f32()).collect();
+                    let got = download_f32(&dev, &out);
                     for tt in 0..t {
                         assert_close_bf16(
                             &format!("{what} run {run}.{again} token {tt}"),
@@ -753,6 +753,33 @@ mod gpu {
                         assert_bits_eq(&format!("{what} relaunch"), &got, &firsts[run]);
                     }
                 }
+            }
+            if mode == 2 {
+                // The slots past min(k, visible) are not read: ids there change nothing.
+                let dirty: Vec<i32> = selected
+                    .chunks(k)
+                    .enumerate()
+                    .flat_map(|(tt, ids)| {
+                        let n = cpu::visible_entries(pos0 + tt, ratio, cap).min(k);
+                        ids.iter()
+                            .enumerate()
+                            .map(move |(i, &id)| if i < n { id } else { 0 })
+                    })
+                    .collect();
+                let dd = dev.upload(DType::I32, &[t, k], &dirty).unwrap();
+                let dc = Compressed::Selected {
+                    entries: &ed,
+                    selected: &dd,
+                    ratio,
+                };
+                let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
+                attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &fd, &mut big, &mut out).unwrap();
+                let got = download_f32(&dev, &out);
+                assert_bits_eq(
+                    &format!("{what} ids past the visible slots"),
+                    &got,
+                    &firsts[1],
+                );
             }
             assert!(
                 dev.download(&big.counters).unwrap().iter().all(|&c| c == 0),
@@ -771,6 +798,15 @@ mod gpu {
             stats: dev.alloc(DType::F32, &stats).unwrap(),
             counters: dev.alloc(DType::U32, &counters).unwrap(),
         }
+    }
+
+    /// The attention's BF16 output, widened.
+    fn download_f32(dev: &Device, out: &DeviceTensor<bf16>) -> Vec<f32> {
+        dev.download(out)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_f32())
+            .collect()
     }
 
     /// As [`assert_close`], for a BF16 result of `want`: also half a BF16 step of |want| off.
@@ -883,6 +919,7 @@ mod gpu {
             let comp = Compressed::Selected {
                 entries: &st.entries,
                 selected: &sel,
+                ratio,
             };
             attention(
                 &dev,
@@ -927,12 +964,7 @@ mod gpu {
             for (tt, row) in want.chunks_mut(hd).enumerate() {
                 rope_rows(row, h, d, &f, pos0 + tt, RopeDirection::Inverse);
             }
-            let got: Vec<f32> = dev
-                .download(&out)
-                .unwrap()
-                .iter()
-                .map(|v| v.to_f32())
-                .collect();
+            let got = download_f32(&dev, &out);
             assert_close_bf16(&what, &got, &want, 1e-5);
             cpu::window_write(&kv, d, pos0, &mut ring);
             assert_bits_eq(
@@ -1044,6 +1076,7 @@ mod gpu {
             comp: Compressed::Selected {
                 entries: &entries,
                 selected: &sel,
+                ratio: 4,
             },
             ..good
         };
