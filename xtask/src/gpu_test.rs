@@ -3,8 +3,9 @@
 //!
 //! GPU tests are `#[ignore]`d (so a plain `cargo test` reports them as not run) and have
 //! `gpu` in their path; the script runs exactly those with `--ignored gpu`, then each of them
-//! alone under compute-sanitizer's memcheck and racecheck, several at once. The binaries load the CUDA driver and NVRTC
-//! dynamically, so they run on any x86-64 Linux machine with a driver and CUDA 13 NVRTC.
+//! alone under compute-sanitizer's memcheck and racecheck, several at once. The binaries load
+//! the CUDA driver and NVRTC dynamically, so they run on any x86-64 Linux machine with a driver
+//! and CUDA 13 NVRTC.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -112,12 +113,13 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     println!("  bash {OUT_DIR}/{SCRIPT}");
     println!("which runs, for each binary B and each of its GPU tests T:");
     println!("  {OUT_DIR}/B --ignored --test-threads=1 --nocapture gpu");
-    println!(
-        "  compute-sanitizer --tool memcheck --error-exitcode 99 {OUT_DIR}/B --ignored --exact T"
-    );
-    println!(
-        "  compute-sanitizer --tool racecheck --error-exitcode 99 {OUT_DIR}/B --ignored --exact T"
-    );
+    for tool in ["memcheck", "racecheck"] {
+        println!(
+            "  DSV4_SANITIZER_RUN=1 compute-sanitizer --tool {tool} --error-exitcode 99 \\\n    \
+             {OUT_DIR}/B --ignored --exact --test-threads=1 T"
+        );
+    }
+    println!("(DSV4_SANITIZER_RUN=1: the longest model tests take their shorter lengths)");
     Ok(())
 }
 
@@ -174,7 +176,8 @@ if ! ldconfig -p | grep -q 'libnvrtc.so.13'; then
 fi
 # Oracle fixtures of the tree the script sits in.
 export DSV4_FIXTURES=${{DSV4_FIXTURES:-$here/../tests/fixtures}}
-# A private kernel cache: the plain runs compile (cold), the sanitizer runs reuse it.
+# A private kernel cache: the first run of each kernel family compiles it (cold), the rest
+# reuse it (entries are written atomically, so parallel runs may fill it together).
 export DSV4_KERNEL_CACHE=${{DSV4_KERNEL_CACHE:-$(mktemp -d)}}
 
 command -v nvidia-smi > /dev/null && nvidia-smi -L
@@ -198,13 +201,15 @@ sanitize() {{
   printf '\nexit %d\n' $? >> "$log"
 }}
 if command -v compute-sanitizer > /dev/null; then
+  # The summary reads this run's logs only.
+  rm -f "$logs"/*.memcheck.*.log "$logs"/*.racecheck.*.log
   export -f sanitize
   export logs here
   for tool in memcheck racecheck; do
     for b in "${{binaries[@]}}"; do
       "$here/$b" --list --ignored gpu | sed -n 's/: test$//p' | sed "s|^|$tool $b |"
     done
-  done | grep -E "${{DSV4_SANITIZE_ONLY:-.}}" | xargs -P "${{DSV4_SANITIZE_JOBS:-6}}" -L 1 bash -c 'sanitize "$@"' _
+  done | grep -E "${{DSV4_SANITIZE_ONLY:-.}}" | xargs -r -P "${{DSV4_SANITIZE_JOBS:-6}}" -L 1 bash -c 'sanitize "$@"' _
   for tool in memcheck racecheck; do
     for b in "${{binaries[@]}}"; do
       runs=0; failed=""

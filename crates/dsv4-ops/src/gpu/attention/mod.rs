@@ -364,7 +364,8 @@ pub enum Compressed<'a> {
     },
     /// CSA: the indexer's choice among `entries`, `selected` I32 [T, k], as [`index_topk`]
     /// leaves it: ids (−1 or ≥ capacity: none) in the first min(k, visible) slots, visible =
-    /// min((p + 1) / ratio, capacity); the slots past those hold −1 and are not read.
+    /// min((p + 1) / ratio, capacity of `entries`); the slots past those hold −1 and are not
+    /// read. So the indexer's entries must have the same capacity as these.
     Selected {
         entries: &'a DeviceTensor<f32>,
         selected: &'a DeviceTensor<i32>,
@@ -531,7 +532,8 @@ pub fn attention(
     let tokens = grid_tokens("attention", t)?;
     // Each key load serves four heads; splits fill the SMs.
     let groups = heads.div_ceil(ATT_HEADS);
-    let max_keys = w + if mode == 1 { cap } else { k };
+    // The most keys a token may see: a selection's are at most min(k, capacity).
+    let max_keys = w + if mode == 1 { cap } else { k.min(cap) };
     let s = choose_splits(dev.sm_count(), t * groups, max_keys, t * heads, room);
     let dims = dims_u32([
         ("window", w),

@@ -258,7 +258,9 @@ pub enum HostCompressed<'a> {
         entries: &'a [f32],
         ratio: usize,
     },
-    /// `entries [capacity, d]`, `selected [T, k]` (−1 = none).
+    /// `entries [capacity, d]`, `selected [T, k]` (−1 = none; every slot is read, so a
+    /// selection as the indexer's top-k leaves it, −1 past the visible count, matches the
+    /// device's reading of only the first min(k, visible) slots).
     Selected {
         entries: &'a [f32],
         selected: &'a [i32],

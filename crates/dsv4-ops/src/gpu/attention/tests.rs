@@ -1084,6 +1084,17 @@ mod gpu {
             run(sel_3, &mut sp, &mut out).is_err(),
             "a selection for 3 tokens"
         );
+        let sel_2 = dev.alloc::<i32>(DType::I32, &[2, 8]).unwrap();
+        let ratio_0 = Call {
+            comp: Compressed::Selected {
+                entries: &entries,
+                selected: &sel_2,
+                ratio: 0,
+            },
+            ..good
+        };
+        let err = run(ratio_0, &mut sp, &mut out).unwrap_err().to_string();
+        assert!(err.contains("compression ratio 0"), "{err}");
 
         let (iq, iw, ie) = (f32s(&[2, 4 * 16]), f32s(&[2, 4]), f32s(&[10, 16]));
         let mut scores = f32s(&[2, 10]);
