@@ -150,6 +150,12 @@ pub const FAMILIES: &[KernelFamily] = &[
         functions: &["sample_weights", "argmax_spans", "sample_pick"],
     },
     KernelFamily {
+        name: "collective",
+        file: "collective.cu",
+        source: include_str!("../kernels/collective.cu"),
+        functions: &["all_reduce_oneshot", "all_gather_cols"],
+    },
+    KernelFamily {
         name: "random",
         file: "random.cu",
         source: include_str!("../kernels/random.cu"),

@@ -12,6 +12,7 @@
 
 pub mod attention;
 pub mod bandwidth;
+pub mod collective;
 mod device;
 pub mod formats;
 pub mod gemv;

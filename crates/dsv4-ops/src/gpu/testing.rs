@@ -18,6 +18,19 @@ pub fn device() -> Device {
     Device::new(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"))
 }
 
+/// Every GPU of the machine, at least two. Multi-GPU tests are `#[ignore]`d and named
+/// `multi_gpu_*`; on a machine with fewer GPUs this request fails loudly rather than passing.
+pub fn devices() -> Vec<std::sync::Arc<Device>> {
+    let count = Device::count().unwrap_or(0);
+    assert!(
+        count >= 2,
+        "this multi-GPU test was requested (--ignored) but the machine has {count} CUDA device(s)"
+    );
+    (0..count)
+        .map(|i| std::sync::Arc::new(Device::new(i).unwrap_or_else(|e| panic!("opening GPU {i}: {e}"))))
+        .collect()
+}
+
 /// A fresh generator per test; the seed is printed (and `DSV4_TEST_SEED` replays one).
 pub fn rng(test: &str) -> StdRng {
     let seed = std::env::var("DSV4_TEST_SEED")
