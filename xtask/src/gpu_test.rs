@@ -113,6 +113,7 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     println!("  bash {OUT_DIR}/{SCRIPT}");
     println!("which runs, for each binary B and each of its GPU tests T:");
     println!("  {OUT_DIR}/B --ignored --test-threads=1 --nocapture gpu");
+    println!("(tests named multi_gpu_* are skipped on a machine with fewer than two GPUs)");
     for tool in ["memcheck", "racecheck"] {
         println!(
             "  DSV4_SANITIZER_RUN=1 compute-sanitizer --tool {tool} --error-exitcode 99 \\\n    \
@@ -184,9 +185,16 @@ command -v nvidia-smi > /dev/null && nvidia-smi -L
 binaries=({bins})
 status=0
 summary=""
+# Tests named multi_gpu_* need two GPUs or more; with fewer they are skipped, and said so.
+gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
+skip=()
+if [ "$gpus" -lt 2 ]; then
+  skip=(--skip multi_gpu)
+  summary+="multi-GPU tests NOT run ($gpus GPU(s))"$'\n'
+fi
 if [ "${{DSV4_PLAIN:-1}}" != 0 ]; then
   for b in "${{binaries[@]}}"; do
-    "$here/$b" --ignored --test-threads=1 --nocapture gpu > "$logs/$b.log" 2>&1
+    "$here/$b" --ignored --test-threads=1 --nocapture "${{skip[@]}}" gpu > "$logs/$b.log" 2>&1
     rc=$?; cat "$logs/$b.log"; [ $rc -eq 0 ] || status=1
     summary+="$b: exit $rc"$'\n'
   done
@@ -207,7 +215,7 @@ if command -v compute-sanitizer > /dev/null; then
   export logs here
   for tool in memcheck racecheck; do
     for b in "${{binaries[@]}}"; do
-      "$here/$b" --list --ignored gpu | sed -n 's/: test$//p' | sed "s|^|$tool $b |"
+      "$here/$b" --list --ignored "${{skip[@]}}" gpu | sed -n 's/: test$//p' | sed "s|^|$tool $b |"
     done
   done | grep -E "${{DSV4_SANITIZE_ONLY:-.}}" | xargs -r -P "${{DSV4_SANITIZE_JOBS:-6}}" -L 1 bash -c 'sanitize "$@"' _
   for tool in memcheck racecheck; do
@@ -261,7 +269,8 @@ mod tests {
         let s = run_script(&["a-lib".to_string(), "b-lib".to_string()]);
         assert!(s.contains("binaries=(a-lib b-lib)"));
         assert!(s.contains("for tool in memcheck racecheck"));
-        assert!(s.contains("--ignored --test-threads=1 --nocapture gpu"));
+        assert!(s.contains("--ignored --test-threads=1 --nocapture \"${skip[@]}\" gpu"));
+        assert!(s.contains("skip=(--skip multi_gpu)"));
         assert!(s.contains("--ignored --exact --test-threads=1 \"$3\""));
     }
 }

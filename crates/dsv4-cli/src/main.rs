@@ -2,18 +2,19 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use dsv4_graph::{eager_launch, eager_step, DecodeGraph};
+use dsv4_graph::{eager_launch, eager_step, time_all_reduce, DecodeGraph};
 use dsv4_model::chat::{encode_chat, ChatMode, Message};
 use dsv4_model::checkpoint::Checkpoint;
 use dsv4_model::config::{Config, LayerKind};
 use dsv4_model::cpu::{CpuModel, Logits};
-use dsv4_model::gpu::{GpuModel, GpuOptions};
+use dsv4_model::gpu::{plan_memory, GpuModel, GpuOptions};
 use dsv4_model::sampling::{self, Sampler};
 use dsv4_model::synth::{write_synthetic, SynthFormat};
 use dsv4_model::tokenizer::Tokenizer;
@@ -103,6 +104,47 @@ struct GpuArgs {
     /// new tokens (generate), the input (logits).
     #[arg(long)]
     max_context: Option<usize>,
+    /// GPUs to split the model over (tensor parallelism): a number or `all`; default: the
+    /// fewest visible GPUs that hold the model with the context (--backend cuda).
+    #[arg(long, value_parser = parse_gpus)]
+    gpus: Option<Gpus>,
+}
+
+/// `--gpus`: a count, or every visible GPU.
+#[derive(Clone, Copy, Debug)]
+enum Gpus {
+    Count(usize),
+    All,
+}
+
+fn parse_gpus(s: &str) -> std::result::Result<Gpus, String> {
+    match s {
+        "all" => Ok(Gpus::All),
+        _ => match s.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Gpus::Count(n)),
+            _ => Err(format!("`{s}` is neither a positive number of GPUs nor `all`")),
+        },
+    }
+}
+
+/// The first `n` GPUs (every visible one for `all`), opened; more than are visible is an error
+/// naming both counts.
+fn open_devices(gpus: Gpus) -> Result<Vec<Arc<Device>>> {
+    let visible = Device::count().context("counting CUDA devices")?;
+    let n = match gpus {
+        Gpus::All => visible,
+        Gpus::Count(n) => n,
+    };
+    if n == 0 || n > visible {
+        bail!("--gpus {n}: {visible} CUDA device(s) are visible");
+    }
+    (0..n)
+        .map(|i| {
+            Device::new(i)
+                .map(Arc::new)
+                .with_context(|| format!("opening CUDA device {i}"))
+        })
+        .collect()
 }
 
 #[derive(clap::Args)]
@@ -131,6 +173,9 @@ struct BenchArgs {
     /// decode, the graph and the graph without programmatic launch run one after the other).
     #[arg(long)]
     max_context: Option<usize>,
+    /// GPUs to split the model over: a number or `all` (default 1).
+    #[arg(long, value_parser = parse_gpus)]
+    gpus: Option<Gpus>,
 }
 
 #[derive(clap::Args)]
@@ -288,30 +333,55 @@ fn backend(asked: Option<Backend>) -> Result<Backend> {
     Ok(b)
 }
 
-fn load_gpu_model(dir: &Path, max_context: Option<usize>) -> Result<GpuModel> {
-    let dev = std::sync::Arc::new(Device::new(0).context("opening CUDA device 0")?);
+/// Loads a checkpoint onto `gpus` GPUs, or onto the fewest visible ones that hold it with
+/// `max_context` positions; the memory plan is printed first, and a model that does not fit
+/// is refused before anything is uploaded.
+fn load_gpu_model(dir: &Path, max_context: Option<usize>, gpus: Option<Gpus>) -> Result<GpuModel> {
+    let ck = Checkpoint::open(dir)?;
+    let config = ck.config().clone();
+    let weights = ModelWeights::load(&ck, |_, _| {})?;
+    let visible = Device::count().context("counting CUDA devices")?;
+    let first = Device::new(0).context("opening CUDA device 0")?;
+    let (free, _) = first.memory_info()?;
+    drop(first);
+    let world = match gpus {
+        Some(Gpus::Count(n)) => n,
+        Some(Gpus::All) => visible,
+        // The fewest that hold it; past the visible count, the plan's error says how many.
+        None => (1..=visible)
+            .find(|&n| plan_memory(&config, &weights, n, free, max_context).is_ok())
+            .unwrap_or(visible.max(1)),
+    };
+    let plan = plan_memory(&config, &weights, world, free, max_context)?;
+    eprintln!("memory plan: {plan}");
+    let devs = open_devices(Gpus::Count(world))?;
+    let opts = GpuOptions {
+        max_context: Some(plan.capacity),
+    };
     let model = with_layer_bar("uploading", |progress| {
-        GpuModel::load(dir, dev, GpuOptions { max_context }, progress)
+        GpuModel::new(config, &weights, &devs, opts, progress)
             .with_context(|| format!("loading {} onto the GPU", dir.display()))
     })?;
     report_gpu_model(&model);
     Ok(model)
 }
 
-/// A model of `config`'s widths with random weights drawn on the GPU in `format`'s layout.
+/// A model of `config`'s widths with random weights drawn on the GPUs in `format`'s layout.
 fn random_gpu_model(
     config: Config,
     format: SynthFormat,
     max_context: Option<usize>,
+    gpus: Gpus,
 ) -> Result<GpuModel> {
-    let dev = std::sync::Arc::new(Device::new(0).context("opening CUDA device 0")?);
+    let devs = open_devices(gpus)?;
     let t = Instant::now();
     let model = with_layer_bar("drawing", |progress| {
-        GpuModel::random(config, format, 0, dev, GpuOptions { max_context }, progress)
+        GpuModel::random(config, format, 0, &devs, GpuOptions { max_context }, progress)
             .context("drawing a random model on the GPU")
     })?;
     eprintln!(
-        "random {format:?} weights drawn on the GPU in {:.1} s",
+        "random {format:?} weights drawn on {} GPU(s) in {:.1} s",
+        devs.len(),
         t.elapsed().as_secs_f64()
     );
     report_gpu_model(&model);
@@ -320,7 +390,8 @@ fn random_gpu_model(
 
 fn report_gpu_model(model: &GpuModel) {
     eprintln!(
-        "{}: context capacity {} tokens, {:.3} GB of weights read per decode step",
+        "{} × {}: context capacity {} tokens, {:.3} GB of weights read per decode step on each",
+        model.world(),
         model.device().name(),
         model.capacity(),
         model.step_weight_bytes() as f64 / 1e9
@@ -380,8 +451,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
         );
     }
     let backend = backend(a.gpu.backend)?;
-    if backend == Backend::Cpu && (a.no_graph || a.gpu.max_context.is_some()) {
-        bail!("--no-graph and --max-context apply to --backend cuda");
+    if backend == Backend::Cpu
+        && (a.no_graph || a.gpu.max_context.is_some() || a.gpu.gpus.is_some())
+    {
+        bail!("--no-graph, --max-context and --gpus apply to --backend cuda");
     }
     // Checked before anything is loaded.
     if let Some(c) = a.gpu.max_context.filter(|&c| c < needed) {
@@ -413,7 +486,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             (prefill_s, t1, generated)
         }
         Backend::Cuda => {
-            let mut model = load_gpu_model(&a.model, a.gpu.max_context.or(Some(needed)))?;
+            let mut model = load_gpu_model(&a.model, a.gpu.max_context.or(Some(needed)), a.gpu.gpus)?;
             let s = Sampling {
                 temperature: a.temperature,
                 top_p: a.top_p,
@@ -459,13 +532,19 @@ fn time_decode(
     steps: usize,
     mut launch: impl FnMut(&mut GpuModel) -> Result<()>,
 ) -> Result<(f64, f64)> {
-    model.device().synchronize()?;
+    let sync = |m: &GpuModel| -> Result<()> {
+        for d in m.devices() {
+            d.synchronize()?;
+        }
+        Ok(())
+    };
+    sync(model)?;
     let t = Instant::now();
     for _ in 0..steps {
         launch(model)?;
     }
     let host = t.elapsed().as_secs_f64();
-    model.device().synchronize()?;
+    sync(model)?;
     let total = t.elapsed().as_secs_f64();
     Ok((total * 1e3 / steps as f64, host * 1e6 / steps as f64))
 }
@@ -498,7 +577,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         );
     }
     let mut model = match &a.model {
-        Some(dir) => load_gpu_model(dir, Some(context))?,
+        Some(dir) => load_gpu_model(dir, Some(context), Some(a.gpus.unwrap_or(Gpus::Count(1))))?,
         None => {
             let mut config = a.synth.config();
             match &a.schedule {
@@ -525,7 +604,7 @@ fn bench(a: BenchArgs) -> Result<()> {
             }
             // Learned routing in every layer (hash layers read one fixed table).
             config.num_hash_layers = 0;
-            random_gpu_model(config, a.format.into(), Some(context))?
+            random_gpu_model(config, a.format.into(), Some(context), a.gpus.unwrap_or(Gpus::Count(1)))?
         }
     };
     let cfg = model.config().clone();
@@ -605,6 +684,16 @@ fn bench(a: BenchArgs) -> Result<()> {
         "decode graph without programmatic launch: {plain_ms:.3} ms/token ({:.1}% of roofline)",
         pct(plain_ms)
     );
+    if let Some(us) = time_all_reduce(&mut model, 100)? {
+        println!(
+            "all-reduce of one token's hidden row ({} KB) over {} GPUs in a graph: {us:.2} µs; \
+             two a layer: {:.1} µs a layer, {:.3} ms a step",
+            cfg.hidden_size * 4 / 1024,
+            model.world(),
+            2.0 * us,
+            2.0 * us * cfg.num_layers as f64 / 1e3
+        );
+    }
     Ok(())
 }
 
@@ -638,8 +727,8 @@ fn logits(a: LogitsArgs) -> Result<()> {
         .chain(std::iter::repeat_n(1, ids.len() - prefill))
         .collect();
     let backend = backend(a.gpu.backend)?;
-    if backend == Backend::Cpu && a.gpu.max_context.is_some() {
-        bail!("--max-context applies to --backend cuda");
+    if backend == Backend::Cpu && (a.gpu.max_context.is_some() || a.gpu.gpus.is_some()) {
+        bail!("--max-context and --gpus apply to --backend cuda");
     }
     let (all, vocab) = match backend {
         Backend::Cpu => {
@@ -654,7 +743,7 @@ fn logits(a: LogitsArgs) -> Result<()> {
             (all, model.config().vocab_size)
         }
         Backend::Cuda => {
-            let mut model = load_gpu_model(&a.model, a.gpu.max_context.or(Some(ids.len())))?;
+            let mut model = load_gpu_model(&a.model, a.gpu.max_context.or(Some(ids.len())), a.gpu.gpus)?;
             let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
             let mut start = 0;
             for len in lengths {

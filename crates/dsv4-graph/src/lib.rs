@@ -86,11 +86,13 @@ impl StepGraph {
     }
 }
 
-/// A [`GpuModel`]'s decode step captured once: each [`DecodeGraph::step`] replays it (the
-/// token in the device buffer through every layer, the head and the sampler, which writes the
-/// next token where the following replay reads it) and reads the sampled token back.
+/// A [`GpuModel`]'s decode step captured once, one graph per GPU of the model: each
+/// [`DecodeGraph::step`] replays them (the token in each rank's device buffer through every
+/// layer, the head and the sampler, which writes the next token where the following replay
+/// reads it) and reads the sampled token back.
 pub struct DecodeGraph {
-    graph: StepGraph,
+    /// By rank.
+    graphs: Vec<StepGraph>,
     /// The captured model's state, by the address of its token buffer.
     model: u64,
 }
@@ -108,25 +110,34 @@ pub enum DecodeError {
 }
 
 impl DecodeGraph {
-    /// Captures `model`'s decode step with `sampling`. Run a prefill first, so every kernel
-    /// of the step is loaded.
+    /// Captures `model`'s decode step with `sampling`, each rank's on its own device. Run a
+    /// prefill first, so every kernel of the step is loaded.
     pub fn capture(model: &mut GpuModel, sampling: &Sampling) -> Result<DecodeGraph, GraphError> {
-        let dev = model.device().clone();
-        let graph = StepGraph::capture(&dev, || model.launch_decode_step(sampling))?;
+        let graphs = model
+            .devices()
+            .iter()
+            .enumerate()
+            .map(|(rank, dev)| {
+                StepGraph::capture(dev, || model.launch_rank_decode_step(rank, sampling))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(DecodeGraph {
-            graph,
+            graphs,
             model: model.state_address(),
         })
     }
 
-    /// One replay, enqueued without waiting: decodes the token in the device buffer and
-    /// leaves the sampled next one there (replays back to back stream several tokens).
+    /// One replay on every GPU, enqueued without waiting: decodes the token in the device
+    /// buffer and leaves the sampled next one there (replays back to back stream several
+    /// tokens).
     pub fn replay(&self, model: &mut GpuModel) -> Result<(), DecodeError> {
         if model.state_address() != self.model {
             return Err(DecodeError::OtherModel);
         }
         model.check_decode(1)?;
-        self.graph.replay()?;
+        for g in &self.graphs {
+            g.replay()?;
+        }
         model.note_decoded(1);
         Ok(())
     }
@@ -137,10 +148,48 @@ impl DecodeGraph {
         Ok(model.read_token()?)
     }
 
-    /// Kernel launches (and other nodes) per step.
+    /// Kernel launches (and other nodes) per step, on each GPU.
     pub fn nodes(&self) -> usize {
-        self.graph.nodes()
+        self.graphs[0].nodes()
     }
+}
+
+/// The time one all-reduce of a decode step's size takes inside a graph, in µs: `reps` of
+/// them captured back to back on every GPU, replayed together; `None` on one GPU.
+pub fn time_all_reduce(model: &mut GpuModel, reps: usize) -> Result<Option<f64>, DecodeError> {
+    if model.world() == 1 || reps == 0 {
+        return Ok(None);
+    }
+    let devs = model.devices();
+    let mut graphs = Vec::with_capacity(devs.len());
+    for (rank, dev) in devs.iter().enumerate() {
+        graphs.push(StepGraph::capture(dev, || {
+            for _ in 0..reps {
+                if let Some(launched) = model.launch_all_reduce_probe(rank) {
+                    launched?;
+                }
+            }
+            Ok(())
+        })?);
+    }
+    let run = |times: usize| -> Result<f64, DecodeError> {
+        for d in &devs {
+            d.synchronize()?;
+        }
+        let t = std::time::Instant::now();
+        for _ in 0..times {
+            for g in &graphs {
+                g.replay()?;
+            }
+        }
+        for d in &devs {
+            d.synchronize()?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    run(1)?;
+    let times = 10;
+    Ok(Some(run(times)? * 1e6 / (times * reps) as f64))
 }
 
 /// The same step without a graph: the launches issued one by one (comparison, debugging),

@@ -34,7 +34,7 @@ fn device() -> Arc<Device> {
 fn gpu_model(dir: &Path, dev: &Arc<Device>, context: usize) -> GpuModel {
     GpuModel::load(
         dir,
-        dev.clone(),
+        std::slice::from_ref(dev),
         GpuOptions {
             max_context: Some(context),
         },
@@ -239,7 +239,7 @@ fn gpu_model_matches_cpu_with_every_entry_selected() {
         let opts = GpuOptions {
             max_context: Some(ids.len()),
         };
-        let mut gpu = GpuModel::new(config, &gpu_weights, dev.clone(), opts, |_, _| {}).unwrap();
+        let mut gpu = GpuModel::new(config, &gpu_weights, std::slice::from_ref(&dev), opts, |_, _| {}).unwrap();
         let got = gpu_logits(&mut gpu, &ids, &[]);
         let vocab = gpu.config().vocab_size;
         bad.extend(judge(
@@ -398,7 +398,7 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
         let opts = GpuOptions {
             max_context: Some(max_context),
         };
-        GpuModel::new(config, &weights, dev.clone(), opts, |_, _| {})
+        GpuModel::new(config, &weights, std::slice::from_ref(&dev), opts, |_, _| {})
     };
     let mut short = with_limit(4, 64).expect("a 4-token model");
     assert_eq!(
@@ -442,7 +442,7 @@ fn gpu_random_model_reads_what_its_checkpoint_reads_and_decodes() {
             max_context: Some(80),
         };
         let mut model =
-            GpuModel::random(config.clone(), format, 3, dev.clone(), opts, |_, _| {}).unwrap();
+            GpuModel::random(config.clone(), format, 3, std::slice::from_ref(&dev), opts, |_, _| {}).unwrap();
         assert_eq!(
             model.step_weight_bytes(),
             written,

@@ -9,6 +9,7 @@ pub mod gpu;
 pub mod linear;
 pub mod rope;
 pub mod sampling;
+pub mod shard;
 pub mod synth;
 pub mod tokenizer;
 pub mod weights;

@@ -201,6 +201,163 @@ impl Linear {
         }
     }
 
+    /// Rows `rows` as a linear of their own (the bytes shared, not copied). FP8 blocks must
+    /// be cut on whole scale blocks.
+    pub fn slice_rows(&self, rows: Range<usize>) -> Result<Linear, CodecError> {
+        let cut = |b: &Blob, per_row: usize, r: Range<usize>| {
+            b.slice(r.start * per_row..r.end * per_row)
+                .expect("rows inside the matrix")
+        };
+        self.check_range("rows", &rows, self.rows, self.row_block())?;
+        let c = self.cols;
+        let data = match &self.data {
+            LinearData::F32(b) => LinearData::F32(cut(b, c * 4, rows.clone())),
+            LinearData::Bf16(b) => LinearData::Bf16(cut(b, c * 2, rows.clone())),
+            LinearData::F16(b) => LinearData::F16(cut(b, c * 2, rows.clone())),
+            LinearData::Fp8Block {
+                weight,
+                scale,
+                scale_format,
+                block_rows,
+                block_cols,
+            } => {
+                let srow = c.div_ceil(*block_cols) * scale_format.bytes();
+                let blocks = rows.start / block_rows..rows.end.div_ceil(*block_rows);
+                LinearData::Fp8Block {
+                    weight: cut(weight, c, rows.clone()),
+                    scale: cut(scale, srow, blocks),
+                    scale_format: *scale_format,
+                    block_rows: *block_rows,
+                    block_cols: *block_cols,
+                }
+            }
+            LinearData::Mxfp4 { weight, scale } => LinearData::Mxfp4 {
+                weight: cut(weight, c.div_ceil(2), rows.clone()),
+                scale: cut(scale, c.div_ceil(mxfp4::BLOCK), rows.clone()),
+            },
+            LinearData::Nvfp4 {
+                weight,
+                weight_scale,
+                weight_scale_2,
+                input_scale,
+            } => LinearData::Nvfp4 {
+                weight: cut(weight, c.div_ceil(2), rows.clone()),
+                weight_scale: cut(weight_scale, c.div_ceil(nvfp4::BLOCK), rows.clone()),
+                weight_scale_2: *weight_scale_2,
+                input_scale: *input_scale,
+            },
+        };
+        Linear::new(rows.len(), c, data)
+    }
+
+    /// Columns `cols` as a linear of their own (copied row by row). Quantized formats must be
+    /// cut on whole scale blocks (128 for FP8 blocks, 32 for MXFP4, 16 for NVFP4).
+    pub fn slice_cols(&self, cols: Range<usize>) -> Result<Linear, CodecError> {
+        self.check_range("columns", &cols, self.cols, self.col_block())?;
+        let rows = self.rows;
+        // Each row's bytes `per_row` wide, cut at `lo..hi`.
+        let cut = |b: &Blob, n_rows: usize, per_row: usize, lo: usize, hi: usize| {
+            let bytes = b.bytes();
+            let mut out = Vec::with_capacity(n_rows * (hi - lo));
+            for r in 0..n_rows {
+                out.extend_from_slice(&bytes[r * per_row + lo..r * per_row + hi]);
+            }
+            Blob::from_vec(out)
+        };
+        let c = self.cols;
+        let data = match &self.data {
+            LinearData::F32(b) => LinearData::F32(cut(b, rows, c * 4, cols.start * 4, cols.end * 4)),
+            LinearData::Bf16(b) => {
+                LinearData::Bf16(cut(b, rows, c * 2, cols.start * 2, cols.end * 2))
+            }
+            LinearData::F16(b) => LinearData::F16(cut(b, rows, c * 2, cols.start * 2, cols.end * 2)),
+            LinearData::Fp8Block {
+                weight,
+                scale,
+                scale_format,
+                block_rows,
+                block_cols,
+            } => {
+                let sb = scale_format.bytes();
+                let blocks = (cols.start / block_cols, cols.end.div_ceil(*block_cols));
+                LinearData::Fp8Block {
+                    weight: cut(weight, rows, c, cols.start, cols.end),
+                    scale: cut(
+                        scale,
+                        rows.div_ceil(*block_rows),
+                        c.div_ceil(*block_cols) * sb,
+                        blocks.0 * sb,
+                        blocks.1 * sb,
+                    ),
+                    scale_format: *scale_format,
+                    block_rows: *block_rows,
+                    block_cols: *block_cols,
+                }
+            }
+            LinearData::Mxfp4 { weight, scale } => {
+                let (b, n) = (mxfp4::BLOCK, c.div_ceil(mxfp4::BLOCK));
+                LinearData::Mxfp4 {
+                    weight: cut(weight, rows, c.div_ceil(2), cols.start / 2, cols.end.div_ceil(2)),
+                    scale: cut(scale, rows, n, cols.start / b, cols.end.div_ceil(b)),
+                }
+            }
+            LinearData::Nvfp4 {
+                weight,
+                weight_scale,
+                weight_scale_2,
+                input_scale,
+            } => {
+                let (b, n) = (nvfp4::BLOCK, c.div_ceil(nvfp4::BLOCK));
+                LinearData::Nvfp4 {
+                    weight: cut(weight, rows, c.div_ceil(2), cols.start / 2, cols.end.div_ceil(2)),
+                    weight_scale: cut(weight_scale, rows, n, cols.start / b, cols.end.div_ceil(b)),
+                    weight_scale_2: *weight_scale_2,
+                    input_scale: *input_scale,
+                }
+            }
+        };
+        Linear::new(rows, cols.len(), data)
+    }
+
+    /// Rows a cut must keep together (an FP8 scale block's), 1 otherwise.
+    fn row_block(&self) -> usize {
+        match &self.data {
+            LinearData::Fp8Block { block_rows, .. } => *block_rows,
+            _ => 1,
+        }
+    }
+
+    /// Columns a cut must keep together: one scale's, or a byte's two FP4 codes.
+    fn col_block(&self) -> usize {
+        match &self.data {
+            LinearData::Fp8Block { block_cols, .. } => *block_cols,
+            LinearData::Mxfp4 { .. } => mxfp4::BLOCK,
+            LinearData::Nvfp4 { .. } => nvfp4::BLOCK,
+            _ => 1,
+        }
+    }
+
+    /// `range` lies in `0..len` and starts and ends on `block` boundaries (or at `len`).
+    fn check_range(
+        &self,
+        what: &'static str,
+        range: &Range<usize>,
+        len: usize,
+        block: usize,
+    ) -> Result<(), CodecError> {
+        let on_block = |i: usize| i.is_multiple_of(block) || i == len;
+        if range.start >= range.end || range.end > len || !on_block(range.start) || !on_block(range.end) {
+            return Err(CodecError::Invalid {
+                what: "weight slice",
+                detail: format!(
+                    "{what} {range:?} of {len} in {}: a non-empty range on {block}-wide scale blocks is needed",
+                    self.format_name()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Writes row `r` as f32 into `out` (`out.len() == cols`).
     ///
     /// # Panics
@@ -394,6 +551,36 @@ mod tests {
             assert_eq!(lins[i].to_f32(), want, "{}", lins[i].format_name());
         }
         assert_eq!(lins[0].to_f32(), w);
+    }
+
+    #[test]
+    fn slices_hold_the_values_of_their_rows_and_columns() {
+        let (rows, cols) = (256, 384);
+        for lin in all_formats(rows, cols) {
+            let full = lin.to_f32();
+            let what = lin.format_name();
+            for r in [0..128, 128..256, 0..256] {
+                let part = lin.slice_rows(r.clone()).unwrap();
+                assert_eq!(part.to_f32(), full[r.start * cols..r.end * cols], "{what} rows {r:?}");
+            }
+            for c in [0..128, 128..384, 256..384] {
+                let part = lin.slice_cols(c.clone()).unwrap().to_f32();
+                let want: Vec<f32> = (0..rows)
+                    .flat_map(|r| full[r * cols + c.start..r * cols + c.end].to_vec())
+                    .collect();
+                assert_eq!(part, want, "{what} columns {c:?}");
+            }
+            let block = lin.col_block();
+            if block > 1 {
+                let err = lin.slice_cols(0..block / 2).unwrap_err().to_string();
+                assert!(err.contains("scale blocks"), "{what}: {err}");
+            }
+            if lin.row_block() > 1 {
+                let err = lin.slice_rows(64..256).unwrap_err().to_string();
+                assert!(err.contains("rows 64..256"), "{what}: {err}");
+            }
+            assert!(lin.slice_rows(0..0).is_err() && lin.slice_cols(0..cols + 1).is_err());
+        }
     }
 
     #[test]

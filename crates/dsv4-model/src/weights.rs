@@ -7,6 +7,7 @@ use crate::linear::Linear;
 use dsv4_ops::gpu::mhc::reference::HcSite;
 
 /// mHC parameters of one site: `fn [mix, n·D]`, `base [mix]`, `scale [3]` (or `[1]` for the head).
+#[derive(Clone)]
 pub struct HcWeights {
     pub fn_: Vec<f32>,
     pub base: Vec<f32>,
@@ -24,6 +25,7 @@ impl HcWeights {
 }
 
 /// A token compressor (spec §6): projections to `κ·c`, gate position bias, output norm.
+#[derive(Clone)]
 pub struct CompressorWeights {
     pub wkv: Linear,
     pub wgate: Linear,
@@ -38,12 +40,14 @@ pub struct CompressorWeights {
 }
 
 /// Lightning indexer of a CSA layer (spec §7).
+#[derive(Clone)]
 pub struct IndexerWeights {
     pub wq_b: Linear,
     pub weights_proj: Linear,
     pub compressor: CompressorWeights,
 }
 
+#[derive(Clone)]
 pub struct AttentionWeights {
     pub wq_a: Linear,
     pub q_norm: Vec<f32>,
@@ -58,12 +62,14 @@ pub struct AttentionWeights {
 }
 
 /// SwiGLU expert: `w1` gate, `w3` up (`[I, D]`), `w2` down (`[D, I]`).
+#[derive(Clone)]
 pub struct ExpertWeights {
     pub w1: Linear,
     pub w2: Linear,
     pub w3: Linear,
 }
 
+#[derive(Clone)]
 pub enum Routing {
     /// Layers below `num_hash_layers`: experts fixed per token id, `[vocab, k]`.
     Hash { tid2eid: Vec<u32> },
@@ -71,6 +77,7 @@ pub enum Routing {
     Learned { bias: Vec<f32> },
 }
 
+#[derive(Clone)]
 pub struct MoeWeights {
     pub gate: Linear,
     pub routing: Routing,
@@ -78,6 +85,7 @@ pub struct MoeWeights {
     pub shared: ExpertWeights,
 }
 
+#[derive(Clone)]
 pub struct LayerWeights {
     pub kind: LayerKind,
     pub attn_norm: Vec<f32>,
@@ -88,6 +96,7 @@ pub struct LayerWeights {
     pub moe: MoeWeights,
 }
 
+#[derive(Clone)]
 pub struct ModelWeights {
     pub embed: Linear,
     pub head: Linear,

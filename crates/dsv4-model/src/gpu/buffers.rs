@@ -5,6 +5,7 @@
 //! open pool, and after sealing a second pass takes them (fixed addresses for graph replays).
 
 use dsv4_ops::gpu::attention::{AttentionSplits, CompressorBuffers};
+use dsv4_ops::gpu::collective::{self, RankBuffers};
 use dsv4_ops::gpu::gemv::GemvWorkspace;
 use dsv4_ops::gpu::mhc::mix_partials_shape;
 use dsv4_ops::gpu::{BufferPool, DeviceElem, DeviceTensor, GpuError};
@@ -109,6 +110,15 @@ impl CompState<Taking> {
 }
 
 impl Acts<Taking> {
+    /// The collectives' view of this rank's buffers (the same memory).
+    pub fn collective(&self) -> Result<RankBuffers, GpuError> {
+        Ok(RankBuffers {
+            recv: whole(&self.coll_recv)?,
+            flags: whole(&self.coll_flags)?,
+            state: whole(&self.coll_state)?,
+        })
+    }
+
     /// The attention launcher's view of its split scratch (the same memory).
     pub fn attention_splits(&self) -> Result<AttentionSplits, GpuError> {
         Ok(AttentionSplits {
@@ -183,7 +193,13 @@ pub struct Acts<S: Stage> {
     pub h: S::Buf<f32>,
     pub moe: S::Buf<f32>,
     pub shared_h: S::Buf<bf16>,
+    /// The whole vocabulary's logits (on several GPUs, gathered from every rank's slice).
     pub logits: S::Buf<f32>,
+    /// On several GPUs: this rank's slice of the logits, and its collectives' buffers.
+    pub head_part: S::Buf<f32>,
+    pub coll_recv: S::Buf<f32>,
+    pub coll_flags: S::Buf<u32>,
+    pub coll_state: S::Buf<u32>,
     pub sample_weights: S::Buf<f32>,
     /// The GEMV workspace of the device's stream, and the side stream's (the compressors, the
     /// indexer and the shared expert run beside the main path).
@@ -197,19 +213,25 @@ pub struct Buffers<S: Stage> {
 }
 
 impl<S: Stage> Buffers<S> {
-    /// Every buffer for `config` with room for `capacity` positions; `shared_inter` is the
-    /// shared expert's intermediate width.
+    /// Every buffer for one rank of `world` (`c` at the rank's widths) with room for
+    /// `capacity` positions; `shared_inter` is the shared expert's intermediate width (the
+    /// rank's slice).
     pub fn build(
         s: &mut S,
         c: &Config,
         capacity: usize,
         shared_inter: usize,
+        world: usize,
     ) -> Result<Self, GpuError> {
         let m = MAX_CHUNK;
         let (d, hd, q_all) = (c.hidden_size, c.head_dim, c.num_heads * c.head_dim);
         let (ni, ic) = (c.index_n_heads, c.index_head_dim);
         let (k, inter) = (c.experts_per_token, c.moe_intermediate_size);
         let split_shapes = AttentionSplits::shapes(c.num_heads * ATTENTION_SPLITS, hd);
+        // One rank alone needs no collective: its buffers take one element each.
+        let tp = world > 1;
+        let [recv, flags, state] = collective::buffer_shapes(world, m * d);
+        let tp_shape = |shape: Vec<usize>| if tp { shape } else { vec![1] };
         let acts = Acts {
             tokens: s.buf("tokens", &[m])?,
             pos: s.buf("pos", &[1])?,
@@ -247,6 +269,10 @@ impl<S: Stage> Buffers<S> {
             moe: s.buf("moe", &[m, d])?,
             shared_h: s.buf("shared_h", &[m, shared_inter])?,
             logits: s.buf("logits", &[m, c.vocab_size])?,
+            head_part: s.buf("head_part", &tp_shape(vec![m, c.vocab_size / world]))?,
+            coll_recv: s.buf(recv.0, &tp_shape(recv.2))?,
+            coll_flags: s.buf(flags.0, &tp_shape(flags.2))?,
+            coll_state: s.buf(state.0, &tp_shape(state.2))?,
             sample_weights: s.buf("sample_weights", &[c.vocab_size])?,
             ws: s.workspace("gemv")?,
             ws_side: s.workspace("gemv.side")?,
@@ -292,8 +318,13 @@ impl<S: Stage> Buffers<S> {
 }
 
 /// Bytes the pool takes for `capacity` positions.
-pub fn pool_bytes(c: &Config, capacity: usize, shared_inter: usize) -> Result<usize, GpuError> {
+pub fn pool_bytes(
+    c: &Config,
+    capacity: usize,
+    shared_inter: usize,
+    world: usize,
+) -> Result<usize, GpuError> {
     let mut s = Sizing(BufferPool::new());
-    Buffers::build(&mut s, c, capacity, shared_inter)?;
+    Buffers::build(&mut s, c, capacity, shared_inter, world)?;
     Ok(s.0.total_bytes())
 }

@@ -18,6 +18,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use dsv4_ops::gpu::attention::{self, Compressed};
+use dsv4_ops::gpu::collective::{
+    enable_peer_access, Collective, PeerTensors, RankBuffers, MAX_RANKS,
+};
 use dsv4_ops::gpu::gemv::{gemv, gemv_grouped, gemv_swiglu, GemvWeight};
 use dsv4_ops::gpu::mhc::reference::HcParams;
 use dsv4_ops::gpu::mhc::{
@@ -39,6 +42,7 @@ use crate::config::{Config, LayerKind};
 use crate::cpu::{ForwardError, Logits};
 use crate::linear::{Linear, LinearData};
 use crate::rope::Rope;
+use crate::shard::{local_config, shard_weights, Shard, ShardError};
 use crate::synth::SynthFormat;
 use crate::weights::{ModelWeights, Routing};
 pub use buffers::MAX_CHUNK;
@@ -53,6 +57,8 @@ pub enum GpuModelError {
     Gpu(#[from] GpuError),
     #[error(transparent)]
     Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Shard(#[from] ShardError),
     #[error(
         "too little GPU memory: the sequence state and activations for a context of {context} \
          tokens need {need} bytes, {free} bytes are free after the weights"
@@ -61,6 +67,16 @@ pub enum GpuModelError {
         context: usize,
         need: usize,
         free: usize,
+    },
+    #[error(
+        "too little GPU memory: {weights} bytes of weights per GPU over {world} GPU(s) with \
+         {free} bytes free on each{hint}"
+    )]
+    DoesNotFit {
+        world: usize,
+        weights: usize,
+        free: usize,
+        hint: String,
     },
     #[error("sequence of {needed} tokens exceeds the GPU context capacity of {capacity} (--max-context)")]
     Capacity { needed: usize, capacity: usize },
@@ -326,104 +342,206 @@ fn cols<T: dsv4_ops::gpu::DeviceElem>(
     t.view(0, &[n, width])
 }
 
-pub struct GpuModel {
-    config: Config,
+/// One GPU's part of the model: its device, its slice of the weights and its pool (the whole
+/// model on one GPU).
+struct Rank {
     dev: Arc<Device>,
     w: DevWeights,
     bufs: Buffers<Taking>,
     _pool: BufferPool,
+    /// With several GPUs: this rank's collectives and every rank's logits buffer (the head's
+    /// all-gather output).
+    tp: Option<(Collective, PeerTensors)>,
+}
+
+/// The model on one GPU or split over several of one host (tensor parallelism, see
+/// [`crate::shard`]): one rank per GPU, all driven from this thread. Each rank runs the same
+/// launches on its own stream at its slice's widths; the ranks meet in one-shot collectives
+/// (an all-reduce after each sub-layer, an all-gather of the logits), and every rank samples
+/// the same token from the same logits. Every rank's launches of a chunk are enqueued before
+/// the host waits for any rank.
+pub struct GpuModel {
+    config: Config,
+    /// One rank's widths.
+    local: Config,
+    ranks: Vec<Rank>,
     capacity: usize,
     /// Tokens processed (mirrors the device position, which the device advances).
     len: usize,
     /// Whether the token buffer holds a sampled token for the next decode step.
     token_ready: bool,
-    /// Where [`Self::read_token`] copies the sampled token.
+    /// Where [`Self::read_token`] copies the sampled token (rank 0's).
     token_readback: Readback<u32>,
     hc: HcParams,
     weight_bytes: usize,
 }
 
+/// One device per rank, each at most once.
+fn check_devices(devs: &[Arc<Device>]) -> Result<(), GpuModelError> {
+    if devs.is_empty() {
+        return Err(GpuError::invalid("devices", "no GPU to run on").into());
+    }
+    if devs.len() > MAX_RANKS {
+        return Err(GpuError::invalid(
+            "devices",
+            format!("{} GPUs: at most {MAX_RANKS} ranks", devs.len()),
+        )
+        .into());
+    }
+    for (i, a) in devs.iter().enumerate() {
+        if devs[..i].iter().any(|b| b.ordinal() == a.ordinal()) {
+            return Err(GpuError::invalid(
+                "devices",
+                format!("GPU {} is named twice", a.ordinal()),
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
 impl GpuModel {
-    /// Opens a checkpoint and uploads it to `dev`; `on_layer(done, total)` reports progress.
+    /// Opens a checkpoint and uploads it to `devs` (split over them when there are several);
+    /// `on_layer(done, total)` reports progress.
     pub fn load(
         dir: &Path,
-        dev: Arc<Device>,
+        devs: &[Arc<Device>],
         opts: GpuOptions,
         on_layer: impl FnMut(usize, usize),
     ) -> Result<GpuModel, GpuModelError> {
         let ck = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&ck, |_, _| {})?;
-        GpuModel::new(ck.config().clone(), &weights, dev, opts, on_layer)
+        GpuModel::new(ck.config().clone(), &weights, devs, opts, on_layer)
     }
 
-    /// Uploads `weights` (of `config`) to `dev` and sets up the sequence state.
+    /// Uploads `weights` (of `config`) to `devs` and sets up the sequence state: rank r (on
+    /// `devs[r]`) gets its slice of the split matrices and all of the rest.
     pub fn new(
         config: Config,
         weights: &ModelWeights,
-        dev: Arc<Device>,
+        devs: &[Arc<Device>],
         opts: GpuOptions,
         mut on_layer: impl FnMut(usize, usize),
     ) -> Result<GpuModel, GpuModelError> {
-        let c = &config;
-        check_gpu_config(c)?;
-        let layers = weights
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(l, lw)| {
-                let layer = upload_layer(&dev, c, l, lw);
-                on_layer(l + 1, c.num_layers);
-                layer
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let w = DevWeights {
-            embed: upload::bf16_matrix(&dev, &weights.embed)?,
-            head: upload::linear(&dev, "head", &weights.head)?,
-            norm: upload::vector(&dev, &weights.norm)?,
-            hc_head: upload::hc_site(&dev, &weights.hc_head, c.hidden_size)?,
-            layers,
-            rope_main: upload::vector(&dev, Rope::for_layer(c, false).inv_freq())?,
-            rope_compress: upload::vector(&dev, Rope::for_layer(c, true).inv_freq())?,
-        };
-        GpuModel::with_weights(config, w, dev, opts)
+        check_devices(devs)?;
+        let world = devs.len();
+        let local = local_config(&config, world)?;
+        check_gpu_config(&local)?;
+        let total = world * config.num_layers;
+        let mut ranks = Vec::with_capacity(world);
+        for (rank, dev) in devs.iter().enumerate() {
+            let sliced;
+            let w = if world == 1 {
+                weights
+            } else {
+                sliced = shard_weights(weights, &config, Shard { rank, world })?;
+                &sliced
+            };
+            let c = &local;
+            let layers = w
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(l, lw)| {
+                    let layer = upload_layer(dev, c, l, lw);
+                    on_layer(rank * c.num_layers + l + 1, total);
+                    layer
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            ranks.push(DevWeights {
+                embed: upload::bf16_matrix(dev, &w.embed)?,
+                head: upload::linear(dev, "head", &w.head)?,
+                norm: upload::vector(dev, &w.norm)?,
+                hc_head: upload::hc_site(dev, &w.hc_head, c.hidden_size)?,
+                layers,
+                rope_main: upload::vector(dev, Rope::for_layer(c, false).inv_freq())?,
+                rope_compress: upload::vector(dev, Rope::for_layer(c, true).inv_freq())?,
+            });
+        }
+        GpuModel::with_weights(config, local, devs, ranks, opts)
     }
 
-    /// A model of `config`'s widths whose weights are drawn at random on `dev`, in the formats
-    /// and sizes of the synthetic checkpoint of `format` (for benchmarks: no checkpoint is
-    /// written or read).
+    /// A model of `config`'s widths whose weights are drawn at random on `devs` (each rank its
+    /// slice's shapes), in the formats and sizes of the synthetic checkpoint of `format` (for
+    /// benchmarks: no checkpoint is written or read).
     pub fn random(
         config: Config,
         format: SynthFormat,
         seed: u64,
-        dev: Arc<Device>,
+        devs: &[Arc<Device>],
         opts: GpuOptions,
-        on_layer: impl FnMut(usize, usize),
+        mut on_layer: impl FnMut(usize, usize),
     ) -> Result<GpuModel, GpuModelError> {
-        check_gpu_config(&config)?;
-        let w = random::random_weights(&dev, &config, format, seed, on_layer)?;
-        GpuModel::with_weights(config, w, dev, opts)
+        check_devices(devs)?;
+        let world = devs.len();
+        let local = local_config(&config, world)?;
+        check_gpu_config(&local)?;
+        let total = world * config.num_layers;
+        let layers = config.num_layers;
+        let head_rows = config.vocab_size / world;
+        let ranks = devs
+            .iter()
+            .enumerate()
+            .map(|(rank, dev)| {
+                random::random_weights(dev, &local, head_rows, format, seed, |l, _| {
+                    on_layer(rank * layers + l, total)
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        GpuModel::with_weights(config, local, devs, ranks, opts)
     }
 
-    /// Sets up the sequence state beside the device weights `w`.
+    /// Sets up the sequence state beside each rank's device weights, and links the ranks.
     fn with_weights(
         config: Config,
-        w: DevWeights,
-        dev: Arc<Device>,
+        local: Config,
+        devs: &[Arc<Device>],
+        weights: Vec<DevWeights>,
         opts: GpuOptions,
     ) -> Result<GpuModel, GpuModelError> {
-        let c = &config;
-        let weight_bytes = step_bytes(c, &w);
-        let shared_inter = w.layers[0].moe.shared_w13.n();
-        let (free, _) = dev.memory_info()?;
-        let capacity = choose_capacity(c, opts.max_context, shared_inter, free)?;
-        let mut sizing = Sizing(BufferPool::new());
-        Buffers::build(&mut sizing, c, capacity, shared_inter)?;
-        let mut pool = sizing.0;
-        pool.seal(&dev)?;
-        let mut taking = Taking(pool);
-        let bufs = Buffers::build(&mut taking, c, capacity, shared_inter)?;
-        let pool = taking.0;
-        let token_readback = dev.readback(1)?;
+        let world = devs.len();
+        let c = &local;
+        let weight_bytes = step_bytes(c, &weights[0]);
+        let shared_inter = weights[0].layers[0].moe.shared_w13.n();
+        let mut free = usize::MAX;
+        for dev in devs {
+            free = free.min(dev.memory_info()?.0);
+        }
+        let capacity = choose_capacity(c, opts.max_context, shared_inter, world, free)?;
+        if world > 1 {
+            enable_peer_access(devs)?;
+        }
+        let mut ranks = Vec::with_capacity(world);
+        for (dev, w) in devs.iter().zip(weights) {
+            let mut sizing = Sizing(BufferPool::new());
+            Buffers::build(&mut sizing, c, capacity, shared_inter, world)?;
+            let mut pool = sizing.0;
+            pool.seal(dev)?;
+            let mut taking = Taking(pool);
+            let bufs = Buffers::build(&mut taking, c, capacity, shared_inter, world)?;
+            ranks.push(Rank {
+                dev: dev.clone(),
+                w,
+                bufs,
+                _pool: taking.0,
+                tp: None,
+            });
+        }
+        if world > 1 {
+            let comm: Vec<RankBuffers> = ranks
+                .iter()
+                .map(|r| r.bufs.acts.collective())
+                .collect::<Result<_, _>>()?;
+            let logits: Vec<&DeviceTensor<f32>> = ranks.iter().map(|r| &r.bufs.acts.logits).collect();
+            let peers: Vec<PeerTensors> = (0..world)
+                .map(|_| PeerTensors::new(&logits))
+                .collect::<Result<_, _>>()?;
+            let links = Collective::link(&comm)?;
+            for ((rank, link), peer) in ranks.iter_mut().zip(links).zip(peers) {
+                rank.tp = Some((link, peer));
+            }
+        }
+        let token_readback = ranks[0].dev.readback(1)?;
         Ok(GpuModel {
             hc: HcParams {
                 n: c.hc_mult,
@@ -432,10 +550,8 @@ impl GpuModel {
                 norm_eps: c.rms_norm_eps,
             },
             config,
-            dev,
-            w,
-            bufs,
-            _pool: pool,
+            local,
+            ranks,
             capacity,
             len: 0,
             token_ready: false,
@@ -448,14 +564,25 @@ impl GpuModel {
         &self.config
     }
 
+    /// The first rank's device (where tokens and logits are read back).
     pub fn device(&self) -> &Arc<Device> {
-        &self.dev
+        &self.ranks[0].dev
     }
 
-    /// Identifies this model's sequence state (the device address of its token buffer): what a
-    /// captured step reads and writes.
+    /// Every rank's device, by rank.
+    pub fn devices(&self) -> Vec<Arc<Device>> {
+        self.ranks.iter().map(|r| r.dev.clone()).collect()
+    }
+
+    /// GPUs the model is split over.
+    pub fn world(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Identifies this model's sequence state (the device address of rank 0's token buffer):
+    /// what a captured step reads and writes.
     pub fn state_address(&self) -> u64 {
-        self.bufs.acts.tokens.device_address()
+        self.ranks[0].bufs.acts.tokens.device_address()
     }
 
     /// Positions the sequence state holds.
@@ -472,15 +599,17 @@ impl GpuModel {
         self.len == 0
     }
 
-    /// Weight bytes one decode step reads (every dense weight, the selected experts, the head;
-    /// not the sequence state).
+    /// Weight bytes one decode step reads on each GPU (every dense weight or its slice, the
+    /// selected experts' slices, the head's slice; not the sequence state).
     pub fn step_weight_bytes(&self) -> usize {
         self.weight_bytes
     }
 
     /// Forgets the sequence: position 0 (state buffers are overwritten before they are read).
     pub fn reset(&mut self) -> Result<(), GpuError> {
-        self.dev.write(&mut self.bufs.acts.pos, &[0])?;
+        for r in &mut self.ranks {
+            r.dev.write(&mut r.bufs.acts.pos, &[0])?;
+        }
         self.len = 0;
         self.token_ready = false;
         Ok(())
@@ -524,10 +653,14 @@ impl GpuModel {
         let mut out = Vec::new();
         for chunk in tokens.chunks(MAX_CHUNK) {
             let n = chunk.len();
-            self.write_tokens(chunk)?;
-            self.launch_chunk(n)?;
+            for r in 0..self.ranks.len() {
+                self.write_tokens(r, chunk)?;
+                self.launch_layers_and_head(r, n)?;
+                self.launch_advance(r, n)?;
+            }
             self.len += n;
-            let logits = self.dev.download(&self.bufs.acts.logits.rows(n)?)?;
+            let r0 = &self.ranks[0];
+            let logits = r0.dev.download(&r0.bufs.acts.logits.rows(n)?)?;
             match which {
                 Logits::All => out.extend_from_slice(&logits),
                 Logits::Last => out = logits[(n - 1) * vocab..].to_vec(),
@@ -543,17 +676,19 @@ impl GpuModel {
         let chunks: Vec<&[u32]> = prompt.chunks(MAX_CHUNK).collect();
         for (i, chunk) in chunks.iter().enumerate() {
             let n = chunk.len();
-            self.write_tokens(chunk)?;
-            if i + 1 == chunks.len() {
-                // Sampled with the last prompt token's position as the key, as a decode step
-                // samples with its own token's.
-                self.launch_layers_and_head(n)?;
-                if n > 1 {
-                    self.launch_advance(n - 1)?;
+            for r in 0..self.ranks.len() {
+                self.write_tokens(r, chunk)?;
+                self.launch_layers_and_head(r, n)?;
+                if i + 1 == chunks.len() {
+                    // Sampled with the last prompt token's position as the key, as a decode
+                    // step samples with its own token's.
+                    if n > 1 {
+                        self.launch_advance(r, n - 1)?;
+                    }
+                    self.launch_sample(r, n - 1, s)?;
+                } else {
+                    self.launch_advance(r, n)?;
                 }
-                self.launch_sample(n - 1, s)?;
-            } else {
-                self.launch_chunk(n)?;
             }
             self.len += n;
         }
@@ -581,13 +716,22 @@ impl GpuModel {
         Ok(())
     }
 
-    /// One decode step's launches: the token in the device buffer through every layer and the
-    /// head, the next token sampled into the same buffer, the position advanced. Identical at
-    /// every position, so it is what a graph captures; the caller accounts for the step with
-    /// [`Self::note_decoded`] (checked first with [`Self::check_decode`]).
+    /// One decode step's launches on every rank (see [`Self::launch_rank_decode_step`]).
     pub fn launch_decode_step(&mut self, s: &Sampling) -> Result<(), GpuError> {
-        self.launch_layers_and_head(1)?;
-        self.launch_sample(0, s)
+        for r in 0..self.ranks.len() {
+            self.launch_rank_decode_step(r, s)?;
+        }
+        Ok(())
+    }
+
+    /// Rank `rank`'s launches of one decode step, on its device: the token in its device
+    /// buffer through every layer and the head, the next token sampled into the same buffer,
+    /// the position advanced. Identical at every position, so it is what a graph captures;
+    /// the caller accounts for the step with [`Self::note_decoded`] (checked first with
+    /// [`Self::check_decode`]) and launches every rank's step before waiting for any.
+    pub fn launch_rank_decode_step(&mut self, rank: usize, s: &Sampling) -> Result<(), GpuError> {
+        self.launch_layers_and_head(rank, 1)?;
+        self.launch_sample(rank, 0, s)
     }
 
     /// Records that `steps` decode steps ran (eagerly or as graph replays).
@@ -595,44 +739,58 @@ impl GpuModel {
         self.len += steps;
     }
 
+    /// Rank `rank`'s all-reduce of one token's hidden row, on its device (the per-layer sum of
+    /// a decode step, for timing; it overwrites scratch that every step rewrites). Every rank
+    /// must launch it; `None` on one GPU.
+    pub fn launch_all_reduce_probe(&mut self, rank: usize) -> Option<Result<(), GpuError>> {
+        let r = &mut self.ranks[rank];
+        let (coll, _) = r.tp.as_ref()?;
+        Some(
+            r.bufs
+                .acts
+                .y
+                .rows(1)
+                .and_then(|mut y| coll.all_reduce(&r.dev, &mut y)),
+        )
+    }
+
     /// The token the last step sampled: one copy into page-locked memory after the work
-    /// already enqueued, waited for.
+    /// already enqueued, waited for (every rank samples the same token; rank 0's is read).
     pub fn read_token(&mut self) -> Result<u32, GpuError> {
-        let token = self.bufs.acts.tokens.rows(1)?;
-        Ok(self.dev.read(&token, &mut self.token_readback)?[0])
+        let r0 = &self.ranks[0];
+        let token = r0.bufs.acts.tokens.rows(1)?;
+        Ok(r0.dev.read(&token, &mut self.token_readback)?[0])
     }
 
     /// The logits of the last step's row `row` (waits for the device).
     pub fn read_logits(&self, row: usize) -> Result<Vec<f32>, GpuError> {
         let v = self.config.vocab_size;
-        self.dev
-            .download(&self.bufs.acts.logits.view(row * v, &[v])?)
+        let r0 = &self.ranks[0];
+        r0.dev.download(&r0.bufs.acts.logits.view(row * v, &[v])?)
     }
 
-    /// A chunk's token ids into the device token buffer.
-    fn write_tokens(&mut self, chunk: &[u32]) -> Result<(), GpuError> {
-        let mut ids = self.bufs.acts.tokens.rows(chunk.len())?;
-        self.dev.write(&mut ids, chunk)
+    /// A chunk's token ids into rank `rank`'s token buffer.
+    fn write_tokens(&mut self, rank: usize, chunk: &[u32]) -> Result<(), GpuError> {
+        let r = &mut self.ranks[rank];
+        let mut ids = r.bufs.acts.tokens.rows(chunk.len())?;
+        r.dev.write(&mut ids, chunk)
     }
 
-    fn launch_chunk(&mut self, n: usize) -> Result<(), GpuError> {
-        self.launch_layers_and_head(n)?;
-        self.launch_advance(n)
+    fn launch_advance(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
+        let r = &mut self.ranks[rank];
+        advance_position(&r.dev, &mut r.bufs.acts.pos, n as u32)
     }
 
-    fn launch_advance(&mut self, n: usize) -> Result<(), GpuError> {
-        advance_position(&self.dev, &mut self.bufs.acts.pos, n as u32)
-    }
-
-    /// Samples from the logits of `row` into the token buffer, keyed by the device position,
-    /// which it then advances past that token.
-    fn launch_sample(&mut self, row: usize, s: &Sampling) -> Result<(), GpuError> {
-        let a = &mut self.bufs.acts;
+    /// Samples from the logits of `row` into rank `rank`'s token buffer, keyed by the device
+    /// position, which it then advances past that token.
+    fn launch_sample(&mut self, rank: usize, row: usize, s: &Sampling) -> Result<(), GpuError> {
+        let r = &mut self.ranks[rank];
+        let a = &mut r.bufs.acts;
         let v = self.config.vocab_size;
         let logits = a.logits.view(row * v, &[v])?;
         let mut token = a.tokens.rows(1)?;
         sample(
-            &self.dev,
+            &r.dev,
             &logits,
             s,
             &mut a.pos,
@@ -642,49 +800,74 @@ impl GpuModel {
         )
     }
 
-    /// Embedding, every layer and the head for the `n` tokens in the token buffer at the
-    /// device position; logits into `acts.logits[..n]`.
-    fn launch_layers_and_head(&mut self, n: usize) -> Result<(), GpuError> {
-        let dev = &*self.dev;
-        let c = &self.config;
-        let a = &mut self.bufs.acts;
+    /// Rank `rank`'s embedding, every layer and the head for the `n` tokens in its token
+    /// buffer at its device position; the whole vocabulary's logits into `acts.logits[..n]`.
+    fn launch_layers_and_head(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
+        let Rank {
+            dev, w, bufs, tp, ..
+        } = &mut self.ranks[rank];
+        let dev = &**dev;
+        let tp = tp.as_ref();
+        let c = &self.local;
+        let a = &mut bufs.acts;
+        // A sub-layer's partial sums, summed over the ranks in place.
+        let reduce = |a: &mut buffers::Acts<Taking>, out: fn(&buffers::Acts<Taking>) -> &DeviceTensor<f32>| {
+            match tp {
+                Some((coll, _)) => coll.all_reduce(dev, &mut out(a).rows(n)?),
+                None => Ok(()),
+            }
+        };
         let tokens = a.tokens.rows(n)?;
         let mut s0 = a.streams[0].rows(n)?;
-        embed_hc_gather(dev, &self.w.embed, &tokens, c.hc_mult, &mut s0)?;
+        embed_hc_gather(dev, &w.embed, &tokens, c.hc_mult, &mut s0)?;
         // The first site's mix projection; every later one comes with the expansion before it.
-        let first = self.w.entry_site(0);
+        let first = w.entry_site(0);
         hc_mix(dev, &s0, first, &self.hc, &mut a.mix_partials.rows(n)?)?;
         let mut cur = 0;
         let eps = c.rms_norm_eps;
-        let layers = self.w.layers.iter().zip(self.bufs.layers.iter_mut());
+        let layers = w.layers.iter().zip(bufs.layers.iter_mut());
         for (l, (lw, ls)) in layers.enumerate() {
-            let attn = |a: &mut _| attention_layer(dev, c, &self.w, lw, ls, a, n);
+            let attn = |a: &mut _| {
+                attention_layer(dev, c, w, lw, ls, a, n)?;
+                reduce(a, |a| &a.y)
+            };
             let site = Site {
                 hc: &lw.hc_attn,
                 norm: &lw.attn_norm,
                 next: &lw.hc_ffn,
             };
             hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, attn, |a| &a.y)?;
-            let ffn = |a: &mut _| moe_layer(dev, c, lw, a, n, &tokens);
+            let ffn = |a: &mut _| {
+                moe_layer(dev, c, lw, a, n, &tokens)?;
+                reduce(a, |a| &a.moe)
+            };
             let site = Site {
                 hc: &lw.hc_ffn,
                 norm: &lw.ffn_norm,
-                next: self.w.entry_site(l + 1),
+                next: w.entry_site(l + 1),
             };
             hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, ffn, |a| &a.moe)?;
         }
-        // Head: collapse with the final norm, lm_head.
+        // Head: collapse with the final norm, lm_head (each rank's slice of the vocabulary,
+        // gathered into every rank's logits).
         let streams = a.streams[cur].rows(n)?;
         let part = a.mix_partials.rows(n)?;
         let (mut xn, mut xb) = (a.xn.rows(n)?, a.xb.rows(n)?);
         let input = NormedInput {
-            weight: &self.w.norm,
+            weight: &w.norm,
             eps,
             xn: &mut xn,
             xb: &mut xb,
         };
-        hc_head(dev, &streams, &self.w.hc_head, &self.hc, &part, input)?;
-        gemv(dev, &xb, &self.w.head, &mut a.logits.rows(n)?, &mut a.ws)
+        hc_head(dev, &streams, &w.hc_head, &self.hc, &part, input)?;
+        match tp {
+            Some((coll, logits)) => {
+                let mut slice = a.head_part.rows(n)?;
+                gemv(dev, &xb, &w.head, &mut slice, &mut a.ws)?;
+                coll.all_gather_cols(dev, &slice, logits)
+            }
+            None => gemv(dev, &xb, &w.head, &mut a.logits.rows(n)?, &mut a.ws),
+        }
     }
 }
 
@@ -1082,6 +1265,91 @@ fn moe_layer(
     }
 }
 
+/// How a model fits `world` GPUs, worked out before anything is allocated.
+#[derive(Clone, Debug)]
+pub struct MemoryPlan {
+    pub world: usize,
+    /// Free bytes on the GPU with the least.
+    pub free: usize,
+    /// Weight bytes each GPU holds.
+    pub weights: usize,
+    /// Activations, workspaces and collectives: the pool's bytes at no context.
+    pub fixed: usize,
+    /// Sequence-state bytes a context token adds.
+    pub per_token: f64,
+    pub capacity: usize,
+}
+
+impl std::fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        write!(
+            f,
+            "{} GPU(s): {:.2} GiB of weights and {:.2} GiB of activations each, {:.1} KiB of \
+             state per context token; {:.2} GiB free on each: context capacity {} tokens",
+            self.world,
+            gib(self.weights),
+            gib(self.fixed),
+            self.per_token / 1024.0,
+            gib(self.free),
+            self.capacity
+        )
+    }
+}
+
+/// The plan for `weights` (of `config`) on `world` GPUs with `free` bytes each: the capacity
+/// asked for (or what fits), or an error naming the bytes, and the fewest GPUs of this size
+/// that would hold the model when that is known.
+pub fn plan_memory(
+    config: &Config,
+    weights: &ModelWeights,
+    world: usize,
+    free: usize,
+    max_context: Option<usize>,
+) -> Result<MemoryPlan, GpuModelError> {
+    let local = local_config(config, world)?;
+    let w = crate::shard::rank_weight_bytes(weights, world);
+    let shared_inter = weights.layers.first().map_or(0, |l| l.moe.shared.w1.rows()) / world;
+    let fits = |n: usize| -> bool {
+        let Ok(lc) = local_config(config, n) else {
+            return false;
+        };
+        let wn = crate::shard::rank_weight_bytes(weights, n);
+        free.checked_sub(wn).is_some_and(|rest| {
+            choose_capacity(&lc, max_context, shared_inter * world / n, n, rest)
+                .is_ok()
+        })
+    };
+    let capacity = free
+        .checked_sub(w)
+        .ok_or(())
+        .and_then(|rest| choose_capacity(&local, max_context, shared_inter, world, rest).map_err(|_| ()));
+    let Ok(capacity) = capacity else {
+        let hint = [1, 2, 4, 8]
+            .into_iter()
+            .find(|&n| n > world && fits(n))
+            .map_or_else(String::new, |n| format!(": it needs {n} GPUs of this size"));
+        return Err(GpuModelError::DoesNotFit {
+            world,
+            weights: w,
+            free,
+            hint,
+        });
+    };
+    let fixed = buffers::pool_bytes(&local, 0, shared_inter, world)?;
+    let probe = 1 << 14;
+    let per_token =
+        (buffers::pool_bytes(&local, probe, shared_inter, world)? - fixed) as f64 / probe as f64;
+    Ok(MemoryPlan {
+        world,
+        free,
+        weights: w,
+        fixed,
+        per_token,
+        capacity,
+    })
+}
+
 /// Weight bytes a decode step reads: every dense weight of every layer (the mHC projections
 /// included), the selected experts (`experts_per_token` of each layer), the head and one
 /// embedding row. Reads of the sequence state (window, compressed entries, indexer keys), which
@@ -1121,13 +1389,14 @@ fn choose_capacity(
     c: &Config,
     asked: Option<usize>,
     shared_inter: usize,
+    world: usize,
     free: usize,
 ) -> Result<usize, GpuModelError> {
     let budget = free / 10 * 9;
     if let Some(ctx) = asked {
         // Positions past the model's limit are never run.
         let ctx = ctx.min(c.max_position_embeddings);
-        let need = buffers::pool_bytes(c, ctx, shared_inter).unwrap_or(usize::MAX);
+        let need = buffers::pool_bytes(c, ctx, shared_inter, world).unwrap_or(usize::MAX);
         if need > budget {
             return Err(GpuModelError::OutOfMemory {
                 context: ctx,
@@ -1138,9 +1407,9 @@ fn choose_capacity(
         return Ok(ctx);
     }
     let unit = 128;
-    let fixed = buffers::pool_bytes(c, 0, shared_inter)?;
+    let fixed = buffers::pool_bytes(c, 0, shared_inter, world)?;
     let probe = 1 << 16;
-    let per_unit = (buffers::pool_bytes(c, probe, shared_inter)? - fixed).div_ceil(probe / unit);
+    let per_unit = (buffers::pool_bytes(c, probe, shared_inter, world)? - fixed).div_ceil(probe / unit);
     if fixed + per_unit > budget {
         return Err(GpuModelError::OutOfMemory {
             context: unit,
@@ -1189,18 +1458,18 @@ mod tests {
         let c = Config::tiny();
         let inter = c.moe_intermediate_size;
         let gib = 1usize << 30;
-        assert_eq!(choose_capacity(&c, Some(100), inter, gib).unwrap(), 100);
+        assert_eq!(choose_capacity(&c, Some(100), inter, 1, gib).unwrap(), 100);
         let limit = c.max_position_embeddings;
         assert_eq!(
-            choose_capacity(&c, Some(limit + 9), inter, gib).unwrap(),
+            choose_capacity(&c, Some(limit + 9), inter, 1, gib).unwrap(),
             limit
         );
-        let fits = choose_capacity(&c, None, inter, gib).unwrap();
+        let fits = choose_capacity(&c, None, inter, 1, gib).unwrap();
         assert!(fits.is_multiple_of(128) || fits == limit, "{fits}");
-        assert!(buffers::pool_bytes(&c, fits, inter).unwrap() <= gib / 10 * 9);
-        let small = buffers::pool_bytes(&c, 0, inter).unwrap();
+        assert!(buffers::pool_bytes(&c, fits, inter, 1).unwrap() <= gib / 10 * 9);
+        let small = buffers::pool_bytes(&c, 0, inter, 1).unwrap();
         for asked in [Some(1000), None] {
-            let err = choose_capacity(&c, asked, inter, small)
+            let err = choose_capacity(&c, asked, inter, 1, small)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("too little GPU memory"), "{err}");

@@ -230,6 +230,7 @@ impl Draw<'_> {
 pub(super) fn random_weights(
     dev: &Device,
     c: &Config,
+    head_rows: usize,
     format: SynthFormat,
     seed: u64,
     mut on_layer: impl FnMut(usize, usize),
@@ -260,7 +261,22 @@ pub(super) fn random_weights(
     random::fill_bf16(dev, &mut embed, draw.seed("embed"), unit)?;
     Ok(DevWeights {
         embed,
-        head: draw.linear(&["head"])?,
+        // The head's rows may be a slice of the vocabulary (one rank's).
+        head: Draw {
+            specs: layout::layout(&Config {
+                vocab_size: head_rows,
+                num_layers: 0,
+                layers: Vec::new(),
+                ..c.clone()
+            })
+            .into_iter()
+            .map(|s| (s.name.clone(), s))
+            .collect(),
+            dev,
+            format,
+            seed,
+        }
+        .linear(&["head"])?,
         norm: draw.vector("norm.weight")?,
         hc_head: draw.hc_site("hc_head", d)?,
         layers,

@@ -1,0 +1,211 @@
+//! The model split over several GPUs of one host (tensor parallelism) against the same model
+//! on one GPU: every oracle fixture whose shapes split and a Flash-width synthetic model, per
+//! position cosine ≥ 0.9999 and identical greedy tokens; graph replays on every GPU
+//! bit-identical to eager launches; shapes that do not split refused by name. All `#[ignore]`d:
+//! they need at least two CUDA GPUs (`cargo xtask gpu-test`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use dsv4_graph::{eager_step, DecodeGraph};
+use dsv4_model::checkpoint::Checkpoint;
+use dsv4_model::config::{Config, LayerKind};
+use dsv4_model::cpu::Logits;
+use dsv4_model::gpu::{GpuModel, GpuOptions, MAX_CHUNK};
+use dsv4_model::shard::local_config;
+use dsv4_model::synth::{write_synthetic, SynthFormat};
+use dsv4_ops::gpu::sample::Sampling;
+use dsv4_ops::gpu::Device;
+use dsv4_tests::{fixtures, load_oracle, sanitizer_length};
+
+/// Every visible GPU (at least two).
+fn devices() -> Vec<Arc<Device>> {
+    let n = Device::count().unwrap_or(0);
+    assert!(n >= 2, "this multi-GPU test was requested but {n} CUDA device(s) are visible");
+    (0..n)
+        .map(|i| Arc::new(Device::new(i).expect("a CUDA device")))
+        .collect()
+}
+
+/// The world sizes to test: 2, 4 and 8, as far as the GPUs go.
+fn worlds(devs: &[Arc<Device>]) -> Vec<usize> {
+    [2, 4, 8].into_iter().filter(|&n| n <= devs.len()).collect()
+}
+
+fn load(dir: &Path, devs: &[Arc<Device>], context: usize) -> GpuModel {
+    let opts = GpuOptions {
+        max_context: Some(context),
+    };
+    GpuModel::load(dir, devs, opts, |_, _| {})
+        .unwrap_or_else(|e| panic!("loading {} onto {} GPU(s): {e}", dir.display(), devs.len()))
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb).max(f64::MIN_POSITIVE)
+}
+
+/// The worst per-position cosine of `got` against `want` (`[T, vocab]`).
+fn worst_cosine(got: &[f32], want: &[f32], vocab: usize) -> f64 {
+    assert_eq!(got.len(), want.len(), "logit count");
+    got.chunks(vocab)
+        .zip(want.chunks(vocab))
+        .map(|(g, w)| cosine(g, w))
+        .fold(1.0, f64::min)
+}
+
+fn greedy() -> Sampling {
+    Sampling {
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+    }
+}
+
+/// Greedy decode of `steps` tokens after `prompt`: the tokens and every step's logits.
+fn decode(model: &mut GpuModel, prompt: &[u32], steps: usize, graph: bool) -> (Vec<u32>, Vec<f32>) {
+    let s = greedy();
+    model.reset().unwrap();
+    model.prefill(prompt, &s).unwrap();
+    let mut tokens = vec![model.read_token().unwrap()];
+    let mut logits = model.read_logits((prompt.len() - 1) % MAX_CHUNK).unwrap();
+    let g = graph.then(|| DecodeGraph::capture(model, &s).unwrap());
+    for _ in 0..steps {
+        let t = match &g {
+            Some(g) => g.step(model).unwrap(),
+            None => eager_step(model, &s).unwrap(),
+        };
+        tokens.push(t);
+        logits.extend(model.read_logits(0).unwrap());
+    }
+    (tokens, logits)
+}
+
+#[test]
+#[ignore = "needs several CUDA GPUs: cargo xtask gpu-test"]
+fn multi_gpu_model_matches_one_gpu_on_every_fixture_that_splits() {
+    let devs = devices();
+    let mut ran = 0;
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let mut ids = load_oracle(&dir).input_ids;
+        ids.truncate(sanitizer_length(ids.len(), 40));
+        let config = Checkpoint::open(&dir).unwrap().config().clone();
+        let mut one = load(&dir, &devs[..1], ids.len());
+        let want = one.forward(&ids, Logits::All).unwrap();
+        let vocab = config.vocab_size;
+        for world in worlds(&devs) {
+            if let Err(e) = local_config(&config, world) {
+                println!("{name}: not split over {world} GPUs: {e}");
+                continue;
+            }
+            let mut split = load(&dir, &devs[..world], ids.len());
+            let got = split.forward(&ids, Logits::All).unwrap();
+            let cos = worst_cosine(&got, &want, vocab);
+            println!("{name} over {world} GPUs: worst cosine against one GPU {cos:.7}");
+            assert!(cos >= 0.9999, "{name} over {world} GPUs: cosine {cos}");
+            ran += 1;
+        }
+    }
+    assert!(ran > 0, "no fixture splits over the GPUs");
+}
+
+/// Flash widths (hidden 4096, 64 heads of 512, 8 output groups, expert intermediate 2048,
+/// the Flash vocabulary) with 16 routed experts instead of 256, so that its synthetic NVFP4
+/// checkpoint stays small: sliding, CSA and HCA layers.
+fn flash_width() -> Config {
+    let mut c = Config::flash();
+    c.n_routed_experts = 16;
+    c.num_hash_layers = 1;
+    c.layers = vec![
+        LayerKind::Sliding,
+        LayerKind::Csa { ratio: 4 },
+        LayerKind::Hca { ratio: 128 },
+        LayerKind::Csa { ratio: 4 },
+    ];
+    c.num_layers = c.layers.len();
+    c
+}
+
+#[test]
+#[ignore = "needs several CUDA GPUs: cargo xtask gpu-test"]
+fn multi_gpu_flash_width_model_matches_one_gpu() {
+    let devs = devices();
+    let config = flash_width();
+    let dir = tempfile::tempdir().unwrap();
+    write_synthetic(&config, SynthFormat::Nvfp4, dir.path(), 11, &mut |_, _| {}).unwrap();
+    // Past the window, the CSA compressor's emissions and (over 256 steps) the HCA one's.
+    let prompt: Vec<u32> = (0..sanitizer_length(600, 140) as u32)
+        .map(|i| (i * 7919 + 13) % config.vocab_size as u32)
+        .collect();
+    let steps = sanitizer_length(256, 16);
+    let context = prompt.len() + steps + 1;
+    let mut one = load(dir.path(), &devs[..1], context);
+    let want_prefill = one.forward(&prompt, Logits::All).unwrap();
+    let (want_tokens, _) = decode(&mut one, &prompt, steps, true);
+    drop(one);
+    for world in worlds(&devs) {
+        let mut split = load(dir.path(), &devs[..world], context);
+        let got = split.forward(&prompt, Logits::All).unwrap();
+        let cos = worst_cosine(&got, &want_prefill, config.vocab_size);
+        println!("Flash width over {world} GPUs: worst prefill cosine against one GPU {cos:.7}");
+        assert!(cos >= 0.9999, "over {world} GPUs: cosine {cos}");
+        let (tokens, _) = decode(&mut split, &prompt, steps, true);
+        assert_eq!(tokens, want_tokens, "greedy tokens over {world} GPUs");
+    }
+}
+
+#[test]
+#[ignore = "needs several CUDA GPUs: cargo xtask gpu-test"]
+fn multi_gpu_graph_replay_is_bit_identical_to_eager_launches() {
+    let devs = devices();
+    let steps = sanitizer_length(300, 48);
+    let dir = dsv4_tests::fixtures_dir().join("long");
+    let config = Checkpoint::open(&dir).unwrap().config().clone();
+    let prompt: Vec<u32> = load_oracle(&dir).input_ids[..5].to_vec();
+    let mut ran = 0;
+    for world in worlds(&devs) {
+        if local_config(&config, world).is_err() {
+            continue;
+        }
+        let mut model = load(&dir, &devs[..world], 320);
+        let (eager_tokens, eager_logits) = decode(&mut model, &prompt, steps, false);
+        let (graph_tokens, graph_logits) = decode(&mut model, &prompt, steps, true);
+        assert_eq!(graph_tokens, eager_tokens, "{world} GPUs: sampled tokens");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&graph_logits) == bits(&eager_logits),
+            "{world} GPUs: graph logits differ from eager ones"
+        );
+        println!("{world} GPUs: {steps} graph replays bit-identical to eager launches");
+        ran += 1;
+    }
+    assert!(ran > 0, "the long fixture splits over none of the GPU counts");
+}
+
+#[test]
+#[ignore = "needs several CUDA GPUs: cargo xtask gpu-test"]
+fn multi_gpu_shapes_that_do_not_split_are_refused() {
+    let devs = devices();
+    let dir = dsv4_tests::fixtures_dir().join("mixed");
+    let ck = Checkpoint::open(&dir).unwrap();
+    let mut config = ck.config().clone();
+    config.vocab_size += 1;
+    let weights = dsv4_model::weights::ModelWeights::load(&ck, |_, _| {}).unwrap();
+    let opts = GpuOptions {
+        max_context: Some(16),
+    };
+    let err = GpuModel::new(config, &weights, &devs[..2], opts, |_, _| {})
+        .err()
+        .expect("an odd vocabulary over 2 GPUs")
+        .to_string();
+    assert!(err.contains("vocab_size") && err.contains("over 2 GPUs"), "{err}");
+    let twice = [devs[0].clone(), devs[0].clone()];
+    let err = GpuModel::load(&dir, &twice, opts, |_, _| {})
+        .err()
+        .expect("one GPU named twice")
+        .to_string();
+    assert!(err.contains("named twice"), "{err}");
+}
