@@ -67,6 +67,29 @@ pub fn enable_peer_access(devs: &[Arc<Device>]) -> Result<(), GpuError> {
                     b.ordinal()
                 )))?;
             }
+            // Buffers come from the device's stream-ordered memory pool, whose mappings peer
+            // access does not cover: `a` is granted access to `b`'s pool as well.
+            let mut pool = std::ptr::null_mut();
+            let access = sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: a.context().cu_device(),
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: `pool` receives b's default pool handle; `access` outlives the call.
+            unsafe {
+                sys::cuDeviceGetDefaultMemPool(&mut pool, b.context().cu_device())
+                    .result()
+                    .map_err(GpuError::driver("reading a device's memory pool"))?;
+                sys::cuMemPoolSetAccess(pool, &access, 1)
+                    .result()
+                    .map_err(GpuError::driver(format!(
+                        "granting GPU {} access to GPU {}'s memory pool",
+                        a.ordinal(),
+                        b.ordinal()
+                    )))?;
+            }
         }
     }
     Ok(())

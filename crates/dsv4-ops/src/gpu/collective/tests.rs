@@ -20,18 +20,33 @@ const CAP: usize = 16 * 4096;
 fn group(devs: &[Arc<Device>], world: usize) -> Vec<Collective> {
     let devs = &devs[..world];
     enable_peer_access(devs).unwrap();
-    let bufs: Vec<RankBuffers> = devs
-        .iter()
-        .map(|d| {
-            let [(_, _, r), (_, _, f), (_, _, s)] = buffer_shapes(world, CAP);
-            RankBuffers {
-                recv: d.alloc(DType::F32, &r).unwrap(),
-                flags: d.alloc(DType::U32, &f).unwrap(),
-                state: d.alloc(DType::U32, &s).unwrap(),
-            }
-        })
-        .collect();
+    let bufs: Vec<RankBuffers> = devs.iter().map(|d| pooled(d, world, CAP)).collect();
     Collective::link(&bufs).unwrap()
+}
+
+/// A rank's buffers from a pool of their own (as a model's come from its pool).
+fn pooled(dev: &Device, world: usize, cap: usize) -> RankBuffers {
+    let mut pool = crate::gpu::BufferPool::new();
+    let [(rn, _, r), (fln, _, f), (sn, _, s)] = buffer_shapes(world, cap);
+    let (r, f, s) = (
+        pool.reserve::<f32>(rn, DType::F32, &r).unwrap(),
+        pool.reserve::<u32>(fln, DType::U32, &f).unwrap(),
+        pool.reserve::<u32>(sn, DType::U32, &s).unwrap(),
+    );
+    pool.seal(dev).unwrap();
+    RankBuffers {
+        recv: pool.take(r).unwrap(),
+        flags: pool.take(f).unwrap(),
+        state: pool.take(s).unwrap(),
+    }
+}
+
+/// An F32 tensor of `shape` from a pool of its own.
+fn pooled_f32(dev: &Device, shape: &[usize]) -> DeviceTensor<f32> {
+    let mut pool = crate::gpu::BufferPool::new();
+    let r = pool.reserve::<f32>("t", DType::F32, shape).unwrap();
+    pool.seal(dev).unwrap();
+    pool.take(r).unwrap()
 }
 
 fn random_parts(rng: &mut StdRng, world: usize, len: usize) -> Vec<Vec<f32>> {
@@ -121,7 +136,7 @@ fn multi_gpu_all_gather_cols_matches_cpu() {
                 .collect();
             let mut dsts: Vec<DeviceTensor<f32>> = devs[..world]
                 .iter()
-                .map(|d| d.alloc(DType::F32, &[rows, world * width]).unwrap())
+                .map(|d| pooled_f32(d, &[rows, world * width]))
                 .collect();
             for (d, t) in devs.iter().zip(&mut dsts) {
                 d.fill_bytes(t, crate::gpu::testing::POISON).unwrap();
@@ -157,7 +172,7 @@ fn multi_gpu_collectives_replay_in_graphs() {
         .collect();
     let dsts: Vec<DeviceTensor<f32>> = devs[..world]
         .iter()
-        .map(|d| d.alloc(DType::F32, &[1, world * width]).unwrap())
+        .map(|d| pooled_f32(d, &[1, world * width]))
         .collect();
     let peer = PeerTensors::new(&dsts.iter().collect::<Vec<_>>()).unwrap();
     // Each rank's step: two all-reduces and an all-gather, captured once.
@@ -210,18 +225,11 @@ fn multi_gpu_collective_misuse_is_refused() {
         assert!(err.contains("multiple of 4"), "{len}: {err}");
     }
     let part = d.alloc::<f32>(DType::F32, &[2, 8]).unwrap();
-    let wrong: Vec<DeviceTensor<f32>> = devs[..2]
-        .iter()
-        .map(|d| d.alloc(DType::F32, &[2, 15]).unwrap())
-        .collect();
+    let wrong: Vec<DeviceTensor<f32>> = devs[..2].iter().map(|d| pooled_f32(d, &[2, 15])).collect();
     let peer = PeerTensors::new(&wrong.iter().collect::<Vec<_>>()).unwrap();
     let err = coll[0].all_gather_cols(d, &part, &peer).unwrap_err().to_string();
     assert!(err.contains("over 2 ranks"), "{err}");
-    let one = RankBuffers {
-        recv: d.alloc(DType::F32, &[2, 2, 6]).unwrap(),
-        flags: d.alloc(DType::U32, &[MAX_BLOCKS, MAX_RANKS]).unwrap(),
-        state: d.alloc(DType::U32, &[2]).unwrap(),
-    };
+    let one = pooled(d, 2, 8);
     let err = Collective::link(&[one]).err().unwrap().to_string();
     assert!(err.contains("[2, 1, cap]"), "{err}");
 }
