@@ -129,9 +129,19 @@ fn bad_inputs_give_errors_not_panics() {
     let out = logits(&fixture, &ids_file, &tmp.path().join("o"), &cpu_only);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("--max-context applies to --backend cuda"),
+        !out.status.success() && err.contains("--max-context and --gpus apply to --backend cuda"),
         "{err}"
     );
+    for (gpus, says) in [
+        ("2", "--max-context and --gpus apply to --backend cuda"),
+        ("0", "neither a positive number of GPUs nor `all`"),
+        ("two", "neither a positive number of GPUs nor `all`"),
+    ] {
+        let args = ["--backend", "cpu", "--gpus", gpus];
+        let out = logits(&fixture, &ids_file, &tmp.path().join("o"), &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "--gpus {gpus}: {err}");
+    }
 }
 
 /// Overwrites every element of tensor `name` (BF16 or F32, in whichever shard holds it) with NaN.

@@ -47,13 +47,17 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
     dot / (na * nb).max(f64::MIN_POSITIVE)
 }
 
-/// The worst per-position cosine of `got` against `want` (`[T, vocab]`).
-fn worst_cosine(got: &[f32], want: &[f32], vocab: usize) -> f64 {
+/// Per-position cosines of `got` against `want` (`[T, vocab]`).
+fn cosines(got: &[f32], want: &[f32], vocab: usize) -> Vec<f64> {
     assert_eq!(got.len(), want.len(), "logit count");
     got.chunks(vocab)
         .zip(want.chunks(vocab))
         .map(|(g, w)| cosine(g, w))
-        .fold(1.0, f64::min)
+        .collect()
+}
+
+fn worst_cosine(got: &[f32], want: &[f32], vocab: usize) -> f64 {
+    cosines(got, want, vocab).into_iter().fold(1.0, f64::min)
 }
 
 fn greedy() -> Sampling {
@@ -83,6 +87,8 @@ fn decode(model: &mut GpuModel, prompt: &[u32], steps: usize, graph: bool) -> (V
     (tokens, logits)
 }
 
+/// The indexer keeps every entry here: its top-k over entries whose scores lie closer than
+/// the two sides' summation orders could otherwise pick other entries on each side.
 #[test]
 #[ignore = "needs several CUDA GPUs: cargo xtask gpu-test"]
 fn multi_gpu_model_matches_one_gpu_on_every_fixture_that_splits() {
@@ -92,20 +98,39 @@ fn multi_gpu_model_matches_one_gpu_on_every_fixture_that_splits() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let mut ids = load_oracle(&dir).input_ids;
         ids.truncate(sanitizer_length(ids.len(), 40));
-        let config = Checkpoint::open(&dir).unwrap().config().clone();
-        let mut one = load(&dir, &devs[..1], ids.len());
-        let want = one.forward(&ids, Logits::All).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        let mut config = ck.config().clone();
+        config.index_topk = ids.len();
+        let weights = dsv4_model::weights::ModelWeights::load(&ck, |_, _| {}).unwrap();
+        let opts = GpuOptions {
+            max_context: Some(ids.len()),
+        };
         let vocab = config.vocab_size;
+        let mut one = GpuModel::new(config.clone(), &weights, &devs[..1], opts, |_, _| {}).unwrap();
+        let want = one.forward(&ids, Logits::All).unwrap();
+        drop(one);
         for world in worlds(&devs) {
             if let Err(e) = local_config(&config, world) {
                 println!("{name}: not split over {world} GPUs: {e}");
                 continue;
             }
-            let mut split = load(&dir, &devs[..world], ids.len());
+            let mut split =
+                GpuModel::new(config.clone(), &weights, &devs[..world], opts, |_, _| {}).unwrap();
             let got = split.forward(&ids, Logits::All).unwrap();
-            let cos = worst_cosine(&got, &want, vocab);
-            println!("{name} over {world} GPUs: worst cosine against one GPU {cos:.7}");
-            assert!(cos >= 0.9999, "{name} over {world} GPUs: cosine {cos}");
+            let cos = cosines(&got, &want, vocab);
+            let under: Vec<usize> = (0..cos.len()).filter(|&t| cos[t] < 0.9999).collect();
+            let worst = cos.iter().cloned().fold(1.0, f64::min);
+            println!(
+                "{name} over {world} GPUs: worst cosine against one GPU {worst:.7}, {} of {} \
+                 positions under 0.9999 {under:?}",
+                under.len(),
+                cos.len()
+            );
+            assert!(
+                under.is_empty(),
+                "{name} over {world} GPUs: {} positions under 0.9999",
+                under.len()
+            );
             ran += 1;
         }
     }
@@ -114,11 +139,14 @@ fn multi_gpu_model_matches_one_gpu_on_every_fixture_that_splits() {
 
 /// Flash widths (hidden 4096, 64 heads of 512, 8 output groups, expert intermediate 2048,
 /// the Flash vocabulary) with 16 routed experts instead of 256, so that its synthetic NVFP4
-/// checkpoint stays small: sliding, CSA and HCA layers.
+/// checkpoint stays small: sliding, CSA and HCA layers. Every layer routes by token id and the
+/// indexer keeps every entry, so no discrete choice can tip between the two sides' summation
+/// orders.
 fn flash_width() -> Config {
     let mut c = Config::flash();
     c.n_routed_experts = 16;
-    c.num_hash_layers = 1;
+    c.num_hash_layers = 4;
+    c.index_topk = 1024;
     c.layers = vec![
         LayerKind::Sliding,
         LayerKind::Csa { ratio: 4 },
@@ -144,16 +172,37 @@ fn multi_gpu_flash_width_model_matches_one_gpu() {
     let context = prompt.len() + steps + 1;
     let mut one = load(dir.path(), &devs[..1], context);
     let want_prefill = one.forward(&prompt, Logits::All).unwrap();
-    let (want_tokens, _) = decode(&mut one, &prompt, steps, true);
+    let (want_tokens, want_logits) = decode(&mut one, &prompt, steps, true);
     drop(one);
+    let vocab = config.vocab_size;
     for world in worlds(&devs) {
         let mut split = load(dir.path(), &devs[..world], context);
         let got = split.forward(&prompt, Logits::All).unwrap();
-        let cos = worst_cosine(&got, &want_prefill, config.vocab_size);
+        let cos = worst_cosine(&got, &want_prefill, vocab);
         println!("Flash width over {world} GPUs: worst prefill cosine against one GPU {cos:.7}");
         assert!(cos >= 0.9999, "over {world} GPUs: cosine {cos}");
         let (tokens, _) = decode(&mut split, &prompt, steps, true);
-        assert_eq!(tokens, want_tokens, "greedy tokens over {world} GPUs");
+        // Greedy tokens agree until a step whose one-GPU logits hold a near-tie (the split's
+        // pick within BF16 rounding, 2^-8, of the maximum logit's magnitude): a random model's
+        // flat logits meet one within a few hundred steps, and from there the sequences differ.
+        let same = tokens.iter().zip(&want_tokens).take_while(|(a, b)| a == b).count();
+        println!(
+            "Flash width over {world} GPUs: greedy tokens identical for {same} of {}",
+            tokens.len()
+        );
+        if same < tokens.len() {
+            let step = &want_logits[same * vocab..(same + 1) * vocab];
+            let max = step.iter().cloned().fold(f32::MIN, f32::max);
+            let gap = max - step[tokens[same] as usize];
+            println!(
+                "step {same}: one GPU picks {} ({max}), {world} GPUs pick {} ({} below)",
+                want_tokens[same], tokens[same], gap
+            );
+            assert!(
+                gap <= max.abs() / 256.0,
+                "over {world} GPUs: step {same} differs by {gap}, no near-tie"
+            );
+        }
     }
 }
 
