@@ -122,7 +122,9 @@ fn parse_gpus(s: &str) -> std::result::Result<Gpus, String> {
         "all" => Ok(Gpus::All),
         _ => match s.parse::<usize>() {
             Ok(n) if n > 0 => Ok(Gpus::Count(n)),
-            _ => Err(format!("`{s}` is neither a positive number of GPUs nor `all`")),
+            _ => Err(format!(
+                "`{s}` is neither a positive number of GPUs nor `all`"
+            )),
         },
     }
 }
@@ -376,8 +378,15 @@ fn random_gpu_model(
     let devs = open_devices(gpus)?;
     let t = Instant::now();
     let model = with_layer_bar("drawing", |progress| {
-        GpuModel::random(config, format, 0, &devs, GpuOptions { max_context }, progress)
-            .context("drawing a random model on the GPU")
+        GpuModel::random(
+            config,
+            format,
+            0,
+            &devs,
+            GpuOptions { max_context },
+            progress,
+        )
+        .context("drawing a random model on the GPU")
     })?;
     eprintln!(
         "random {format:?} weights drawn on {} GPU(s) in {:.1} s",
@@ -486,7 +495,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
             (prefill_s, t1, generated)
         }
         Backend::Cuda => {
-            let mut model = load_gpu_model(&a.model, a.gpu.max_context.or(Some(needed)), a.gpu.gpus)?;
+            let mut model =
+                load_gpu_model(&a.model, a.gpu.max_context.or(Some(needed)), a.gpu.gpus)?;
             let s = Sampling {
                 temperature: a.temperature,
                 top_p: a.top_p,
@@ -604,7 +614,12 @@ fn bench(a: BenchArgs) -> Result<()> {
             }
             // Learned routing in every layer (hash layers read one fixed table).
             config.num_hash_layers = 0;
-            random_gpu_model(config, a.format.into(), Some(context), a.gpus.unwrap_or(Gpus::Count(1)))?
+            random_gpu_model(
+                config,
+                a.format.into(),
+                Some(context),
+                a.gpus.unwrap_or(Gpus::Count(1)),
+            )?
         }
     };
     let cfg = model.config().clone();
@@ -743,7 +758,8 @@ fn logits(a: LogitsArgs) -> Result<()> {
             (all, model.config().vocab_size)
         }
         Backend::Cuda => {
-            let mut model = load_gpu_model(&a.model, a.gpu.max_context.or(Some(ids.len())), a.gpu.gpus)?;
+            let mut model =
+                load_gpu_model(&a.model, a.gpu.max_context.or(Some(ids.len())), a.gpu.gpus)?;
             let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
             let mut start = 0;
             for len in lengths {

@@ -140,7 +140,10 @@ fn bad_inputs_give_errors_not_panics() {
         let args = ["--backend", "cpu", "--gpus", gpus];
         let out = logits(&fixture, &ids_file, &tmp.path().join("o"), &args);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(says), "--gpus {gpus}: {err}");
+        assert!(
+            !out.status.success() && err.contains(says),
+            "--gpus {gpus}: {err}"
+        );
     }
 }
 

@@ -239,7 +239,14 @@ fn gpu_model_matches_cpu_with_every_entry_selected() {
         let opts = GpuOptions {
             max_context: Some(ids.len()),
         };
-        let mut gpu = GpuModel::new(config, &gpu_weights, std::slice::from_ref(&dev), opts, |_, _| {}).unwrap();
+        let mut gpu = GpuModel::new(
+            config,
+            &gpu_weights,
+            std::slice::from_ref(&dev),
+            opts,
+            |_, _| {},
+        )
+        .unwrap();
         let got = gpu_logits(&mut gpu, &ids, &[]);
         let vocab = gpu.config().vocab_size;
         bad.extend(judge(
@@ -398,7 +405,13 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
         let opts = GpuOptions {
             max_context: Some(max_context),
         };
-        GpuModel::new(config, &weights, std::slice::from_ref(&dev), opts, |_, _| {})
+        GpuModel::new(
+            config,
+            &weights,
+            std::slice::from_ref(&dev),
+            opts,
+            |_, _| {},
+        )
     };
     let mut short = with_limit(4, 64).expect("a 4-token model");
     assert_eq!(
@@ -441,8 +454,15 @@ fn gpu_random_model_reads_what_its_checkpoint_reads_and_decodes() {
         let opts = GpuOptions {
             max_context: Some(80),
         };
-        let mut model =
-            GpuModel::random(config.clone(), format, 3, std::slice::from_ref(&dev), opts, |_, _| {}).unwrap();
+        let mut model = GpuModel::random(
+            config.clone(),
+            format,
+            3,
+            std::slice::from_ref(&dev),
+            opts,
+            |_, _| {},
+        )
+        .unwrap();
         assert_eq!(
             model.step_weight_bytes(),
             written,

@@ -21,7 +21,10 @@ use dsv4_tests::{fixtures, load_oracle, sanitizer_length};
 /// Every visible GPU (at least two).
 fn devices() -> Vec<Arc<Device>> {
     let n = Device::count().unwrap_or(0);
-    assert!(n >= 2, "this multi-GPU test was requested but {n} CUDA device(s) are visible");
+    assert!(
+        n >= 2,
+        "this multi-GPU test was requested but {n} CUDA device(s) are visible"
+    );
     (0..n)
         .map(|i| Arc::new(Device::new(i).expect("a CUDA device")))
         .collect()
@@ -185,7 +188,11 @@ fn multi_gpu_flash_width_model_matches_one_gpu() {
         // Greedy tokens agree until a step whose one-GPU logits hold a near-tie (the split's
         // pick within BF16 rounding, 2^-8, of the maximum logit's magnitude): a random model's
         // flat logits meet one within a few hundred steps, and from there the sequences differ.
-        let same = tokens.iter().zip(&want_tokens).take_while(|(a, b)| a == b).count();
+        let same = tokens
+            .iter()
+            .zip(&want_tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
         println!(
             "Flash width over {world} GPUs: greedy tokens identical for {same} of {}",
             tokens.len()
@@ -231,7 +238,10 @@ fn multi_gpu_graph_replay_is_bit_identical_to_eager_launches() {
         println!("{world} GPUs: {steps} graph replays bit-identical to eager launches");
         ran += 1;
     }
-    assert!(ran > 0, "the long fixture splits over none of the GPU counts");
+    assert!(
+        ran > 0,
+        "the long fixture splits over none of the GPU counts"
+    );
 }
 
 #[test]
@@ -250,7 +260,10 @@ fn multi_gpu_shapes_that_do_not_split_are_refused() {
         .err()
         .expect("an odd vocabulary over 2 GPUs")
         .to_string();
-    assert!(err.contains("vocab_size") && err.contains("over 2 GPUs"), "{err}");
+    assert!(
+        err.contains("vocab_size") && err.contains("over 2 GPUs"),
+        "{err}"
+    );
     let twice = [devs[0].clone(), devs[0].clone()];
     let err = GpuModel::load(&dir, &twice, opts, |_, _| {})
         .err()

@@ -266,11 +266,15 @@ impl Linear {
         };
         let c = self.cols;
         let data = match &self.data {
-            LinearData::F32(b) => LinearData::F32(cut(b, rows, c * 4, cols.start * 4, cols.end * 4)),
+            LinearData::F32(b) => {
+                LinearData::F32(cut(b, rows, c * 4, cols.start * 4, cols.end * 4))
+            }
             LinearData::Bf16(b) => {
                 LinearData::Bf16(cut(b, rows, c * 2, cols.start * 2, cols.end * 2))
             }
-            LinearData::F16(b) => LinearData::F16(cut(b, rows, c * 2, cols.start * 2, cols.end * 2)),
+            LinearData::F16(b) => {
+                LinearData::F16(cut(b, rows, c * 2, cols.start * 2, cols.end * 2))
+            }
             LinearData::Fp8Block {
                 weight,
                 scale,
@@ -297,7 +301,13 @@ impl Linear {
             LinearData::Mxfp4 { weight, scale } => {
                 let (b, n) = (mxfp4::BLOCK, c.div_ceil(mxfp4::BLOCK));
                 LinearData::Mxfp4 {
-                    weight: cut(weight, rows, c.div_ceil(2), cols.start / 2, cols.end.div_ceil(2)),
+                    weight: cut(
+                        weight,
+                        rows,
+                        c.div_ceil(2),
+                        cols.start / 2,
+                        cols.end.div_ceil(2),
+                    ),
                     scale: cut(scale, rows, n, cols.start / b, cols.end.div_ceil(b)),
                 }
             }
@@ -309,7 +319,13 @@ impl Linear {
             } => {
                 let (b, n) = (nvfp4::BLOCK, c.div_ceil(nvfp4::BLOCK));
                 LinearData::Nvfp4 {
-                    weight: cut(weight, rows, c.div_ceil(2), cols.start / 2, cols.end.div_ceil(2)),
+                    weight: cut(
+                        weight,
+                        rows,
+                        c.div_ceil(2),
+                        cols.start / 2,
+                        cols.end.div_ceil(2),
+                    ),
                     weight_scale: cut(weight_scale, rows, n, cols.start / b, cols.end.div_ceil(b)),
                     weight_scale_2: *weight_scale_2,
                     input_scale: *input_scale,
@@ -346,7 +362,11 @@ impl Linear {
         block: usize,
     ) -> Result<(), CodecError> {
         let on_block = |i: usize| i.is_multiple_of(block) || i == len;
-        if range.start >= range.end || range.end > len || !on_block(range.start) || !on_block(range.end) {
+        if range.start >= range.end
+            || range.end > len
+            || !on_block(range.start)
+            || !on_block(range.end)
+        {
             return Err(CodecError::Invalid {
                 what: "weight slice",
                 detail: format!(
@@ -561,7 +581,11 @@ mod tests {
             let what = lin.format_name();
             for r in [0..128, 128..256, 0..256] {
                 let part = lin.slice_rows(r.clone()).unwrap();
-                assert_eq!(part.to_f32(), full[r.start * cols..r.end * cols], "{what} rows {r:?}");
+                assert_eq!(
+                    part.to_f32(),
+                    full[r.start * cols..r.end * cols],
+                    "{what} rows {r:?}"
+                );
             }
             for c in [0..128, 128..384, 256..384] {
                 let part = lin.slice_cols(c.clone()).unwrap().to_f32();

@@ -171,7 +171,8 @@ fn device_bytes(lin: &Linear) -> usize {
 pub fn rank_weight_bytes(w: &ModelWeights, world: usize) -> usize {
     let f32s = |v: &[f32]| v.len() * 4;
     let hc = |h: &crate::weights::HcWeights| f32s(&h.fn_) + f32s(&h.base) + f32s(&h.scale);
-    let expert = |e: &ExpertWeights| device_bytes(&e.w1) + device_bytes(&e.w2) + device_bytes(&e.w3);
+    let expert =
+        |e: &ExpertWeights| device_bytes(&e.w1) + device_bytes(&e.w2) + device_bytes(&e.w3);
     let comp = |c: &crate::weights::CompressorWeights| {
         device_bytes(&c.wkv) + device_bytes(&c.wgate) + f32s(&c.ape) + f32s(&c.norm)
     };
@@ -224,20 +225,42 @@ mod tests {
                 let a = &lw.attn;
                 // Rows of wq_b and wo_a, columns of wo_b, the sinks: rank 0's then rank 1's.
                 let cat_rows = |f: fn(&AttentionWeights) -> &Linear| -> Vec<f32> {
-                    parts.iter().flat_map(|p| f(&p.layers[l].attn).to_f32()).collect()
+                    parts
+                        .iter()
+                        .flat_map(|p| f(&p.layers[l].attn).to_f32())
+                        .collect()
                 };
-                assert_eq!(cat_rows(|a| &a.wq_b), a.wq_b.to_f32(), "{format:?} layer {l} wq_b");
-                assert_eq!(cat_rows(|a| &a.wo_a), a.wo_a.to_f32(), "{format:?} layer {l} wo_a");
+                assert_eq!(
+                    cat_rows(|a| &a.wq_b),
+                    a.wq_b.to_f32(),
+                    "{format:?} layer {l} wq_b"
+                );
+                assert_eq!(
+                    cat_rows(|a| &a.wo_a),
+                    a.wo_a.to_f32(),
+                    "{format:?} layer {l} wo_a"
+                );
                 let wo_b = a.wo_b.to_f32();
                 let half = a.wo_b.cols() / world;
                 for (r, p) in parts.iter().enumerate() {
                     let got = p.layers[l].attn.wo_b.to_f32();
                     for row in 0..a.wo_b.rows() {
                         let want = &wo_b[row * a.wo_b.cols() + r * half..][..half];
-                        assert_eq!(&got[row * half..][..half], want, "{format:?} wo_b row {row}");
+                        assert_eq!(
+                            &got[row * half..][..half],
+                            want,
+                            "{format:?} wo_b row {row}"
+                        );
                     }
-                    assert_eq!(p.layers[l].attn.sink, a.sink[r * local.num_heads..][..local.num_heads]);
-                    assert_eq!(p.layers[l].attn.wq_a.to_f32(), a.wq_a.to_f32(), "replicated");
+                    assert_eq!(
+                        p.layers[l].attn.sink,
+                        a.sink[r * local.num_heads..][..local.num_heads]
+                    );
+                    assert_eq!(
+                        p.layers[l].attn.wq_a.to_f32(),
+                        a.wq_a.to_f32(),
+                        "replicated"
+                    );
                     let e = &p.layers[l].moe.experts[1];
                     assert_eq!(e.w1.rows(), local.moe_intermediate_size);
                     assert_eq!(e.w2.cols(), local.moe_intermediate_size);

@@ -532,7 +532,8 @@ impl GpuModel {
                 .iter()
                 .map(|r| r.bufs.acts.collective())
                 .collect::<Result<_, _>>()?;
-            let logits: Vec<&DeviceTensor<f32>> = ranks.iter().map(|r| &r.bufs.acts.logits).collect();
+            let logits: Vec<&DeviceTensor<f32>> =
+                ranks.iter().map(|r| &r.bufs.acts.logits).collect();
             let peers: Vec<PeerTensors> = (0..world)
                 .map(|_| PeerTensors::new(&logits))
                 .collect::<Result<_, _>>()?;
@@ -811,7 +812,8 @@ impl GpuModel {
         let c = &self.local;
         let a = &mut bufs.acts;
         // A sub-layer's partial sums, summed over the ranks in place.
-        let reduce = |a: &mut buffers::Acts<Taking>, out: fn(&buffers::Acts<Taking>) -> &DeviceTensor<f32>| {
+        let reduce = |a: &mut buffers::Acts<Taking>,
+                      out: fn(&buffers::Acts<Taking>) -> &DeviceTensor<f32>| {
             match tp {
                 Some((coll, _)) => coll.all_reduce(dev, &mut out(a).rows(n)?),
                 None => Ok(()),
@@ -1316,14 +1318,12 @@ pub fn plan_memory(
         };
         let wn = crate::shard::rank_weight_bytes(weights, n);
         free.checked_sub(wn).is_some_and(|rest| {
-            choose_capacity(&lc, max_context, shared_inter * world / n, n, rest)
-                .is_ok()
+            choose_capacity(&lc, max_context, shared_inter * world / n, n, rest).is_ok()
         })
     };
-    let capacity = free
-        .checked_sub(w)
-        .ok_or(())
-        .and_then(|rest| choose_capacity(&local, max_context, shared_inter, world, rest).map_err(|_| ()));
+    let capacity = free.checked_sub(w).ok_or(()).and_then(|rest| {
+        choose_capacity(&local, max_context, shared_inter, world, rest).map_err(|_| ())
+    });
     let Ok(capacity) = capacity else {
         let hint = [1, 2, 4, 8]
             .into_iter()
@@ -1409,7 +1409,8 @@ fn choose_capacity(
     let unit = 128;
     let fixed = buffers::pool_bytes(c, 0, shared_inter, world)?;
     let probe = 1 << 16;
-    let per_unit = (buffers::pool_bytes(c, probe, shared_inter, world)? - fixed).div_ceil(probe / unit);
+    let per_unit =
+        (buffers::pool_bytes(c, probe, shared_inter, world)? - fixed).div_ceil(probe / unit);
     if fixed + per_unit > budget {
         return Err(GpuModelError::OutOfMemory {
             context: unit,

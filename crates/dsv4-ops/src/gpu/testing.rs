@@ -27,7 +27,9 @@ pub fn devices() -> Vec<std::sync::Arc<Device>> {
         "this multi-GPU test was requested (--ignored) but the machine has {count} CUDA device(s)"
     );
     (0..count)
-        .map(|i| std::sync::Arc::new(Device::new(i).unwrap_or_else(|e| panic!("opening GPU {i}: {e}"))))
+        .map(|i| {
+            std::sync::Arc::new(Device::new(i).unwrap_or_else(|e| panic!("opening GPU {i}: {e}")))
+        })
         .collect()
 }
 

@@ -183,7 +183,11 @@ impl PeerTensors {
         let mut addrs = [0; MAX_RANKS];
         let mut held = Vec::new();
         for (r, b) in bufs.iter().enumerate() {
-            b.expect(&format!("rank {r}'s peer tensor"), DType::F32, first.shape())?;
+            b.expect(
+                &format!("rank {r}'s peer tensor"),
+                DType::F32,
+                first.shape(),
+            )?;
             addrs[r] = b.device_address();
             held.push(b.view(0, b.shape())?);
         }
@@ -223,9 +227,12 @@ impl Collective {
         let mut peers = CollPeers::default();
         for (r, b) in ranks.iter().enumerate() {
             let [(_, _, rs), (_, _, fs), (_, _, ss)] = buffer_shapes(world, cap);
-            b.recv.expect(&format!("rank {r}'s collective.recv"), DType::F32, &rs)?;
-            b.flags.expect(&format!("rank {r}'s collective.flags"), DType::U32, &fs)?;
-            b.state.expect(&format!("rank {r}'s collective.state"), DType::U32, &ss)?;
+            b.recv
+                .expect(&format!("rank {r}'s collective.recv"), DType::F32, &rs)?;
+            b.flags
+                .expect(&format!("rank {r}'s collective.flags"), DType::U32, &fs)?;
+            b.state
+                .expect(&format!("rank {r}'s collective.state"), DType::U32, &ss)?;
             peers.recv[r] = b.recv.device_address();
             peers.flags[r] = b.flags.device_address();
         }
@@ -279,7 +286,10 @@ impl Collective {
             ));
         }
         if !x.device_address().is_multiple_of(16) {
-            return Err(GpuError::invalid("all_reduce", "input off a 16-byte boundary"));
+            return Err(GpuError::invalid(
+                "all_reduce",
+                "input off a 16-byte boundary",
+            ));
         }
         let blocks = (len / 4).div_ceil(THREADS as usize).min(MAX_BLOCKS);
         let args = AllReduceArgs {
@@ -328,7 +338,9 @@ impl Collective {
         if rows == 0 || width == 0 {
             return Err(GpuError::invalid("all_gather_cols", "an empty part"));
         }
-        let blocks = (rows * width).div_ceil(4 * THREADS as usize).min(MAX_BLOCKS);
+        let blocks = (rows * width)
+            .div_ceil(4 * THREADS as usize)
+            .min(MAX_BLOCKS);
         let args = AllGatherArgs {
             peers: self.peers,
             dst: dst.addrs,

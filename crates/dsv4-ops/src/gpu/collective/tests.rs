@@ -89,7 +89,11 @@ fn multi_gpu_all_reduce_matches_cpu_sum_and_nccl() {
             let want = cpu::all_reduce(&parts);
             for (r, (d, x)) in devs.iter().zip(&xs).enumerate() {
                 let got = d.download(x).unwrap();
-                assert_bits_eq(&format!("world {world}, call {call}, rank {r}"), &got, &want);
+                assert_bits_eq(
+                    &format!("world {world}, call {call}, rank {r}"),
+                    &got,
+                    &want,
+                );
             }
             if call % 4 == 3 {
                 let mut ys: Vec<DeviceTensor<f32>> = devs[..world]
@@ -99,7 +103,8 @@ fn multi_gpu_all_reduce_matches_cpu_sum_and_nccl() {
                     .collect();
                 cudarc::nccl::result::group_start().unwrap();
                 for (comm, y) in comms.iter().zip(&mut ys) {
-                    comm.all_reduce_in_place(&mut y.view_mut(), &ReduceOp::Sum).unwrap();
+                    comm.all_reduce_in_place(&mut y.view_mut(), &ReduceOp::Sum)
+                        .unwrap();
                 }
                 cudarc::nccl::result::group_end().unwrap();
                 let nccl = devs[0].download(&ys[0]).unwrap();
@@ -112,7 +117,10 @@ fn multi_gpu_all_reduce_matches_cpu_sum_and_nccl() {
                         (a - b).abs() / mag.max(f32::MIN_POSITIVE)
                     })
                     .fold(0f32, f32::max);
-                assert!(worst <= 4.0 * world as f32 * f32::EPSILON, "world {world}: NCCL differs by {worst} of the magnitude");
+                assert!(
+                    worst <= 4.0 * world as f32 * f32::EPSILON,
+                    "world {world}: NCCL differs by {worst} of the magnitude"
+                );
             }
         }
     }
@@ -148,7 +156,11 @@ fn multi_gpu_all_gather_cols_matches_cpu() {
             let want = cpu::all_gather_cols(&parts, width);
             for (r, (d, t)) in devs.iter().zip(&dsts).enumerate() {
                 let got = d.download(t).unwrap();
-                assert_bits_eq(&format!("world {world}, call {call}, rank {r}"), &got, &want);
+                assert_bits_eq(
+                    &format!("world {world}, call {call}, rank {r}"),
+                    &got,
+                    &want,
+                );
             }
         }
     }
@@ -227,7 +239,10 @@ fn multi_gpu_collective_misuse_is_refused() {
     let part = d.alloc::<f32>(DType::F32, &[2, 8]).unwrap();
     let wrong: Vec<DeviceTensor<f32>> = devs[..2].iter().map(|d| pooled_f32(d, &[2, 15])).collect();
     let peer = PeerTensors::new(&wrong.iter().collect::<Vec<_>>()).unwrap();
-    let err = coll[0].all_gather_cols(d, &part, &peer).unwrap_err().to_string();
+    let err = coll[0]
+        .all_gather_cols(d, &part, &peer)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("over 2 ranks"), "{err}");
     let one = pooled(d, 2, 8);
     let err = Collective::link(&[one]).err().unwrap().to_string();
