@@ -129,10 +129,9 @@ fn parse_gpus(s: &str) -> std::result::Result<Gpus, String> {
     }
 }
 
-/// The first `n` GPUs (every visible one for `all`), opened; more than are visible is an error
-/// naming both counts.
-fn open_devices(gpus: Gpus) -> Result<Vec<Arc<Device>>> {
-    let visible = Device::count().context("counting CUDA devices")?;
+/// How many GPUs `gpus` names: a count, or every visible one; more than are visible is an
+/// error naming both counts.
+fn gpu_count(gpus: Gpus, visible: usize) -> Result<usize> {
     let n = match gpus {
         Gpus::All => visible,
         Gpus::Count(n) => n,
@@ -140,13 +139,17 @@ fn open_devices(gpus: Gpus) -> Result<Vec<Arc<Device>>> {
     if n == 0 || n > visible {
         bail!("--gpus {n}: {visible} CUDA device(s) are visible");
     }
-    (0..n)
-        .map(|i| {
-            Device::new(i)
-                .map(Arc::new)
-                .with_context(|| format!("opening CUDA device {i}"))
-        })
-        .collect()
+    Ok(n)
+}
+
+/// GPUs 0..n opened, `first` (GPU 0, when open already) among them.
+fn open_devices(n: usize, first: Option<Arc<Device>>) -> Result<Vec<Arc<Device>>> {
+    let mut devs: Vec<Arc<Device>> = first.into_iter().collect();
+    for i in devs.len()..n {
+        let dev = Device::new(i).with_context(|| format!("opening CUDA device {i}"))?;
+        devs.push(Arc::new(dev));
+    }
+    Ok(devs)
 }
 
 #[derive(clap::Args)]
@@ -343,12 +346,10 @@ fn load_gpu_model(dir: &Path, max_context: Option<usize>, gpus: Option<Gpus>) ->
     let config = ck.config().clone();
     let weights = ModelWeights::load(&ck, |_, _| {})?;
     let visible = Device::count().context("counting CUDA devices")?;
-    let first = Device::new(0).context("opening CUDA device 0")?;
+    let first = Arc::new(Device::new(0).context("opening CUDA device 0")?);
     let (free, _) = first.memory_info()?;
-    drop(first);
     let world = match gpus {
-        Some(Gpus::Count(n)) => n,
-        Some(Gpus::All) => visible,
+        Some(g) => gpu_count(g, visible)?,
         // The fewest that hold it; past the visible count, the plan's error says how many.
         None => (1..=visible)
             .find(|&n| plan_memory(&config, &weights, n, free, max_context).is_ok())
@@ -356,7 +357,7 @@ fn load_gpu_model(dir: &Path, max_context: Option<usize>, gpus: Option<Gpus>) ->
     };
     let plan = plan_memory(&config, &weights, world, free, max_context)?;
     eprintln!("memory plan: {plan}");
-    let devs = open_devices(Gpus::Count(world))?;
+    let devs = open_devices(world, Some(first))?;
     let opts = GpuOptions {
         max_context: Some(plan.capacity),
     };
@@ -375,7 +376,8 @@ fn random_gpu_model(
     max_context: Option<usize>,
     gpus: Gpus,
 ) -> Result<GpuModel> {
-    let devs = open_devices(gpus)?;
+    let visible = Device::count().context("counting CUDA devices")?;
+    let devs = open_devices(gpu_count(gpus, visible)?, None)?;
     let t = Instant::now();
     let model = with_layer_bar("drawing", |progress| {
         GpuModel::random(
@@ -901,4 +903,22 @@ fn precompile_kernels(archs: &[String]) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_counts_past_the_visible_ones_are_refused_naming_both() {
+        assert_eq!(gpu_count(Gpus::Count(2), 4).unwrap(), 2);
+        assert_eq!(gpu_count(Gpus::All, 4).unwrap(), 4);
+        let err = gpu_count(Gpus::Count(3), 2).unwrap_err().to_string();
+        assert!(
+            err.contains("--gpus 3: 2 CUDA device(s) are visible"),
+            "{err}"
+        );
+        let err = gpu_count(Gpus::All, 0).unwrap_err().to_string();
+        assert!(err.contains("0 CUDA device(s) are visible"), "{err}");
+    }
 }

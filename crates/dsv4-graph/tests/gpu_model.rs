@@ -16,11 +16,13 @@ use std::sync::Arc;
 use dsv4_graph::{eager_step, DecodeGraph};
 use dsv4_model::checkpoint::Checkpoint;
 use dsv4_model::cpu::{CpuModel, Logits};
-use dsv4_model::gpu::{GpuModel, GpuOptions, MAX_CHUNK};
+use dsv4_model::gpu::{GpuModel, GpuOptions};
 use dsv4_model::weights::ModelWeights;
-use dsv4_ops::gpu::sample::Sampling;
 use dsv4_ops::gpu::Device;
 use dsv4_tests::{bf16_copy, fixtures, load_oracle, sanitizer_length};
+
+mod common;
+use common::{cosine, decode, greedy};
 
 /// The prefix of each fixture a sanitizer run checks: on the long fixture (window 16, CSA
 /// ratio 4 with top-k 8, HCA ratio 32) it crosses a window wrap, both compressors' emissions
@@ -41,13 +43,6 @@ fn gpu_model(dir: &Path, dev: &Arc<Device>, context: usize) -> GpuModel {
         |_, _| {},
     )
     .unwrap_or_else(|e| panic!("loading {} onto the GPU: {e}", dir.display()))
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb).max(f64::MIN_POSITIVE)
 }
 
 /// Positions of `got` outside the bounds around `want` (`[T, vocab]`), with their cosine
@@ -258,35 +253,6 @@ fn gpu_model_matches_cpu_with_every_entry_selected() {
         ));
     }
     assert_none(bad);
-}
-
-/// Greedy decode of `steps` tokens after `prompt`, by graph replays or eager launches; the
-/// sampled tokens and every step's logits.
-fn greedy() -> Sampling {
-    Sampling {
-        temperature: 0.0,
-        top_p: 1.0,
-        seed: 0,
-    }
-}
-
-fn decode(model: &mut GpuModel, prompt: &[u32], steps: usize, graph: bool) -> (Vec<u32>, Vec<f32>) {
-    let s = greedy();
-    model.reset().unwrap();
-    model.prefill(prompt, &s).unwrap();
-    let mut tokens = vec![model.read_token().unwrap()];
-    // The last prompt token's row of the last prefill chunk.
-    let mut logits = model.read_logits((prompt.len() - 1) % MAX_CHUNK).unwrap();
-    let g = graph.then(|| DecodeGraph::capture(model, &s).unwrap());
-    for _ in 0..steps {
-        let t = match &g {
-            Some(g) => g.step(model).unwrap(),
-            None => eager_step(model, &s).unwrap(),
-        };
-        tokens.push(t);
-        logits.extend(model.read_logits(0).unwrap());
-    }
-    (tokens, logits)
 }
 
 #[test]

@@ -7,28 +7,18 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use dsv4_graph::{eager_step, DecodeGraph};
 use dsv4_model::checkpoint::Checkpoint;
 use dsv4_model::config::{Config, LayerKind};
 use dsv4_model::cpu::Logits;
-use dsv4_model::gpu::{GpuModel, GpuOptions, MAX_CHUNK};
+use dsv4_model::gpu::{GpuModel, GpuOptions};
 use dsv4_model::shard::local_config;
 use dsv4_model::synth::{write_synthetic, SynthFormat};
-use dsv4_ops::gpu::sample::Sampling;
+use dsv4_ops::gpu::testing::devices;
 use dsv4_ops::gpu::Device;
 use dsv4_tests::{fixtures, load_oracle, sanitizer_length};
 
-/// Every visible GPU (at least two).
-fn devices() -> Vec<Arc<Device>> {
-    let n = Device::count().unwrap_or(0);
-    assert!(
-        n >= 2,
-        "this multi-GPU test was requested but {n} CUDA device(s) are visible"
-    );
-    (0..n)
-        .map(|i| Arc::new(Device::new(i).expect("a CUDA device")))
-        .collect()
-}
+mod common;
+use common::{cosine, decode};
 
 /// The world sizes to test: 2, 4 and 8, as far as the GPUs go.
 fn worlds(devs: &[Arc<Device>]) -> Vec<usize> {
@@ -43,13 +33,6 @@ fn load(dir: &Path, devs: &[Arc<Device>], context: usize) -> GpuModel {
         .unwrap_or_else(|e| panic!("loading {} onto {} GPU(s): {e}", dir.display(), devs.len()))
 }
 
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb).max(f64::MIN_POSITIVE)
-}
-
 /// Per-position cosines of `got` against `want` (`[T, vocab]`).
 fn cosines(got: &[f32], want: &[f32], vocab: usize) -> Vec<f64> {
     assert_eq!(got.len(), want.len(), "logit count");
@@ -61,33 +44,6 @@ fn cosines(got: &[f32], want: &[f32], vocab: usize) -> Vec<f64> {
 
 fn worst_cosine(got: &[f32], want: &[f32], vocab: usize) -> f64 {
     cosines(got, want, vocab).into_iter().fold(1.0, f64::min)
-}
-
-fn greedy() -> Sampling {
-    Sampling {
-        temperature: 0.0,
-        top_p: 1.0,
-        seed: 0,
-    }
-}
-
-/// Greedy decode of `steps` tokens after `prompt`: the tokens and every step's logits.
-fn decode(model: &mut GpuModel, prompt: &[u32], steps: usize, graph: bool) -> (Vec<u32>, Vec<f32>) {
-    let s = greedy();
-    model.reset().unwrap();
-    model.prefill(prompt, &s).unwrap();
-    let mut tokens = vec![model.read_token().unwrap()];
-    let mut logits = model.read_logits((prompt.len() - 1) % MAX_CHUNK).unwrap();
-    let g = graph.then(|| DecodeGraph::capture(model, &s).unwrap());
-    for _ in 0..steps {
-        let t = match &g {
-            Some(g) => g.step(model).unwrap(),
-            None => eager_step(model, &s).unwrap(),
-        };
-        tokens.push(t);
-        logits.extend(model.read_logits(0).unwrap());
-    }
-    (tokens, logits)
 }
 
 /// The indexer keeps every entry here: its top-k over entries whose scores lie closer than

@@ -47,6 +47,14 @@ pub struct Linear {
     data: LinearData,
 }
 
+/// How a format's scales tile its weight: one scale per `rows` × `cols` values, `bytes` each.
+#[derive(Clone, Copy)]
+struct ScaleTiling {
+    rows: usize,
+    cols: usize,
+    bytes: usize,
+}
+
 /// Output rows per parallel task: each task dequantizes this many rows once and reuses them
 /// for every input row while they are hot in cache.
 const ROW_TILE: usize = 16;
@@ -164,98 +172,34 @@ impl Linear {
     ///
     /// # Panics
     /// If `rows` goes past the matrix.
-    pub fn encoded_rows<'a>(&'a self, rows: Range<usize>) -> (&'a [u8], &'a [u8]) {
-        let c = self.cols;
-        let of = |b: &'a Blob, per_row: usize| -> &'a [u8] {
-            &b.bytes()[rows.start * per_row..rows.end * per_row]
-        };
-        match &self.data {
-            LinearData::F32(b) => (of(b, c * 4), &[]),
-            LinearData::Bf16(b) | LinearData::F16(b) => (of(b, c * 2), &[]),
-            LinearData::Fp8Block {
-                weight,
-                scale,
-                scale_format,
-                block_rows,
-                block_cols,
-            } => {
-                let srow = c.div_ceil(*block_cols) * scale_format.bytes();
-                let blocks = rows.start / block_rows..rows.end.div_ceil(*block_rows);
-                (
-                    of(weight, c),
-                    &scale.bytes()[blocks.start * srow..blocks.end * srow],
-                )
-            }
-            LinearData::Mxfp4 { weight, scale } => (
-                of(weight, c.div_ceil(2)),
-                of(scale, c.div_ceil(mxfp4::BLOCK)),
-            ),
-            LinearData::Nvfp4 {
-                weight,
-                weight_scale,
-                ..
-            } => (
-                of(weight, c.div_ceil(2)),
-                of(weight_scale, c.div_ceil(nvfp4::BLOCK)),
-            ),
-        }
+    pub fn encoded_rows(&self, rows: Range<usize>) -> (&[u8], &[u8]) {
+        let (weight, scale) = self.blobs();
+        let (w, s) = self.row_bytes(&rows);
+        (&weight.bytes()[w], scale.map_or(&[][..], |b| &b.bytes()[s]))
     }
 
     /// Rows `rows` as a linear of their own (the bytes shared, not copied). FP8 blocks must
     /// be cut on whole scale blocks.
     pub fn slice_rows(&self, rows: Range<usize>) -> Result<Linear, CodecError> {
-        let cut = |b: &Blob, per_row: usize, r: Range<usize>| {
-            b.slice(r.start * per_row..r.end * per_row)
-                .expect("rows inside the matrix")
-        };
-        self.check_range("rows", &rows, self.rows, self.row_block())?;
-        let c = self.cols;
-        let data = match &self.data {
-            LinearData::F32(b) => LinearData::F32(cut(b, c * 4, rows.clone())),
-            LinearData::Bf16(b) => LinearData::Bf16(cut(b, c * 2, rows.clone())),
-            LinearData::F16(b) => LinearData::F16(cut(b, c * 2, rows.clone())),
-            LinearData::Fp8Block {
-                weight,
-                scale,
-                scale_format,
-                block_rows,
-                block_cols,
-            } => {
-                let srow = c.div_ceil(*block_cols) * scale_format.bytes();
-                let blocks = rows.start / block_rows..rows.end.div_ceil(*block_rows);
-                LinearData::Fp8Block {
-                    weight: cut(weight, c, rows.clone()),
-                    scale: cut(scale, srow, blocks),
-                    scale_format: *scale_format,
-                    block_rows: *block_rows,
-                    block_cols: *block_cols,
-                }
-            }
-            LinearData::Mxfp4 { weight, scale } => LinearData::Mxfp4 {
-                weight: cut(weight, c.div_ceil(2), rows.clone()),
-                scale: cut(scale, c.div_ceil(mxfp4::BLOCK), rows.clone()),
-            },
-            LinearData::Nvfp4 {
-                weight,
-                weight_scale,
-                weight_scale_2,
-                input_scale,
-            } => LinearData::Nvfp4 {
-                weight: cut(weight, c.div_ceil(2), rows.clone()),
-                weight_scale: cut(weight_scale, c.div_ceil(nvfp4::BLOCK), rows.clone()),
-                weight_scale_2: *weight_scale_2,
-                input_scale: *input_scale,
-            },
-        };
-        Linear::new(rows.len(), c, data)
+        self.check_range(
+            "rows",
+            &rows,
+            self.rows,
+            self.scales().map_or(1, |s| s.rows),
+        )?;
+        let (weight, scale) = self.blobs();
+        let (w, s) = self.row_bytes(&rows);
+        let cut = |b: &Blob, r| b.slice(r).expect("rows inside the matrix");
+        let data = self.with_blobs(cut(weight, w), scale.map(|b| cut(b, s)));
+        Linear::new(rows.len(), self.cols, data)
     }
 
     /// Columns `cols` as a linear of their own (copied row by row). Quantized formats must be
     /// cut on whole scale blocks (128 for FP8 blocks, 32 for MXFP4, 16 for NVFP4).
     pub fn slice_cols(&self, cols: Range<usize>) -> Result<Linear, CodecError> {
-        self.check_range("columns", &cols, self.cols, self.col_block())?;
-        let rows = self.rows;
-        // Each row's bytes `per_row` wide, cut at `lo..hi`.
+        let scales = self.scales();
+        self.check_range("columns", &cols, self.cols, scales.map_or(1, |s| s.cols))?;
+        // `n_rows` rows `per_row` bytes wide, each cut at `lo..hi`.
         let cut = |b: &Blob, n_rows: usize, per_row: usize, lo: usize, hi: usize| {
             let bytes = b.bytes();
             let mut out = Vec::with_capacity(n_rows * (hi - lo));
@@ -264,93 +208,127 @@ impl Linear {
             }
             Blob::from_vec(out)
         };
+        let (weight, scale) = self.blobs();
+        let (num, den) = self.weight_bytes_per_value();
         let c = self.cols;
-        let data = match &self.data {
-            LinearData::F32(b) => {
-                LinearData::F32(cut(b, rows, c * 4, cols.start * 4, cols.end * 4))
-            }
-            LinearData::Bf16(b) => {
-                LinearData::Bf16(cut(b, rows, c * 2, cols.start * 2, cols.end * 2))
-            }
-            LinearData::F16(b) => {
-                LinearData::F16(cut(b, rows, c * 2, cols.start * 2, cols.end * 2))
-            }
-            LinearData::Fp8Block {
-                weight,
-                scale,
-                scale_format,
-                block_rows,
-                block_cols,
-            } => {
-                let sb = scale_format.bytes();
-                let blocks = (cols.start / block_cols, cols.end.div_ceil(*block_cols));
-                LinearData::Fp8Block {
-                    weight: cut(weight, rows, c, cols.start, cols.end),
-                    scale: cut(
-                        scale,
-                        rows.div_ceil(*block_rows),
-                        c.div_ceil(*block_cols) * sb,
-                        blocks.0 * sb,
-                        blocks.1 * sb,
-                    ),
-                    scale_format: *scale_format,
-                    block_rows: *block_rows,
-                    block_cols: *block_cols,
-                }
-            }
-            LinearData::Mxfp4 { weight, scale } => {
-                let (b, n) = (mxfp4::BLOCK, c.div_ceil(mxfp4::BLOCK));
-                LinearData::Mxfp4 {
-                    weight: cut(
-                        weight,
-                        rows,
-                        c.div_ceil(2),
-                        cols.start / 2,
-                        cols.end.div_ceil(2),
-                    ),
-                    scale: cut(scale, rows, n, cols.start / b, cols.end.div_ceil(b)),
-                }
+        let w = cut(
+            weight,
+            self.rows,
+            (c * num).div_ceil(den),
+            cols.start * num / den,
+            (cols.end * num).div_ceil(den),
+        );
+        let s = scale.zip(scales).map(|(b, s)| {
+            cut(
+                b,
+                self.rows.div_ceil(s.rows),
+                c.div_ceil(s.cols) * s.bytes,
+                cols.start / s.cols * s.bytes,
+                cols.end.div_ceil(s.cols) * s.bytes,
+            )
+        });
+        Linear::new(self.rows, cols.len(), self.with_blobs(w, s))
+    }
+
+    /// The weight's bytes and the scales' (none for F32, BF16 and F16).
+    fn blobs(&self) -> (&Blob, Option<&Blob>) {
+        match &self.data {
+            LinearData::F32(b) | LinearData::Bf16(b) | LinearData::F16(b) => (b, None),
+            LinearData::Fp8Block { weight, scale, .. } | LinearData::Mxfp4 { weight, scale } => {
+                (weight, Some(scale))
             }
             LinearData::Nvfp4 {
                 weight,
                 weight_scale,
+                ..
+            } => (weight, Some(weight_scale)),
+        }
+    }
+
+    /// The same encoding over other bytes (`scale` is ignored for F32, BF16 and F16).
+    fn with_blobs(&self, weight: Blob, scale: Option<Blob>) -> LinearData {
+        let scale = || scale.clone().expect("a scaled format has scale bytes");
+        match &self.data {
+            LinearData::F32(_) => LinearData::F32(weight),
+            LinearData::Bf16(_) => LinearData::Bf16(weight),
+            LinearData::F16(_) => LinearData::F16(weight),
+            LinearData::Fp8Block {
+                scale_format,
+                block_rows,
+                block_cols,
+                ..
+            } => LinearData::Fp8Block {
+                weight,
+                scale: scale(),
+                scale_format: *scale_format,
+                block_rows: *block_rows,
+                block_cols: *block_cols,
+            },
+            LinearData::Mxfp4 { .. } => LinearData::Mxfp4 {
+                weight,
+                scale: scale(),
+            },
+            LinearData::Nvfp4 {
                 weight_scale_2,
                 input_scale,
-            } => {
-                let (b, n) = (nvfp4::BLOCK, c.div_ceil(nvfp4::BLOCK));
-                LinearData::Nvfp4 {
-                    weight: cut(
-                        weight,
-                        rows,
-                        c.div_ceil(2),
-                        cols.start / 2,
-                        cols.end.div_ceil(2),
-                    ),
-                    weight_scale: cut(weight_scale, rows, n, cols.start / b, cols.end.div_ceil(b)),
-                    weight_scale_2: *weight_scale_2,
-                    input_scale: *input_scale,
-                }
-            }
-        };
-        Linear::new(rows, cols.len(), data)
-    }
-
-    /// Rows a cut must keep together (an FP8 scale block's), 1 otherwise.
-    fn row_block(&self) -> usize {
-        match &self.data {
-            LinearData::Fp8Block { block_rows, .. } => *block_rows,
-            _ => 1,
+                ..
+            } => LinearData::Nvfp4 {
+                weight,
+                weight_scale: scale(),
+                weight_scale_2: *weight_scale_2,
+                input_scale: *input_scale,
+            },
         }
     }
 
-    /// Columns a cut must keep together: one scale's, or a byte's two FP4 codes.
-    fn col_block(&self) -> usize {
+    /// Weight bytes per value as `(num, den)`: 4/1 (F32), 2/1 (BF16, F16), 1/1 (FP8), 1/2 (FP4).
+    fn weight_bytes_per_value(&self) -> (usize, usize) {
         match &self.data {
-            LinearData::Fp8Block { block_cols, .. } => *block_cols,
-            LinearData::Mxfp4 { .. } => mxfp4::BLOCK,
-            LinearData::Nvfp4 { .. } => nvfp4::BLOCK,
-            _ => 1,
+            LinearData::F32(_) => (4, 1),
+            LinearData::Bf16(_) | LinearData::F16(_) => (2, 1),
+            LinearData::Fp8Block { .. } => (1, 1),
+            LinearData::Mxfp4 { .. } | LinearData::Nvfp4 { .. } => (1, 2),
         }
+    }
+
+    /// How the scales tile the matrix; none for F32, BF16 and F16.
+    fn scales(&self) -> Option<ScaleTiling> {
+        match &self.data {
+            LinearData::F32(_) | LinearData::Bf16(_) | LinearData::F16(_) => None,
+            LinearData::Fp8Block {
+                scale_format,
+                block_rows,
+                block_cols,
+                ..
+            } => Some(ScaleTiling {
+                rows: *block_rows,
+                cols: *block_cols,
+                bytes: scale_format.bytes(),
+            }),
+            LinearData::Mxfp4 { .. } => Some(ScaleTiling {
+                rows: 1,
+                cols: mxfp4::BLOCK,
+                bytes: 1,
+            }),
+            LinearData::Nvfp4 { .. } => Some(ScaleTiling {
+                rows: 1,
+                cols: nvfp4::BLOCK,
+                bytes: 1,
+            }),
+        }
+    }
+
+    /// The byte ranges of rows `rows` in the weight and in the scales (the whole scale rows
+    /// they touch; empty without scales).
+    fn row_bytes(&self, rows: &Range<usize>) -> (Range<usize>, Range<usize>) {
+        let (num, den) = self.weight_bytes_per_value();
+        let per_row = (self.cols * num).div_ceil(den);
+        let weight = rows.start * per_row..rows.end * per_row;
+        let scale = self.scales().map_or(0..0, |s| {
+            let per_row = self.cols.div_ceil(s.cols) * s.bytes;
+            rows.start / s.rows * per_row..rows.end.div_ceil(s.rows) * per_row
+        });
+        (weight, scale)
     }
 
     /// `range` lies in `0..len` and starts and ends on `block` boundaries (or at `len`).
@@ -594,12 +572,12 @@ mod tests {
                     .collect();
                 assert_eq!(part, want, "{what} columns {c:?}");
             }
-            let block = lin.col_block();
+            let block = lin.scales().map_or(1, |s| s.cols);
             if block > 1 {
                 let err = lin.slice_cols(0..block / 2).unwrap_err().to_string();
                 assert!(err.contains("scale blocks"), "{what}: {err}");
             }
-            if lin.row_block() > 1 {
+            if lin.scales().is_some_and(|s| s.rows > 1) {
                 let err = lin.slice_rows(64..256).unwrap_err().to_string();
                 assert!(err.contains("rows 64..256"), "{what}: {err}");
             }

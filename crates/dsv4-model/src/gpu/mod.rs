@@ -1477,4 +1477,40 @@ mod tests {
             assert!(err.contains(&small.to_string()), "{err}");
         }
     }
+
+    #[test]
+    fn plan_refuses_a_model_one_gpu_cannot_hold_and_says_how_many_can() {
+        use crate::checkpoint::Checkpoint;
+        use crate::synth::{write_synthetic, SynthFormat};
+        let c = Config::tiny();
+        let dir = tempfile::tempdir().unwrap();
+        write_synthetic(&c, SynthFormat::Official, dir.path(), 1, &mut |_, _| {}).unwrap();
+        let w = ModelWeights::load(&Checkpoint::open(dir.path()).unwrap(), |_, _| {}).unwrap();
+        let (w1, w2) = (
+            crate::shard::rank_weight_bytes(&w, 1),
+            crate::shard::rank_weight_bytes(&w, 2),
+        );
+        let inter = c.moe_intermediate_size;
+        let pool = |n: usize| {
+            buffers::pool_bytes(&local_config(&c, n).unwrap(), 64, inter / n, n).unwrap()
+        };
+        // Room for a half of the split weights and the pool on each of two GPUs (the pool may
+        // take 90% of what the weights leave), not for the whole on one.
+        let free = w2 + pool(2) / 9 * 10 + 100;
+        assert!(
+            w1 + pool(1) > free,
+            "the case needs the weights to outgrow one GPU"
+        );
+        let err = plan_memory(&c, &w, 1, free, Some(64))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("{w1} bytes of weights per GPU over 1 GPU(s)"))
+                && err.contains("it needs 2 GPUs of this size"),
+            "{err}"
+        );
+        let plan = plan_memory(&c, &w, 2, free, Some(64)).unwrap();
+        assert_eq!((plan.world, plan.weights, plan.capacity), (2, w2, 64));
+        assert!(plan.to_string().starts_with("2 GPU(s): "), "{plan}");
+    }
 }

@@ -303,17 +303,7 @@ impl Collective {
         };
         // SAFETY: every address in `peers` is a live buffer of the group's shapes on a
         // peer-enabled device (checked by `link`); x holds len floats (checked above).
-        unsafe {
-            launch_struct(
-                dev,
-                "all_reduce_oneshot",
-                (blocks as u32, 1, 1),
-                (THREADS, 0),
-                &args,
-                true,
-                1,
-            )
-        }
+        unsafe { launch(dev, "all_reduce_oneshot", blocks, &args) }
     }
 
     /// Every rank's `dst` (`[rows, world * width]`) gets this rank's `part` (`[rows, width]`)
@@ -352,16 +342,30 @@ impl Collective {
             state: self.state.device_address(),
         };
         // SAFETY: as in all_reduce; every dst holds rows x world * width floats (checked).
-        unsafe {
-            launch_struct(
-                dev,
-                "all_gather_cols",
-                (blocks as u32, 1, 1),
-                (THREADS, 0),
-                &args,
-                true,
-                1,
-            )
-        }
+        unsafe { launch(dev, "all_gather_cols", blocks, &args) }
+    }
+}
+
+/// Launches a collective kernel of `blocks` blocks (programmatic, like every kernel of a step).
+///
+/// # Safety
+/// As [`launch_struct`]: `args` mirror the kernel's parameter, its addresses valid.
+unsafe fn launch<A: DeviceRepr>(
+    dev: &Device,
+    kernel: &str,
+    blocks: usize,
+    args: &A,
+) -> Result<(), GpuError> {
+    // SAFETY: the caller's.
+    unsafe {
+        launch_struct(
+            dev,
+            kernel,
+            (blocks as u32, 1, 1),
+            (THREADS, 0),
+            args,
+            true,
+            1,
+        )
     }
 }

@@ -49,6 +49,18 @@ fn pooled_f32(dev: &Device, shape: &[usize]) -> DeviceTensor<f32> {
     pool.take(r).unwrap()
 }
 
+/// Rank r's part `parts[r]` on its device, as a tensor of `shape`.
+fn upload_parts(
+    devs: &[Arc<Device>],
+    parts: &[Vec<f32>],
+    shape: &[usize],
+) -> Vec<DeviceTensor<f32>> {
+    devs.iter()
+        .zip(parts)
+        .map(|(d, p)| d.upload(DType::F32, shape, p).unwrap())
+        .collect()
+}
+
 fn random_parts(rng: &mut StdRng, world: usize, len: usize) -> Vec<Vec<f32>> {
     let scale = rng.random_range(1e-3f32..1e3);
     (0..world)
@@ -77,11 +89,7 @@ fn multi_gpu_all_reduce_matches_cpu_sum_and_nccl() {
                 _ => 4 * rng.random_range(1..CAP / 4),
             };
             let parts = random_parts(&mut rng, world, len);
-            let mut xs: Vec<DeviceTensor<f32>> = devs[..world]
-                .iter()
-                .zip(&parts)
-                .map(|(d, p)| d.upload(DType::F32, &[len], p).unwrap())
-                .collect();
+            let mut xs = upload_parts(&devs[..world], &parts, &[len]);
             // Every rank's launch is enqueued before any rank is waited for.
             for ((c, d), x) in coll.iter().zip(&devs).zip(&mut xs) {
                 c.all_reduce(d, x).unwrap();
@@ -96,11 +104,7 @@ fn multi_gpu_all_reduce_matches_cpu_sum_and_nccl() {
                 );
             }
             if call % 4 == 3 {
-                let mut ys: Vec<DeviceTensor<f32>> = devs[..world]
-                    .iter()
-                    .zip(&parts)
-                    .map(|(d, p)| d.upload(DType::F32, &[len], p).unwrap())
-                    .collect();
+                let mut ys = upload_parts(&devs[..world], &parts, &[len]);
                 cudarc::nccl::result::group_start().unwrap();
                 for (comm, y) in comms.iter().zip(&mut ys) {
                     comm.all_reduce_in_place(&mut y.view_mut(), &ReduceOp::Sum)
@@ -137,11 +141,7 @@ fn multi_gpu_all_gather_cols_matches_cpu() {
             let rows = [1, 16, rng.random_range(1..17)][call % 3];
             let width = [64_640, 7, rng.random_range(1..5000)][call % 3];
             let parts = random_parts(&mut rng, world, rows * width);
-            let srcs: Vec<DeviceTensor<f32>> = devs[..world]
-                .iter()
-                .zip(&parts)
-                .map(|(d, p)| d.upload(DType::F32, &[rows, width], p).unwrap())
-                .collect();
+            let srcs = upload_parts(&devs[..world], &parts, &[rows, width]);
             let mut dsts: Vec<DeviceTensor<f32>> = devs[..world]
                 .iter()
                 .map(|d| pooled_f32(d, &[rows, world * width]))
@@ -244,7 +244,26 @@ fn multi_gpu_collective_misuse_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("over 2 ranks"), "{err}");
+    // Off a 16-byte boundary (one float into a pool buffer).
+    let whole = pooled_f32(d, &[12]);
+    let mut off = whole.view(1, &[8]).unwrap();
+    let err = coll[0].all_reduce(d, &mut off).unwrap_err().to_string();
+    assert!(err.contains("16-byte boundary"), "{err}");
+    // An empty part.
+    let right: Vec<DeviceTensor<f32>> = devs[..2].iter().map(|d| pooled_f32(d, &[2, 16])).collect();
+    let peer = PeerTensors::new(&right.iter().collect::<Vec<_>>()).unwrap();
+    let empty = whole.view(0, &[0, 8]).unwrap();
+    let err = coll[0]
+        .all_gather_cols(d, &empty, &peer)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("an empty part"), "{err}");
+    let err = PeerTensors::new(&[]).err().unwrap().to_string();
+    assert!(err.contains("no ranks"), "{err}");
     let one = pooled(d, 2, 8);
     let err = Collective::link(&[one]).err().unwrap().to_string();
     assert!(err.contains("[2, 1, cap]"), "{err}");
+    let nine: Vec<RankBuffers> = (0..9).map(|_| pooled(d, 9, 8)).collect();
+    let err = Collective::link(&nine).err().unwrap().to_string();
+    assert!(err.contains("9 ranks: 1 to 8"), "{err}");
 }
