@@ -162,7 +162,7 @@ fn run_script(binaries: &[String]) -> String {
 # Runs the GPU tests staged by `cargo xtask gpu-test`: each binary normally (unless
 # DSV4_PLAIN=0), then every GPU test alone under compute-sanitizer memcheck and racecheck
 # (those whose "tool binary test" line matches the regex DSV4_SANITIZE_ONLY, when set),
-# DSV4_SANITIZE_JOBS (default 6) at a time on the one GPU, each cut off after
+# DSV4_SANITIZE_JOBS (default 6) at a time (multi-GPU tests one at a time), each cut off after
 # DSV4_SANITIZE_TIMEOUT seconds (default 560). Usage: bash {OUT_DIR}/{SCRIPT} [LOG_DIR]
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -217,7 +217,11 @@ if command -v compute-sanitizer > /dev/null; then
     for b in "${{binaries[@]}}"; do
       "$here/$b" --list --ignored "${{skip[@]}}" gpu | sed -n 's/: test$//p' | sed "s|^|$tool $b |"
     done
-  done | grep -E "${{DSV4_SANITIZE_ONLY:-.}}" | xargs -r -P "${{DSV4_SANITIZE_JOBS:-6}}" -L 1 bash -c 'sanitize "$@"' _
+  done | grep -E "${{DSV4_SANITIZE_ONLY:-.}}" > "$logs/sanitize.list"
+  # Multi-GPU tests take every GPU and their collectives wait on each other across them:
+  # they run one at a time, after the others.
+  grep -v multi_gpu "$logs/sanitize.list" | xargs -r -P "${{DSV4_SANITIZE_JOBS:-6}}" -L 1 bash -c 'sanitize "$@"' _
+  grep multi_gpu "$logs/sanitize.list" | xargs -r -P 1 -L 1 bash -c 'sanitize "$@"' _
   for tool in memcheck racecheck; do
     for b in "${{binaries[@]}}"; do
       runs=0; failed=""
@@ -271,6 +275,7 @@ mod tests {
         assert!(s.contains("for tool in memcheck racecheck"));
         assert!(s.contains("--ignored --test-threads=1 --nocapture \"${skip[@]}\" gpu"));
         assert!(s.contains("skip=(--skip multi_gpu)"));
+        assert!(s.contains("grep multi_gpu \"$logs/sanitize.list\" | xargs -r -P 1"));
         assert!(s.contains("--ignored --exact --test-threads=1 \"$3\""));
     }
 }
