@@ -94,7 +94,7 @@ pub enum GpuModelError {
 fn check_gpu_config(c: &Config) -> Result<(), GpuModelError> {
     use dsv4_ops::gpu::attention::{MAX_HEAD_DIM, MAX_INDEX_DIM, MAX_INDEX_HEADS};
     use dsv4_ops::gpu::router::{MAX_EXPERTS, MAX_TOP_K};
-    let checks: [(&'static str, usize, bool, String); 7] = [
+    let checks: [(&'static str, usize, bool, String); 8] = [
         (
             "hc_mult",
             c.hc_mult,
@@ -136,6 +136,12 @@ fn check_gpu_config(c: &Config) -> Result<(), GpuModelError> {
             c.o_lora_rank,
             c.o_lora_rank.is_multiple_of(16),
             "a multiple of 16 (the grouped output projection's tiles)".to_string(),
+        ),
+        (
+            "moe_intermediate_size",
+            c.moe_intermediate_size,
+            c.moe_intermediate_size.is_multiple_of(8),
+            "a multiple of 8 on each GPU (the down projections' input)".to_string(),
         ),
     ];
     match checks.into_iter().find(|(_, _, ok, _)| !ok) {
@@ -1452,6 +1458,12 @@ mod tests {
             err.contains("o_lora_rank = 24") && err.contains("multiple of 16"),
             "{err}"
         );
+        // A split that leaves each GPU 4 intermediate channels of 8.
+        let mut c = Config::tiny();
+        c.moe_intermediate_size = 8;
+        let local = local_config(&c, 2).unwrap();
+        let err = check_gpu_config(&local).unwrap_err().to_string();
+        assert!(err.contains("moe_intermediate_size = 4"), "{err}");
     }
 
     #[test]
