@@ -342,9 +342,15 @@ fn backend(asked: Option<Backend>) -> Result<Backend> {
 /// `max_context` positions; the memory plan is printed first, and a model that does not fit
 /// is refused before anything is uploaded.
 fn load_gpu_model(dir: &Path, max_context: Option<usize>, gpus: Option<Gpus>) -> Result<GpuModel> {
+    let start = Instant::now();
     let ck = Checkpoint::open(dir)?;
     let config = ck.config().clone();
     let weights = ModelWeights::load(&ck, |_, _| {})?;
+    eprintln!(
+        "opened {} in {:.2} s",
+        dir.display(),
+        start.elapsed().as_secs_f64()
+    );
     let visible = Device::count().context("counting CUDA devices")?;
     let first = Arc::new(Device::new(0).context("opening CUDA device 0")?);
     let (free, _) = first.memory_info()?;
@@ -361,10 +367,28 @@ fn load_gpu_model(dir: &Path, max_context: Option<usize>, gpus: Option<Gpus>) ->
     let opts = GpuOptions {
         max_context: Some(plan.capacity),
     };
-    let model = with_layer_bar("uploading", |progress| {
-        GpuModel::new(config, &weights, &devs, opts, progress)
-            .with_context(|| format!("loading {} onto the GPU", dir.display()))
-    })?;
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template(
+            "uploading {bar:30} {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} {elapsed}",
+        )
+        .unwrap(),
+    );
+    let upload = Instant::now();
+    let model = GpuModel::new(config, &weights, &devs, opts, |done, total| {
+        bar.set_length(total.max(done));
+        bar.set_position(done);
+    })
+    .with_context(|| format!("loading {} onto the GPU", dir.display()))?;
+    let secs = upload.elapsed().as_secs_f64();
+    let bytes = bar.position() as f64;
+    bar.finish_and_clear();
+    eprintln!(
+        "uploaded {:.2} GB to {world} GPU(s) in {secs:.2} s ({:.2} GB/s); ready {:.2} s after \
+         opening",
+        bytes / 1e9,
+        bytes / 1e9 / secs,
+        start.elapsed().as_secs_f64()
+    );
     report_gpu_model(&model);
     Ok(model)
 }

@@ -156,6 +156,12 @@ pub const FAMILIES: &[KernelFamily] = &[
         functions: &["all_reduce_oneshot", "all_gather_cols"],
     },
     KernelFamily {
+        name: "relayout",
+        file: "relayout.cu",
+        source: include_str!("../kernels/relayout.cu"),
+        functions: &["pack_tiles", "fp8_scale_rows"],
+    },
+    KernelFamily {
         name: "random",
         file: "random.cu",
         source: include_str!("../kernels/random.cu"),

@@ -10,6 +10,7 @@
 use std::ops::Range;
 
 use dsv4_ops::codecs::CodecError;
+use rayon::prelude::*;
 
 use crate::config::Config;
 use crate::linear::Linear;
@@ -125,14 +126,21 @@ fn attention(
     })
 }
 
-fn layer(c: &Config, l: usize, lw: &LayerWeights, s: Shard) -> Result<LayerWeights, ShardError> {
+/// What rank `s.rank` holds of layer `l` (of a model of `c`).
+pub fn shard_layer(
+    c: &Config,
+    l: usize,
+    lw: &LayerWeights,
+    s: Shard,
+) -> Result<LayerWeights, ShardError> {
     let p = format!("layers.{l}");
     let mut out = lw.clone();
     out.attn = attention(&format!("{p}.attn"), c, &lw.attn, s)?;
+    // Column cuts copy: the experts' are made in parallel.
     out.moe.experts = lw
         .moe
         .experts
-        .iter()
+        .par_iter()
         .enumerate()
         .map(|(e, ew)| expert(&format!("{p}.ffn.experts.{e}"), ew, s))
         .collect::<Result<_, _>>()?;
@@ -146,16 +154,21 @@ pub fn shard_weights(w: &ModelWeights, c: &Config, s: Shard) -> Result<ModelWeig
     local_config(c, s.world)?;
     Ok(ModelWeights {
         embed: w.embed.clone(),
-        head: rows("head", &w.head, s.part(c.vocab_size))?,
+        head: shard_head(c, &w.head, s)?,
         norm: w.norm.clone(),
         hc_head: w.hc_head.clone(),
         layers: w
             .layers
             .iter()
             .enumerate()
-            .map(|(l, lw)| layer(c, l, lw, s))
+            .map(|(l, lw)| shard_layer(c, l, lw, s))
             .collect::<Result<_, _>>()?,
     })
+}
+
+/// Rank `s.rank`'s vocabulary rows of the output head.
+pub fn shard_head(c: &Config, head: &Linear, s: Shard) -> Result<Linear, ShardError> {
+    rows("head", head, s.part(c.vocab_size))
 }
 
 /// Bytes a linear takes on the device (F32 and F16 become BF16 there).

@@ -160,8 +160,8 @@ impl Owned {
                 format: ScaleFormat::E8m0,
                 block: (128, 128),
             },
-            Owned::Nvfp4(q) => HostWeight::Nvfp4(q),
-            Owned::Mxfp4(q) => HostWeight::Mxfp4(q),
+            Owned::Nvfp4(q) => HostWeight::from(q),
+            Owned::Mxfp4(q) => HostWeight::from(q),
         }
     }
 }

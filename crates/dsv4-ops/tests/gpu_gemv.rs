@@ -41,8 +41,8 @@ impl Owned {
                 format: *format,
                 block: (128, 128),
             },
-            Owned::Nvfp4(q) => HostWeight::Nvfp4(q),
-            Owned::Mxfp4(q) => HostWeight::Mxfp4(q),
+            Owned::Nvfp4(q) => HostWeight::from(q),
+            Owned::Mxfp4(q) => HostWeight::from(q),
         }
     }
 }
@@ -470,11 +470,11 @@ fn gpu_gemv_rejects_bad_shapes() {
     let owned = make_weight(&mut rng, "nvfp4", 64, 128, None);
     // K not a multiple of 32 for FP4.
     let bad = nvfp4::quantize(&gaussian(&mut rng, 64 * 48, 1.0), 64, 48).unwrap();
-    assert!(GemvWeight::upload(&dev, HostWeight::Nvfp4(&bad), 64, 48).is_err());
+    assert!(GemvWeight::upload(&dev, HostWeight::from(&bad), 64, 48).is_err());
     // MXFP4 scale above 2^17.
     let mut mx = mxfp4::quantize(&gaussian(&mut rng, 8 * 64, 1.0), 8, 64).unwrap();
     mx.scale[3] = 200;
-    assert!(GemvWeight::upload(&dev, HostWeight::Mxfp4(&mx), 8, 64).is_err());
+    assert!(GemvWeight::upload(&dev, HostWeight::from(&mx), 8, 64).is_err());
     let w = GemvWeight::upload(&dev, owned.host(), 64, 128).unwrap();
     let w13 = GemvWeight::upload_gate_up(&dev, owned.host(), owned.host(), 64, 128).unwrap();
     let mut h = poisoned(&dev, 1, 64);
@@ -655,4 +655,98 @@ fn gpu_random_weights_give_unit_outputs() {
         err.contains("[64, 48]") && err.contains("multiple of 32"),
         "{err}"
     );
+}
+
+/// The bytes of a host weight, for stacking parts on the host: `(codes, scales)`.
+fn owned_bytes(w: &Owned) -> (Vec<u8>, Vec<u8>) {
+    match w {
+        Owned::Bf16(v) => (bytemuck::cast_slice(v).to_vec(), vec![]),
+        Owned::Fp8 { weight, scale, .. } => (weight.clone(), scale.clone()),
+        Owned::Nvfp4(q) => (q.weight.clone(), q.weight_scale.clone()),
+        Owned::Mxfp4(q) => (q.weight.clone(), q.scale.clone()),
+    }
+}
+
+/// The loader (host bytes copied up as stored, repacked on the device, through buffers small
+/// enough that most weights go up in several pieces) puts on the device exactly the bytes the
+/// host reference packs: plain, gate+up, and parts stacked on whole tiles and scale blocks.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_loaded_weights_hold_the_host_reference_bytes() {
+    let dev = device();
+    let mut rng = rng("gpu_loaded_weights_hold_the_host_reference_bytes");
+    for (i, format) in FORMATS.iter().cycle().take(20).enumerate() {
+        let c = chunk(format);
+        let k = c * rng.random_range(1..40);
+        let n = rng.random_range(1..300);
+        let slot = [1 << 14, 1 << 16, 1 << 26][i % 3];
+        let mut st = dsv4_ops::gpu::Stager::new(&dev, slot).unwrap();
+        let what = format!("{format} [{n}, {k}] through {slot}-byte buffers");
+
+        let w = make_weight(&mut rng, format, n, k, Some(0.01));
+        let got = GemvWeight::load(&mut st, &[(w.host(), n)], k).unwrap();
+        let want = reference::packed(w.host(), None, n, k).unwrap();
+        assert!(got.download(&dev).unwrap() == want, "{what}: plain");
+
+        let w3 = make_weight(&mut rng, format, n, k, None);
+        let got = GemvWeight::load_gate_up(&mut st, w.host(), w3.host(), n, k).unwrap();
+        let want = reference::packed(w.host(), Some(w3.host()), n, k).unwrap();
+        assert!(got.download(&dev).unwrap() == want, "{what}: gate+up");
+
+        // Parts of 128 and 256 rows (whole FP8 blocks), then a ragged one, one global scale.
+        let rows = [128, 256, n];
+        let parts: Vec<Owned> = rows
+            .iter()
+            .map(|&r| make_weight(&mut rng, format, r, k, Some(0.01)))
+            .collect();
+        let hosts: Vec<(HostWeight<'_>, usize)> =
+            parts.iter().zip(rows).map(|(p, r)| (p.host(), r)).collect();
+        let got = GemvWeight::load(&mut st, &hosts, k).unwrap();
+        let (codes, scales): (Vec<Vec<u8>>, Vec<Vec<u8>>) = parts.iter().map(owned_bytes).unzip();
+        let (codes, scales) = (codes.concat(), scales.concat());
+        let whole = match &parts[0] {
+            Owned::Bf16(_) => Owned::Bf16(bytemuck::cast_slice(&codes).to_vec()),
+            Owned::Fp8 { format, .. } => Owned::Fp8 {
+                weight: codes,
+                scale: scales,
+                format: *format,
+            },
+            Owned::Nvfp4(q) => Owned::Nvfp4(nvfp4::Nvfp4Quantized {
+                weight: codes,
+                weight_scale: scales,
+                weight_scale_2: q.weight_scale_2,
+            }),
+            Owned::Mxfp4(_) => Owned::Mxfp4(mxfp4::Mxfp4Quantized {
+                weight: codes,
+                scale: scales,
+            }),
+        };
+        let want = reference::packed(whole.host(), None, 384 + n, k).unwrap();
+        assert!(got.download(&dev).unwrap() == want, "{what}: stacked");
+    }
+}
+
+/// Parts that cannot stack in their format are refused by name.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_stacked_parts_must_share_a_format_and_join_on_tiles() {
+    let dev = device();
+    let mut rng = rng("gpu_stacked_parts_must_share_a_format_and_join_on_tiles");
+    let mut st = dsv4_ops::gpu::Stager::new(&dev, 1 << 16).unwrap();
+    let (a, b) = (
+        make_weight(&mut rng, "bf16", 24, 64, None),
+        make_weight(&mut rng, "bf16", 16, 64, None),
+    );
+    let err = GemvWeight::load(&mut st, &[(a.host(), 24), (b.host(), 16)], 64)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("multiple of 16"), "{err}");
+    let c = make_weight(&mut rng, "fp8-e8m0", 16, 64, None);
+    let err = GemvWeight::load(&mut st, &[(b.host(), 16), (c.host(), 16)], 64)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("parts in"), "{err}");
+    assert!(GemvWeight::load(&mut st, &[], 64).is_err());
 }

@@ -351,3 +351,98 @@ fn gpu_random_experts_give_finite_unit_order_outputs() {
         "{err}"
     );
 }
+
+/// The loader stacks experts on the device exactly as the host reference packs them, expert
+/// by expert, whatever the staging buffers' size.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_loaded_experts_hold_the_host_reference_bytes() {
+    use dsv4_ops::gpu::gemv::HostWeight;
+    let dev = device();
+    let mut rng = rng("gpu_loaded_experts_hold_the_host_reference_bytes");
+    for (i, format) in [MoeFormat::Nvfp4, MoeFormat::Mxfp4]
+        .iter()
+        .cycle()
+        .take(6)
+        .enumerate()
+    {
+        let (e, d, inter) = (
+            rng.random_range(1..9),
+            32 * rng.random_range(1..9),
+            32 * rng.random_range(1..9),
+        );
+        let shapes = [(inter, d), (inter, d), (d, inter)];
+        let nv: Vec<[nvfp4::Nvfp4Quantized; 3]> = (0..e)
+            .map(|_| {
+                shapes
+                    .map(|(r, c)| nvfp4::quantize(&gaussian(&mut rng, r * c, 0.04), r, c).unwrap())
+            })
+            .collect();
+        let mx: Vec<[mxfp4::Mxfp4Quantized; 3]> = (0..e)
+            .map(|_| {
+                shapes
+                    .map(|(r, c)| mxfp4::quantize(&gaussian(&mut rng, r * c, 0.04), r, c).unwrap())
+            })
+            .collect();
+        let host: Vec<[HostWeight<'_>; 3]> = match format {
+            MoeFormat::Nvfp4 => nv
+                .iter()
+                .map(|m| [0, 1, 2].map(|j| HostWeight::from(&m[j])))
+                .collect(),
+            MoeFormat::Mxfp4 => mx
+                .iter()
+                .map(|m| [0, 1, 2].map(|j| HostWeight::from(&m[j])))
+                .collect(),
+        };
+        let slot = [1 << 13, 1 << 26][i % 2];
+        let mut st = dsv4_ops::gpu::Stager::new(&dev, slot).unwrap();
+        let got = MoeExperts::load(&mut st, &host, d, inter).unwrap();
+        let want = reference::packed(&host, *format, d, inter).unwrap();
+        let got = got.download(&dev).unwrap();
+        for (j, name) in ["w13", "s13", "w2", "s2"].iter().enumerate() {
+            assert!(
+                got[j] == want[j],
+                "{format:?} {e} experts D {d} I {inter}: {name}"
+            );
+        }
+        // One expert of the other format, and one cut short, are refused by name.
+        let mut mixed = host.clone();
+        mixed.push([0, 1, 2].map(|j| match format {
+            MoeFormat::Nvfp4 => HostWeight::from(&mx[0][j]),
+            MoeFormat::Mxfp4 => HostWeight::from(&nv[0][j]),
+        }));
+        let err = MoeExperts::load(&mut st, &mixed, d, inter)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains(&format!("expert {e} w1")) && err.contains("format"),
+            "{err}"
+        );
+        let mut short = host.clone();
+        short[0][2] = match short[0][2] {
+            HostWeight::Nvfp4 {
+                weight,
+                weight_scale,
+                weight_scale_2,
+            } => HostWeight::Nvfp4 {
+                weight: &weight[1..],
+                weight_scale,
+                weight_scale_2,
+            },
+            HostWeight::Mxfp4 { weight, scale } => HostWeight::Mxfp4 {
+                weight: &weight[1..],
+                scale,
+            },
+            other => other,
+        };
+        let err = MoeExperts::load(&mut st, &short, d, inter)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("expert 0 w2") && err.contains("code and"),
+            "{err}"
+        );
+    }
+}

@@ -15,6 +15,7 @@ mod random;
 mod upload;
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use dsv4_ops::gpu::attention::{self, Compressed};
@@ -34,7 +35,8 @@ use dsv4_ops::gpu::rows::{
     NormRows, RopeDirection, RowRope,
 };
 use dsv4_ops::gpu::sample::{sample, Sampling};
-use dsv4_ops::gpu::{BufferPool, DType, Device, DeviceTensor, GpuError, Readback};
+use dsv4_ops::gpu::stager::SLOT_BYTES;
+use dsv4_ops::gpu::{BufferPool, DType, Device, DeviceTensor, GpuError, Readback, Stager};
 use half::bf16;
 
 use crate::checkpoint::{Checkpoint, LoadError};
@@ -42,7 +44,7 @@ use crate::config::{Config, LayerKind};
 use crate::cpu::{ForwardError, Logits};
 use crate::linear::{Linear, LinearData};
 use crate::rope::Rope;
-use crate::shard::{local_config, shard_weights, Shard, ShardError};
+use crate::shard::{local_config, rank_weight_bytes, shard_head, shard_layer, Shard, ShardError};
 use crate::synth::SynthFormat;
 use crate::weights::{ModelWeights, Routing};
 pub use buffers::MAX_CHUNK;
@@ -168,10 +170,10 @@ enum Dense {
 }
 
 impl Dense {
-    fn upload(dev: &Device, lin: &Linear) -> Result<Dense, GpuError> {
+    fn upload(st: &mut Stager<'_>, lin: &Linear) -> Result<Dense, GpuError> {
         Ok(match lin.data() {
-            LinearData::Bf16(_) => Dense::Bf16(upload::bf16_matrix(dev, lin)?),
-            _ => Dense::F32(upload::dense_f32(dev, lin)?),
+            LinearData::Bf16(_) => Dense::Bf16(upload::bf16_matrix(st, lin)?),
+            _ => Dense::F32(upload::dense_f32(st, lin)?),
         })
     }
 
@@ -262,12 +264,13 @@ impl DevWeights {
 }
 
 fn upload_compressor(
-    dev: &Device,
+    st: &mut Stager<'_>,
     name: &str,
     w: &crate::weights::CompressorWeights,
 ) -> Result<DevCompressor, GpuError> {
+    let dev = st.device();
     Ok(DevCompressor {
-        proj: upload::stacked(dev, &format!("{name}.wkv+wgate"), &[&w.wkv, &w.wgate])?,
+        proj: upload::stacked(st, &format!("{name}.wkv+wgate"), &[&w.wkv, &w.wgate])?,
         ape: dev.upload(DType::F32, &[w.ratio, w.ape.len() / w.ratio], &w.ape)?,
         norm: upload::vector(dev, &w.norm)?,
         overlap: w.overlap,
@@ -275,35 +278,36 @@ fn upload_compressor(
 }
 
 fn upload_layer(
-    dev: &Device,
+    st: &mut Stager<'_>,
     c: &Config,
     l: usize,
     lw: &crate::weights::LayerWeights,
 ) -> Result<DevLayer, GpuError> {
+    let dev = st.device();
     let p = format!("layers.{l}");
     let a = &lw.attn;
     let attn = DevAttention {
-        wq_a_kv: upload::stacked(dev, &format!("{p}.attn.wq_a+wkv"), &[&a.wq_a, &a.wkv])?,
+        wq_a_kv: upload::stacked(st, &format!("{p}.attn.wq_a+wkv"), &[&a.wq_a, &a.wkv])?,
         q_norm: upload::vector(dev, &a.q_norm)?,
-        wq_b: upload::linear(dev, &format!("{p}.attn.wq_b"), &a.wq_b)?,
+        wq_b: upload::linear(st, &format!("{p}.attn.wq_b"), &a.wq_b)?,
         kv_norm: upload::vector(dev, &a.kv_norm)?,
-        wo_a: upload::linear(dev, &format!("{p}.attn.wo_a"), &a.wo_a)?,
-        wo_b: upload::linear(dev, &format!("{p}.attn.wo_b"), &a.wo_b)?,
+        wo_a: upload::linear(st, &format!("{p}.attn.wo_a"), &a.wo_a)?,
+        wo_b: upload::linear(st, &format!("{p}.attn.wo_b"), &a.wo_b)?,
         sink: upload::vector(dev, &a.sink)?,
         compressor: a
             .compressor
             .as_ref()
-            .map(|cw| upload_compressor(dev, &format!("{p}.attn.compressor"), cw))
+            .map(|cw| upload_compressor(st, &format!("{p}.attn.compressor"), cw))
             .transpose()?,
         indexer: a
             .indexer
             .as_ref()
             .map(|iw| -> Result<DevIndexer, GpuError> {
                 Ok(DevIndexer {
-                    wq_b: upload::linear(dev, &format!("{p}.attn.indexer.wq_b"), &iw.wq_b)?,
-                    weights_proj: Dense::upload(dev, &iw.weights_proj)?,
+                    wq_b: upload::linear(st, &format!("{p}.attn.indexer.wq_b"), &iw.wq_b)?,
+                    weights_proj: Dense::upload(st, &iw.weights_proj)?,
                     compressor: upload_compressor(
-                        dev,
+                        st,
                         &format!("{p}.attn.indexer.compressor"),
                         &iw.compressor,
                     )?,
@@ -321,7 +325,7 @@ fn upload_layer(
         Routing::Learned { bias } => DevRouting::Learned(upload::vector(dev, bias)?),
     };
     let (shared_w13, shared_w2) =
-        upload::expert(dev, &format!("{p}.ffn.shared_experts"), &m.shared)?;
+        upload::expert(st, &format!("{p}.ffn.shared_experts"), &m.shared)?;
     Ok(DevLayer {
         kind: lw.kind,
         attn_norm: upload::vector(dev, &lw.attn_norm)?,
@@ -330,9 +334,9 @@ fn upload_layer(
         hc_ffn: upload::hc_site(dev, &lw.hc_ffn, c.hidden_size)?,
         attn,
         moe: DevMoe {
-            gate: Dense::upload(dev, &m.gate)?,
+            gate: Dense::upload(st, &m.gate)?,
             routing,
-            experts: upload::routed_experts(dev, &format!("{p}.ffn.experts"), &m.experts)?,
+            experts: upload::routed_experts(st, &format!("{p}.ffn.experts"), &m.experts)?,
             shared_w13,
             shared_w2,
         },
@@ -408,62 +412,78 @@ fn check_devices(devs: &[Arc<Device>]) -> Result<(), GpuModelError> {
 
 impl GpuModel {
     /// Opens a checkpoint and uploads it to `devs` (split over them when there are several);
-    /// `on_layer(done, total)` reports progress.
+    /// `on_bytes(done, total)` reports the bytes copied to the GPUs.
     pub fn load(
         dir: &Path,
         devs: &[Arc<Device>],
         opts: GpuOptions,
-        on_layer: impl FnMut(usize, usize),
+        on_bytes: impl Fn(u64, u64) + Sync,
     ) -> Result<GpuModel, GpuModelError> {
         let ck = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&ck, |_, _| {})?;
-        GpuModel::new(ck.config().clone(), &weights, devs, opts, on_layer)
+        GpuModel::new(ck.config().clone(), &weights, devs, opts, on_bytes)
     }
 
     /// Uploads `weights` (of `config`) to `devs` and sets up the sequence state: rank r (on
-    /// `devs[r]`) gets its slice of the split matrices and all of the rest.
+    /// `devs[r]`) gets its slice of the split matrices and all of the rest. The ranks load at
+    /// once, a thread each, layer by layer (a layer's slices are cut just before they go up);
+    /// `on_bytes(done, total)` reports the bytes copied to the GPUs so far, of about `total`.
     pub fn new(
         config: Config,
         weights: &ModelWeights,
         devs: &[Arc<Device>],
         opts: GpuOptions,
-        mut on_layer: impl FnMut(usize, usize),
+        on_bytes: impl Fn(u64, u64) + Sync,
     ) -> Result<GpuModel, GpuModelError> {
         check_devices(devs)?;
         let world = devs.len();
         let local = local_config(&config, world)?;
         check_gpu_config(&local)?;
-        let total = world * config.num_layers;
-        let mut ranks = Vec::with_capacity(world);
-        for (rank, dev) in devs.iter().enumerate() {
-            let sliced;
-            let w = if world == 1 {
-                weights
-            } else {
-                sliced = shard_weights(weights, &config, Shard { rank, world })?;
-                &sliced
-            };
+        let total = (rank_weight_bytes(weights, world) * world) as u64;
+        let done = AtomicU64::new(0);
+        let sent = |bytes: u64| on_bytes(done.fetch_add(bytes, Ordering::Relaxed) + bytes, total);
+        let load_rank = |rank: usize, dev: &Device| -> Result<DevWeights, GpuModelError> {
+            let s = Shard { rank, world };
             let c = &local;
-            let layers = w
+            let mut st = Stager::new(dev, SLOT_BYTES)?.on_sent(&sent);
+            let layers = weights
                 .layers
                 .iter()
                 .enumerate()
-                .map(|(l, lw)| {
-                    let layer = upload_layer(dev, c, l, lw);
-                    on_layer(rank * c.num_layers + l + 1, total);
-                    layer
+                .map(|(l, lw)| -> Result<DevLayer, GpuModelError> {
+                    if world == 1 {
+                        return Ok(upload_layer(&mut st, c, l, lw)?);
+                    }
+                    Ok(upload_layer(
+                        &mut st,
+                        c,
+                        l,
+                        &shard_layer(&config, l, lw, s)?,
+                    )?)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            ranks.push(DevWeights {
-                embed: upload::bf16_matrix(dev, &w.embed)?,
-                head: upload::linear(dev, "head", &w.head)?,
-                norm: upload::vector(dev, &w.norm)?,
-                hc_head: upload::hc_site(dev, &w.hc_head, c.hidden_size)?,
+            let head = shard_head(&config, &weights.head, s)?;
+            Ok(DevWeights {
+                embed: upload::bf16_matrix(&mut st, &weights.embed)?,
+                head: upload::linear(&mut st, "head", &head)?,
+                norm: upload::vector(dev, &weights.norm)?,
+                hc_head: upload::hc_site(dev, &weights.hc_head, c.hidden_size)?,
                 layers,
                 rope_main: upload::vector(dev, Rope::for_layer(c, false).inv_freq())?,
                 rope_compress: upload::vector(dev, Rope::for_layer(c, true).inv_freq())?,
-            });
-        }
+            })
+        };
+        let ranks = std::thread::scope(|scope| {
+            let threads: Vec<_> = devs
+                .iter()
+                .enumerate()
+                .map(|(rank, dev)| scope.spawn(move || load_rank(rank, dev)))
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().expect("a rank's loading thread panicked"))
+                .collect::<Result<Vec<_>, _>>()
+        })?;
         GpuModel::with_weights(config, local, devs, ranks, opts)
     }
 

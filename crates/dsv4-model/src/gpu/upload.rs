@@ -1,115 +1,91 @@
-//! Checkpoint weights → the device layouts the kernels read, once, at load: linears as
+//! Checkpoint weights → the device layouts the kernels read, once, at load. Bytes go up as
+//! they are stored, through a [`Stager`], and are repacked on the device: linears as
 //! [`GemvWeight`] tiles (FP8 block, NVFP4, MXFP4 and BF16 kept as they are; F32 and F16 become
-//! BF16), routed experts stacked per layer (NVFP4 / MXFP4 for the grouped MoE, BF16 otherwise),
-//! small tensors as F32.
+//! BF16 on the host), routed experts stacked per layer (NVFP4 / MXFP4 for the grouped MoE, BF16
+//! otherwise), small tensors as F32.
 
-use std::ops::Range;
+use std::borrow::Cow;
 
 use rayon::prelude::*;
 
-use dsv4_ops::codecs::mxfp4::Mxfp4Quantized;
-use dsv4_ops::codecs::nvfp4::Nvfp4Quantized;
 use dsv4_ops::gpu::gemv::{GemvWeight, HostWeight};
 use dsv4_ops::gpu::mhc::DeviceHcSite;
-use dsv4_ops::gpu::moe::{HostExperts, MoeExperts};
+use dsv4_ops::gpu::moe::MoeExperts;
 use dsv4_ops::gpu::moe_bf16::Bf16Experts;
-use dsv4_ops::gpu::{DType, Device, DeviceTensor, GpuError};
+use dsv4_ops::gpu::{DType, Device, DeviceTensor, GpuError, Stager};
 use half::bf16;
 
 use crate::linear::{Linear, LinearData};
 use crate::weights::{ExpertWeights, HcWeights};
 
-/// One linear's rows in a format [`GemvWeight::upload`] takes, owned on the host.
-enum HostRows {
-    Bf16(Vec<bf16>),
-    Fp8 {
-        weight: Vec<u8>,
-        scale: Vec<u8>,
-        format: dsv4_ops::codecs::fp8_block::ScaleFormat,
-        block: (usize, usize),
-    },
-    Nvfp4(Nvfp4Quantized),
-    Mxfp4(Mxfp4Quantized),
+/// A linear's values as the kernels take them: the checkpoint's own bytes where its format is
+/// one they read, BF16 rows otherwise.
+enum HostRows<'a> {
+    Bf16(Cow<'a, [bf16]>),
+    Stored(HostWeight<'a>),
 }
 
-impl HostRows {
+impl HostRows<'_> {
     fn weight(&self) -> HostWeight<'_> {
         match self {
             HostRows::Bf16(v) => HostWeight::Bf16(v),
-            HostRows::Fp8 {
-                weight,
-                scale,
-                format,
-                block,
-            } => HostWeight::Fp8 {
-                weight,
-                scale,
-                format: *format,
-                block: *block,
-            },
-            HostRows::Nvfp4(q) => HostWeight::Nvfp4(q),
-            HostRows::Mxfp4(q) => HostWeight::Mxfp4(q),
+            HostRows::Stored(w) => *w,
         }
     }
 }
 
-fn unsupported(name: &str, detail: String) -> GpuError {
-    GpuError::invalid(name, detail)
+/// BF16 bytes as values, without a copy where they are aligned (a shard's tensors need not be).
+fn bf16_values(bytes: &[u8]) -> Cow<'_, [bf16]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(v) => Cow::Borrowed(v),
+        Err(_) => Cow::Owned(
+            bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+        ),
+    }
 }
 
-/// Rows `rows` of `lin` (all of them for a whole linear) in its own format; F32 and F16 are
-/// rounded to BF16.
-fn host_rows(name: &str, lin: &Linear, rows: Range<usize>) -> Result<HostRows, GpuError> {
-    Ok(match lin.data() {
-        LinearData::F32(_) | LinearData::Bf16(_) | LinearData::F16(_) => {
-            HostRows::Bf16(bf16_rows(lin, rows))
-        }
+fn host_rows(lin: &Linear) -> HostRows<'_> {
+    match lin.data() {
+        LinearData::Bf16(b) => HostRows::Bf16(bf16_values(b.bytes())),
+        LinearData::F32(_) | LinearData::F16(_) => HostRows::Bf16(Cow::Owned(bf16_rows(lin))),
         LinearData::Fp8Block {
+            weight,
+            scale,
             scale_format,
             block_rows,
             block_cols,
+        } => HostRows::Stored(HostWeight::Fp8 {
+            weight: weight.bytes(),
+            scale: scale.bytes(),
+            format: *scale_format,
+            block: (*block_rows, *block_cols),
+        }),
+        LinearData::Mxfp4 { weight, scale } => HostRows::Stored(HostWeight::Mxfp4 {
+            weight: weight.bytes(),
+            scale: scale.bytes(),
+        }),
+        LinearData::Nvfp4 {
+            weight,
+            weight_scale,
+            weight_scale_2,
             ..
-        } => {
-            if !rows.start.is_multiple_of(*block_rows)
-                || (!rows.end.is_multiple_of(*block_rows) && rows.end != lin.rows())
-            {
-                return Err(unsupported(
-                    name,
-                    format!("rows {rows:?} do not start and end on {block_rows}-row scale blocks"),
-                ));
-            }
-            let (weight, scale) = lin.encoded_rows(rows);
-            HostRows::Fp8 {
-                weight: weight.to_vec(),
-                scale: scale.to_vec(),
-                format: *scale_format,
-                block: (*block_rows, *block_cols),
-            }
-        }
-        LinearData::Mxfp4 { .. } => {
-            let (weight, scale) = lin.encoded_rows(rows);
-            HostRows::Mxfp4(Mxfp4Quantized {
-                weight: weight.to_vec(),
-                scale: scale.to_vec(),
-            })
-        }
-        LinearData::Nvfp4 { weight_scale_2, .. } => {
-            let (weight, weight_scale) = lin.encoded_rows(rows);
-            HostRows::Nvfp4(Nvfp4Quantized {
-                weight: weight.to_vec(),
-                weight_scale: weight_scale.to_vec(),
-                weight_scale_2: *weight_scale_2,
-            })
-        }
-    })
+        } => HostRows::Stored(HostWeight::Nvfp4 {
+            weight: weight.bytes(),
+            weight_scale: weight_scale.bytes(),
+            weight_scale_2: *weight_scale_2,
+        }),
+    }
 }
 
-/// Rows `rows` of `lin`, dequantized one at a time and rounded to BF16.
-fn bf16_rows(lin: &Linear, rows: Range<usize>) -> Vec<bf16> {
+/// All rows of `lin`, dequantized one at a time and rounded to BF16.
+fn bf16_rows(lin: &Linear) -> Vec<bf16> {
     let c = lin.cols();
     let mut row = vec![0f32; c];
-    let mut out = Vec::with_capacity(rows.len() * c);
-    for r in rows {
+    let mut out = Vec::with_capacity(lin.rows() * c);
+    for r in 0..lin.rows() {
         lin.dequant_row(r, &mut row);
         out.extend(row.iter().map(|&v| bf16::from_f32(v)));
     }
@@ -121,97 +97,96 @@ fn named(name: &str) -> impl FnOnce(GpuError) -> GpuError + '_ {
 }
 
 /// A whole linear for [`dsv4_ops::gpu::gemv::gemv`].
-pub fn linear(dev: &Device, name: &str, lin: &Linear) -> Result<GemvWeight, GpuError> {
-    let h = host_rows(name, lin, 0..lin.rows())?;
-    GemvWeight::upload(dev, h.weight(), lin.rows(), lin.cols()).map_err(named(name))
+pub fn linear(st: &mut Stager<'_>, name: &str, lin: &Linear) -> Result<GemvWeight, GpuError> {
+    let h = host_rows(lin);
+    GemvWeight::load(st, &[(h.weight(), lin.rows())], lin.cols()).map_err(named(name))
+}
+
+/// Whether `parts` stack in their own format: one encoding (FP8 with one scale format and
+/// block, NVFP4 with one global scale) and every join on a whole 16-row tile and scale block.
+fn stacks_as_stored(parts: &[&Linear]) -> bool {
+    use LinearData::*;
+    let same = |a: &LinearData, b: &LinearData| match (a, b) {
+        (Bf16(_), Bf16(_)) | (Mxfp4 { .. }, Mxfp4 { .. }) => true,
+        (
+            Fp8Block {
+                scale_format: f,
+                block_rows: r,
+                block_cols: c,
+                ..
+            },
+            Fp8Block {
+                scale_format: g,
+                block_rows: s,
+                block_cols: d,
+                ..
+            },
+        ) => (f, r, c) == (g, s, d),
+        (
+            Nvfp4 {
+                weight_scale_2: x, ..
+            },
+            Nvfp4 {
+                weight_scale_2: y, ..
+            },
+        ) => x == y,
+        _ => false,
+    };
+    let Some(first) = parts.first() else {
+        return false;
+    };
+    let join = match first.data() {
+        F32(_) | F16(_) => return false,
+        Fp8Block { block_rows, .. } => (*block_rows).max(16),
+        _ => 16,
+    };
+    parts.iter().all(|l| same(first.data(), l.data()))
+        && parts[..parts.len() - 1]
+            .iter()
+            .all(|l| l.rows().is_multiple_of(join) && l.rows().is_multiple_of(16))
 }
 
 /// Linears that read the same input stacked row-wise into one weight, so that one GEMV
-/// writes their outputs side by side in each output row. Kept in their format when they share
-/// it and every join falls on a whole scale block (BF16, FP8 blocks); otherwise (FP4 parts
-/// included: the model stacks only attention and compressor projections) stacked as BF16.
-pub fn stacked(dev: &Device, name: &str, parts: &[&Linear]) -> Result<GemvWeight, GpuError> {
-    let (rows, cols, joined) = stacked_rows(name, parts)?;
-    GemvWeight::upload(dev, joined.weight(), rows, cols).map_err(named(name))
-}
-
-/// [`stacked`]'s rows on the host: `(rows, cols, rows in one format)`.
-fn stacked_rows(name: &str, parts: &[&Linear]) -> Result<(usize, usize, HostRows), GpuError> {
+/// writes their outputs side by side in each output row: in their format where
+/// [`stacks_as_stored`], as BF16 otherwise.
+pub fn stacked(st: &mut Stager<'_>, name: &str, parts: &[&Linear]) -> Result<GemvWeight, GpuError> {
     let Some(first) = parts.first() else {
-        return Err(unsupported(name, "no linears to stack".to_string()));
+        return Err(GpuError::invalid(name, "no linears to stack"));
     };
     let cols = first.cols();
     if let Some(l) = parts.iter().find(|l| l.cols() != cols) {
-        return Err(unsupported(
+        return Err(GpuError::invalid(
             name,
             format!("stacked linears of {cols} and {} columns", l.cols()),
         ));
     }
-    let rows: usize = parts.iter().map(|l| l.rows()).sum();
-    let host = parts
-        .iter()
-        .map(|l| host_rows(name, l, 0..l.rows()))
-        .collect::<Result<Vec<_>, _>>()?;
-    let joins_on_blocks = |block_rows: usize| {
-        parts[..parts.len() - 1]
+    let loaded = if stacks_as_stored(parts) {
+        let host: Vec<HostRows<'_>> = parts.iter().map(|l| host_rows(l)).collect();
+        let ws: Vec<(HostWeight<'_>, usize)> = host
             .iter()
-            .all(|l| l.rows().is_multiple_of(block_rows))
+            .zip(parts)
+            .map(|(h, l)| (h.weight(), l.rows()))
+            .collect();
+        GemvWeight::load(st, &ws, cols)
+    } else {
+        let rows: usize = parts.iter().map(|l| l.rows()).sum();
+        let v: Vec<bf16> = parts.iter().flat_map(|l| bf16_rows(l)).collect();
+        GemvWeight::load(st, &[(HostWeight::Bf16(&v), rows)], cols)
     };
-    let joined = match &host[0] {
-        HostRows::Bf16(_) => host
-            .iter()
-            .map(|h| match h {
-                HostRows::Bf16(v) => Some(v.as_slice()),
-                _ => None,
-            })
-            .collect::<Option<Vec<_>>>()
-            .map(|v| HostRows::Bf16(v.concat())),
-        HostRows::Fp8 { format, block, .. } if joins_on_blocks(block.0) => {
-            let (format, block) = (*format, *block);
-            host.iter()
-                .map(|h| match h {
-                    HostRows::Fp8 {
-                        weight,
-                        scale,
-                        format: f,
-                        block: b,
-                    } if *f == format && *b == block => Some((weight.as_slice(), scale.as_slice())),
-                    _ => None,
-                })
-                .collect::<Option<Vec<_>>>()
-                .map(|v| HostRows::Fp8 {
-                    weight: v.iter().flat_map(|p| p.0).copied().collect(),
-                    scale: v.iter().flat_map(|p| p.1).copied().collect(),
-                    format,
-                    block,
-                })
-        }
-        _ => None,
-    };
-    let joined = joined.unwrap_or_else(|| {
-        HostRows::Bf16(
-            parts
-                .iter()
-                .flat_map(|l| bf16_rows(l, 0..l.rows()))
-                .collect(),
-        )
-    });
-    Ok((rows, cols, joined))
+    loaded.map_err(named(name))
 }
 
 /// A SwiGLU block's gate and up projections, interleaved for `gemv_swiglu`, and its down
 /// projection.
 pub fn expert(
-    dev: &Device,
+    st: &mut Stager<'_>,
     name: &str,
     w: &ExpertWeights,
 ) -> Result<(GemvWeight, GemvWeight), GpuError> {
     let (n, k) = (w.w1.rows(), w.w1.cols());
-    let h1 = host_rows(name, &w.w1, 0..n)?;
-    let h3 = host_rows(name, &w.w3, 0..n)?;
-    let w13 =
-        GemvWeight::upload_gate_up(dev, h1.weight(), h3.weight(), n, k).map_err(named(name))?;
-    Ok((w13, linear(dev, name, &w.w2)?))
+    let (h1, h3) = (host_rows(&w.w1), host_rows(&w.w3));
+    let w13 = GemvWeight::load_gate_up(st, h1.weight(), h3.weight(), n, k).map_err(named(name))?;
+    Ok((w13, linear(st, name, &w.w2)?))
 }
 
 /// A layer's routed experts on the device (a few per model: their sizes do not matter).
@@ -232,81 +207,50 @@ impl RoutedExperts {
 }
 
 pub fn routed_experts(
-    dev: &Device,
+    st: &mut Stager<'_>,
     name: &str,
     experts: &[ExpertWeights],
 ) -> Result<RoutedExperts, GpuError> {
     let (d, inter) = (experts[0].w1.cols(), experts[0].w1.rows());
-    let all = |pick: fn(&ExpertWeights) -> &Linear| -> Result<Vec<HostRows>, GpuError> {
-        experts
-            .par_iter()
-            .map(|e| {
-                let l = pick(e);
-                host_rows(name, l, 0..l.rows())
-            })
-            .collect()
+    let host: Vec<[HostRows<'_>; 3]> = experts
+        .par_iter()
+        .map(|e| [&e.w1, &e.w3, &e.w2].map(host_rows))
+        .collect();
+    let fp4 = |h: &HostRows<'_>| {
+        matches!(
+            h,
+            HostRows::Stored(HostWeight::Nvfp4 { .. } | HostWeight::Mxfp4 { .. })
+        )
     };
-    let (w1, w3, w2) = (all(|e| &e.w1)?, all(|e| &e.w3)?, all(|e| &e.w2)?);
-    fn nvfp4(v: Vec<HostRows>) -> Option<Vec<Nvfp4Quantized>> {
-        v.into_iter()
-            .map(|h| match h {
-                HostRows::Nvfp4(q) => Some(q),
-                _ => None,
-            })
-            .collect()
-    }
-    fn mxfp4(v: Vec<HostRows>) -> Option<Vec<Mxfp4Quantized>> {
-        v.into_iter()
-            .map(|h| match h {
-                HostRows::Mxfp4(q) => Some(q),
-                _ => None,
-            })
-            .collect()
-    }
-    fn bf16s(v: &[HostRows]) -> Option<Vec<&[bf16]>> {
-        v.iter()
-            .map(|h| match h {
-                HostRows::Bf16(q) => Some(q.as_slice()),
-                _ => None,
-            })
-            .collect()
-    }
-    let mixed = || {
-        unsupported(
+    let uploaded = if host.iter().flatten().all(fp4) {
+        let ws: Vec<[HostWeight<'_>; 3]> = host
+            .iter()
+            .map(|m| [0, 1, 2].map(|j| m[j].weight()))
+            .collect();
+        MoeExperts::load(st, &ws, d, inter).map(RoutedExperts::Fp4)
+    } else if host
+        .iter()
+        .flatten()
+        .all(|h| matches!(h, HostRows::Bf16(_)))
+    {
+        let pick = |j: usize| -> Vec<&[bf16]> {
+            host.iter()
+                .map(|m| match &m[j] {
+                    HostRows::Bf16(v) => &v[..],
+                    HostRows::Stored(_) => unreachable!("checked above"),
+                })
+                .collect()
+        };
+        Bf16Experts::load(st, &pick(0), &pick(1), &pick(2), d, inter).map(RoutedExperts::Bf16)
+    } else {
+        return Err(GpuError::invalid(
             name,
             format!(
                 "routed experts in {} (the GPU takes NVFP4, MXFP4 or BF16/F16/F32 experts, one \
                  format for all)",
                 experts[0].w1.format_name()
             ),
-        )
-    };
-    let fp4 =
-        |host: HostExperts<'_>| MoeExperts::upload(dev, host, d, inter).map(RoutedExperts::Fp4);
-    let uploaded = match &w1[0] {
-        HostRows::Bf16(_) => match (bf16s(&w1), bf16s(&w3), bf16s(&w2)) {
-            (Some(a), Some(b), Some(c)) => {
-                Bf16Experts::upload(dev, &a, &b, &c, d, inter).map(RoutedExperts::Bf16)
-            }
-            _ => return Err(mixed()),
-        },
-        HostRows::Nvfp4(_) => match (nvfp4(w1), nvfp4(w3), nvfp4(w2)) {
-            (Some(w1), Some(w3), Some(w2)) => fp4(HostExperts::Nvfp4 {
-                w1: &w1,
-                w3: &w3,
-                w2: &w2,
-            }),
-            _ => return Err(mixed()),
-        },
-        HostRows::Mxfp4(_) => match (mxfp4(w1), mxfp4(w3), mxfp4(w2)) {
-            (Some(w1), Some(w3), Some(w2)) => fp4(HostExperts::Mxfp4 {
-                w1: &w1,
-                w3: &w3,
-                w2: &w2,
-            }),
-            _ => return Err(mixed()),
-        },
-        HostRows::Fp8 { .. } => return Err(mixed()),
+        ));
     };
     uploaded.map_err(named(name))
 }
@@ -321,15 +265,18 @@ pub fn hc_site(dev: &Device, w: &HcWeights, d: usize) -> Result<DeviceHcSite, Gp
 
 /// A matrix as F32 `[rows, cols]` (gates and the indexer's head weights: small, and their
 /// outputs pick experts and entries, so they are not rounded to BF16).
-pub fn dense_f32(dev: &Device, lin: &Linear) -> Result<DeviceTensor<f32>, GpuError> {
-    dev.upload(DType::F32, &[lin.rows(), lin.cols()], &lin.to_f32())
+pub fn dense_f32(st: &mut Stager<'_>, lin: &Linear) -> Result<DeviceTensor<f32>, GpuError> {
+    st.upload(DType::F32, &[lin.rows(), lin.cols()], &lin.to_f32())
 }
 
 /// A whole matrix as BF16 `[rows, cols]`, whatever its format (the embedding table, BF16
 /// gates).
-pub fn bf16_matrix(dev: &Device, lin: &Linear) -> Result<DeviceTensor<bf16>, GpuError> {
-    let v = bf16_rows(lin, 0..lin.rows());
-    dev.upload(DType::BF16, &[lin.rows(), lin.cols()], &v)
+pub fn bf16_matrix(st: &mut Stager<'_>, lin: &Linear) -> Result<DeviceTensor<bf16>, GpuError> {
+    let shape = [lin.rows(), lin.cols()];
+    match host_rows(lin) {
+        HostRows::Bf16(v) => st.upload(DType::BF16, &shape, &v),
+        HostRows::Stored(_) => st.upload(DType::BF16, &shape, &bf16_rows(lin)),
+    }
 }
 
 #[cfg(test)]
@@ -368,74 +315,32 @@ mod tests {
         Linear::new(rows, cols, LinearData::Bf16(Blob::from_vec(v))).unwrap()
     }
 
-    /// Every part's rows, dequantized, one after another, rounded to BF16.
-    fn bf16_rows_of(parts: &[&Linear]) -> Vec<bf16> {
-        parts
-            .iter()
-            .flat_map(|l| l.to_f32())
-            .map(bf16::from_f32)
-            .collect()
-    }
-
     #[test]
-    fn fp8_parts_on_whole_scale_blocks_stack_as_fp8_with_their_scales() {
+    fn parts_stack_in_their_format_only_on_whole_tiles_and_blocks() {
         let (a, b) = (fp8(256, 300, 1), fp8(100, 300, 2));
-        let (rows, cols, h) = stacked_rows("s", &[&a, &b]).unwrap();
-        assert_eq!((rows, cols), (356, 300));
-        let HostRows::Fp8 {
-            weight,
-            scale,
-            format,
-            block,
-        } = h
-        else {
-            panic!("not kept as FP8");
-        };
-        let data = LinearData::Fp8Block {
-            weight: Blob::from_vec(weight),
-            scale: Blob::from_vec(scale),
-            scale_format: format,
-            block_rows: block.0,
-            block_cols: block.1,
-        };
-        let joined = Linear::new(rows, cols, data).unwrap();
-        let want: Vec<f32> = [&a, &b].iter().flat_map(|l| l.to_f32()).collect();
-        assert_eq!(joined.to_f32(), want);
+        assert!(stacks_as_stored(&[&a, &b]));
+        // A join inside a scale block; FP8 beside BF16; BF16 off a 16-row tile; F32.
+        let (c, d) = (fp8(200, 64, 3), fp8(128, 64, 4));
+        let (e, f) = (bf16_linear(16, 64, 5), bf16_linear(8, 64, 6));
+        assert!(!stacks_as_stored(&[&c, &d]));
+        assert!(!stacks_as_stored(&[&d, &e]));
+        assert!(stacks_as_stored(&[&e, &f]));
+        assert!(!stacks_as_stored(&[&f, &e]));
+        let g = Linear::new(2, 2, LinearData::F32(Blob::from_vec(vec![0; 16]))).unwrap();
+        assert!(!stacks_as_stored(&[&g]));
+        assert!(!stacks_as_stored(&[]));
     }
 
     #[test]
-    fn parts_that_cannot_share_a_format_stack_as_bf16() {
-        // A join inside a scale block; FP8 beside BF16; BF16 beside BF16 (kept bit for bit).
-        let (a, b) = (fp8(200, 64, 3), fp8(128, 64, 4));
-        let (c, d) = (bf16_linear(16, 64, 5), bf16_linear(8, 64, 6));
-        for parts in [[&a, &b], [&a, &c], [&c, &d]] {
-            let (rows, _, h) = stacked_rows("s", &parts).unwrap();
-            let HostRows::Bf16(v) = h else {
-                panic!("not BF16");
-            };
-            assert_eq!(v.len(), rows * 64);
-            assert_eq!(v, bf16_rows_of(&parts));
-        }
-    }
-
-    #[test]
-    fn stacked_parts_must_exist_and_share_their_columns() {
-        let parts = [&fp8(128, 64, 1), &fp8(128, 32, 2)];
-        let err = stacked_rows("layers.0.attn.wq_a+wkv", &parts)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            err.contains("wq_a+wkv") && err.contains("64 and 32"),
-            "{err}"
-        );
-        let err = stacked_rows("layers.0.attn.compressor.wkv+wgate", &[])
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            err.contains("wkv+wgate") && err.contains("no linears"),
-            "{err}"
-        );
+    fn bf16_bytes_are_read_in_place_when_aligned_and_copied_when_not() {
+        let v: Vec<bf16> = (0..9).map(|i| bf16::from_f32(i as f32)).collect();
+        let bytes: Vec<u8> = std::iter::once(0u8)
+            .chain(v.iter().flat_map(|x| x.to_le_bytes()))
+            .collect();
+        let odd = bf16_values(&bytes[1..]);
+        let even = bf16_values(bytemuck::cast_slice(&v));
+        assert!(matches!(even, Cow::Borrowed(_)));
+        assert_eq!(&odd[..], &v[..]);
+        assert_eq!(&even[..], &v[..]);
     }
 }

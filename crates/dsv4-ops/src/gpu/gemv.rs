@@ -3,8 +3,9 @@
 //! NVFP4 or MXFP4, dequantized in registers (W4A16 / W8A16 on tensor cores; FP8 runs on the f16
 //! MMA with activations converted to f16, exact for `|x|` in `[2^-14, 65504]` and 0). The fused
 //! [`gemv_swiglu`] computes `silu(min(x·W1ᵀ, L)) · clamp(x·W3ᵀ, −L, L)` in one pass.
-//! Weights are repacked once, at upload, into the kernels' tile layout ([`pack`], with its CPU
-//! inverse [`pack::unpack`]).
+//! Weights are repacked once, at upload, into the kernels' tile layout ([`pack`] describes it
+//! and is the CPU reference of the device re-layout in [`super::relayout`]; [`pack::unpack`] is
+//! its inverse).
 //!
 //! Launchers check every shape and enqueue on the device stream without synchronizing or
 //! reading back, so they can be captured into CUDA graphs. They launch with programmatic
@@ -22,8 +23,9 @@ use half::bf16;
 
 use super::launch::{dim_u32, launch_struct};
 use super::random;
+use super::relayout;
 use super::rows::ActElem;
-use super::{BufferPool, DType, Device, DeviceTensor, GpuError, Reservation};
+use super::{BufferPool, DType, Device, DeviceTensor, GpuError, Reservation, Stager};
 use crate::codecs::fp8_block::ScaleFormat;
 use crate::codecs::mxfp4::Mxfp4Quantized;
 use crate::codecs::nvfp4::Nvfp4Quantized;
@@ -150,8 +152,33 @@ pub enum HostWeight<'a> {
         format: ScaleFormat,
         block: (usize, usize),
     },
-    Nvfp4(&'a Nvfp4Quantized),
-    Mxfp4(&'a Mxfp4Quantized),
+    /// Packed e2m1 `[n, k / 2]`, e4m3 scales `[n, k / 16]` and the global scale.
+    Nvfp4 {
+        weight: &'a [u8],
+        weight_scale: &'a [u8],
+        weight_scale_2: f32,
+    },
+    /// Packed e2m1 `[n, k / 2]` and e8m0 scales `[n, k / 32]`.
+    Mxfp4 { weight: &'a [u8], scale: &'a [u8] },
+}
+
+impl<'a> From<&'a Nvfp4Quantized> for HostWeight<'a> {
+    fn from(q: &'a Nvfp4Quantized) -> HostWeight<'a> {
+        HostWeight::Nvfp4 {
+            weight: &q.weight,
+            weight_scale: &q.weight_scale,
+            weight_scale_2: q.weight_scale_2,
+        }
+    }
+}
+
+impl<'a> From<&'a Mxfp4Quantized> for HostWeight<'a> {
+    fn from(q: &'a Mxfp4Quantized) -> HostWeight<'a> {
+        HostWeight::Mxfp4 {
+            weight: &q.weight,
+            scale: &q.scale,
+        }
+    }
 }
 
 /// The tile layout the kernels read (see `kernels/gemv_tile.cu`): a tile is 16 weight rows
@@ -401,7 +428,7 @@ fn check_len(what: &str, expected: usize, found: usize) -> Result<(), GpuError> 
 /// MXFP4 1) and FP8 block scales, and its epilogue multiplier.
 struct Parts<'a> {
     format: GemvFormat,
-    codes: std::borrow::Cow<'a, [u8]>,
+    codes: &'a [u8],
     scales: Option<(&'a [u8], usize)>,
     fp8: Option<(&'a [u8], ScaleFormat, (usize, usize))>,
     post: f32,
@@ -433,25 +460,28 @@ fn check_fp8_block(what: &str, block: (usize, usize)) -> Result<(), GpuError> {
     Ok(())
 }
 
-fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuError> {
-    let format = match w {
+fn format_of(w: &HostWeight<'_>) -> GemvFormat {
+    match *w {
         HostWeight::Bf16(_) => GemvFormat::Bf16,
         HostWeight::Fp8 { format, block, .. } => GemvFormat::Fp8 {
             scale: format,
             block,
         },
-        HostWeight::Nvfp4(_) => GemvFormat::Nvfp4,
-        HostWeight::Mxfp4(_) => GemvFormat::Mxfp4,
-    };
+        HostWeight::Nvfp4 { .. } => GemvFormat::Nvfp4,
+        HostWeight::Mxfp4 { .. } => GemvFormat::Mxfp4,
+    }
+}
+
+fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuError> {
+    let format = format_of(&w);
     let what = format!("{} weight [{n}, {k}]", format.name());
     check_shape(&what, format, n, k)?;
     Ok(match w {
         HostWeight::Bf16(data) => {
             check_len(&what, n * k, data.len())?;
-            let codes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
             Parts {
                 format,
-                codes: codes.into(),
+                codes: bytemuck::cast_slice(data),
                 scales: None,
                 fp8: None,
                 post: 1.0,
@@ -471,44 +501,48 @@ fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuErro
             // The kernel applies the block scales itself.
             Parts {
                 format,
-                codes: weight.into(),
+                codes: weight,
                 scales: None,
                 fp8: Some((scale, sf, block)),
                 post: 1.0,
                 bytes: n * k + sn,
             }
         }
-        HostWeight::Nvfp4(q) => {
-            check_len(&what, n * k / 2, q.weight.len())?;
+        HostWeight::Nvfp4 {
+            weight,
+            weight_scale,
+            weight_scale_2,
+        } => {
+            check_len(&what, n * k / 2, weight.len())?;
             check_len(
                 &format!("{what} weight_scale"),
                 n * k / 16,
-                q.weight_scale.len(),
+                weight_scale.len(),
             )?;
-            if !q.weight_scale_2.is_finite() {
+            if !weight_scale_2.is_finite() {
                 return Err(invalid(
                     &what,
-                    format!("weight_scale_2 {} is not finite", q.weight_scale_2),
+                    format!("weight_scale_2 {weight_scale_2} is not finite"),
                 ));
             }
             // Codes enter the MMA as value * 2^-16 (see gemv.cu).
             Parts {
                 format,
-                codes: q.weight.as_slice().into(),
-                scales: Some((&q.weight_scale, 2)),
+                codes: weight,
+                scales: Some((weight_scale, 2)),
                 fp8: None,
-                post: q.weight_scale_2 * 65536.0,
+                post: weight_scale_2 * 65536.0,
                 bytes: n * k / 2 + n * k / 16,
             }
         }
-        HostWeight::Mxfp4(q) => {
-            check_len(&what, n * k / 2, q.weight.len())?;
-            check_len(&format!("{what} scale"), n * k / 32, q.scale.len())?;
-            check_mxfp4_scales(&what, &q.scale)?;
+        HostWeight::Mxfp4 { weight, scale } => {
+            check_len(&what, n * k / 2, weight.len())?;
+            check_len(&format!("{what} scale"), n * k / 32, scale.len())?;
+            check_mxfp4_scales(&what, scale)?;
             Parts {
                 format,
-                codes: q.weight.as_slice().into(),
-                scales: Some((&q.scale, 1)),
+                codes: weight,
+                scales: Some((scale, 1)),
                 fp8: None,
                 post: 65536.0,
                 bytes: n * k / 2 + n * k / 32,
@@ -517,55 +551,23 @@ fn parts<'a>(w: HostWeight<'a>, n: usize, k: usize) -> Result<Parts<'a>, GpuErro
     })
 }
 
-/// FP8 block scales as f32, repeated to one per 64 columns (the span of one lane quad in the
-/// kernel), so the kernel indexes them without a division and never decodes e8m0; see
-/// [`fp8_scale_rows`].
-fn upload_fp8_scale(
-    dev: &Device,
-    raw: &[u8],
-    sf: ScaleFormat,
-    n: usize,
-    k: usize,
-    block: (usize, usize),
-) -> Result<DeviceTensor<f32>, GpuError> {
-    let (rows, groups) = (n.div_ceil(block.0), k.div_ceil(64));
-    let v = fp8_scale_rows(raw, sf, n, k, block);
-    dev.upload(DType::F32, &[rows, groups + 1], &v)
-}
-
-/// The kernels' FP8 scales, row-major `[ceil(n / br), ceil(k / 64) + 1]`: for each row of scale
-/// blocks, its scales repeated to one per 64 columns and divided by the row's factor, then the
-/// factor, the least power of two at or above the row's largest scale (1 for an all-zero row).
-/// The kernels multiply sums by the factor once at the end; the M = 1 FP8 kernels multiply
-/// activations by the divided scales (at most 1) in f16, where the factor keeps them in range
-/// whatever the scales' magnitude. Dividing by a power of two is exact.
-pub(crate) fn fp8_scale_rows(
-    raw: &[u8],
-    sf: ScaleFormat,
-    n: usize,
-    k: usize,
-    block: (usize, usize),
-) -> Vec<f32> {
-    let (rows, cols, groups) = (n.div_ceil(block.0), k.div_ceil(block.1), k.div_ceil(64));
-    let mut v = Vec::with_capacity(rows * (groups + 1));
-    for r in 0..rows {
-        let row: Vec<f32> = (0..groups)
-            .map(|g| sf.get(raw, r * cols + g * 64 / block.1))
-            .collect();
-        let most = row.iter().fold(0.0f32, |a, &b| a.max(b));
-        let factor = if most > 0.0 {
-            2f32.powi(most.log2().ceil() as i32)
-        } else {
-            1.0
-        };
-        v.extend(row.iter().map(|s| s / factor));
-        v.push(factor);
+/// Bytes of a host weight's codes and scales.
+fn host_bytes(w: &HostWeight<'_>) -> usize {
+    match *w {
+        HostWeight::Bf16(v) => 2 * v.len(),
+        HostWeight::Fp8 { weight, scale, .. }
+        | HostWeight::Mxfp4 { weight, scale }
+        | HostWeight::Nvfp4 {
+            weight,
+            weight_scale: scale,
+            ..
+        } => weight.len() + scale.len(),
     }
-    v
 }
 
 impl GemvWeight {
-    /// Validates `w` as an `[n, k]` weight, repacks it into tiles and copies it to the device.
+    /// Validates `w` as an `[n, k]` weight, copies it to the device and repacks it there into
+    /// tiles ([`Self::load`] through a stager of its own).
     ///
     /// Requirements: `k` a positive multiple of 8 (BF16), 16 (FP8) or 32 (NVFP4, MXFP4); FP8
     /// blocks with `block.1 % 64 == 0` and `block.0 % 16 == 0`; MXFP4 scale bytes at most
@@ -576,24 +578,91 @@ impl GemvWeight {
         n: usize,
         k: usize,
     ) -> Result<GemvWeight, GpuError> {
-        let p = parts(w, n, k)?;
+        let mut st = Stager::for_bytes(dev, host_bytes(&w))?;
+        GemvWeight::load(&mut st, &[(w, n)], k)
+    }
+
+    /// Row blocks `parts` (`(weight, rows)`, all `[rows, k]` in one format) stacked into one
+    /// `[sum of rows, k]` weight, copied up through `st` and repacked on the device. Every part
+    /// but the last must end on a whole tile (16 rows) and, in FP8, on a whole scale block;
+    /// NVFP4 parts must share their global scale. Otherwise as [`Self::upload`].
+    pub fn load(
+        st: &mut Stager<'_>,
+        parts_: &[(HostWeight<'_>, usize)],
+        k: usize,
+    ) -> Result<GemvWeight, GpuError> {
+        let ps = parts_
+            .iter()
+            .map(|&(w, n)| parts(w, n, k))
+            .collect::<Result<Vec<_>, _>>()?;
+        let Some(p) = ps.first() else {
+            return Err(invalid("stacked weight", "no parts"));
+        };
+        let n: usize = parts_.iter().map(|&(_, n)| n).sum();
+        let what = format!(
+            "{} weight [{n}, {k}] in {} parts",
+            p.format.name(),
+            ps.len()
+        );
+        let join = match p.format {
+            GemvFormat::Fp8 { block, .. } => block.0.max(16),
+            _ => 16,
+        };
+        let rows = || parts_.iter().map(|&(_, n)| n);
+        if let Some(q) = ps.iter().find(|q| q.format != p.format || q.post != p.post) {
+            return Err(invalid(
+                &what,
+                format!(
+                    "parts in {:?} (global scale {}) and {:?} ({})",
+                    p.format, p.post, q.format, q.post
+                ),
+            ));
+        }
+        if rows().take(ps.len() - 1).any(|r| !r.is_multiple_of(join)) {
+            return Err(invalid(
+                &what,
+                format!(
+                    "parts of {:?} rows: all but the last must be a multiple of {join}",
+                    rows().collect::<Vec<_>>()
+                ),
+            ));
+        }
         let layout = pack::Layout {
             rows: n,
             chunks: k / p.format.chunk_elems(),
             gate_up: false,
         };
-        let mut codes = pack::pack(&layout, 16, &p.codes, &[])?;
-        pack::encode_codes(p.format.code_order(), &mut codes);
-        let scales = match p.scales {
-            Some((s, unit)) => Some(dev.upload(
-                DType::U8,
-                &[layout.slots() * unit],
-                &pack::pack(&layout, unit, s, &[])?,
-            )?),
+        let dev = st.device();
+        let mut codes = dev.alloc::<u8>(DType::U8, &[layout.slots() * 16])?;
+        let mut scales = match p.scales {
+            Some((_, unit)) => Some((dev.alloc::<u8>(DType::U8, &[layout.slots() * unit])?, unit)),
             None => None,
         };
+        // Parts joined on whole tiles: their tiles follow one another.
+        let order = p.format.code_order();
+        let codes_of: Vec<&[u8]> = ps.iter().map(|q| q.codes).collect();
+        relayout::pack_from_host(st, &mut codes, 0, &layout, 16, order, &codes_of, &[])?;
+        if let Some((t, unit)) = &mut scales {
+            let scales_of: Vec<&[u8]> = ps.iter().filter_map(|q| q.scales.map(|s| s.0)).collect();
+            relayout::pack_from_host(
+                st,
+                t,
+                0,
+                &layout,
+                *unit,
+                pack::CodeOrder::Plain,
+                &scales_of,
+                &[],
+            )?;
+        }
         let fp8 = match p.fp8 {
-            Some((raw, sf, block)) => Some((upload_fp8_scale(dev, raw, sf, n, k, block)?, None)),
+            Some((_, sf, block)) => {
+                let raw: Vec<&[u8]> = ps.iter().filter_map(|q| q.fp8.map(|f| f.0)).collect();
+                Some((
+                    relayout::fp8_scales_from_host(st, &raw, sf, n, k, block)?,
+                    None,
+                ))
+            }
             None => None,
         };
         Ok(GemvWeight {
@@ -601,20 +670,32 @@ impl GemvWeight {
             n,
             k,
             gate_up: false,
-            codes: dev.upload(DType::U8, &[codes.len()], &codes)?,
-            scales,
+            codes,
+            scales: scales.map(|s| s.0),
             fp8,
             post: (p.post, p.post),
-            bytes: p.bytes,
+            bytes: ps.iter().map(|q| q.bytes).sum(),
         })
     }
 
     /// The gate (`w1`) and up (`w3`) projections of a SwiGLU block, both `[n, k]` in one
-    /// format, interleaved tile by tile for [`gemv_swiglu`]. Same requirements as
-    /// [`Self::upload`]; FP8 block rows must also be a multiple of 8. NVFP4 global scales may
-    /// differ between the two.
+    /// format, interleaved tile by tile for [`gemv_swiglu`] ([`Self::load_gate_up`] through a
+    /// stager of its own). Same requirements as [`Self::upload`]; FP8 block rows must also be
+    /// a multiple of 8. NVFP4 global scales may differ between the two.
     pub fn upload_gate_up(
         dev: &Device,
+        w1: HostWeight<'_>,
+        w3: HostWeight<'_>,
+        n: usize,
+        k: usize,
+    ) -> Result<GemvWeight, GpuError> {
+        let mut st = Stager::for_bytes(dev, host_bytes(&w1) + host_bytes(&w3))?;
+        GemvWeight::load_gate_up(&mut st, w1, w3, n, k)
+    }
+
+    /// [`Self::upload_gate_up`] through `st`.
+    pub fn load_gate_up(
+        st: &mut Stager<'_>,
         w1: HostWeight<'_>,
         w3: HostWeight<'_>,
         n: usize,
@@ -632,20 +713,40 @@ impl GemvWeight {
             chunks: k / p1.format.chunk_elems(),
             gate_up: true,
         };
-        let mut codes = pack::pack(&layout, 16, &p1.codes, &p3.codes)?;
-        pack::encode_codes(p1.format.code_order(), &mut codes);
+        let dev = st.device();
+        let mut codes = dev.alloc::<u8>(DType::U8, &[layout.slots() * 16])?;
+        let order = p1.format.code_order();
+        relayout::pack_from_host(
+            st,
+            &mut codes,
+            0,
+            &layout,
+            16,
+            order,
+            &[p1.codes],
+            &[p3.codes],
+        )?;
         let scales = match (p1.scales, p3.scales) {
-            (Some((s1, unit)), Some((s3, _))) => Some(dev.upload(
-                DType::U8,
-                &[layout.slots() * unit],
-                &pack::pack(&layout, unit, s1, s3)?,
-            )?),
+            (Some((s1, unit)), Some((s3, _))) => {
+                let mut t = dev.alloc::<u8>(DType::U8, &[layout.slots() * unit])?;
+                relayout::pack_from_host(
+                    st,
+                    &mut t,
+                    0,
+                    &layout,
+                    unit,
+                    pack::CodeOrder::Plain,
+                    &[s1],
+                    &[s3],
+                )?;
+                Some(t)
+            }
             _ => None,
         };
         let fp8 = match (p1.fp8, p3.fp8) {
             (Some((r1, sf1, b1)), Some((r3, sf3, b3))) => Some((
-                upload_fp8_scale(dev, r1, sf1, n, k, b1)?,
-                Some(upload_fp8_scale(dev, r3, sf3, n, k, b3)?),
+                relayout::fp8_scales_from_host(st, &[r1], sf1, n, k, b1)?,
+                Some(relayout::fp8_scales_from_host(st, &[r3], sf3, n, k, b3)?),
             )),
             _ => None,
         };
@@ -654,7 +755,7 @@ impl GemvWeight {
             n,
             k,
             gate_up: true,
-            codes: dev.upload(DType::U8, &[codes.len()], &codes)?,
+            codes,
             scales,
             fp8,
             post: (p1.post, p3.post),
@@ -710,7 +811,9 @@ impl GemvWeight {
                 };
                 let sn = n.div_ceil(block.0) * k.div_ceil(block.1);
                 let raw = raw.repeat(sn);
-                let scale = || upload_fp8_scale(dev, &raw, sf, n, k, block);
+                let mut st = Stager::for_bytes(dev, raw.len())?;
+                let mut scale =
+                    || relayout::fp8_scales_from_host(&mut st, &[&raw], sf, n, k, block);
                 fp8 = Some((scale()?, if gate_up { Some(scale()?) } else { None }));
                 n * k + raw.len()
             }
@@ -739,6 +842,21 @@ impl GemvWeight {
             fp8,
             post: (post, post),
             bytes: mats * bytes,
+        })
+    }
+
+    /// The device buffers, copied back (tests compare them with [`reference::packed`]).
+    pub fn download(&self, dev: &Device) -> Result<reference::Packed, GpuError> {
+        Ok(reference::Packed {
+            codes: dev.download(&self.codes)?,
+            scales: self.scales.as_ref().map(|t| dev.download(t)).transpose()?,
+            fp8: match &self.fp8 {
+                Some((a, b)) => Some((
+                    dev.download(a)?,
+                    b.as_ref().map(|t| dev.download(t)).transpose()?,
+                )),
+                None => None,
+            },
         })
     }
 
@@ -1425,8 +1543,56 @@ pub fn gemv_swiglu(
 pub mod reference {
     use half::bf16;
 
-    use super::HostWeight;
+    use super::{pack, parts, HostWeight};
     use crate::codecs::{fp8_block, mxfp4, nvfp4, CodecError};
+    use crate::gpu::relayout::reference::{fp8_scale_rows, pack_tiles};
+    use crate::gpu::GpuError;
+
+    /// A [`super::GemvWeight`]'s device buffers: tile-packed codes, packed NVFP4/MXFP4 scales,
+    /// and the FP8 kernel scales of W (W1) and, for gate+up, W3.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct Packed {
+        pub codes: Vec<u8>,
+        pub scales: Option<Vec<u8>>,
+        pub fp8: Option<(Vec<f32>, Option<Vec<f32>>)>,
+    }
+
+    /// What [`super::GemvWeight::upload`] (`w3` None) or
+    /// [`super::GemvWeight::upload_gate_up`] puts on the device, computed on the host.
+    pub fn packed(
+        w: HostWeight<'_>,
+        w3: Option<HostWeight<'_>>,
+        n: usize,
+        k: usize,
+    ) -> Result<Packed, GpuError> {
+        let p = parts(w, n, k)?;
+        let p3 = w3.map(|w| parts(w, n, k)).transpose()?;
+        let layout = pack::Layout {
+            rows: n,
+            chunks: k / p.format.chunk_elems(),
+            gate_up: p3.is_some(),
+        };
+        let order = p.format.code_order();
+        let codes3 = p3.as_ref().map_or(&[][..], |q| q.codes);
+        let scales = match (p.scales, p3.as_ref().map(|q| q.scales)) {
+            (Some((s, unit)), None) => {
+                Some(pack_tiles(&layout, unit, pack::CodeOrder::Plain, s, &[])?)
+            }
+            (Some((s, unit)), Some(Some((s3, _)))) => {
+                Some(pack_tiles(&layout, unit, pack::CodeOrder::Plain, s, s3)?)
+            }
+            _ => None,
+        };
+        let fp8_of = |q: &super::Parts<'_>| {
+            q.fp8
+                .map(|(raw, sf, block)| fp8_scale_rows(raw, sf, n, k, block))
+        };
+        Ok(Packed {
+            codes: pack_tiles(&layout, 16, order, p.codes, codes3)?,
+            scales,
+            fp8: fp8_of(&p).map(|f| (f, p3.as_ref().and_then(fp8_of))),
+        })
+    }
 
     /// The `[n, k]` weight as f32 (every dequantized value is exact in f32).
     pub fn dequantize(w: HostWeight<'_>, n: usize, k: usize) -> Result<Vec<f32>, CodecError> {
@@ -1441,10 +1607,12 @@ pub mod reference {
                 format,
                 block,
             } => fp8_block::dequantize(weight, scale, format, n, k, block.0, block.1),
-            HostWeight::Nvfp4(q) => {
-                nvfp4::dequantize(&q.weight, &q.weight_scale, q.weight_scale_2, n, k)
-            }
-            HostWeight::Mxfp4(q) => mxfp4::dequantize(&q.weight, &q.scale, n, k),
+            HostWeight::Nvfp4 {
+                weight,
+                weight_scale,
+                weight_scale_2,
+            } => nvfp4::dequantize(weight, weight_scale, weight_scale_2, n, k),
+            HostWeight::Mxfp4 { weight, scale } => mxfp4::dequantize(weight, scale, n, k),
         }
     }
 
@@ -1776,39 +1944,6 @@ mod tests {
         assert!(check_mxfp4_scales("w", &[0, 127, 144]).is_ok());
         let err = check_mxfp4_scales("w", &[127, 145]).unwrap_err();
         assert!(err.to_string().contains("145 at 1"), "{err}");
-    }
-
-    /// Each row of kernel scales is the row's scales over its factor, then the factor: a power
-    /// of two at or above the row's largest scale, so the divided scales are at most 1 and
-    /// multiply back exactly (e8m0 and f32 scales of any magnitude, all-zero rows).
-    #[test]
-    fn fp8_scale_rows_divide_by_a_power_of_two_factor() {
-        // e8m0: a [256, 320] weight in 128 x 128 blocks (2 x 3 scales); rows 2^-100.. and 2^90...
-        let e8 = [27u8, 30, 29, 217, 210, 200];
-        let v = fp8_scale_rows(&e8, ScaleFormat::E8m0, 256, 320, (128, 128));
-        let groups = 5;
-        assert_eq!(v.len(), 2 * (groups + 1));
-        for (r, want_factor) in [(0, 2f32.powi(-97)), (1, 2f32.powi(90))] {
-            let row = &v[r * (groups + 1)..(r + 1) * (groups + 1)];
-            assert_eq!(row[groups], want_factor);
-            for g in 0..groups {
-                let raw = ScaleFormat::E8m0.get(&e8, r * 3 + g * 64 / 128);
-                assert!(
-                    row[g] <= 1.0 && row[g] * row[groups] == raw,
-                    "row {r} group {g}"
-                );
-            }
-        }
-        // f32: a factor above a largest scale that is not a power of two; an all-zero row.
-        let f: Vec<u8> = [3.0f32, 0.75, 0.0, 0.0]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        let v = fp8_scale_rows(&f, ScaleFormat::F32, 2, 256, (1, 128));
-        assert_eq!(
-            v,
-            vec![0.75, 0.75, 0.1875, 0.1875, 4.0, 0.0, 0.0, 0.0, 0.0, 1.0]
-        );
     }
 
     #[test]

@@ -22,15 +22,18 @@ pub mod moe;
 pub mod moe_bf16;
 mod pool;
 pub mod random;
+pub mod relayout;
 pub mod router;
 pub mod rows;
 pub mod sample;
+pub mod stager;
 mod tensor;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
 
 pub use device::{Device, Readback};
 pub use pool::{BufferInfo, BufferPool, PoolError, Reservation};
+pub use stager::Stager;
 pub use tensor::{DType, DeviceElem, DeviceTensor};
 
 pub use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig};

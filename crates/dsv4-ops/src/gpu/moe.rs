@@ -14,14 +14,14 @@ use cudarc::driver::DeviceRepr;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::gemv::pack::{encode_codes, pack, CodeOrder, Layout};
+use super::gemv::pack::{CodeOrder, Layout};
 use super::gemv::{
-    check_mxfp4_scales, resident_warps, staging_bytes, tuning, MXFP4_MAX_SCALE_BYTE,
+    check_mxfp4_scales, resident_warps, staging_bytes, tuning, HostWeight, MXFP4_MAX_SCALE_BYTE,
 };
 use super::launch::dim_u32;
 use super::launch::launch_struct;
 use super::random;
-use super::{DType, Device, DeviceTensor, GpuError};
+use super::{DType, Device, DeviceTensor, GpuError, Stager};
 use crate::codecs::mxfp4::Mxfp4Quantized;
 use crate::codecs::nvfp4::Nvfp4Quantized;
 
@@ -153,8 +153,9 @@ fn packed_bytes(format: MoeFormat, d: usize, inter: usize) -> [usize; 4] {
 }
 
 impl MoeExperts {
-    /// Validates, repacks and stacks the experts' weights on the device. `D` and `I` must be
-    /// multiples of 32 and `I` at most [`MAX_INTER`]; MXFP4 scale bytes at most
+    /// Validates the experts' weights, copies them to the device and repacks and stacks them
+    /// there ([`Self::load`] through a stager of its own). `D` and `I` must be multiples of 32
+    /// and `I` at most [`MAX_INTER`]; MXFP4 scale bytes at most
     /// [`super::gemv::MXFP4_MAX_SCALE_BYTE`].
     pub fn upload(
         dev: &Device,
@@ -162,97 +163,148 @@ impl MoeExperts {
         d: usize,
         inter: usize,
     ) -> Result<MoeExperts, GpuError> {
-        // (codes, scales) of one matrix.
-        type Mat<'a> = (&'a [u8], &'a [u8]);
-        let (format, mats): (MoeFormat, Vec<[Mat<'_>; 3]>) = match host {
+        let experts: Vec<[HostWeight<'_>; 3]> = match host {
             HostExperts::Nvfp4 { w1, w3, w2 } => {
                 same_expert_counts("nvfp4 experts", w1.len(), w3.len(), w2.len())?;
-                let m = (0..w1.len())
-                    .map(|e| {
-                        [&w1[e], &w3[e], &w2[e]].map(|q: &Nvfp4Quantized| {
-                            (q.weight.as_slice(), q.weight_scale.as_slice())
-                        })
-                    })
-                    .collect();
-                (MoeFormat::Nvfp4, m)
+                (0..w1.len())
+                    .map(|e| [&w1[e], &w3[e], &w2[e]].map(HostWeight::from))
+                    .collect()
             }
             HostExperts::Mxfp4 { w1, w3, w2 } => {
                 same_expert_counts("mxfp4 experts", w1.len(), w3.len(), w2.len())?;
-                let m = (0..w1.len())
-                    .map(|e| {
-                        [&w1[e], &w3[e], &w2[e]]
-                            .map(|q: &Mxfp4Quantized| (q.weight.as_slice(), q.scale.as_slice()))
-                    })
-                    .collect();
-                (MoeFormat::Mxfp4, m)
+                (0..w1.len())
+                    .map(|e| [&w1[e], &w3[e], &w2[e]].map(HostWeight::from))
+                    .collect()
             }
+        };
+        let bytes = packed_bytes(MoeFormat::Nvfp4, d, inter)
+            .iter()
+            .sum::<usize>();
+        let mut st = Stager::for_bytes(dev, bytes.saturating_mul(experts.len()))?;
+        MoeExperts::load(&mut st, &experts, d, inter)
+    }
+
+    /// Experts `[w1, w3, w2]` (all NVFP4 or all MXFP4) copied up through `st` and repacked and
+    /// stacked on the device. As [`Self::upload`].
+    pub fn load(
+        st: &mut Stager<'_>,
+        experts: &[[HostWeight<'_>; 3]],
+        d: usize,
+        inter: usize,
+    ) -> Result<MoeExperts, GpuError> {
+        let format = match experts.first().map(|e| &e[0]) {
+            Some(HostWeight::Mxfp4 { .. }) => MoeFormat::Mxfp4,
+            _ => MoeFormat::Nvfp4,
         };
         let what = format!("{} experts", format.name());
-        let e = mats.len();
+        let e = experts.len();
         check_dims(&what, e, d, inter)?;
-        let (up, down) = layouts(d, inter);
         let unit = format.scale_unit();
-        let sizes = packed_bytes(format, d, inter);
-        // Experts are packed in parallel, then stacked in order.
-        let packed: Vec<[Vec<u8>; 4]> = mats
+        // (codes, scales, global scale) of each matrix, checked.
+        type Mat<'a> = (&'a [u8], &'a [u8], f32);
+        let mats: Vec<[Mat<'_>; 3]> = experts
             .par_iter()
             .enumerate()
-            .map(|(i, [(c1, s1), (c3, s3), (c2, s2)])| {
-                let ctx = |m: &str| format!("{what}: expert {i} {m}");
-                if format == MoeFormat::Mxfp4 {
-                    for sc in [s1, s3, s2] {
-                        check_mxfp4_scales(&ctx("scales"), sc)?;
+            .map(|(i, ws)| {
+                let mut out = [(&[][..], &[][..], 1.0); 3];
+                for (j, (w, o)) in ws.iter().zip(&mut out).enumerate() {
+                    let ctx = || format!("{what}: expert {i} {}", ["w1", "w3", "w2"][j]);
+                    *o =
+                        match (*w, format) {
+                            (
+                                HostWeight::Nvfp4 {
+                                    weight,
+                                    weight_scale,
+                                    weight_scale_2,
+                                },
+                                MoeFormat::Nvfp4,
+                            ) => {
+                                if !weight_scale_2.is_finite() {
+                                    return Err(invalid(
+                                        &ctx(),
+                                        format!("weight_scale_2 {weight_scale_2} is not finite"),
+                                    ));
+                                }
+                                (weight, weight_scale, weight_scale_2)
+                            }
+                            (HostWeight::Mxfp4 { weight, scale }, MoeFormat::Mxfp4) => {
+                                check_mxfp4_scales(&ctx(), scale)?;
+                                (weight, scale, 1.0)
+                            }
+                            _ => return Err(invalid(
+                                &ctx(),
+                                "not in the format of expert 0 w1 (experts are all NVFP4 or all \
+                                 MXFP4)",
+                            )),
+                        };
+                    let (codes, scales) = (d * inter / 2, d * inter / format.scale_block());
+                    if o.0.len() != codes || o.1.len() != scales {
+                        return Err(invalid(
+                            &ctx(),
+                            format!(
+                                "{} code and {} scale bytes where D = {d}, I = {inter} needs \
+                                 {codes} and {scales}",
+                                o.0.len(),
+                                o.1.len()
+                            ),
+                        ));
                     }
                 }
-                let mut packed = [
-                    pack(&up, 16, c1, c3).map_err(|err| invalid(&ctx("w1/w3"), err.to_string()))?,
-                    pack(&up, unit, s1, s3)
-                        .map_err(|err| invalid(&ctx("w1/w3 scales"), err.to_string()))?,
-                    pack(&down, 16, c2, &[]).map_err(|err| invalid(&ctx("w2"), err.to_string()))?,
-                    pack(&down, unit, s2, &[])
-                        .map_err(|err| invalid(&ctx("w2 scales"), err.to_string()))?,
-                ];
-                encode_codes(CodeOrder::Fp4, &mut packed[0]);
-                encode_codes(CodeOrder::Fp4, &mut packed[2]);
-                Ok(packed)
+                Ok(out)
             })
             .collect::<Result<_, GpuError>>()?;
-        let mut stacked: [Vec<u8>; 4] = sizes.map(|b| Vec::with_capacity(b * e));
-        for p in packed {
-            for (dst, src) in stacked.iter_mut().zip(p) {
-                dst.extend_from_slice(&src);
-            }
-        }
-        let globals = match host {
-            HostExperts::Nvfp4 { w1, w3, w2 } => {
-                let g: Vec<Vec<f32>> = [w1, w3, w2]
-                    .iter()
-                    .map(|w| w.iter().map(|q| q.weight_scale_2).collect())
-                    .collect();
-                if let Some(bad) = g.iter().flatten().find(|v| !v.is_finite()) {
-                    return Err(invalid(
-                        &what,
-                        format!("weight_scale_2 {bad} is not finite"),
-                    ));
-                }
-                Some([
-                    dev.upload(DType::F32, &[e], &g[0])?,
-                    dev.upload(DType::F32, &[e], &g[1])?,
-                    dev.upload(DType::F32, &[e], &g[2])?,
-                ])
-            }
-            HostExperts::Mxfp4 { .. } => None,
+        let (up, down) = layouts(d, inter);
+        let sizes = packed_bytes(format, d, inter);
+        let dev = st.device();
+        let [w13, s13, w2, s2] = sizes.map(|b| dev.alloc::<u8>(DType::U8, &[e, b]));
+        let (mut w13, mut s13, mut w2, mut s2) = (w13?, s13?, w2?, s2?);
+        // Experts' matrices stacked row-wise end on whole tiles (I and D are multiples of 32),
+        // so all experts' tiles are packed at once, expert after expert.
+        let pick = |j: usize, codes: bool| -> Vec<&[u8]> {
+            mats.iter()
+                .map(|m| if codes { m[j].0 } else { m[j].1 })
+                .collect()
         };
-        let [w13, s13, w2, s2] = stacked;
+        let (up, down) = ([up, down])
+            .map(|l| Layout {
+                rows: l.rows * e,
+                ..l
+            })
+            .into();
+        let targets = [
+            (&mut w13, &up, 16, CodeOrder::Fp4, true),
+            (&mut s13, &up, unit, CodeOrder::Plain, false),
+            (&mut w2, &down, 16, CodeOrder::Fp4, true),
+            (&mut s2, &down, unit, CodeOrder::Plain, false),
+        ];
+        for (t, layout, unit, order, codes) in targets {
+            // W1 (W3) for gate+up, W2 otherwise.
+            let (w, w3) = if layout.gate_up {
+                (pick(0, codes), pick(1, codes))
+            } else {
+                (pick(2, codes), vec![])
+            };
+            super::relayout::pack_from_host(st, t, 0, layout, unit, order, &w, &w3)?;
+        }
+        let globals = match format {
+            MoeFormat::Nvfp4 => {
+                let g = |j: usize| {
+                    let v: Vec<f32> = mats.iter().map(|m| m[j].2).collect();
+                    dev.upload(DType::F32, &[e], &v)
+                };
+                Some([g(0)?, g(1)?, g(2)?])
+            }
+            MoeFormat::Mxfp4 => None,
+        };
         Ok(MoeExperts {
             format,
             experts: e,
             d,
             inter,
-            w13: dev.upload(DType::U8, &[e, sizes[0]], &w13)?,
-            s13: dev.upload(DType::U8, &[e, sizes[1]], &s13)?,
-            w2: dev.upload(DType::U8, &[e, sizes[2]], &w2)?,
-            s2: dev.upload(DType::U8, &[e, sizes[3]], &s2)?,
+            w13,
+            s13,
+            w2,
+            s2,
             globals,
         })
     }
@@ -356,6 +408,17 @@ impl MoeExperts {
             s2,
             globals,
         })
+    }
+
+    /// The stacked device buffers `[w13, s13, w2, s2]`, copied back (tests compare them with
+    /// [`reference::packed`]).
+    pub fn download(&self, dev: &Device) -> Result<[Vec<u8>; 4], GpuError> {
+        Ok([
+            dev.download(&self.w13)?,
+            dev.download(&self.s13)?,
+            dev.download(&self.w2)?,
+            dev.download(&self.s2)?,
+        ])
     }
 
     pub fn format(&self) -> MoeFormat {
@@ -563,7 +626,41 @@ pub fn moe_decode(
 pub mod reference {
     use half::bf16;
 
+    use super::{layouts, CodeOrder, MoeFormat};
     use crate::gpu::gemv::reference::{gemv, swiglu};
+    use crate::gpu::gemv::HostWeight;
+    use crate::gpu::relayout::reference::pack_tiles;
+    use crate::gpu::GpuError;
+
+    /// What [`super::MoeExperts::load`] puts on the device (`[w13, s13, w2, s2]`), computed on
+    /// the host expert by expert: each expert's tiles, stacked.
+    pub fn packed(
+        experts: &[[HostWeight<'_>; 3]],
+        format: MoeFormat,
+        d: usize,
+        inter: usize,
+    ) -> Result<[Vec<u8>; 4], GpuError> {
+        let (up, down) = layouts(d, inter);
+        let unit = format.scale_unit();
+        let (fp4, plain) = (CodeOrder::Fp4, CodeOrder::Plain);
+        let mut out: [Vec<u8>; 4] = Default::default();
+        for e in experts {
+            let [(c1, s1), (c3, s3), (c2, s2)] = e.map(|w| match w {
+                HostWeight::Nvfp4 {
+                    weight,
+                    weight_scale,
+                    ..
+                } => (weight, weight_scale),
+                HostWeight::Mxfp4 { weight, scale } => (weight, scale),
+                _ => (&[][..], &[][..]),
+            });
+            out[0].extend(pack_tiles(&up, 16, fp4, c1, c3)?);
+            out[1].extend(pack_tiles(&up, unit, plain, s1, s3)?);
+            out[2].extend(pack_tiles(&down, 16, fp4, c2, &[])?);
+            out[3].extend(pack_tiles(&down, unit, plain, s2, &[])?);
+        }
+        Ok(out)
+    }
 
     /// The expert an id selects in every MoE: ids outside `[0, experts)` select none.
     pub fn expert_index(id: i32, experts: usize) -> Option<usize> {

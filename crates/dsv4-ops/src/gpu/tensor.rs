@@ -38,7 +38,7 @@ mod sealed {
 
 /// A Rust storage type for device tensors and the dtypes it may carry.
 pub trait DeviceElem:
-    DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static + sealed::Sealed
+    DeviceRepr + ValidAsZeroBits + bytemuck::Pod + Default + Send + Sync + 'static + sealed::Sealed
 {
     const DTYPES: &'static [DType];
 }

@@ -24,7 +24,7 @@ use super::gemv::tuning::PROGRAMMATIC_LAUNCH;
 use super::launch::{dim_u32, launch_struct};
 use super::moe::{check_routing, same_expert_counts};
 use super::random;
-use super::{DType, Device, DeviceTensor, GpuError};
+use super::{DType, Device, DeviceTensor, GpuError, Stager};
 
 /// Largest number of tokens one launch takes (`MAX_M` in moe_bf16.cu).
 pub const MAX_M: usize = 16;
@@ -71,10 +71,24 @@ fn check_dims(what: &str, experts: usize, d: usize, inter: usize) -> Result<(), 
 
 impl Bf16Experts {
     /// `w1[e]`, `w3[e]` row-major `[inter, d]`, `w2[e]` `[d, inter]`, one slice per expert.
-    /// `d` and `inter` must be multiples of [`DIM_MULTIPLE`]. Copies expert by expert (no host
-    /// copy of the whole stack).
+    /// `d` and `inter` must be multiples of [`DIM_MULTIPLE`] ([`Self::load`] through a stager of
+    /// its own).
     pub fn upload(
         dev: &Device,
+        w1: &[&[bf16]],
+        w3: &[&[bf16]],
+        w2: &[&[bf16]],
+        d: usize,
+        inter: usize,
+    ) -> Result<Bf16Experts, GpuError> {
+        let bytes = 2 * d * inter * 3 * w1.len();
+        let mut st = Stager::for_bytes(dev, bytes)?;
+        Bf16Experts::load(&mut st, w1, w3, w2, d, inter)
+    }
+
+    /// [`Self::upload`] through `st`, expert by expert (no host copy of the whole stack).
+    pub fn load(
+        st: &mut Stager<'_>,
         w1: &[&[bf16]],
         w3: &[&[bf16]],
         w2: &[&[bf16]],
@@ -98,14 +112,10 @@ impl Bf16Experts {
                 ));
             }
         }
-        let upload = |mats: &[&[bf16]], shape: [usize; 3]| {
-            let mut t = dev.alloc::<bf16>(DType::BF16, &shape)?;
-            let mut view = t.view_mut();
+        let mut upload = |mats: &[&[bf16]], shape: [usize; 3]| {
+            let mut t = st.device().alloc::<bf16>(DType::BF16, &shape)?;
             for (i, m) in mats.iter().enumerate() {
-                let mut dst = view.slice_mut(i * per..(i + 1) * per);
-                dev.stream()
-                    .memcpy_htod(*m, &mut dst)
-                    .map_err(GpuError::driver(format!("uploading {what}: expert {i}")))?;
+                st.copy(m, &mut t, i * per)?;
             }
             Ok::<_, GpuError>(t)
         };
