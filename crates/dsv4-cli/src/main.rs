@@ -14,7 +14,7 @@ use dsv4_model::chat::{encode_chat, ChatMode, Message};
 use dsv4_model::checkpoint::Checkpoint;
 use dsv4_model::config::{Config, LayerKind};
 use dsv4_model::cpu::{CpuModel, Logits};
-use dsv4_model::gpu::{plan_memory, GpuModel, GpuOptions};
+use dsv4_model::gpu::{plan_memory, plan_random_memory, GpuModel, GpuOptions};
 use dsv4_model::sampling::{self, Sampler};
 use dsv4_model::synth::{write_synthetic, SynthFormat};
 use dsv4_model::tokenizer::Tokenizer;
@@ -401,7 +401,11 @@ fn random_gpu_model(
     gpus: Gpus,
 ) -> Result<GpuModel> {
     let visible = Device::count().context("counting CUDA devices")?;
-    let devs = open_devices(gpu_count(gpus, visible)?, None)?;
+    let world = gpu_count(gpus, visible)?;
+    let first = Arc::new(Device::new(0).context("opening CUDA device 0")?);
+    let plan = plan_random_memory(&config, format, world, first.memory_info()?.0, max_context)?;
+    eprintln!("memory plan: {plan}");
+    let devs = open_devices(world, Some(first))?;
     let t = Instant::now();
     let model = with_layer_bar("drawing", |progress| {
         GpuModel::random(
@@ -612,6 +616,14 @@ fn bench(a: BenchArgs) -> Result<()> {
             a.decode
         );
     }
+    // Before the model takes the memory its 2 GiB of buffers need.
+    let bw = {
+        let dev = Device::new(0).context("opening CUDA device 0")?;
+        let bw = dsv4_ops::gpu::bandwidth::measure_copy_bandwidth(&dev, 1 << 30, 20)?;
+        // The buffers' stream-ordered frees return their memory at a synchronization.
+        dev.synchronize()?;
+        bw
+    };
     let mut model = match &a.model {
         Some(dir) => load_gpu_model(dir, Some(context), Some(a.gpus.unwrap_or(Gpus::Count(1))))?,
         None => {
@@ -651,7 +663,6 @@ fn bench(a: BenchArgs) -> Result<()> {
     let cfg = model.config().clone();
     let schedule: Vec<&str> = cfg.layers.iter().map(|k| k.name()).collect();
     let dev = model.device().clone();
-    let bw = dsv4_ops::gpu::bandwidth::measure_copy_bandwidth(&dev, 1 << 30, 20)?;
     let bytes = model.step_weight_bytes() as f64;
     let roofline_ms = bytes / bw.bytes_per_second * 1e3;
     let source = match &a.model {

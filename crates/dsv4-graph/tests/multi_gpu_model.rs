@@ -179,30 +179,42 @@ fn multi_gpu_flash_width_model_matches_one_gpu() {
 fn multi_gpu_graph_replay_is_bit_identical_to_eager_launches() {
     let devs = devices();
     let steps = sanitizer_length(300, 48);
-    let dir = dsv4_tests::fixtures_dir().join("long");
-    let config = Checkpoint::open(&dir).unwrap().config().clone();
-    let prompt: Vec<u32> = load_oracle(&dir).input_ids[..5].to_vec();
+    // The long fixture (its widths split over 2 GPUs) and a Flash-width model (over 2, 4, 8).
+    let long = dsv4_tests::fixtures_dir().join("long");
+    let flash = tempfile::tempdir().unwrap();
+    write_synthetic(
+        &flash_width(),
+        SynthFormat::Nvfp4,
+        flash.path(),
+        5,
+        &mut |_, _| {},
+    )
+    .unwrap();
     let mut ran = 0;
-    for world in worlds(&devs) {
-        if local_config(&config, world).is_err() {
-            continue;
+    for dir in [long.as_path(), flash.path()] {
+        let config = Checkpoint::open(dir).unwrap().config().clone();
+        let prompt: Vec<u32> = (0..5u32)
+            .map(|i| (i * 7919 + 13) % config.vocab_size as u32)
+            .collect();
+        for world in worlds(&devs) {
+            if local_config(&config, world).is_err() {
+                continue;
+            }
+            let mut model = load(dir, &devs[..world], 320);
+            let (eager_tokens, eager_logits) = decode(&mut model, &prompt, steps, false);
+            let (graph_tokens, graph_logits) = decode(&mut model, &prompt, steps, true);
+            let what = format!("{} over {world} GPUs", dir.display());
+            assert_eq!(graph_tokens, eager_tokens, "{what}: sampled tokens");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&graph_logits) == bits(&eager_logits),
+                "{what}: graph logits differ from eager ones"
+            );
+            println!("{what}: {steps} graph replays bit-identical to eager launches");
+            ran += 1;
         }
-        let mut model = load(&dir, &devs[..world], 320);
-        let (eager_tokens, eager_logits) = decode(&mut model, &prompt, steps, false);
-        let (graph_tokens, graph_logits) = decode(&mut model, &prompt, steps, true);
-        assert_eq!(graph_tokens, eager_tokens, "{world} GPUs: sampled tokens");
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert!(
-            bits(&graph_logits) == bits(&eager_logits),
-            "{world} GPUs: graph logits differ from eager ones"
-        );
-        println!("{world} GPUs: {steps} graph replays bit-identical to eager launches");
-        ran += 1;
     }
-    assert!(
-        ran > 0,
-        "the long fixture splits over none of the GPU counts"
-    );
+    assert!(ran >= 2, "the models split over too few of the GPU counts");
 }
 
 #[test]

@@ -1335,18 +1335,45 @@ pub fn plan_memory(
     free: usize,
     max_context: Option<usize>,
 ) -> Result<MemoryPlan, GpuModelError> {
+    let shared_inter = weights.layers.first().map_or(0, |l| l.moe.shared.w1.rows());
+    let rank_bytes = |n: usize| crate::shard::rank_weight_bytes(weights, n);
+    plan(config, &rank_bytes, shared_inter, world, free, max_context)
+}
+
+/// [`plan_memory`] for the model [`GpuModel::random`] draws in `format`.
+pub fn plan_random_memory(
+    config: &Config,
+    format: SynthFormat,
+    world: usize,
+    free: usize,
+    max_context: Option<usize>,
+) -> Result<MemoryPlan, GpuModelError> {
+    let shared_inter = random::shared_inter(config);
+    let rank_bytes = |n: usize| random::rank_weight_bytes(config, format, n);
+    plan(config, &rank_bytes, shared_inter, world, free, max_context)
+}
+
+/// The plan for a model whose ranks of `n` GPUs hold `rank_bytes(n)` weight bytes each, with
+/// shared experts `shared_inter` wide.
+fn plan(
+    config: &Config,
+    rank_bytes: &dyn Fn(usize) -> usize,
+    shared_inter: usize,
+    world: usize,
+    free: usize,
+    max_context: Option<usize>,
+) -> Result<MemoryPlan, GpuModelError> {
     let local = local_config(config, world)?;
-    let w = crate::shard::rank_weight_bytes(weights, world);
-    let shared_inter = weights.layers.first().map_or(0, |l| l.moe.shared.w1.rows()) / world;
+    let w = rank_bytes(world);
     let fits = |n: usize| -> bool {
         let Ok(lc) = local_config(config, n) else {
             return false;
         };
-        let wn = crate::shard::rank_weight_bytes(weights, n);
-        free.checked_sub(wn).is_some_and(|rest| {
-            choose_capacity(&lc, max_context, shared_inter * world / n, n, rest).is_ok()
+        free.checked_sub(rank_bytes(n)).is_some_and(|rest| {
+            choose_capacity(&lc, max_context, shared_inter / n, n, rest).is_ok()
         })
     };
+    let shared_inter = shared_inter / world;
     let capacity = free.checked_sub(w).ok_or(()).and_then(|rest| {
         choose_capacity(&local, max_context, shared_inter, world, rest).map_err(|_| ())
     });
@@ -1507,6 +1534,35 @@ mod tests {
                 .to_string();
             assert!(err.contains("too little GPU memory"), "{err}");
             assert!(err.contains(&small.to_string()), "{err}");
+        }
+    }
+
+    #[test]
+    fn random_model_plan_counts_the_bytes_of_the_synthetic_checkpoint() {
+        use crate::checkpoint::Checkpoint;
+        use crate::synth::{write_synthetic, SynthFormat};
+        let c = Config::tiny();
+        for format in [SynthFormat::Official, SynthFormat::Nvfp4, SynthFormat::Bf16] {
+            let dir = tempfile::tempdir().unwrap();
+            write_synthetic(&c, format, dir.path(), 1, &mut |_, _| {}).unwrap();
+            let w = ModelWeights::load(&Checkpoint::open(dir.path()).unwrap(), |_, _| {}).unwrap();
+            for world in [1, 2] {
+                let (loaded, drawn) = (
+                    crate::shard::rank_weight_bytes(&w, world) as f64,
+                    random::rank_weight_bytes(&c, format, world) as f64,
+                );
+                // The checkpoint counts its FP8 scales as stored (e8m0), the device holds them
+                // as f32 rows; everything else is the same bytes.
+                assert!(
+                    (drawn - loaded).abs() <= 0.01 * loaded,
+                    "{format:?} over {world}: drawn {drawn} loaded {loaded}"
+                );
+            }
+            let bytes = random::rank_weight_bytes(&c, format, 1);
+            let plan = plan_random_memory(&c, format, 1, bytes + (1 << 30), Some(64)).unwrap();
+            assert_eq!((plan.capacity, plan.weights), (64, bytes));
+            let err = plan_random_memory(&c, format, 1, bytes / 2, Some(64)).unwrap_err();
+            assert!(err.to_string().contains("bytes of weights per GPU"), "{err}");
         }
     }
 

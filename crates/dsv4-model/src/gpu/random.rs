@@ -25,6 +25,54 @@ use crate::config::{Config, LayerKind};
 use crate::rope::Rope;
 use crate::synth::{name_key, spec_expert_ids, spec_values, SynthFormat};
 
+/// The shared experts' intermediate width.
+pub(super) fn shared_inter(config: &Config) -> usize {
+    config.moe_intermediate_size
+}
+
+/// Whether rank slices of a tensor (canonical name) are cut: the query heads, the output
+/// groups, every expert's intermediate and the head's vocabulary (see [`crate::shard`]).
+fn is_split(name: &str) -> bool {
+    [".attn.wq_b", ".attn.wo_a", ".attn.wo_b", ".attn.attn_sink", ".ffn.experts.", ".ffn.shared_experts."]
+        .iter()
+        .any(|p| name.contains(p))
+        || name == "head"
+}
+
+/// Device bytes one rank of `world` holds of the model drawn in `format` (the split tensors'
+/// `world`-th, the rest whole): the memory plan's figure, known before anything is drawn.
+pub(super) fn rank_weight_bytes(config: &Config, format: SynthFormat, world: usize) -> usize {
+    let stored = format != SynthFormat::Bf16;
+    let (mut whole, mut split) = (0, 0);
+    for TensorSpec { name, kind } in layout::layout(config) {
+        let bytes = match kind {
+            TensorKind::Linear { rows, cols, role } => {
+                let n = rows * cols;
+                match role {
+                    LinearRole::Fp8 if stored => {
+                        // e4m3 codes, and the kernels' f32 scale rows (one per 64 columns).
+                        n + rows.div_ceil(128) * (cols.div_ceil(64) + 1) * 4
+                    }
+                    LinearRole::RoutedExpert { .. } => match format {
+                        SynthFormat::Nvfp4 => n / 2 + n / 16,
+                        SynthFormat::Official => n / 2 + n / 32,
+                        SynthFormat::Bf16 => 2 * n,
+                    },
+                    _ => 2 * n,
+                }
+            }
+            TensorKind::Vector { shape, .. } => 4 * shape.iter().product::<usize>(),
+            TensorKind::Index { rows, cols } => 4 * rows * cols,
+        };
+        if is_split(&name) {
+            split += bytes;
+        } else {
+            whole += bytes;
+        }
+    }
+    whole + split / world
+}
+
 /// Draws each named tensor of `config`'s layout in `format`.
 struct Draw<'a> {
     dev: &'a Device,
