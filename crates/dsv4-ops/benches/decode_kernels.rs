@@ -1112,6 +1112,17 @@ fn main() -> Res<()> {
         b.gemv_case(model, "shared expert w2", Fmt::Fp8, d, inter, false)?;
         b.gemv_case(model, "lm_head", Fmt::Bf16, 129280, d, false)?;
         b.moe_case(model, if model == "Flash" { 256 } else { 384 }, d, inter, 6)?;
+        // Tensor parallelism at one token, per GPU: every expert's intermediate split over n
+        // GPUs (each reads its slice of the six experts), against experts spread over them
+        // (the busiest GPU runs m whole experts of its 256/n; m depends on the routing).
+        if model == "Flash" {
+            for n in [2, 4] {
+                b.moe_case(model, 256, d, inter / n, 6)?;
+                for m in 6usize.div_ceil(n)..=6 {
+                    b.moe_case(model, 256 / n, d, inter, m)?;
+                }
+            }
+        }
         // NVFP4 activations of a decode step and of a small batch, as wide as the hidden state
         // (the expert w1/w3 input) and the expert intermediate (the w2 input).
         for rows in [1, 16] {
