@@ -714,7 +714,10 @@ fn bench(a: BenchArgs) -> Result<()> {
     );
     let (eager_ms, eager_host) = time_decode(&mut model, a.decode, |m| Ok(eager_launch(m, &s)?))?;
     let graph = DecodeGraph::capture(&mut model, &s)?;
+    // The graph's replays are what a profiler started with `--profile-from-start off` sees.
+    model.device().profile(true)?;
     let (graph_ms, graph_host) = time_decode(&mut model, a.decode, |m| Ok(graph.replay(m)?))?;
+    model.device().profile(false)?;
     let pdl = &dsv4_ops::gpu::gemv::tuning::PROGRAMMATIC_LAUNCH;
     pdl.set(false);
     let plain = DecodeGraph::capture(&mut model, &s);

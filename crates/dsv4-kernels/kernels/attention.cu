@@ -300,13 +300,14 @@ __device__ __forceinline__ u32 order_key(float x) {
 
 // One block per token: selected[t, :] = the k largest of scores[t, 0..n_vis) in ascending index
 // order (ties to the lowest index), -1 past n_vis when n_vis < k. The threshold key is found
-// by a radix select (4 passes of 8 bits, integer histograms: order-independent); then each
+// by a radix select (4 passes of 8 bits over the keys, staged in shared memory when they fit; integer
+// histograms: order-independent; the bin found by a warp-wide scan); then each
 // thread takes a contiguous index range, an exclusive scan of the per-thread counts gives each
 // range's first output slot, and the keys equal to the threshold are taken in index order
 // until the count still needed is reached.
 DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __restrict__ scores, u32 cap, u32 ratio,
                                                              const u32* __restrict__ pos, u32 k,
-                                                             int* __restrict__ selected) {
+                                                             int* __restrict__ selected, u32 held_cap) {
     pdl_enter();
     __shared__ u32 hist[256];
     __shared__ u32 gt_s[SEL_THREADS];
@@ -321,24 +322,51 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
         for (u32 i = threadIdx.x; i < k; i += blockDim.x) out[i] = i < n ? (int)i : -1;
         return;
     }
+    const u32 lane = threadIdx.x % 32u;
+    // The keys, read once into shared memory when they fit there (held_cap keys), else reread
+    // from the scores by every pass.
+    extern __shared__ u32 keys_s[];
+    const bool held = n <= held_cap;
+    if (held) {
+#pragma unroll 8
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) keys_s[i] = order_key(s[i]);
+        __syncthreads();
+    }
+    const auto key_at = [&](u32 i) { return held ? keys_s[i] : order_key(s[i]); };
     u32 prefix = 0u, mask = 0u, krem = k;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) hist[b] = 0u;
         __syncthreads();
         for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
-            const u32 key = order_key(s[i]);
+            const u32 key = key_at(i);
             if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
         }
         __syncthreads();
-        if (threadIdx.x == 0u) {
-            u32 above = 0u;
-            for (int b = 255; b >= 0; b--) {
-                if (above + hist[b] >= krem) {
-                    sh_prefix = prefix | ((u32)b << shift);
+        // Warp 0 finds the bin holding the krem-th largest key: lane l takes bins 255 - 8l - j
+        // (j = 0..7, descending), a scan over the lanes counts the keys above each lane's bins.
+        if (threadIdx.x < 32u) {
+            u32 c[8], sum = 0u;
+#pragma unroll
+            for (u32 j = 0; j < 8u; j++) {
+                c[j] = hist[255u - 8u * lane - j];
+                sum += c[j];
+            }
+            u32 incl = sum;
+#pragma unroll
+            for (u32 o = 1u; o < 32u; o <<= 1) {
+                const u32 v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
+            }
+            u32 above = incl - sum;
+            bool found = !(above < krem && krem <= incl);
+#pragma unroll
+            for (u32 j = 0; j < 8u; j++) {
+                if (!found && above + c[j] >= krem) {
+                    sh_prefix = prefix | ((255u - 8u * lane - j) << shift);
                     sh_krem = krem - above;
-                    break;
+                    found = true;
                 }
-                above += hist[b];
+                above += c[j];
             }
         }
         __syncthreads();
@@ -351,7 +379,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     const u32 lo = min(threadIdx.x * chunk, n), hi = min(lo + chunk, n);
     u32 gt = 0u, eq = 0u;
     for (u32 i = lo; i < hi; i++) {
-        const u32 key = order_key(s[i]);
+        const u32 key = key_at(i);
         gt += key > prefix;
         eq += key == prefix;
     }
@@ -369,7 +397,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     u32 eq_seen = eq_s[threadIdx.x] - eq;
     u32 slot = gt_s[threadIdx.x] - gt + min(eq_seen, krem);
     for (u32 i = lo; i < hi; i++) {
-        const u32 key = order_key(s[i]);
+        const u32 key = key_at(i);
         bool take = key > prefix;
         if (key == prefix) take = eq_seen++ < krem;
         if (take) out[slot++] = (int)i;

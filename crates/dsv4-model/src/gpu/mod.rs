@@ -1562,7 +1562,10 @@ mod tests {
             let plan = plan_random_memory(&c, format, 1, bytes + (1 << 30), Some(64)).unwrap();
             assert_eq!((plan.capacity, plan.weights), (64, bytes));
             let err = plan_random_memory(&c, format, 1, bytes / 2, Some(64)).unwrap_err();
-            assert!(err.to_string().contains("bytes of weights per GPU"), "{err}");
+            assert!(
+                err.to_string().contains("bytes of weights per GPU"),
+                "{err}"
+            );
         }
     }
 

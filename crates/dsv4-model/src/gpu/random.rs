@@ -33,9 +33,16 @@ pub(super) fn shared_inter(config: &Config) -> usize {
 /// Whether rank slices of a tensor (canonical name) are cut: the query heads, the output
 /// groups, every expert's intermediate and the head's vocabulary (see [`crate::shard`]).
 fn is_split(name: &str) -> bool {
-    [".attn.wq_b", ".attn.wo_a", ".attn.wo_b", ".attn.attn_sink", ".ffn.experts.", ".ffn.shared_experts."]
-        .iter()
-        .any(|p| name.contains(p))
+    [
+        ".attn.wq_b",
+        ".attn.wo_a",
+        ".attn.wo_b",
+        ".attn.attn_sink",
+        ".ffn.experts.",
+        ".ffn.shared_experts.",
+    ]
+    .iter()
+    .any(|p| name.contains(p))
         || name == "head"
 }
 

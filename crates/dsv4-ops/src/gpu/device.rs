@@ -462,6 +462,24 @@ impl Device {
             .map_err(GpuError::driver("reading free memory"))
     }
 
+    /// Starts (`on`) or stops the range a profiler started with `--profile-from-start off`
+    /// (Nsight Compute, Nsight Systems) collects; without a profiler attached it does nothing.
+    pub fn profile(&self, on: bool) -> Result<(), GpuError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(GpuError::driver("binding the context"))?;
+        // SAFETY: no arguments; the context is current on this thread.
+        let r = unsafe {
+            if on {
+                sys::cuProfilerStart()
+            } else {
+                sys::cuProfilerStop()
+            }
+        };
+        r.result()
+            .map_err(GpuError::driver("marking the profiled range"))
+    }
+
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.refuse_in_capture("waiting for the stream")?;
         // The side stream's work too (a step that failed between a fork and its join).

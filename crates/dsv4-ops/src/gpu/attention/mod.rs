@@ -333,13 +333,17 @@ pub fn index_topk(
             })
         }?;
     }
+    // The keys of up to `held` entries staged in shared memory: as many as a block may hold
+    // (past the kernel's own arrays), no more than the capacity.
+    let free = dev.max_block_shared() - dev.kernel_limits("index_select")?.static_shared;
+    let held = (free / 4).min(dims[0] as usize) as u32;
     let cfg = LaunchConfig {
         grid_dim: (tokens, 1, 1),
         block_dim: (1024, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: 4 * held,
     };
     // SAFETY: scores [t, cap] (only [0, n_vis) of each row read, n_vis <= cap), pos [1],
-    // selected [t, k].
+    // selected [t, k], `held` keys of dynamic shared memory.
     unsafe {
         launch(dev, "index_select", cfg, |b| {
             b.ptr(scores)
@@ -347,7 +351,8 @@ pub fn index_topk(
                 .arg(dims[3])
                 .ptr(pos)
                 .arg(dims[4])
-                .ptr(selected);
+                .ptr(selected)
+                .arg(held);
         })
     }
 }
