@@ -1,5 +1,7 @@
 //! `dsv4`: run DeepSeek-V4 checkpoints.
 
+mod serve;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,6 +48,9 @@ enum Command {
     },
     /// Write a random-weight checkpoint laid out like the real releases.
     Synth(SynthArgs),
+    /// Serve the model over HTTP with the OpenAI API (chat completions, completions,
+    /// streaming, metrics).
+    Serve(serve::ServeArgs),
     /// Manage the CUDA kernel cache ($DSV4_KERNEL_CACHE or the user cache dir).
     Kernels {
         /// Compile every kernel into the cache now (needs NVRTC, no GPU) and report the
@@ -95,7 +100,7 @@ enum Backend {
     Cpu,
 }
 
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone, Copy)]
 struct GpuArgs {
     /// Where the model runs; default: cuda when a GPU is present, else cpu.
     #[arg(long, value_enum)]
@@ -285,6 +290,7 @@ fn main() -> Result<()> {
         Command::Bench(a) => bench(a),
         Command::Info { model } => info(&model),
         Command::Synth(a) => synth(a),
+        Command::Serve(a) => serve::serve(a),
         Command::Kernels {
             precompile: _,
             archs,
