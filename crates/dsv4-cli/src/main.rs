@@ -51,6 +51,9 @@ enum Command {
     /// Serve the model over HTTP with the OpenAI API (chat completions, completions,
     /// streaming, metrics).
     Serve(serve::ServeArgs),
+    /// Load an OpenAI-compatible server with streaming requests at several concurrencies:
+    /// throughput, time to first token, time per output token.
+    BenchServe(serve::LoadArgs),
     /// Manage the CUDA kernel cache ($DSV4_KERNEL_CACHE or the user cache dir).
     Kernels {
         /// Compile every kernel into the cache now (needs NVRTC, no GPU) and report the
@@ -291,6 +294,7 @@ fn main() -> Result<()> {
         Command::Info { model } => info(&model),
         Command::Synth(a) => synth(a),
         Command::Serve(a) => serve::serve(a),
+        Command::BenchServe(a) => serve::bench_serve(a),
         Command::Kernels {
             precompile: _,
             archs,

@@ -5,6 +5,7 @@
 
 mod api;
 mod engine;
+mod load;
 mod metrics;
 mod stop;
 
@@ -35,6 +36,7 @@ use dsv4_ops::gpu::sample::Sampling;
 
 use api::{ApiError, Prompt};
 use engine::{Event, Job};
+pub use load::{bench_serve, LoadArgs};
 use metrics::Metrics;
 
 use crate::{backend, load_gpu_model, load_model, Backend, GpuArgs};
