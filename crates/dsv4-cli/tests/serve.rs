@@ -413,11 +413,23 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_frees_its_slot() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(s.metric("dsv4_requests_cancelled_total"), 1.0);
-    let (status, _) = s.post(
-        "/v1/completions",
-        &completion("Hi", json!({"max_tokens": 2})),
-    );
-    assert_eq!(status, 200);
+    // The engine takes the next request once it is back waiting (a moment after `running` falls).
+    let t = Instant::now();
+    loop {
+        let (status, r) = s.post(
+            "/v1/completions",
+            &completion("Hi", json!({"max_tokens": 2})),
+        );
+        if status == 200 {
+            break;
+        }
+        assert!(
+            status == 429 && t.elapsed() < Duration::from_secs(10),
+            "{status}: {r}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.get("/health").0, 200);
 }
 
 #[test]
@@ -439,6 +451,22 @@ fn sixty_four_concurrent_streams_complete_and_sigterm_stops_the_server() {
         assert!(usage.unwrap()["completion_tokens"].as_u64().unwrap() <= 6);
     }
     assert_eq!(s.metric("dsv4_queue_length"), 0.0);
+    // SIGTERM while a long stream runs: the stream ends early but whole, then the server exits.
+    let long = {
+        let api = s.api.clone();
+        std::thread::spawn(move || {
+            let body = completion("Long", json!({"max_tokens": 100000, "stream": true}));
+            collect(&api.stream("/v1/completions", &body))
+        })
+    };
+    let t = Instant::now();
+    while s.metric("dsv4_requests_running") < 1.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the long stream did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let status = Command::new("kill")
         .args(["-TERM", &s.child.id().to_string()])
         .status()
@@ -456,6 +484,8 @@ fn sixty_four_concurrent_streams_complete_and_sigterm_stops_the_server() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    let (_, finish, _) = long.join().unwrap();
+    assert_eq!(finish, "length");
 }
 
 #[test]

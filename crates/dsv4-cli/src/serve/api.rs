@@ -49,6 +49,9 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Longest stop string (the engine holds back a possible start of one at every token).
+const MAX_STOP_BYTES: usize = 256;
+
 /// What a chat or completion request asks for.
 #[derive(Debug)]
 pub struct Params {
@@ -157,7 +160,7 @@ pub fn parse(bytes: &[u8], served: &str, chat: bool) -> Result<Request, ApiError
             Some(v) => match v.as_u64() {
                 Some(n) if n >= 1 => Some(n as usize),
                 _ => {
-                    let name = if body.contains_key("max_completion_tokens") {
+                    let name = if field(&body, "max_completion_tokens").is_some() {
                         "max_completion_tokens"
                     } else {
                         "max_tokens"
@@ -190,6 +193,15 @@ pub fn parse(bytes: &[u8], served: &str, chat: bool) -> Result<Request, ApiError
             ))
         }
     };
+    if let Some(long) = stops.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::bad(
+            "stop",
+            format!(
+                "a stop string of {} bytes: at most {MAX_STOP_BYTES}",
+                long.len()
+            ),
+        ));
+    }
     let include_usage = match field(&body, "stream_options") {
         None => false,
         Some(Value::Object(o)) => boolean(o, "include_usage")
@@ -205,11 +217,12 @@ pub fn parse(bytes: &[u8], served: &str, chat: bool) -> Result<Request, ApiError
         max_tokens,
         temperature: number(&body, "temperature", 0.0, 2.0, 1.0)? as f32,
         top_p: {
-            let p = number(&body, "top_p", 0.0, 1.0, 1.0)?;
-            if p == 0.0 {
+            // Checked as the f32 the sampler gets: a tiny value rounds to 0.
+            let p = number(&body, "top_p", 0.0, 1.0, 1.0)? as f32;
+            if p <= 0.0 {
                 return Err(ApiError::bad("top_p", "`top_p` must be above 0"));
             }
-            p as f32
+            p
         },
         seed,
         stops,
@@ -360,6 +373,11 @@ mod tests {
                 "temperature",
             ),
             (r#"{"model":"m","prompt":"x","top_p":0}"#, "top_p"),
+            (r#"{"model":"m","prompt":"x","top_p":1e-50}"#, "top_p"),
+            (
+                r#"{"model":"m","prompt":"x","max_completion_tokens":null,"max_tokens":0}"#,
+                "max_tokens",
+            ),
             (r#"{"model":"m","prompt":"x","n":2}"#, "n"),
             (r#"{"model":"m","prompt":"x","stop":[1]}"#, "stop"),
             (r#"{"model":"other","prompt":"x"}"#, "model"),
@@ -372,6 +390,11 @@ mod tests {
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
         }
+        let long = format!(
+            r#"{{"model":"m","prompt":"x","stop":"{}"}}"#,
+            "s".repeat(300)
+        );
+        assert_eq!(err(&long, false).param.as_deref(), Some("stop"));
         let e = err(
             r#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#,
             true,

@@ -134,10 +134,30 @@ pub struct Text {
     pub think_end: Option<u32>,
 }
 
-/// Serves jobs until the queue's senders are gone.
+/// Serves jobs until the queue's senders are gone. Once `metrics.stopping` is set (the server
+/// is shutting down) the running job ends at its next token and waiting ones are refused.
 pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
+    // `alive` falls when this returns or unwinds: /health then reports the engine gone.
+    struct Alive<'a>(&'a Metrics);
+    impl Drop for Alive<'_> {
+        fn drop(&mut self) {
+            self.0.alive.store(false, Ordering::Relaxed);
+        }
+    }
+    let _alive = Alive(&metrics);
     while let Ok(job) = jobs.recv() {
         metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        if metrics.stopping.load(Ordering::Relaxed) {
+            let _ = job
+                .events
+                .send(Event::Failed("the server is shutting down".into()));
+            continue;
+        }
+        // A client that left while its request waited costs nothing.
+        if job.events.is_closed() {
+            metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
         metrics.running.fetch_add(1, Ordering::Relaxed);
         let events = job.events.clone();
         match serve(backend.as_mut(), &text, job, &metrics) {
@@ -191,7 +211,7 @@ fn serve(backend: &mut dyn Backend, text: &Text, job: Job, metrics: &Metrics) ->
         if hit_stop {
             break Finish::Stop;
         }
-        if generated >= job.max_tokens {
+        if generated >= job.max_tokens || metrics.stopping.load(Ordering::Relaxed) {
             break Finish::Length;
         }
         if job.events.is_closed() {

@@ -51,7 +51,9 @@ fn prompt(words: usize, mut seed: u64) -> String {
     (0..words)
         .map(|_| {
             let len = 2 + next() % 7;
-            (0..len).map(|_| (b'a' + (next() % 26) as u8) as char).collect::<String>()
+            (0..len)
+                .map(|_| (b'a' + (next() % 26) as u8) as char)
+                .collect::<String>()
         })
         .collect::<Vec<_>>()
         .join(" ")
@@ -63,10 +65,18 @@ fn one(url: &str, model: &str, text: &str, max_tokens: usize) -> Result<Sample> 
         "stream": true, "stream_options": {"include_usage": true},
     });
     let start = Instant::now();
-    let r = ureq::post(&format!("{url}/v1/completions"))
-        .header("Content-Type", "application/json")
-        .send(body.to_string())
-        .context("sending a request")?;
+    // A full queue (429) is retried: the load is what the server admits.
+    let r = loop {
+        match ureq::post(&format!("{url}/v1/completions"))
+            .header("Content-Type", "application/json")
+            .send(body.to_string())
+        {
+            Err(ureq::Error::StatusCode(429)) => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            r => break r.context("sending a request")?,
+        }
+    };
     let (mut first, mut last, mut tokens) = (None, start, 0);
     for line in BufReader::new(r.into_body().into_reader()).lines() {
         let line = line?;
@@ -79,7 +89,10 @@ fn one(url: &str, model: &str, text: &str, max_tokens: usize) -> Result<Sample> 
         let v: Value = serde_json::from_str(data)?;
         if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
             tokens = n;
-        } else if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+        } else if v["choices"][0]["text"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())
+        {
             last = Instant::now();
             first.get_or_insert(last);
         }
@@ -136,7 +149,8 @@ pub fn bench_serve(a: LoadArgs) -> Result<()> {
                             if i >= total {
                                 return Ok(out);
                             }
-                            let text = prompt(a.prompt_words, a.seed ^ (i as u64 + 1) * 0x9e37_79b9);
+                            let text =
+                                prompt(a.prompt_words, a.seed ^ ((i as u64 + 1) * 0x9e37_79b9));
                             out.push(one(&url, &model, &text, a.max_tokens)?);
                         }
                     })
@@ -151,7 +165,10 @@ pub fn bench_serve(a: LoadArgs) -> Result<()> {
         let wall = start.elapsed().as_secs_f64();
         let tokens: u64 = samples.iter().map(|s| s.tokens).sum();
         let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft * 1e3).collect();
-        let mut tpot: Vec<f64> = samples.iter().filter_map(|s| s.tpot.map(|t| t * 1e3)).collect();
+        let mut tpot: Vec<f64> = samples
+            .iter()
+            .filter_map(|s| s.tpot.map(|t| t * 1e3))
+            .collect();
         println!(
             "| {c} | {:.1} | {:.2} | {:.1} ms | {:.1} ms | {:.2} ms | {:.2} ms | {:.1} |",
             tokens as f64 / wall,
@@ -178,6 +195,9 @@ mod tests {
         assert_eq!(a.split(' ').count(), 50);
         assert!(a.chars().all(|c| c == ' ' || c.is_ascii_lowercase()));
         let mut v = vec![3.0, 1.0, 2.0];
-        assert_eq!((percentile(&mut v, 0.5), percentile(&mut v, 1.0)), (2.0, 3.0));
+        assert_eq!(
+            (percentile(&mut v, 0.5), percentile(&mut v, 1.0)),
+            (2.0, 3.0)
+        );
     }
 }

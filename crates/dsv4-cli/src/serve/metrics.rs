@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
@@ -49,6 +49,10 @@ pub struct Metrics {
     pub running: AtomicUsize,
     /// Requests whose client went away before they finished.
     pub cancelled: AtomicU64,
+    /// The engine thread is serving (false once it has ended or panicked).
+    pub alive: AtomicBool,
+    /// The server is shutting down: the engine finishes the running request early.
+    pub stopping: AtomicBool,
     ttft: Mutex<Histogram>,
     tpot: Mutex<Histogram>,
 }

@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::unbounded_channel;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use dsv4_model::chat::{encode_chat, THINK_END};
+use dsv4_model::chat::{encode_chat, THINK_END, THINK_START};
 use dsv4_model::config::Config;
 use dsv4_model::tokenizer::Tokenizer;
 use dsv4_ops::gpu::sample::Sampling;
@@ -125,6 +125,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             };
             match loaded {
                 Ok(b) => {
+                    // Up before the server answers /health.
+                    metrics.alive.store(true, Ordering::Relaxed);
                     let _ = ready_tx.send(Ok(b.capacity()));
                     let text = engine::Text {
                         tokenizer,
@@ -155,7 +157,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { "ok" }))
+        .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .with_state(state.clone());
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -172,7 +174,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             capacity
         );
         axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown())
+            .with_graceful_shutdown(shutdown(state.metrics.clone()))
             .await
             .context("serving")
     })?;
@@ -185,18 +187,38 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-async fn shutdown() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+/// SIGTERM or Ctrl-C: the engine cuts the running request short and refuses the waiting ones,
+/// so open streams end and the server exits; a second signal exits at once.
+async fn shutdown(metrics: Arc<Metrics>) {
+    let signal = || async {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending().await,
             }
-            Err(_) => std::future::pending().await,
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term => {}
         }
     };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
+    signal().await;
+    eprintln!("dsv4 serve: shutting down");
+    metrics.stopping.store(true, Ordering::Relaxed);
+    tokio::spawn(async move {
+        signal().await;
+        eprintln!("dsv4 serve: stopped at a second signal");
+        std::process::exit(130);
+    });
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    if s.metrics.alive.load(Ordering::Relaxed) {
+        "ok".into_response()
+    } else {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped").into_response()
     }
 }
 
@@ -269,18 +291,26 @@ async fn start(
             "the body must be JSON: Content-Type: application/json",
         ));
     }
-    let bytes = to_bytes(body, s.max_body).await.map_err(|_| {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the body is over {} bytes", s.max_body),
-        )
+    let bytes = to_bytes(body, s.max_body).await.map_err(|e| {
+        if e.to_string().contains("length limit") {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body is over {} bytes", s.max_body),
+            )
+        } else {
+            ApiError::new(StatusCode::BAD_REQUEST, format!("reading the body: {e}"))
+        }
     })?;
     let req = api::parse(&bytes, &s.name, chat)?;
     let (prompt, thinking) = match &req.prompt {
-        Prompt::Chat { messages, mode } => (
-            s.tokenizer.encode(&encode_chat(messages, *mode), false),
-            *mode == dsv4_model::chat::ChatMode::Thinking,
-        ),
+        Prompt::Chat { messages, mode } => {
+            let text = encode_chat(messages, *mode);
+            // The output starts inside the reasoning when the template opened it.
+            (
+                s.tokenizer.encode(&text, false),
+                text.ends_with(THINK_START),
+            )
+        }
         Prompt::Text(t) => (s.tokenizer.encode(t, true), false),
     };
     let prompt = prompt.map_err(|e| {

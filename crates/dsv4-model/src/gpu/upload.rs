@@ -211,7 +211,10 @@ pub fn routed_experts(
     name: &str,
     experts: &[ExpertWeights],
 ) -> Result<RoutedExperts, GpuError> {
-    let (d, inter) = (experts[0].w1.cols(), experts[0].w1.rows());
+    let Some(first) = experts.first() else {
+        return Err(GpuError::invalid(name, "no routed experts"));
+    };
+    let (d, inter) = (first.w1.cols(), first.w1.rows());
     let host: Vec<[HostRows<'_>; 3]> = experts
         .par_iter()
         .map(|e| [&e.w1, &e.w3, &e.w2].map(host_rows))
@@ -248,7 +251,7 @@ pub fn routed_experts(
             format!(
                 "routed experts in {} (the GPU takes NVFP4, MXFP4 or BF16/F16/F32 experts, one \
                  format for all)",
-                experts[0].w1.format_name()
+                first.w1.format_name()
             ),
         ));
     };

@@ -262,6 +262,14 @@ pub fn fp8_scales_from_host(
     k: usize,
     block: (usize, usize),
 ) -> Result<DeviceTensor<f32>, GpuError> {
+    let staged: usize = raw.iter().map(|p| p.len()).sum();
+    let want = n.div_ceil(block.0) * k.div_ceil(block.1.max(1)) * sf.bytes();
+    if staged != want {
+        return Err(GpuError::invalid(
+            "fp8 scales",
+            format!("{staged} bytes where [{n}, {k}] in {block:?} blocks has {want}"),
+        ));
+    }
     let dev = st.device();
     let mut out = dev.alloc::<f32>(DType::F32, &[n.div_ceil(block.0), k.div_ceil(64) + 1])?;
     let scratch = st.stage(raw)?;
