@@ -433,6 +433,45 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_frees_its_slot() {
 }
 
 #[test]
+fn a_batch_runs_sequences_together_each_with_the_tokens_it_gives_alone() {
+    let s = Server::start(&["--max-batch", "4"]);
+    let body = |i: usize| {
+        completion(
+            &format!("Prompt number {i}"),
+            json!({"max_tokens": 16, "temperature": 0}),
+        )
+    };
+    let alone: Vec<String> = (0..8)
+        .map(|i| {
+            s.post("/v1/completions", &body(i)).1["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    let clients: Vec<_> = (0..8)
+        .map(|i| {
+            let api = s.api.clone();
+            let mut b = body(i);
+            b["stream"] = json!(true);
+            std::thread::spawn(move || collect(&api.stream("/v1/completions", &b)).0)
+        })
+        .collect();
+    let mut most = 0.0f64;
+    while !clients.iter().all(|c| c.is_finished()) {
+        most = most.max(s.metric("dsv4_requests_running"));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for (i, c) in clients.into_iter().enumerate() {
+        assert_eq!(c.join().unwrap(), alone[i], "prompt {i}");
+    }
+    assert!(
+        (2.0..=4.0).contains(&most),
+        "at most {most} sequences ran at once"
+    );
+}
+
+#[test]
 fn sixty_four_concurrent_streams_complete_and_sigterm_stops_the_server() {
     let mut s = Server::start(&[]);
     let clients: Vec<_> = (0..64)

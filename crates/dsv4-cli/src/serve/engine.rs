@@ -1,7 +1,8 @@
-//! The thread that owns the model: it takes one request at a time from a bounded queue,
-//! generates, and sends the text as it comes (split into reasoning and answer in thinking
-//! mode, stop strings cut) to the request's channel. A request whose channel is closed (its
-//! client went away) is cancelled at the next token.
+//! The thread that owns the model: it takes requests from a bounded queue into the model's
+//! sequence slots, advances every running sequence a token a step, and sends the text as it
+//! comes (split into reasoning and answer in thinking mode, stop strings cut) to each request's
+//! channel. A request whose channel is closed (its client went away) is cancelled at its next
+//! token and frees its slot.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
@@ -15,7 +16,7 @@ use dsv4_graph::DecodeGraph;
 use dsv4_model::cpu::{CpuModel, Logits, SequenceState};
 use dsv4_model::gpu::GpuModel;
 use dsv4_model::sampling::Sampler;
-use dsv4_model::tokenizer::Tokenizer;
+use dsv4_model::tokenizer::{TextStream, Tokenizer};
 use dsv4_ops::gpu::sample::Sampling;
 
 use super::metrics::Metrics;
@@ -61,21 +62,23 @@ pub enum Event {
     Failed(String),
 }
 
-/// A model that generates one sequence at a time.
+/// A model with `slots()` sequence slots, each holding one sequence's state.
 pub trait Backend {
     /// Positions a sequence may take (prompt and generated tokens).
     fn capacity(&self) -> usize;
-    /// Reads `prompt` into a fresh sequence and returns the first generated token.
-    fn start(&mut self, prompt: &[u32], s: &Sampling) -> Result<u32>;
-    /// The next token.
-    fn next(&mut self) -> Result<u32>;
+    /// Sequences it holds at once.
+    fn slots(&self) -> usize;
+    /// Reads `prompt` into slot `slot` (a fresh sequence) and returns its first token.
+    fn start(&mut self, slot: usize, prompt: &[u32], s: &Sampling) -> Result<u32>;
+    /// The next token of every slot in `slots` (each started), in that order.
+    fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>>;
 }
 
-/// The f32 CPU reference.
+/// The f32 CPU reference: one state per slot, a step runs each slot's token in turn.
 pub struct Cpu {
     pub model: CpuModel,
     pub capacity: usize,
-    pub run: Option<(SequenceState, Sampler, u32)>,
+    pub runs: Vec<Option<(SequenceState, Sampler, u32)>>,
 }
 
 impl Backend for Cpu {
@@ -83,24 +86,34 @@ impl Backend for Cpu {
         self.capacity
     }
 
-    fn start(&mut self, prompt: &[u32], s: &Sampling) -> Result<u32> {
+    fn slots(&self) -> usize {
+        self.runs.len()
+    }
+
+    fn start(&mut self, slot: usize, prompt: &[u32], s: &Sampling) -> Result<u32> {
         let mut sampler = Sampler::new(s.temperature, s.top_p, s.seed)?;
         let mut state = self.model.new_state();
         let logits = self.model.forward(&mut state, prompt, Logits::Last)?;
         let t = sampler.sample(&logits);
-        self.run = Some((state, sampler, t));
+        self.runs[slot] = Some((state, sampler, t));
         Ok(t)
     }
 
-    fn next(&mut self) -> Result<u32> {
-        let (state, sampler, last) = self.run.as_mut().expect("a sequence was started");
-        let logits = self.model.forward(state, &[*last], Logits::Last)?;
-        *last = sampler.sample(&logits);
-        Ok(*last)
+    fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>> {
+        slots
+            .iter()
+            .map(|&slot| {
+                let (state, sampler, last) = self.runs[slot].as_mut().expect("a started slot");
+                let logits = self.model.forward(state, &[*last], Logits::Last)?;
+                *last = sampler.sample(&logits);
+                Ok(*last)
+            })
+            .collect()
     }
 }
 
-/// The GPU model, each decode step one graph replay (captured per request, with its sampling).
+/// The GPU model: one slot, each decode step one graph replay (captured per request, with its
+/// sampling).
 pub struct Gpu {
     pub model: GpuModel,
     pub graph: Option<DecodeGraph>,
@@ -111,7 +124,11 @@ impl Backend for Gpu {
         self.model.capacity()
     }
 
-    fn start(&mut self, prompt: &[u32], s: &Sampling) -> Result<u32> {
+    fn slots(&self) -> usize {
+        1
+    }
+
+    fn start(&mut self, _slot: usize, prompt: &[u32], s: &Sampling) -> Result<u32> {
         self.graph = None;
         self.model.reset()?;
         self.model.prefill(prompt, s)?;
@@ -120,9 +137,12 @@ impl Backend for Gpu {
         Ok(first)
     }
 
-    fn next(&mut self) -> Result<u32> {
+    fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>> {
         let graph = self.graph.as_ref().expect("a sequence was started");
-        Ok(graph.step(&mut self.model)?)
+        slots
+            .iter()
+            .map(|_| Ok(graph.step(&mut self.model)?))
+            .collect()
     }
 }
 
@@ -134,8 +154,126 @@ pub struct Text {
     pub think_end: Option<u32>,
 }
 
-/// Serves jobs until the queue's senders are gone. Once `metrics.stopping` is set (the server
-/// is shutting down) the running job ends at its next token and waiting ones are refused.
+/// A running sequence: its job, its slot, and its text so far.
+struct Running<'t> {
+    job: Job,
+    slot: usize,
+    answer: TextStream<'t>,
+    reasoning: TextStream<'t>,
+    stop: StopMatcher,
+    in_reasoning: bool,
+    generated: usize,
+    first_at: Instant,
+}
+
+/// How a token left a sequence.
+enum After {
+    Continue,
+    Finished,
+    /// The client went away.
+    Gone,
+}
+
+impl<'t> Running<'t> {
+    fn new(job: Job, slot: usize, text: &'t Text) -> Running<'t> {
+        Running {
+            stop: StopMatcher::new(job.stops.clone()),
+            in_reasoning: job.thinking,
+            job,
+            slot,
+            answer: text.tokenizer.stream(),
+            reasoning: text.tokenizer.stream(),
+            generated: 0,
+            first_at: Instant::now(),
+        }
+    }
+
+    fn send(&self, content: String, reasoning: String) -> bool {
+        (content.is_empty() && reasoning.is_empty())
+            || self
+                .job
+                .events
+                .send(Event::Text { content, reasoning })
+                .is_ok()
+    }
+
+    /// Takes the sequence's next token: sends its text, and says whether the sequence goes on.
+    fn accept(&mut self, token: u32, text: &'t Text, stopping: bool) -> Result<After> {
+        self.generated += 1;
+        if text.eos.contains(&token) {
+            return self.finish(Finish::Stop, text);
+        }
+        let (mut content, mut thought, mut hit) = (String::new(), String::new(), false);
+        if self.in_reasoning && Some(token) == text.think_end {
+            self.in_reasoning = false;
+            let done = std::mem::replace(&mut self.reasoning, text.tokenizer.stream());
+            thought = done.finish()?.unwrap_or_default();
+        } else if self.in_reasoning {
+            thought = self.reasoning.push(token)?.unwrap_or_default();
+        } else if let Some(t) = self.answer.push(token)? {
+            (content, hit) = self.stop.push(&t);
+        }
+        if !self.send(content, thought) {
+            return Ok(After::Gone);
+        }
+        if hit {
+            // Nothing after a stop string is released.
+            return self.done(Finish::Stop);
+        }
+        if self.generated >= self.job.max_tokens || stopping {
+            return self.finish(Finish::Length, text);
+        }
+        Ok(if self.job.events.is_closed() {
+            After::Gone
+        } else {
+            After::Continue
+        })
+    }
+
+    /// Releases what the text streams and the stop matcher hold, then ends.
+    fn finish(&mut self, mut finish: Finish, text: &'t Text) -> Result<After> {
+        let mut content = String::new();
+        let mut hit = false;
+        let answer = std::mem::replace(&mut self.answer, text.tokenizer.stream());
+        if let Some(t) = answer.finish()? {
+            (content, hit) = self.stop.push(&t);
+        }
+        if hit {
+            finish = Finish::Stop;
+        } else {
+            content.push_str(&self.stop.finish());
+        }
+        let mut thought = String::new();
+        if self.in_reasoning {
+            let reasoning = std::mem::replace(&mut self.reasoning, text.tokenizer.stream());
+            thought = reasoning.finish()?.unwrap_or_default();
+        }
+        if !self.send(content, thought) {
+            return Ok(After::Gone);
+        }
+        self.done(finish)
+    }
+
+    /// Sends the end of the job.
+    fn done(&self, finish: Finish) -> Result<After> {
+        let sent = self.job.events.send(Event::Done {
+            finish,
+            prompt_tokens: self.job.prompt.len(),
+            completion_tokens: self.generated,
+        });
+        Ok(if sent.is_ok() {
+            After::Finished
+        } else {
+            After::Gone
+        })
+    }
+}
+
+/// Serves jobs until the queue's senders are gone, up to `backend.slots()` at once: waiting
+/// requests are admitted (their prompt read) between steps, every running sequence advances one
+/// token a step, and a sequence that ends or whose client left frees its slot at once. Once
+/// `metrics.stopping` is set (the server is shutting down) running sequences end at their next
+/// token and waiting ones are refused.
 pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
     // `alive` falls when this returns or unwinds: /health then reports the engine gone.
     struct Alive<'a>(&'a Metrics);
@@ -145,128 +283,104 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
         }
     }
     let _alive = Alive(&metrics);
-    while let Ok(job) = jobs.recv() {
-        metrics.queued.fetch_sub(1, Ordering::Relaxed);
-        if metrics.stopping.load(Ordering::Relaxed) {
-            let _ = job
-                .events
-                .send(Event::Failed("the server is shutting down".into()));
-            continue;
-        }
-        // A client that left while its request waited costs nothing.
-        if job.events.is_closed() {
-            metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        metrics.running.fetch_add(1, Ordering::Relaxed);
-        let events = job.events.clone();
-        match serve(backend.as_mut(), &text, job, &metrics) {
-            Ok(true) => {}
-            Ok(false) => {
+    let mut running: Vec<Running<'_>> = Vec::new();
+    let mut free: Vec<usize> = (0..backend.slots()).rev().collect();
+    loop {
+        // Admit waiting requests into free slots; wait for one only when nothing runs.
+        while let Some(&slot) = free.last() {
+            let job = if running.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => job,
+                    Err(_) => return,
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(job) => job,
+                    Err(_) => break,
+                }
+            };
+            metrics.queued.fetch_sub(1, Ordering::Relaxed);
+            if metrics.stopping.load(Ordering::Relaxed) {
+                let _ = job
+                    .events
+                    .send(Event::Failed("the server is shutting down".into()));
+                continue;
+            }
+            // A client that left while its request waited costs nothing.
+            if job.events.is_closed() {
                 metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                continue;
             }
+            let start = Instant::now();
+            let first = backend.start(slot, &job.prompt, &job.sampling);
+            let mut seq = Running::new(job, slot, &text);
+            let after = first.and_then(|t| {
+                metrics.observe_ttft(start.elapsed().as_secs_f64());
+                seq.first_at = Instant::now();
+                seq.accept(t, &text, metrics.stopping.load(Ordering::Relaxed))
+            });
+            free.pop();
+            metrics.running.fetch_add(1, Ordering::Relaxed);
+            if let Some(seq) = settle(seq, after, &metrics, &mut free) {
+                running.push(seq);
+            }
+        }
+        if running.is_empty() {
+            continue;
+        }
+        let slots: Vec<usize> = running.iter().map(|r| r.slot).collect();
+        let tokens = backend.step(&slots);
+        let stopping = metrics.stopping.load(Ordering::Relaxed);
+        let now = std::mem::take(&mut running);
+        match tokens {
+            Ok(tokens) => {
+                for (mut seq, t) in now.into_iter().zip(tokens) {
+                    let after = seq.accept(t, &text, stopping);
+                    if let Some(seq) = settle(seq, after, &metrics, &mut free) {
+                        running.push(seq);
+                    }
+                }
+            }
+            // A failed step fails every sequence in it.
             Err(e) => {
-                let _ = events.send(Event::Failed(format!("{e:#}")));
+                for seq in now {
+                    let failed = Err(anyhow::anyhow!("{e:#}"));
+                    settle(seq, failed, &metrics, &mut free);
+                }
             }
         }
-        metrics.running.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-/// Generates one job's text; false when its client went away first.
-fn serve(backend: &mut dyn Backend, text: &Text, job: Job, metrics: &Metrics) -> Result<bool> {
-    let start = Instant::now();
-    let send = |e: Event| job.events.send(e).is_ok();
-    let mut token = backend.start(&job.prompt, &job.sampling)?;
-    let first_at = Instant::now();
-    metrics.observe_ttft(start.elapsed().as_secs_f64());
-    let (mut answer, mut reasoning) = (text.tokenizer.stream(), text.tokenizer.stream());
-    let mut stop = StopMatcher::new(job.stops.clone());
-    let mut in_reasoning = job.thinking;
-    let mut generated = 0;
-    let mut hit_stop = false;
-    let mut finish = loop {
-        generated += 1;
-        if text.eos.contains(&token) {
-            break Finish::Stop;
-        }
-        let (mut content, mut thought) = (String::new(), String::new());
-        if in_reasoning && Some(token) == text.think_end {
-            in_reasoning = false;
-            let done = std::mem::replace(&mut reasoning, text.tokenizer.stream());
-            thought = done.finish()?.unwrap_or_default();
-        } else if in_reasoning {
-            thought = reasoning.push(token)?.unwrap_or_default();
-        } else if let Some(t) = answer.push(token)? {
-            (content, hit_stop) = stop.push(&t);
-        }
-        if (!content.is_empty() || !thought.is_empty())
-            && !send(Event::Text {
-                content,
-                reasoning: thought,
-            })
-        {
-            return Ok(false);
-        }
-        if hit_stop {
-            break Finish::Stop;
-        }
-        if generated >= job.max_tokens || metrics.stopping.load(Ordering::Relaxed) {
-            break Finish::Length;
-        }
-        if job.events.is_closed() {
-            return Ok(false);
-        }
-        token = backend.next()?;
-    };
-    // What the text streams and the stop matcher still hold (nothing after a stop string).
-    let (mut content, mut thought) = (String::new(), String::new());
-    if !hit_stop {
-        if let Some(t) = answer.finish()? {
-            (content, hit_stop) = stop.push(&t);
-        }
-        if hit_stop {
-            finish = Finish::Stop;
-        } else {
-            content.push_str(&stop.finish());
-        }
-        if in_reasoning {
-            thought = reasoning.finish()?.unwrap_or_default();
-        }
-    }
-    finish_with(&job, finish, generated, content, thought, metrics, first_at)
-}
-
-/// Sends the last text and the end of the job, and records its figures.
-fn finish_with(
-    job: &Job,
-    finish: Finish,
-    generated: usize,
-    content: String,
-    reasoning: String,
+/// Keeps a sequence that goes on; records and frees one that ended, was cancelled or failed.
+fn settle<'t>(
+    seq: Running<'t>,
+    after: Result<After>,
     metrics: &Metrics,
-    first_at: Instant,
-) -> Result<bool> {
-    if (!content.is_empty() || !reasoning.is_empty())
-        && job.events.send(Event::Text { content, reasoning }).is_err()
-    {
-        return Ok(false);
+    free: &mut Vec<usize>,
+) -> Option<Running<'t>> {
+    match after {
+        Ok(After::Continue) => return Some(seq),
+        Ok(After::Finished) => {
+            if seq.generated > 1 {
+                let per = seq.first_at.elapsed().as_secs_f64() / (seq.generated - 1) as f64;
+                metrics.observe_tpot(per);
+            }
+            metrics
+                .prompt_tokens
+                .fetch_add(seq.job.prompt.len() as u64, Ordering::Relaxed);
+            metrics
+                .generated_tokens
+                .fetch_add(seq.generated as u64, Ordering::Relaxed);
+        }
+        Ok(After::Gone) => {
+            metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(e) => {
+            let _ = seq.job.events.send(Event::Failed(format!("{e:#}")));
+        }
     }
-    if generated > 1 {
-        metrics.observe_tpot(first_at.elapsed().as_secs_f64() / (generated - 1) as f64);
-    }
-    metrics
-        .prompt_tokens
-        .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-    metrics
-        .generated_tokens
-        .fetch_add(generated as u64, Ordering::Relaxed);
-    Ok(job
-        .events
-        .send(Event::Done {
-            finish,
-            prompt_tokens: job.prompt.len(),
-            completion_tokens: generated,
-        })
-        .is_ok())
+    metrics.running.fetch_sub(1, Ordering::Relaxed);
+    free.push(seq.slot);
+    None
 }

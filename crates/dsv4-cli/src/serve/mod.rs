@@ -1,7 +1,7 @@
 //! `dsv4 serve`: an OpenAI-compatible HTTP server (chat completions, completions, models,
 //! health, Prometheus metrics; Server-Sent Events when streaming). Requests wait in a bounded
-//! queue for the one engine thread that owns the model, which generates one sequence at a
-//! time.
+//! queue for the one engine thread that owns the model, which generates up to `--max-batch`
+//! sequences at once.
 
 mod api;
 mod engine;
@@ -53,7 +53,8 @@ pub struct ServeArgs {
     port: u16,
     #[command(flatten)]
     gpu: GpuArgs,
-    /// Sequences generated at once. Only 1 is implemented: requests take turns.
+    /// Sequences generated at once, each advancing a token a step (the CPU backend; the GPU
+    /// backend runs one at a time).
     #[arg(long, default_value_t = 1)]
     max_batch: usize,
     /// Requests that may wait for the engine; past that the server answers 429.
@@ -78,9 +79,6 @@ struct AppState {
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
-    if a.max_batch != 1 {
-        bail!("--max-batch {}: continuous batching is not implemented; sequences take turns (--max-batch 1)", a.max_batch);
-    }
     let cfg = Config::from_dir(&a.model)?;
     let tokenizer = Arc::new(Tokenizer::from_dir(&a.model)?);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
@@ -91,6 +89,13 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| "dsv4".to_string())
     });
     let chosen = backend(a.gpu.backend)?;
+    if a.max_batch == 0 || (chosen == Backend::Cuda && a.max_batch != 1) {
+        bail!(
+            "--max-batch {}: at least 1, and the GPU backend generates one sequence at a time \
+             (--max-batch 1)",
+            a.max_batch
+        );
+    }
     if chosen == Backend::Cpu && (a.gpu.max_context.is_some() || a.gpu.gpus.is_some()) {
         bail!("--max-context and --gpus apply to --backend cuda");
     }
@@ -99,7 +104,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         _ => None,
     };
     let metrics = Arc::new(Metrics::default());
-    let (jobs, queue) = sync_channel::<Job>(a.max_queue);
+    // Requests reach the engine between its steps: besides the waiting room, room for those that
+    // a step boundary admits into the batch's other slots.
+    let (jobs, queue) = sync_channel::<Job>(a.max_queue + a.max_batch - 1);
     let (ready_tx, ready) = std::sync::mpsc::channel::<Result<usize>>();
     // The model lives on the engine thread (GPU state stays on the thread that made it).
     let engine = {
@@ -107,13 +114,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             (tokenizer.clone(), metrics.clone(), a.model.clone(), a.gpu);
         let eos = cfg.eos_token_ids.clone();
         let max_positions = cfg.max_position_embeddings;
+        let max_batch = a.max_batch;
         std::thread::spawn(move || {
             let loaded: Result<Box<dyn engine::Backend>> = match chosen {
                 Backend::Cpu => load_model(&dir).map(|model| {
                     Box::new(engine::Cpu {
                         model,
                         capacity: max_positions,
-                        run: None,
+                        runs: (0..max_batch).map(|_| None).collect(),
                     }) as Box<dyn engine::Backend>
                 }),
                 Backend::Cuda => {
