@@ -472,6 +472,44 @@ fn a_batch_runs_sequences_together_each_with_the_tokens_it_gives_alone() {
 }
 
 #[test]
+fn a_running_stream_keeps_flowing_while_a_long_prompt_is_read() {
+    let s = Server::start(&["--max-batch", "2"]);
+    // Stream A runs; then B's long prompt is read a part per step, A's tokens in between.
+    let r = Api::agent()
+        .post(&format!("{}/v1/completions", s.url))
+        .header("Content-Type", "application/json")
+        .send(completion("A", json!({"max_tokens": 100000, "stream": true})).to_string())
+        .unwrap();
+    let mut a = BufReader::new(r.into_body().into_reader()).lines();
+    a.next().unwrap().unwrap();
+    let long = "word ".repeat(600);
+    let b = {
+        let api = s.api.clone();
+        std::thread::spawn(move || {
+            let body = completion(&long, json!({"max_tokens": 1, "stream": true}));
+            let chunks = api.stream("/v1/completions", &body);
+            (Instant::now(), collect(&chunks))
+        })
+    };
+    let t = Instant::now();
+    let mut during = 0;
+    while !b.is_finished() {
+        let line = a.next().unwrap().unwrap();
+        if line.starts_with("data: ") {
+            during += 1;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "B never finished");
+    }
+    let (_, (_, finish, _)) = b.join().unwrap();
+    assert_eq!(finish, "length");
+    // B's prompt takes ~20 parts of 64 tokens; A advanced a token after each.
+    assert!(
+        during >= 10,
+        "A streamed {during} tokens while B's prompt was read"
+    );
+}
+
+#[test]
 fn sixty_four_concurrent_streams_complete_and_sigterm_stops_the_server() {
     let mut s = Server::start(&[]);
     let clients: Vec<_> = (0..64)

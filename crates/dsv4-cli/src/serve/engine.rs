@@ -68,11 +68,24 @@ pub trait Backend {
     fn capacity(&self) -> usize;
     /// Sequences it holds at once.
     fn slots(&self) -> usize;
-    /// Reads `prompt` into slot `slot` (a fresh sequence) and returns its first token.
-    fn start(&mut self, slot: usize, prompt: &[u32], s: &Sampling) -> Result<u32>;
+    /// Prompt tokens a sequence reads per engine step, other sequences' tokens in between.
+    fn prefill_chunk(&self) -> usize;
+    /// Reads `tokens`, the next part of slot `slot`'s prompt (`first`: the start of a fresh
+    /// sequence), and at the prompt's `last` part returns the first generated token.
+    fn prefill(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        s: &Sampling,
+        first: bool,
+        last: bool,
+    ) -> Result<Option<u32>>;
     /// The next token of every slot in `slots` (each started), in that order.
     fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>>;
 }
+
+/// Prompt tokens a CPU sequence reads per engine step.
+const CPU_PREFILL_CHUNK: usize = 64;
 
 /// The f32 CPU reference: one state per slot, a step runs each slot's token in turn.
 pub struct Cpu {
@@ -90,13 +103,28 @@ impl Backend for Cpu {
         self.runs.len()
     }
 
-    fn start(&mut self, slot: usize, prompt: &[u32], s: &Sampling) -> Result<u32> {
-        let mut sampler = Sampler::new(s.temperature, s.top_p, s.seed)?;
-        let mut state = self.model.new_state();
-        let logits = self.model.forward(&mut state, prompt, Logits::Last)?;
-        let t = sampler.sample(&logits);
-        self.runs[slot] = Some((state, sampler, t));
-        Ok(t)
+    fn prefill_chunk(&self) -> usize {
+        CPU_PREFILL_CHUNK
+    }
+
+    fn prefill(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        s: &Sampling,
+        first: bool,
+        last: bool,
+    ) -> Result<Option<u32>> {
+        if first {
+            let sampler = Sampler::new(s.temperature, s.top_p, s.seed)?;
+            self.runs[slot] = Some((self.model.new_state(), sampler, 0));
+        }
+        let (state, sampler, next) = self.runs[slot].as_mut().expect("a started slot");
+        let logits = self.model.forward(state, tokens, Logits::Last)?;
+        Ok(last.then(|| {
+            *next = sampler.sample(&logits);
+            *next
+        }))
     }
 
     fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>> {
@@ -128,13 +156,25 @@ impl Backend for Gpu {
         1
     }
 
-    fn start(&mut self, _slot: usize, prompt: &[u32], s: &Sampling) -> Result<u32> {
+    /// The whole prompt at once: no other sequence runs beside it.
+    fn prefill_chunk(&self) -> usize {
+        usize::MAX
+    }
+
+    fn prefill(
+        &mut self,
+        _slot: usize,
+        tokens: &[u32],
+        s: &Sampling,
+        _first: bool,
+        _last: bool,
+    ) -> Result<Option<u32>> {
         self.graph = None;
         self.model.reset()?;
-        self.model.prefill(prompt, s)?;
+        self.model.prefill(tokens, s)?;
         let first = self.model.read_token()?;
         self.graph = Some(DecodeGraph::capture(&mut self.model, s)?);
-        Ok(first)
+        Ok(Some(first))
     }
 
     fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>> {
@@ -270,8 +310,9 @@ impl<'t> Running<'t> {
 }
 
 /// Serves jobs until the queue's senders are gone, up to `backend.slots()` at once: waiting
-/// requests are admitted (their prompt read) between steps, every running sequence advances one
-/// token a step, and a sequence that ends or whose client left frees its slot at once. Once
+/// requests are admitted between steps, each step reads one part of the oldest admitted prompt
+/// and advances every running sequence one token (so running streams keep flowing while a long
+/// prompt is read), and a sequence that ends or whose client left frees its slot at once. Once
 /// `metrics.stopping` is set (the server is shutting down) running sequences end at their next
 /// token and waiting ones are refused.
 pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
@@ -283,12 +324,15 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
         }
     }
     let _alive = Alive(&metrics);
+    let mut prefilling: Vec<Prefilling> = Vec::new();
     let mut running: Vec<Running<'_>> = Vec::new();
     let mut free: Vec<usize> = (0..backend.slots()).rev().collect();
+    let chunk = backend.prefill_chunk().max(1);
     loop {
         // Admit waiting requests into free slots; wait for one only when nothing runs.
         while let Some(&slot) = free.last() {
-            let job = if running.is_empty() {
+            let idle = running.is_empty() && prefilling.is_empty();
+            let job = if idle {
                 match jobs.recv() {
                     Ok(job) => job,
                     Err(_) => return,
@@ -311,18 +355,57 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
                 metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            let start = Instant::now();
-            let first = backend.start(slot, &job.prompt, &job.sampling);
-            let mut seq = Running::new(job, slot, &text);
-            let after = first.and_then(|t| {
-                metrics.observe_ttft(start.elapsed().as_secs_f64());
-                seq.first_at = Instant::now();
-                seq.accept(t, &text, metrics.stopping.load(Ordering::Relaxed))
-            });
             free.pop();
             metrics.running.fetch_add(1, Ordering::Relaxed);
-            if let Some(seq) = settle(seq, after, &metrics, &mut free) {
-                running.push(seq);
+            prefilling.push(Prefilling {
+                job,
+                slot,
+                done: 0,
+                start: Instant::now(),
+            });
+        }
+        // One part of the oldest prompt, then a token for every running sequence.
+        if !prefilling.is_empty() {
+            let p = &mut prefilling[0];
+            let len = p.job.prompt.len();
+            let end = len.min(p.done.saturating_add(chunk));
+            let part = if p.job.events.is_closed() {
+                Err(None)
+            } else {
+                let (first, last) = (p.done == 0, end == len);
+                backend
+                    .prefill(
+                        p.slot,
+                        &p.job.prompt[p.done..end],
+                        &p.job.sampling,
+                        first,
+                        last,
+                    )
+                    .map_err(Some)
+            };
+            p.done = end;
+            match part {
+                Ok(None) => {}
+                Ok(Some(t)) => {
+                    let p = prefilling.remove(0);
+                    metrics.observe_ttft(p.start.elapsed().as_secs_f64());
+                    let mut seq = Running::new(p.job, p.slot, &text);
+                    let after = seq.accept(t, &text, metrics.stopping.load(Ordering::Relaxed));
+                    if let Some(seq) = settle(seq, after, &metrics, &mut free) {
+                        running.push(seq);
+                    }
+                }
+                // The client left (None) or the prefill failed.
+                Err(e) => {
+                    let p = prefilling.remove(0);
+                    if let Some(e) = e {
+                        let _ = p.job.events.send(Event::Failed(format!("{e:#}")));
+                    } else {
+                        metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    }
+                    metrics.running.fetch_sub(1, Ordering::Relaxed);
+                    free.push(p.slot);
+                }
             }
         }
         if running.is_empty() {
@@ -350,6 +433,15 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
             }
         }
     }
+}
+
+/// A sequence reading its prompt, a part each engine step.
+struct Prefilling {
+    job: Job,
+    slot: usize,
+    /// Prompt tokens read so far.
+    done: usize,
+    start: Instant,
 }
 
 /// Keeps a sequence that goes on; records and frees one that ended, was cancelled or failed.
