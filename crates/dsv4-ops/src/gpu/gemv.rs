@@ -582,23 +582,23 @@ impl GemvWeight {
         GemvWeight::load(&mut st, &[(w, n)], k)
     }
 
-    /// Row blocks `parts` (`(weight, rows)`, all `[rows, k]` in one format) stacked into one
+    /// Row blocks `blocks` (`(weight, rows)`, all `[rows, k]` in one format) stacked into one
     /// `[sum of rows, k]` weight, copied up through `st` and repacked on the device. Every part
     /// but the last must end on a whole tile (16 rows) and, in FP8, on a whole scale block;
     /// NVFP4 parts must share their global scale. Otherwise as [`Self::upload`].
     pub fn load(
         st: &mut Stager<'_>,
-        parts_: &[(HostWeight<'_>, usize)],
+        blocks: &[(HostWeight<'_>, usize)],
         k: usize,
     ) -> Result<GemvWeight, GpuError> {
-        let ps = parts_
+        let ps = blocks
             .iter()
             .map(|&(w, n)| parts(w, n, k))
             .collect::<Result<Vec<_>, _>>()?;
         let Some(p) = ps.first() else {
             return Err(invalid("stacked weight", "no parts"));
         };
-        let n: usize = parts_.iter().map(|&(_, n)| n).sum();
+        let n: usize = blocks.iter().map(|&(_, n)| n).sum();
         let what = format!(
             "{} weight [{n}, {k}] in {} parts",
             p.format.name(),
@@ -608,7 +608,7 @@ impl GemvWeight {
             GemvFormat::Fp8 { block, .. } => block.0.max(16),
             _ => 16,
         };
-        let rows = || parts_.iter().map(|&(_, n)| n);
+        let rows = || blocks.iter().map(|&(_, n)| n);
         if let Some(q) = ps.iter().find(|q| q.format != p.format || q.post != p.post) {
             return Err(invalid(
                 &what,
