@@ -475,6 +475,20 @@ fn stream_tokens(
     Ok(generated)
 }
 
+/// Prompt tokens between progress reports.
+const PROMPT_PART: usize = 1024;
+
+/// A progress bar over a prompt's tokens, hidden for prompts of a few parts.
+fn prompt_bar(tokens: usize) -> ProgressBar {
+    if tokens < 4 * PROMPT_PART {
+        return ProgressBar::hidden();
+    }
+    ProgressBar::new(tokens as u64).with_style(
+        ProgressStyle::with_template("prompt {bar:30} {pos}/{len} tokens {per_sec} {elapsed}")
+            .unwrap(),
+    )
+}
+
 fn generate(a: GenerateArgs) -> Result<()> {
     // The config first: a missing directory or a bad config.json is reported as such.
     let cfg = Config::from_dir(&a.model)?;
@@ -519,7 +533,14 @@ fn generate(a: GenerateArgs) -> Result<()> {
             let model = load_model(&a.model)?;
             let t0 = Instant::now();
             let mut state = model.new_state();
-            let mut logits = model.forward(&mut state, &prompt_ids, Logits::Last)?;
+            // In parts, the same logits as at once, so that a long prompt shows progress.
+            let bar = prompt_bar(prompt_ids.len());
+            let mut logits = Vec::new();
+            for part in prompt_ids.chunks(PROMPT_PART) {
+                logits = model.forward(&mut state, part, Logits::Last)?;
+                bar.inc(part.len() as u64);
+            }
+            bar.finish_and_clear();
             let prefill_s = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             let mut last = None;
@@ -543,8 +564,12 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 seed: a.seed,
             };
             let t0 = Instant::now();
-            model.prefill(&prompt_ids, &s)?;
+            let bar = prompt_bar(prompt_ids.len());
+            model.prefill_reporting(&prompt_ids, &s, PROMPT_PART, &mut |done| {
+                bar.set_position(done as u64)
+            })?;
             let first = model.read_token()?;
+            bar.finish_and_clear();
             let prefill_s = t0.elapsed().as_secs_f64();
             let graph = if a.no_graph {
                 None
@@ -564,7 +589,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     let decode_s = t1.elapsed().as_secs_f64();
     eprintln!(
-        "prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.2} tok/s)",
+        "prompt {} tokens, time to first token {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.2} tok/s)",
         prompt_ids.len(),
         prefill_s,
         prompt_ids.len() as f64 / prefill_s,

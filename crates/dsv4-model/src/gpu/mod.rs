@@ -699,8 +699,21 @@ impl GpuModel {
     /// Runs `prompt` and samples the first new token into the device token buffer (read it
     /// with [`Self::read_token`]); then [`Self::launch_decode_step`] continues from it.
     pub fn prefill(&mut self, prompt: &[u32], s: &Sampling) -> Result<(), GpuModelError> {
+        self.prefill_reporting(prompt, s, usize::MAX, &mut |_| {})
+    }
+
+    /// [`Self::prefill`], waiting for the GPUs about every `every` tokens to report the prompt
+    /// tokens done to `on_progress` (for progress on long prompts).
+    pub fn prefill_reporting(
+        &mut self,
+        prompt: &[u32],
+        s: &Sampling,
+        every: usize,
+        on_progress: &mut dyn FnMut(usize),
+    ) -> Result<(), GpuModelError> {
         self.check_tokens(prompt)?;
         let chunks: Vec<&[u32]> = prompt.chunks(MAX_CHUNK).collect();
+        let mut reported = 0;
         for (i, chunk) in chunks.iter().enumerate() {
             let n = chunk.len();
             for r in 0..self.ranks.len() {
@@ -718,6 +731,14 @@ impl GpuModel {
                 }
             }
             self.len += n;
+            let done = (i + 1) * MAX_CHUNK;
+            if done - reported >= every && i + 1 < chunks.len() {
+                for r in &self.ranks {
+                    r.dev.synchronize()?;
+                }
+                reported = done;
+                on_progress(done);
+            }
         }
         self.token_ready = true;
         Ok(())
