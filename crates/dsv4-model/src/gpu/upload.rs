@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
-use dsv4_ops::gpu::gemv::{GemvWeight, HostWeight};
+use dsv4_ops::gpu::gemv::{check_stack, GemvWeight, HostWeight};
 use dsv4_ops::gpu::mhc::DeviceHcSite;
 use dsv4_ops::gpu::moe::MoeExperts;
 use dsv4_ops::gpu::moe_bf16::Bf16Experts;
@@ -102,53 +102,17 @@ pub fn linear(st: &mut Stager<'_>, name: &str, lin: &Linear) -> Result<GemvWeigh
     GemvWeight::load(st, &[(h.weight(), lin.rows())], lin.cols()).map_err(named(name))
 }
 
-/// Whether `parts` stack in their own format: one encoding (FP8 with one scale format and
-/// block, NVFP4 with one global scale) and every join on a whole 16-row tile and scale block.
-fn stacks_as_stored(parts: &[&Linear]) -> bool {
-    use LinearData::*;
-    let same = |a: &LinearData, b: &LinearData| match (a, b) {
-        (Bf16(_), Bf16(_)) | (Mxfp4 { .. }, Mxfp4 { .. }) => true,
-        (
-            Fp8Block {
-                scale_format: f,
-                block_rows: r,
-                block_cols: c,
-                ..
-            },
-            Fp8Block {
-                scale_format: g,
-                block_rows: s,
-                block_cols: d,
-                ..
-            },
-        ) => (f, r, c) == (g, s, d),
-        (
-            Nvfp4 {
-                weight_scale_2: x, ..
-            },
-            Nvfp4 {
-                weight_scale_2: y, ..
-            },
-        ) => x == y,
-        _ => false,
-    };
-    let Some(first) = parts.first() else {
-        return false;
-    };
-    let join = match first.data() {
-        F32(_) | F16(_) => return false,
-        Fp8Block { block_rows, .. } => (*block_rows).max(16),
-        _ => 16,
-    };
-    parts.iter().all(|l| same(first.data(), l.data()))
-        && parts[..parts.len() - 1]
-            .iter()
-            .all(|l| l.rows().is_multiple_of(join) && l.rows().is_multiple_of(16))
+/// Each part's rows as the kernels take them, with its row count.
+fn stack_blocks<'a>(host: &'a [HostRows<'_>], parts: &[&Linear]) -> Vec<(HostWeight<'a>, usize)> {
+    host.iter()
+        .zip(parts)
+        .map(|(h, l)| (h.weight(), l.rows()))
+        .collect()
 }
 
 /// Linears that read the same input stacked row-wise into one weight, so that one GEMV
-/// writes their outputs side by side in each output row: in their format where
-/// [`stacks_as_stored`], as BF16 otherwise.
+/// writes their outputs side by side in each output row: in their format where the stacking
+/// rule ([`check_stack`]) allows, as BF16 otherwise.
 pub fn stacked(st: &mut Stager<'_>, name: &str, parts: &[&Linear]) -> Result<GemvWeight, GpuError> {
     let Some(first) = parts.first() else {
         return Err(GpuError::invalid(name, "no linears to stack"));
@@ -160,14 +124,10 @@ pub fn stacked(st: &mut Stager<'_>, name: &str, parts: &[&Linear]) -> Result<Gem
             format!("stacked linears of {cols} and {} columns", l.cols()),
         ));
     }
-    let loaded = if stacks_as_stored(parts) {
-        let host: Vec<HostRows<'_>> = parts.iter().map(|l| host_rows(l)).collect();
-        let ws: Vec<(HostWeight<'_>, usize)> = host
-            .iter()
-            .zip(parts)
-            .map(|(h, l)| (h.weight(), l.rows()))
-            .collect();
-        GemvWeight::load(st, &ws, cols)
+    let host: Vec<HostRows<'_>> = parts.iter().map(|l| host_rows(l)).collect();
+    let blocks = stack_blocks(&host, parts);
+    let loaded = if check_stack(&blocks).is_ok() {
+        GemvWeight::load(st, &blocks, cols)
     } else {
         let rows: usize = parts.iter().map(|l| l.rows()).sum();
         let v: Vec<bf16> = parts.iter().flat_map(|l| bf16_rows(l)).collect();
@@ -320,18 +280,23 @@ mod tests {
 
     #[test]
     fn parts_stack_in_their_format_only_on_whole_tiles_and_blocks() {
+        let stacks = |parts: &[&Linear]| {
+            let host: Vec<HostRows<'_>> = parts.iter().map(|l| host_rows(l)).collect();
+            check_stack(&stack_blocks(&host, parts)).is_ok()
+        };
         let (a, b) = (fp8(256, 300, 1), fp8(100, 300, 2));
-        assert!(stacks_as_stored(&[&a, &b]));
-        // A join inside a scale block; FP8 beside BF16; BF16 off a 16-row tile; F32.
+        assert!(stacks(&[&a, &b]));
+        // A join inside a scale block; FP8 beside BF16; BF16 off a 16-row tile.
         let (c, d) = (fp8(200, 64, 3), fp8(128, 64, 4));
         let (e, f) = (bf16_linear(16, 64, 5), bf16_linear(8, 64, 6));
-        assert!(!stacks_as_stored(&[&c, &d]));
-        assert!(!stacks_as_stored(&[&d, &e]));
-        assert!(stacks_as_stored(&[&e, &f]));
-        assert!(!stacks_as_stored(&[&f, &e]));
+        assert!(!stacks(&[&c, &d]));
+        assert!(!stacks(&[&d, &e]));
+        assert!(stacks(&[&e, &f]));
+        assert!(!stacks(&[&f, &e]));
+        // F32 rows go up as BF16 rows.
         let g = Linear::new(2, 2, LinearData::F32(Blob::from_vec(vec![0; 16]))).unwrap();
-        assert!(!stacks_as_stored(&[&g]));
-        assert!(!stacks_as_stored(&[]));
+        assert!(matches!(host_rows(&g), HostRows::Bf16(Cow::Owned(_))));
+        assert!(!stacks(&[]));
     }
 
     #[test]

@@ -460,6 +460,44 @@ fn check_fp8_block(what: &str, block: (usize, usize)) -> Result<(), GpuError> {
     Ok(())
 }
 
+/// Whether row blocks stack in their own format ([`GemvWeight::load`]): one format (FP8 with one
+/// scale format and block, NVFP4 with one global scale), and every block but the last ending
+/// on a whole tile (16 rows) and FP8 scale block. The error says which rule they break.
+pub fn check_stack(blocks: &[(HostWeight<'_>, usize)]) -> Result<(), String> {
+    let Some((first, _)) = blocks.first() else {
+        return Err("no parts".into());
+    };
+    let global = |w: &HostWeight<'_>| match *w {
+        HostWeight::Nvfp4 { weight_scale_2, .. } => Some(weight_scale_2),
+        _ => None,
+    };
+    let (format, scale) = (format_of(first), global(first));
+    if let Some((w, _)) = blocks
+        .iter()
+        .find(|(w, _)| format_of(w) != format || global(w) != scale)
+    {
+        return Err(format!(
+            "parts in {format:?} (global scale {scale:?}) and {:?} ({:?})",
+            format_of(w),
+            global(w)
+        ));
+    }
+    let join = match format {
+        GemvFormat::Fp8 { block, .. } => block.0.max(16),
+        _ => 16,
+    };
+    let rows: Vec<usize> = blocks.iter().map(|&(_, n)| n).collect();
+    if rows[..rows.len() - 1]
+        .iter()
+        .any(|r| !r.is_multiple_of(join))
+    {
+        return Err(format!(
+            "parts of {rows:?} rows: all but the last must be a multiple of {join}"
+        ));
+    }
+    Ok(())
+}
+
 fn format_of(w: &HostWeight<'_>) -> GemvFormat {
     match *w {
         HostWeight::Bf16(_) => GemvFormat::Bf16,
@@ -604,29 +642,7 @@ impl GemvWeight {
             p.format.name(),
             ps.len()
         );
-        let join = match p.format {
-            GemvFormat::Fp8 { block, .. } => block.0.max(16),
-            _ => 16,
-        };
-        let rows = || blocks.iter().map(|&(_, n)| n);
-        if let Some(q) = ps.iter().find(|q| q.format != p.format || q.post != p.post) {
-            return Err(invalid(
-                &what,
-                format!(
-                    "parts in {:?} (global scale {}) and {:?} ({})",
-                    p.format, p.post, q.format, q.post
-                ),
-            ));
-        }
-        if rows().take(ps.len() - 1).any(|r| !r.is_multiple_of(join)) {
-            return Err(invalid(
-                &what,
-                format!(
-                    "parts of {:?} rows: all but the last must be a multiple of {join}",
-                    rows().collect::<Vec<_>>()
-                ),
-            ));
-        }
+        check_stack(blocks).map_err(|reason| invalid(&what, reason))?;
         let layout = pack::Layout {
             rows: n,
             chunks: k / p.format.chunk_elems(),
@@ -1944,6 +1960,38 @@ mod tests {
         assert!(check_mxfp4_scales("w", &[0, 127, 144]).is_ok());
         let err = check_mxfp4_scales("w", &[127, 145]).unwrap_err();
         assert!(err.to_string().contains("145 at 1"), "{err}");
+    }
+
+    #[test]
+    fn stacks_need_one_format_and_joins_on_tiles_and_blocks() {
+        let b = [bf16::ZERO; 64];
+        let bf = |n| (HostWeight::Bf16(&b), n);
+        let fp8 = |n| {
+            let w = HostWeight::Fp8 {
+                weight: &[],
+                scale: &[],
+                format: ScaleFormat::E8m0,
+                block: (128, 128),
+            };
+            (w, n)
+        };
+        let nv = |g, n| {
+            let w = HostWeight::Nvfp4 {
+                weight: &[],
+                weight_scale: &[],
+                weight_scale_2: g,
+            };
+            (w, n)
+        };
+        assert!(check_stack(&[bf(16), bf(8)]).is_ok());
+        assert!(check_stack(&[fp8(256), fp8(100)]).is_ok());
+        assert!(check_stack(&[nv(0.5, 32), nv(0.5, 3)]).is_ok());
+        let err = |blocks: &[(HostWeight<'_>, usize)]| check_stack(blocks).unwrap_err();
+        assert!(err(&[bf(24), bf(16)]).contains("multiple of 16"));
+        assert!(err(&[fp8(64), fp8(128)]).contains("multiple of 128"));
+        assert!(err(&[bf(16), fp8(16)]).contains("parts in"));
+        assert!(err(&[nv(0.5, 16), nv(0.25, 16)]).contains("global scale"));
+        assert!(err(&[]).contains("no parts"));
     }
 
     #[test]
