@@ -151,6 +151,11 @@ fn gpu_count(gpus: Gpus, visible: usize) -> Result<usize> {
 }
 
 /// GPUs 0..n opened, `first` (GPU 0, when open already) among them.
+/// GPU 0.
+fn first_device() -> Result<Arc<Device>> {
+    Ok(Arc::new(Device::new(0).context("opening CUDA device 0")?))
+}
+
 fn open_devices(n: usize, first: Option<Arc<Device>>) -> Result<Vec<Arc<Device>>> {
     let mut devs: Vec<Arc<Device>> = first.into_iter().collect();
     for i in devs.len()..n {
@@ -350,8 +355,13 @@ fn backend(asked: Option<Backend>) -> Result<Backend> {
 
 /// Loads a checkpoint onto `gpus` GPUs, or onto the fewest visible ones that hold it with
 /// `max_context` positions; the memory plan is printed first, and a model that does not fit
-/// is refused before anything is uploaded.
-fn load_gpu_model(dir: &Path, max_context: Option<usize>, gpus: Option<Gpus>) -> Result<GpuModel> {
+/// is refused before anything is uploaded. `first` is GPU 0 when the caller has opened it.
+fn load_gpu_model(
+    dir: &Path,
+    max_context: Option<usize>,
+    gpus: Option<Gpus>,
+    first: Option<Arc<Device>>,
+) -> Result<GpuModel> {
     let start = Instant::now();
     let ck = Checkpoint::open(dir)?;
     let config = ck.config().clone();
@@ -362,7 +372,10 @@ fn load_gpu_model(dir: &Path, max_context: Option<usize>, gpus: Option<Gpus>) ->
         start.elapsed().as_secs_f64()
     );
     let visible = Device::count().context("counting CUDA devices")?;
-    let first = Arc::new(Device::new(0).context("opening CUDA device 0")?);
+    let first = match first {
+        Some(d) => d,
+        None => first_device()?,
+    };
     let (free, _) = first.memory_info()?;
     let world = match gpus {
         Some(g) => gpu_count(g, visible)?,
@@ -409,10 +422,10 @@ fn random_gpu_model(
     format: SynthFormat,
     max_context: Option<usize>,
     gpus: Gpus,
+    first: Arc<Device>,
 ) -> Result<GpuModel> {
     let visible = Device::count().context("counting CUDA devices")?;
     let world = gpu_count(gpus, visible)?;
-    let first = Arc::new(Device::new(0).context("opening CUDA device 0")?);
     let plan = plan_random_memory(&config, format, world, first.memory_info()?.0, max_context)?;
     eprintln!("memory plan: {plan}");
     let devs = open_devices(world, Some(first))?;
@@ -556,8 +569,12 @@ fn generate(a: GenerateArgs) -> Result<()> {
             (prefill_s, t1, generated)
         }
         Backend::Cuda => {
-            let mut model =
-                load_gpu_model(&a.model, a.gpu.max_context.or(Some(needed)), a.gpu.gpus)?;
+            let mut model = load_gpu_model(
+                &a.model,
+                a.gpu.max_context.or(Some(needed)),
+                a.gpu.gpus,
+                None,
+            )?;
             let s = Sampling {
                 temperature: a.temperature,
                 top_p: a.top_p,
@@ -652,15 +669,13 @@ fn bench(a: BenchArgs) -> Result<()> {
         );
     }
     // Before the model takes the memory its 2 GiB of buffers need.
-    let bw = {
-        let dev = Device::new(0).context("opening CUDA device 0")?;
-        let bw = dsv4_ops::gpu::bandwidth::measure_copy_bandwidth(&dev, 1 << 30, 20)?;
-        // The buffers' stream-ordered frees return their memory at a synchronization.
-        dev.synchronize()?;
-        bw
-    };
+    let first = first_device()?;
+    let bw = dsv4_ops::gpu::bandwidth::measure_copy_bandwidth(&first, 1 << 30, 20)?;
+    // The buffers' stream-ordered frees return their memory at a synchronization.
+    first.synchronize()?;
+    let gpus = a.gpus.unwrap_or(Gpus::Count(1));
     let mut model = match &a.model {
-        Some(dir) => load_gpu_model(dir, Some(context), Some(a.gpus.unwrap_or(Gpus::Count(1))))?,
+        Some(dir) => load_gpu_model(dir, Some(context), Some(gpus), Some(first))?,
         None => {
             let mut config = a.synth.config();
             match &a.schedule {
@@ -687,12 +702,7 @@ fn bench(a: BenchArgs) -> Result<()> {
             }
             // Learned routing in every layer (hash layers read one fixed table).
             config.num_hash_layers = 0;
-            random_gpu_model(
-                config,
-                a.format.into(),
-                Some(context),
-                a.gpus.unwrap_or(Gpus::Count(1)),
-            )?
+            random_gpu_model(config, a.format.into(), Some(context), gpus, first)?
         }
     };
     let cfg = model.config().clone();
@@ -833,8 +843,12 @@ fn logits(a: LogitsArgs) -> Result<()> {
             (all, model.config().vocab_size)
         }
         Backend::Cuda => {
-            let mut model =
-                load_gpu_model(&a.model, a.gpu.max_context.or(Some(ids.len())), a.gpu.gpus)?;
+            let mut model = load_gpu_model(
+                &a.model,
+                a.gpu.max_context.or(Some(ids.len())),
+                a.gpu.gpus,
+                None,
+            )?;
             let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
             let mut start = 0;
             for len in lengths {

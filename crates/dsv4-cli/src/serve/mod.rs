@@ -126,7 +126,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 }),
                 Backend::Cuda => {
                     let context = gpu.max_context.or(Some(max_positions.min(1 << 16)));
-                    load_gpu_model(&dir, context, gpu.gpus).map(|model| {
+                    load_gpu_model(&dir, context, gpu.gpus, None).map(|model| {
                         Box::new(engine::Gpu { model, graph: None }) as Box<dyn engine::Backend>
                     })
                 }
