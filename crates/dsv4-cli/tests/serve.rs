@@ -592,3 +592,27 @@ fn the_openai_python_client_talks_to_the_server() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("all openai client checks passed"), "{text}");
 }
+
+#[test]
+fn batch_sizes_the_backend_cannot_run_are_refused_before_loading() {
+    for (backend, batch) in [("cpu", "0"), ("cuda", "2")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_dsv4"))
+            .args([
+                "serve",
+                "--backend",
+                backend,
+                "--max-batch",
+                batch,
+                "--model",
+            ])
+            .arg(checkpoint())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{backend} --max-batch {batch} was accepted"
+        );
+        assert!(err.contains(&format!("--max-batch {batch}")), "{err}");
+    }
+}
