@@ -414,7 +414,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 #define ATT_MAX_CPL 16u  // channels a lane holds: d <= 512
 
 #define ATT_MAX_SPLITS 64u
-#define ATT_AHEAD 3u  // keys a warp has in flight beyond the one it scores
+#define ATT_BATCH 4u  // keys a warp scores at once (its double buffer holds two batches)
 
 // n softmax states (maxima m[i * stride], denominators l[i * stride]) brought to their common
 // maximum: each m becomes the state's factor to it; mx gets the maximum and den the denominators
@@ -427,6 +427,19 @@ __device__ __forceinline__ void to_common_max(float* m, const float* l, u32 n, u
         const float mi = m[i * stride];
         m[i * stride] = mi == mx ? 1.0f : expf(__fsub_rn(mi, mx));
         den = __fadd_rn(den, __fmul_rn(l[i * stride], m[i * stride]));
+    }
+}
+
+// One level of a multi-value warp sum: of v[0, 2 HALF) the lane keeps the half its lane bit
+// 2 HALF picks, in v[0, HALF), adding the partner lane's copy of it.
+template <u32 HALF>
+__device__ __forceinline__ void fold_half(float* v, u32 lane) {
+    const bool up = lane & (2u * HALF);
+#pragma unroll
+    for (u32 i = 0; i < HALF; i++) {
+        const float send = up ? v[i] : v[i + HALF];
+        const float keep = up ? v[i + HALF] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 2u * HALF);
     }
 }
 
@@ -454,10 +467,11 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 // [0, min((p + 1) / ratio, cap)), mode 2 the ids in the first min(k, that count) slots of
 // selected[t] (-1 or an id >= cap: none; index_select leaves -1 in the slots past them).
 // The n keys are cut into S = gridDim.z consecutive splits of ceil(n / S). Dynamic shared
-// memory: 8 · 4 · d floats (the warps' states). Warp w takes its split's keys w, w + 8, ...:
-// per key the lanes hold d / 32 channels, each head's score is a warp butterfly sum, and the
-// head's running max, sum and weighted values are updated online while the warp's next
-// ATT_AHEAD keys load (its first ones while the queries arrive). The warps' states then merge
+// memory: 8 · 2 · 4 · d floats, each warp's double buffer of keys, later the warps' states.
+// Warp w takes its split's keys w, w + 8, ... four at a time: the next four copy into its
+// buffer while it scores these. Per batch the lanes hold d / 32 channels of each key, the 16
+// (head, key) dot products are summed over the warp together, and each head's running max,
+// sum and weighted values are updated once (FMAs, a fixed order). The warps' states then merge
 // through shared memory, summed in warp order.
 // With S > 1 each block writes its split's state to `part` ([t][h][s][d] sums, [t][h][s][2]
 // max and denominator) and the last block of (x, t) to arrive (counted in counters[t, x], which
@@ -475,7 +489,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     __shared__ float acc_s[ATT_HEADS * ATT_MAX_CPL * 32u];
     __shared__ float m_s[ATT_HEADS], l_s[ATT_HEADS];
     __shared__ float wm_s[ATT_WARPS][ATT_HEADS], wl_s[ATT_WARPS][ATT_HEADS];
-    extern __shared__ float stage[];  // [ATT_WARPS][ATT_HEADS][d]
+    extern __shared__ __align__(16) float stage[];  // [ATT_WARPS][2][ATT_BATCH][d] keys, then [ATT_WARPS][ATT_HEADS][d]
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
     const u32 h0 = blockIdx.x * ATT_HEADS;
@@ -499,20 +513,33 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     cp_async_commit();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 cpl = d / 32u;
-    // The warp's first keys load while the queries arrive: slot i of the ring holds key
-    // j + 8 i, the warp's keys j, j + 8, ... (null past the split or for an empty slot).
+    // The warp takes its split's keys w, w + 8, ... four at a time (a batch), each batch copied
+    // into the warp's half of a double buffer while the one before it is scored.
     const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
-    u32 j = split * per + warp;
-    const float* keys[ATT_AHEAD + 1u];
-    float kr[ATT_AHEAD + 1u][ATT_MAX_CPL];
+    float* keybuf = stage + warp * 2u * ATT_BATCH * d;
+    const u32 j_first = split * per + warp;
+    // Issues batch b's copies into buffer b % 2 and returns its mask of present keys.
+    auto load_batch = [&](u32 b) {
+        u32 mask = 0u;
+        float* buf = keybuf + (b & 1u) * ATT_BATCH * d;
 #pragma unroll
-    for (u32 i = 0; i <= ATT_AHEAD; i++) {
-        const u32 ji = j + i * ATT_WARPS;
-        keys[i] = ji < j_end ? att_key(ji, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
-#pragma unroll
-        for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[i][x] = keys[i] && x < cpl ? keys[i][lane + 32u * x] : 0.0f;
-    }
-    cp_async_wait<0>();
+        for (u32 r = 0; r < ATT_BATCH; r++) {
+            const u32 jr = j_first + (b * ATT_BATCH + r) * ATT_WARPS;
+            const float* key =
+                jr < j_end ? att_key(jr, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
+            if (!key) continue;  // warp-uniform
+            mask |= 1u << r;
+            for (u32 i = 4u * lane; i < d; i += 128u) cp_async16(buf + r * d + i, key + i);
+        }
+        cp_async_commit();
+        return mask;
+    };
+    const u32 mine = j_first < j_end ? (j_end - j_first + ATT_WARPS - 1u) / ATT_WARPS : 0u;
+    const u32 batches = (mine + ATT_BATCH - 1u) / ATT_BATCH;
+    u32 mask = batches > 0u ? load_batch(0) : 0u;
+    // The queries (the first group; the first batch may stay in flight).
+    if (batches > 0u) cp_async_wait<1>();
+    else cp_async_wait<0>();
     __syncthreads();
     float m[ATT_HEADS], l[ATT_HEADS], acc[ATT_HEADS][ATT_MAX_CPL];
 #pragma unroll
@@ -522,41 +549,79 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 #pragma unroll
         for (u32 x = 0; x < ATT_MAX_CPL; x++) acc[h][x] = 0.0f;
     }
-    // The warp scores its keys in order, slot by slot of the ring (unrolled, so the slots stay
-    // in registers), each slot refilled with the key ATT_AHEAD + 1 places on once scored.
-    constexpr u32 RING = ATT_AHEAD + 1u;
-    for (; j < j_end; j += RING * ATT_WARPS) {
+    // After the 16-value reduction lane L holds the score of head (L >> 3) & 3 and key
+    // (L >> 1) & 3 of the batch.
+    const u32 my_h = (lane >> 3) & 3u, my_r = (lane >> 1) & 3u;
+    for (u32 b = 0; b < batches; b++) {
+        const u32 next_mask = b + 1u < batches ? load_batch(b + 1u) : 0u;
+        if (b + 1u < batches) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncwarp();
+        const float* buf = keybuf + (b & 1u) * ATT_BATCH * d;
+        float kr[ATT_BATCH][ATT_MAX_CPL];
 #pragma unroll
-        for (u32 r = 0; r < RING; r++) {
-            const u32 jr = j + r * ATT_WARPS;
-            if (jr >= j_end) break;
-            if (keys[r]) {  // warp-uniform
+        for (u32 r = 0; r < ATT_BATCH; r++)
 #pragma unroll
-                for (u32 h = 0; h < ATT_HEADS; h++) {
-                    float s = 0.0f;
+            for (u32 x = 0; x < ATT_MAX_CPL; x++)
+                kr[r][x] = (mask >> r) & 1u && x < cpl ? buf[r * d + lane + 32u * x] : 0.0f;
+        // The lane's share of the 16 dot products (head h, key r at v[4 h + r]).
+        float v[ATT_HEADS * ATT_BATCH];
 #pragma unroll
-                    for (u32 x = 0; x < ATT_MAX_CPL; x++)
-                        if (x < cpl) s = __fadd_rn(s, __fmul_rn(q_s[h * d + lane + 32u * x], kr[r][x]));
+        for (u32 i = 0; i < ATT_HEADS * ATT_BATCH; i++) v[i] = 0.0f;
 #pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-                    s = __fmul_rn(s, scale);
-                    const float mn = fmaxf(m[h], s);
-                    const float alpha = m[h] == mn ? 1.0f : expf(__fsub_rn(m[h], mn));
-                    const float pr = expf(__fsub_rn(s, mn));
-                    l[h] = __fadd_rn(__fmul_rn(l[h], alpha), pr);
+        for (u32 x = 0; x < ATT_MAX_CPL; x++) {
+            if (x >= cpl) break;
 #pragma unroll
-                    for (u32 x = 0; x < ATT_MAX_CPL; x++)
-                        acc[h][x] = __fadd_rn(__fmul_rn(acc[h][x], alpha), __fmul_rn(pr, kr[r][x]));
-                    m[h] = mn;
-                }
+            for (u32 h = 0; h < ATT_HEADS; h++) {
+                const float qv = q_s[h * d + lane + 32u * x];
+#pragma unroll
+                for (u32 r = 0; r < ATT_BATCH; r++) v[4 * h + r] = fmaf(qv, kr[r][x], v[4 * h + r]);
             }
-            const u32 jn = jr + RING * ATT_WARPS;
-            keys[r] = jn < j_end ? att_key(jn, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap)
-                                 : nullptr;
-#pragma unroll
-            for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[r][x] = keys[r] && x < cpl ? keys[r][lane + 32u * x] : 0.0f;
         }
+        // Sixteen warp sums at once: each level halves the values a lane keeps (the half its
+        // lane bit picks), adding the partner lane's copy of them; the last level is a plain
+        // pair sum. 16 shuffles instead of 80, in a fixed order.
+        fold_half<8>(v, lane);
+        fold_half<4>(v, lane);
+        fold_half<2>(v, lane);
+        fold_half<1>(v, lane);
+        float s = v[0] + __shfl_xor_sync(0xffffffffu, v[0], 1);
+        const bool present = (mask >> my_r) & 1u;
+        s = present ? s * scale : NEG_INF;
+        // The head's running state, its batch maximum, factor and weights.
+        const float m_h = my_h == 0u ? m[0] : my_h == 1u ? m[1] : my_h == 2u ? m[2] : m[3];
+        const float l_h = my_h == 0u ? l[0] : my_h == 1u ? l[1] : my_h == 2u ? l[2] : l[3];
+        float bm = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, 2));
+        bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 4));
+        const float mn = fmaxf(m_h, bm);
+        const float alpha = m_h == mn ? 1.0f : expf(m_h - mn);
+        const float pr = present ? expf(s - mn) : 0.0f;
+        float ps = pr + __shfl_xor_sync(0xffffffffu, pr, 2);
+        ps = ps + __shfl_xor_sync(0xffffffffu, ps, 4);
+        const float ln = fmaf(l_h, alpha, ps);
+        float al[ATT_HEADS], pw[ATT_HEADS][ATT_BATCH];
+#pragma unroll
+        for (u32 h = 0; h < ATT_HEADS; h++) {
+            m[h] = __shfl_sync(0xffffffffu, mn, h << 3);
+            l[h] = __shfl_sync(0xffffffffu, ln, h << 3);
+            al[h] = __shfl_sync(0xffffffffu, alpha, h << 3);
+#pragma unroll
+            for (u32 r = 0; r < ATT_BATCH; r++) pw[h][r] = __shfl_sync(0xffffffffu, pr, (h << 3) | (r << 1));
+        }
+#pragma unroll
+        for (u32 h = 0; h < ATT_HEADS; h++)
+#pragma unroll
+            for (u32 x = 0; x < ATT_MAX_CPL; x++) {
+                float a = acc[h][x] * al[h];
+#pragma unroll
+                for (u32 r = 0; r < ATT_BATCH; r++) a = fmaf(pw[h][r], kr[r][x], a);
+                acc[h][x] = a;
+            }
+        mask = next_mask;
+        __syncwarp();  // the buffer is refilled by the batch after next
     }
+    // Every warp's copies have landed and its buffers are read: the stage may be reused.
+    __syncthreads();
     // Merge the warps' partial softmaxes: each warp's factor to the heads' common maximum, then
     // the warps' scaled sums staged side by side (all heads at once) and added in warp order
     // per channel.

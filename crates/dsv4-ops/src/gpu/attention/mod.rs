@@ -378,8 +378,10 @@ pub enum Compressed<'a> {
     },
 }
 
-/// Heads an `attention_heads` block takes, and most splits of a token's keys (kernel constants).
+/// Heads an `attention_heads` block takes, keys a warp scores at once, and most splits of a
+/// token's keys (kernel constants).
 const ATT_HEADS: usize = 4;
+const ATT_BATCH: usize = 4;
 const ATT_MAX_SPLITS: usize = 64;
 /// Fewest keys a split is cut for (two per warp).
 const MIN_SPLIT_KEYS: usize = 16;
@@ -552,9 +554,9 @@ pub fn attention(
         ("splits", s),
     ])?;
     let scale = 1.0 / (d as f32).sqrt();
-    // The 8 warps' states of ATT_HEADS heads in shared memory (the first launch opts the
-    // kernel in past 48 KiB).
-    let stage_bytes = 8 * ATT_HEADS * d * std::mem::size_of::<f32>();
+    // Each of the 8 warps' double buffer of ATT_BATCH keys, later their states of ATT_HEADS
+    // heads, in shared memory (the first launch opts the kernel in past 48 KiB).
+    let stage_bytes = 8 * (2 * ATT_BATCH).max(ATT_HEADS) * d * std::mem::size_of::<f32>();
     dev.kernel_limits("attention_heads")?;
     let cfg = LaunchConfig {
         grid_dim: (dims[6], tokens, dims[8]),
