@@ -183,12 +183,18 @@ struct BenchArgs {
     /// Format of the synthetic model.
     #[arg(long, value_enum, default_value = "nvfp4")]
     format: Format,
+    /// Positions of stand-in context before the prompt: every layer's sequence state filled
+    /// with random values instead of prefilled, so that decoding after a long context (1M
+    /// positions) is measured in seconds.
+    #[arg(long, default_value_t = 0)]
+    context: usize,
     #[arg(long, default_value_t = 1024)]
     prompt: usize,
     #[arg(long, default_value_t = 32)]
     decode: usize,
-    /// Positions the GPU sequence state holds; default: prompt + 3 · decode + 1 (the eager
-    /// decode, the graph and the graph without programmatic launch run one after the other).
+    /// Positions the GPU sequence state holds; default: context + prompt + 3 · decode + 1 (the
+    /// eager decode, the graph and the graph without programmatic launch run one after the
+    /// other).
     #[arg(long)]
     max_context: Option<usize>,
     /// GPUs to split the model over: a number or `all` (default 1).
@@ -648,22 +654,17 @@ fn bench(a: BenchArgs) -> Result<()> {
     if a.prompt == 0 || a.decode == 0 {
         bail!("--prompt and --decode must be positive");
     }
-    let context = match a.max_context {
-        Some(c) => c,
-        None => a
-            .decode
-            .checked_mul(DECODE_RUNS)
-            .and_then(|d| d.checked_add(a.prompt))
-            .and_then(|d| d.checked_add(1))
-            .context("--prompt + 3 · --decode overflows")?,
-    };
     let needed = a
         .decode
-        .saturating_mul(DECODE_RUNS)
-        .saturating_add(a.prompt);
+        .checked_mul(DECODE_RUNS)
+        .and_then(|d| d.checked_add(a.prompt))
+        .and_then(|d| d.checked_add(a.context))
+        .context("--context + --prompt + 3 · --decode overflows")?;
+    let context = a.max_context.unwrap_or(needed + 1);
     if needed > context {
         bail!(
-            "--prompt {} and three runs of --decode {} need {needed} positions; --max-context is {context}",
+            "--context {}, --prompt {} and three runs of --decode {} need {needed} positions; --max-context is {context}",
+            a.context,
             a.prompt,
             a.decode
         );
@@ -746,6 +747,16 @@ fn bench(a: BenchArgs) -> Result<()> {
         top_p: 1.0,
         seed: 0,
     };
+    if a.context > 0 {
+        let t = Instant::now();
+        model.fill_context(a.context, 1)?;
+        model.device().synchronize()?;
+        println!(
+            "context: {} positions of random sequence state (filled, not prefilled) in {:.2} s",
+            a.context,
+            t.elapsed().as_secs_f64()
+        );
+    }
     let t = Instant::now();
     model.prefill(&prompt, &s)?;
     model.read_token()?;

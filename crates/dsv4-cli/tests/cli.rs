@@ -251,6 +251,20 @@ fn bad_settings_configs_and_weights_are_named_errors() {
         ],
         "need 40 positions; --max-context is 5",
     );
+    fails_saying(
+        &[
+            "bench",
+            "--context",
+            "1000",
+            "--prompt",
+            "10",
+            "--decode",
+            "10",
+            "--max-context",
+            "1039",
+        ],
+        "--context 1000, --prompt 10 and three runs of --decode 10 need 1040 positions",
+    );
 
     let missing = tmp.path().join("nothing-here");
     generate_fails(

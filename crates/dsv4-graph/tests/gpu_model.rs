@@ -450,3 +450,57 @@ fn gpu_random_model_reads_what_its_checkpoint_reads_and_decodes() {
         println!("{format:?}: {written} bytes per step, tokens {eager_tokens:?}");
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_filled_context_is_attended_to_and_bounded() {
+    // `dsv4 bench --context N`: random sequence state for N positions instead of a prefill. The
+    // fill is refused past the capacity, the same seed gives the same logits, and the tokens
+    // after it see it (their logits differ from the same tokens at position 0).
+    use dsv4_model::config::Config;
+    use dsv4_model::synth::SynthFormat;
+    let dev = device();
+    let config = Config::tiny();
+    let opts = GpuOptions {
+        max_context: Some(600),
+    };
+    let mut model = GpuModel::random(
+        config,
+        SynthFormat::Nvfp4,
+        5,
+        std::slice::from_ref(&dev),
+        opts,
+        |_, _| {},
+    )
+    .unwrap();
+    let err = model.fill_context(601, 7).unwrap_err().to_string();
+    assert!(err.contains("capacity of 600"), "{err}");
+    let tokens = [3, 1, 4, 1];
+    let mut after_fill = |seed: u64| {
+        model.reset().unwrap();
+        model.fill_context(500, seed).unwrap();
+        let logits = model.forward(&tokens, Logits::Last).unwrap();
+        assert_eq!(model.len(), 504);
+        logits
+    };
+    let a = after_fill(7);
+    let again = after_fill(7);
+    let other = after_fill(8);
+    assert!(
+        a.iter().all(|v| v.is_finite()),
+        "logits after a filled context"
+    );
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a), bits(&again), "the same fill, the same logits");
+    assert_ne!(bits(&a), bits(&other), "another fill, other logits");
+    model.reset().unwrap();
+    let fresh = model.forward(&tokens, Logits::Last).unwrap();
+    assert_ne!(bits(&a), bits(&fresh), "the filled context is attended to");
+    // Decoding goes on from there.
+    model.reset().unwrap();
+    model.fill_context(500, 7).unwrap();
+    let s = greedy();
+    model.prefill(&tokens, &s).unwrap();
+    eager_step(&mut model, &s).unwrap();
+    assert_eq!(model.len(), 505);
+}

@@ -165,7 +165,7 @@ pub const FAMILIES: &[KernelFamily] = &[
         name: "random",
         file: "random.cu",
         source: include_str!("../kernels/random.cu"),
-        functions: &["random_bytes", "random_bf16"],
+        functions: &["random_bytes", "random_bf16", "random_f32"],
     },
 ];
 

@@ -8,7 +8,8 @@ use dsv4_ops::gpu::attention::{AttentionSplits, CompressorBuffers};
 use dsv4_ops::gpu::collective::{self, RankBuffers};
 use dsv4_ops::gpu::gemv::GemvWorkspace;
 use dsv4_ops::gpu::mhc::mix_partials_shape;
-use dsv4_ops::gpu::{BufferPool, DeviceElem, DeviceTensor, GpuError};
+use dsv4_ops::gpu::random::{fill_f32, Uniform};
+use dsv4_ops::gpu::{BufferPool, Device, DeviceElem, DeviceTensor, GpuError};
 use half::bf16;
 
 use crate::config::{Config, LayerKind};
@@ -106,6 +107,40 @@ impl CompState<Taking> {
 
     pub fn entries(&self) -> &DeviceTensor<f32> {
         &self.entries
+    }
+
+    /// Every state row, for [`LayerState::fill_random`].
+    fn tensors(&mut self) -> [&mut DeviceTensor<f32>; 5] {
+        [
+            &mut self.kv,
+            &mut self.gate,
+            &mut self.prev_kv,
+            &mut self.prev_gate,
+            &mut self.entries,
+        ]
+    }
+}
+
+impl LayerState<Taking> {
+    /// Uniform values in [-1, 1) in every state row the layer keeps across steps (window ring,
+    /// compressor states and entries, the indexer's): a stand-in for a long context that
+    /// costs what a real one costs to attend to, without prefilling it.
+    pub fn fill_random(&mut self, dev: &Device, seed: u64) -> Result<(), GpuError> {
+        let dist = Uniform {
+            mean: 0.0,
+            half_range: 1.0,
+        };
+        let mut rows = vec![&mut self.window];
+        if let Some(c) = &mut self.comp {
+            rows.extend(c.tensors());
+        }
+        if let Some(i) = &mut self.index {
+            rows.extend(i.comp.tensors());
+        }
+        for (k, t) in rows.into_iter().enumerate() {
+            fill_f32(dev, t, seed.wrapping_add(k as u64), dist)?;
+        }
+        Ok(())
     }
 }
 

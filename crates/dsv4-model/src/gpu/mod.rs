@@ -642,6 +642,36 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Starts the sequence at position `n` with every layer's state filled with random values
+    /// (see [`buffers::LayerState::fill_random`]; every rank alike) instead of `n` tokens'
+    /// worth: what a benchmark of decoding after a long context needs, in seconds instead of
+    /// a prefill of `n` tokens. The next [`Self::prefill`] continues from there.
+    pub fn fill_context(&mut self, n: usize, seed: u64) -> Result<(), GpuModelError> {
+        let limit = self.config.max_position_embeddings;
+        if n > limit {
+            return Err(ForwardError::ContextLimit { needed: n, limit }.into());
+        }
+        if n > self.capacity {
+            return Err(GpuModelError::Capacity {
+                needed: n,
+                capacity: self.capacity,
+            });
+        }
+        let pos = u32::try_from(n).map_err(|_| GpuModelError::Capacity {
+            needed: n,
+            capacity: u32::MAX as usize,
+        })?;
+        for r in &mut self.ranks {
+            for (l, layer) in r.bufs.layers.iter_mut().enumerate() {
+                layer.fill_random(&r.dev, seed ^ ((l as u64) << 32))?;
+            }
+            r.dev.write(&mut r.bufs.acts.pos, &[pos])?;
+        }
+        self.len = n;
+        self.token_ready = false;
+        Ok(())
+    }
+
     fn check_tokens(&self, tokens: &[u32]) -> Result<(), GpuModelError> {
         let c = &self.config;
         if tokens.is_empty() {

@@ -40,7 +40,7 @@ impl Bytes {
     }
 }
 
-/// Uniform values in `[mean - half_range, mean + half_range)`, rounded to BF16.
+/// Uniform values in `[mean - half_range, mean + half_range)` (rounded to BF16 by [`fill_bf16`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Uniform {
     pub mean: f32,
@@ -114,9 +114,45 @@ pub(crate) fn fill_bf16_at(
     seed: u64,
     dist: Uniform,
 ) -> Result<(), GpuError> {
+    // SAFETY: the caller's address holds n BF16 values.
+    unsafe { fill_uniform(dev, "random_bf16", address, n, seed, dist) }
+}
+
+/// Fills `out` with [`reference::f32_value`]`(seed, i, dist)`.
+pub fn fill_f32(
+    dev: &Device,
+    out: &mut DeviceTensor<f32>,
+    seed: u64,
+    dist: Uniform,
+) -> Result<(), GpuError> {
+    // SAFETY: out holds out.len() F32 values.
+    unsafe {
+        fill_uniform(
+            dev,
+            "random_f32",
+            out.device_address(),
+            out.len(),
+            seed,
+            dist,
+        )
+    }
+}
+
+/// Launches `kernel` (random_bf16 or random_f32) over `n` values at `address`.
+///
+/// # Safety
+/// `address` must hold `n` values of the kernel's type.
+unsafe fn fill_uniform(
+    dev: &Device,
+    kernel: &str,
+    address: u64,
+    n: usize,
+    seed: u64,
+    dist: Uniform,
+) -> Result<(), GpuError> {
     if !(dist.mean.is_finite() && dist.half_range.is_finite()) {
         return Err(GpuError::invalid(
-            "random bf16",
+            "random fill",
             format!(
                 "mean {} and half range {} must be finite",
                 dist.mean, dist.half_range
@@ -126,11 +162,11 @@ pub(crate) fn fill_bf16_at(
     if n == 0 {
         return Ok(());
     }
-    // SAFETY: the caller's address holds n BF16 values.
+    // SAFETY: the caller's.
     unsafe {
         launch(
             dev,
-            "random_bf16",
+            kernel,
             grid(dev, n),
             Args::new()
                 .arg(address)

@@ -25,8 +25,13 @@ pub fn byte(seed: u64, i: u64, d: Bytes) -> u8 {
     b as u8
 }
 
-/// Value `i` of a BF16 fill (f32 arithmetic rounded at each step, as the kernel).
-pub fn bf16_value(seed: u64, i: u64, d: Uniform) -> bf16 {
+/// Value `i` of an F32 fill (f32 arithmetic rounded at each step, as the kernel).
+pub fn f32_value(seed: u64, i: u64, d: Uniform) -> f32 {
     let u = (element_bits(seed, i) >> 40) as f32 * (1.0 / 16_777_216.0);
-    bf16::from_f32(d.mean + d.half_range * (2.0 * u - 1.0))
+    d.mean + d.half_range * (2.0 * u - 1.0)
+}
+
+/// Value `i` of a BF16 fill: [`f32_value`] rounded.
+pub fn bf16_value(seed: u64, i: u64, d: Uniform) -> bf16 {
+    bf16::from_f32(f32_value(seed, i, d))
 }

@@ -52,6 +52,18 @@ fn gpu_random_fills_match_reference() {
             &dev.download(&t).unwrap(),
             &want,
         );
+        let mut t = dev.alloc::<f32>(DType::F32, &[n]).unwrap();
+        fill_f32(&dev, &mut t, seed, u).unwrap();
+        let want: Vec<u32> = (0..n as u64)
+            .map(|i| cpu::f32_value(seed, i, u).to_bits())
+            .collect();
+        let got: Vec<u32> = dev
+            .download(&t)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_bits_eq(&format!("f32 {u:?}, n {n}"), &got, &want);
     }
 }
 
@@ -73,6 +85,13 @@ fn gpu_random_fills_refuse_bad_distributions() {
         half_range: 1.0,
     };
     let err = fill_bf16(&dev, &mut t, 1, bad).unwrap_err().to_string();
+    assert!(err.contains("finite"), "{err}");
+    let mut t = dev.alloc::<f32>(DType::F32, &[16]).unwrap();
+    let bad = Uniform {
+        mean: 0.0,
+        half_range: f32::INFINITY,
+    };
+    let err = fill_f32(&dev, &mut t, 1, bad).unwrap_err().to_string();
     assert!(err.contains("finite"), "{err}");
 }
 
