@@ -13,7 +13,8 @@
 //   CPU's operation order (sequential dot products, sequential sum over heads), so they are
 //   bit-identical to the CPU reference; the top-k is a 4-pass 8-bit radix select over the
 //   total-order key of the float bits (the order of f32::total_cmp), then a compaction in index
-//   order that takes the lowest indices among the keys equal to the threshold.
+//   order that takes the lowest indices among the keys equal to the threshold; one block per
+//   token, or past a block's shared memory a cluster of blocks, each on a slice of the entries.
 // - attention_heads: sink softmax over the window ∪ compressed keys (K = V) for four heads of
 //   one token per block, the token's keys split over several blocks when few blocks would run;
 //   8 warps take interleaved keys with an online softmax each, the warps' and then the splits'
@@ -299,13 +300,38 @@ __device__ __forceinline__ u32 order_key(float x) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// One block per token: selected[t, :] = the k largest of scores[t, 0..n_vis) in ascending index
-// order (ties to the lowest index), -1 past n_vis when n_vis < k. The threshold key is found
-// by a radix select (4 passes of 8 bits over the keys, staged in shared memory when they fit; integer
-// histograms: order-independent; the bin found by a warp-wide scan); then each
-// thread takes a contiguous index range, an exclusive scan of the per-thread counts gives each
-// range's first output slot, and the keys equal to the threshold are taken in index order
-// until the count still needed is reached.
+// Cluster-wide barrier (all threads of every block of the cluster; a launch without clusters
+// is a cluster of one block), ordering shared-memory writes before the reads after it.
+__device__ __forceinline__ void sel_cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+
+// The u32 at `p` (this block's shared memory) in block `rank` of the cluster.
+__device__ __forceinline__ u32 sel_peer(const u32* p, u32 rank) {
+#if __CUDA_ARCH__ >= 900
+    u32 a, v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+    return v;
+#else
+    return *p;
+#endif
+}
+
+// selected[t, :] = the k largest of scores[t, 0..n_vis) in ascending index order (ties to
+// the lowest index), -1 past n_vis when n_vis < k. One cluster of gridDim.y blocks per token
+// (gridDim.y = 1: one block): block r takes the r-th of gridDim.y contiguous slices of the
+// entries. The threshold key is found by a radix select (4 passes of 8 bits over the keys,
+// staged in shared memory when the slice fits there; integer histograms, order-independent,
+// summed over the cluster's blocks through distributed shared memory; the bin found by a
+// warp-wide scan, in every block alike); then each thread takes a contiguous index range of
+// its block's slice, exclusive scans of the per-thread counts (in the block, then over the
+// blocks before it) give each range's first output slot, and the keys equal to the threshold
+// are taken in index order until the count still needed is reached.
 DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __restrict__ scores, u32 cap, u32 ratio,
                                                              const u32* __restrict__ pos, u32 k,
                                                              int* __restrict__ selected, u32 held_cap) {
@@ -314,29 +340,33 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     __shared__ u32 gt_s[SEL_THREADS];
     __shared__ u32 eq_s[SEL_THREADS];
     __shared__ u32 sh_prefix, sh_krem;
-    const u32 t = blockIdx.x;
+    __shared__ u32 total_gt, total_eq;  // the block's counts, read by the later blocks
+    const u32 t = blockIdx.x, rank = blockIdx.y, parts = gridDim.y;
     const u32 p = pos[0] + t;
     const u32 n = min((p + 1u) / ratio, cap);
-    const float* s = scores + (u64)t * cap;
     int* out = selected + (u64)t * k;
-    if (n <= k) {
-        for (u32 i = threadIdx.x; i < k; i += blockDim.x) out[i] = i < n ? (int)i : -1;
+    if (n <= k) {  // the same for every block of the cluster
+        if (rank == 0u)
+            for (u32 i = threadIdx.x; i < k; i += blockDim.x) out[i] = i < n ? (int)i : -1;
         return;
     }
+    const u32 per = (n + parts - 1u) / parts;
+    const u32 first = min(rank * per, n);
+    const u32 m = min(first + per, n) - first;  // the block's slice: [first, first + m)
+    const float* s = scores + (u64)t * cap + first;
     const u32 lane = threadIdx.x % 32u;
-    // The keys, read once into shared memory when they fit there (held_cap keys), else reread
-    // from the scores by every pass.
+    // The slice's keys, read once into shared memory when they fit there (held_cap keys), else
+    // reread from the scores by every pass.
     extern __shared__ u32 keys_s[];
-    const bool held = n <= held_cap;
+    const bool held = m <= held_cap;
     if (held) {
 #pragma unroll 8
-        for (u32 i = threadIdx.x; i < n; i += blockDim.x) keys_s[i] = order_key(s[i]);
+        for (u32 i = threadIdx.x; i < m; i += blockDim.x) keys_s[i] = order_key(s[i]);
         __syncthreads();
     }
     const auto key_at = [&](u32 i) { return held ? keys_s[i] : order_key(s[i]); };
     // Keys are read SEL_BATCH at a time per thread, all of a batch's loads in flight before
-    // any is used (from the scores, one L2 round trip a batch instead of one a key: H100, 260k
-    // entries (1M positions), 634 us a selection before): i0, i0 + step, ... (those below end).
+    // any is used: i0, i0 + step, ... (those below end).
     const auto load_keys = [&](u32 i0, u32 step, u32 end, u32 (&kk)[SEL_BATCH]) {
 #pragma unroll
         for (u32 j = 0; j < SEL_BATCH; j++) kk[j] = i0 + j * step < end ? key_at(i0 + j * step) : 0u;
@@ -345,21 +375,23 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) hist[b] = 0u;
         __syncthreads();
-        for (u32 i0 = threadIdx.x; i0 < n; i0 += SEL_BATCH * blockDim.x) {
+        for (u32 i0 = threadIdx.x; i0 < m; i0 += SEL_BATCH * blockDim.x) {
             u32 kk[SEL_BATCH];
-            load_keys(i0, blockDim.x, n, kk);
+            load_keys(i0, blockDim.x, m, kk);
 #pragma unroll
             for (u32 j = 0; j < SEL_BATCH; j++)
-                if (i0 + j * blockDim.x < n && (kk[j] & mask) == prefix) atomicAdd(&hist[(kk[j] >> shift) & 255u], 1u);
+                if (i0 + j * blockDim.x < m && (kk[j] & mask) == prefix) atomicAdd(&hist[(kk[j] >> shift) & 255u], 1u);
         }
-        __syncthreads();
+        sel_cluster_sync();  // every block's histogram is complete
         // Warp 0 finds the bin holding the krem-th largest key: lane l takes bins 255 - 8l - j
-        // (j = 0..7, descending), a scan over the lanes counts the keys above each lane's bins.
+        // (j = 0..7, descending), summed over the cluster's blocks; a scan over the lanes
+        // counts the keys above each lane's bins.
         if (threadIdx.x < 32u) {
             u32 c[8], sum = 0u;
 #pragma unroll
             for (u32 j = 0; j < 8u; j++) {
-                c[j] = hist[255u - 8u * lane - j];
+                c[j] = 0u;
+                for (u32 r = 0; r < parts; r++) c[j] += sel_peer(&hist[255u - 8u * lane - j], r);
                 sum += c[j];
             }
             u32 incl = sum;
@@ -380,14 +412,14 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
                 above += c[j];
             }
         }
-        __syncthreads();
+        sel_cluster_sync();  // every block has read the histograms before any clears its own
         prefix = sh_prefix;
         krem = sh_krem;
         mask |= 255u << shift;
     }
     // `prefix` is the k-th largest key; every larger key is taken, and the first `krem` equal ones.
-    const u32 chunk = (n + SEL_THREADS - 1u) / SEL_THREADS;
-    const u32 lo = min(threadIdx.x * chunk, n), hi = min(lo + chunk, n);
+    const u32 chunk = (m + SEL_THREADS - 1u) / SEL_THREADS;
+    const u32 lo = min(threadIdx.x * chunk, m), hi = min(lo + chunk, m);
     u32 gt = 0u, eq = 0u;
     for (u32 i0 = lo; i0 < hi; i0 += SEL_BATCH) {
         u32 kk[SEL_BATCH];
@@ -409,8 +441,19 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
         eq_s[threadIdx.x] += b;
         __syncthreads();
     }
-    u32 eq_seen = eq_s[threadIdx.x] - eq;
-    u32 slot = gt_s[threadIdx.x] - gt + min(eq_seen, krem);
+    if (threadIdx.x == 0u) {
+        total_gt = gt_s[SEL_THREADS - 1u];
+        total_eq = eq_s[SEL_THREADS - 1u];
+    }
+    sel_cluster_sync();
+    // The counts of the blocks before this one (earlier indices).
+    u32 gt_before = 0u, eq_before = 0u;
+    for (u32 r = 0; r < rank; r++) {
+        gt_before += sel_peer(&total_gt, r);
+        eq_before += sel_peer(&total_eq, r);
+    }
+    u32 eq_seen = eq_before + eq_s[threadIdx.x] - eq;
+    u32 slot = gt_before + gt_s[threadIdx.x] - gt + min(eq_seen, krem);
     for (u32 i0 = lo; i0 < hi; i0 += SEL_BATCH) {
         u32 kk[SEL_BATCH];
         load_keys(i0, 1u, hi, kk);
@@ -419,9 +462,10 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
             if (i0 + j >= hi) break;
             bool take = kk[j] > prefix;
             if (kk[j] == prefix) take = eq_seen++ < krem;
-            if (take) out[slot++] = (int)(i0 + j);
+            if (take) out[slot++] = (int)(first + i0 + j);
         }
     }
+    sel_cluster_sync();  // no block leaves while a later one may still read its counts
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -70,6 +70,22 @@ pub(crate) unsafe fn launch(
     cfg: LaunchConfig,
     args: &Args,
 ) -> Result<(), GpuError> {
+    // SAFETY: the caller's.
+    unsafe { launch_clustered(dev, kernel, cfg, args, 1) }
+}
+
+/// [`launch`] with the blocks grouped into clusters of `cluster_y` along the grid's y (1: no
+/// clusters; more needs sm_90).
+///
+/// # Safety
+/// As [`launch`].
+pub(crate) unsafe fn launch_clustered(
+    dev: &Device,
+    kernel: &str,
+    cfg: LaunchConfig,
+    args: &Args,
+    cluster_y: u32,
+) -> Result<(), GpuError> {
     // Pointers to copies of the slots, on the stack: a launch allocates nothing.
     let mut slots = args.slots;
     let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_ARGS];
@@ -87,7 +103,7 @@ pub(crate) unsafe fn launch(
             (block.0, cfg.shared_mem_bytes),
             &mut params[..args.n],
             PROGRAMMATIC_LAUNCH.get(),
-            1,
+            cluster_y,
         )
     }
 }

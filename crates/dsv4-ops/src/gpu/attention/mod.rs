@@ -333,28 +333,34 @@ pub fn index_topk(
             })
         }?;
     }
-    // The keys of up to `held` entries staged in shared memory: as many as a block may hold
-    // (past the kernel's own arrays), no more than the capacity.
+    // Each block stages the keys of its slice of the entries in shared memory, up to `held`
+    // (as many as a block may hold past the kernel's own arrays); past that capacity a token's
+    // entries are cut into a cluster of up to 8 slices (sm_90+), each within it where 8 do.
     let free = dev.max_block_shared() - dev.kernel_limits("index_select")?.static_shared;
-    let held = (free / 4).min(dims[0] as usize) as u32;
+    let most = free / 4;
+    let parts = if dev.arch().has_clusters() {
+        cap.div_ceil(most.max(1)).clamp(1, MAX_SELECT_SLICES)
+    } else {
+        1
+    };
+    let held = (most.min(cap.div_ceil(parts))) as u32;
     let cfg = LaunchConfig {
-        grid_dim: (tokens, 1, 1),
+        grid_dim: (tokens, parts as u32, 1),
         block_dim: (1024, 1, 1),
         shared_mem_bytes: 4 * held,
     };
+    let mut args = Args::new();
+    args.ptr(scores)
+        .arg(dims[0])
+        .arg(dims[3])
+        .ptr(pos)
+        .arg(dims[4])
+        .ptr(selected)
+        .arg(held);
     // SAFETY: scores [t, cap] (only [0, n_vis) of each row read, n_vis <= cap), pos [1],
-    // selected [t, k], `held` keys of dynamic shared memory.
-    unsafe {
-        launch(dev, "index_select", cfg, |b| {
-            b.ptr(scores)
-                .arg(dims[0])
-                .arg(dims[3])
-                .ptr(pos)
-                .arg(dims[4])
-                .ptr(selected)
-                .arg(held);
-        })
-    }
+    // selected [t, k], `held` keys of dynamic shared memory; clusters of `parts` <= 8 blocks
+    // only where the device has them.
+    unsafe { launch::launch_clustered(dev, "index_select", cfg, &args, parts as u32) }
 }
 
 /// The compressed keys a layer attends to, besides its window.
@@ -377,6 +383,9 @@ pub enum Compressed<'a> {
         ratio: usize,
     },
 }
+
+/// Most blocks (one cluster, the portable size) an `index_select` of one token is cut into.
+const MAX_SELECT_SLICES: usize = 8;
 
 /// Heads an `attention_heads` block takes, keys a warp scores at once, and most splits of a
 /// token's keys (kernel constants).

@@ -570,6 +570,8 @@ mod gpu {
             (4, 16, 8, 40, 4, 200),
             (8, 32, 8, 300, 1, 400),
             (2, 8, 512, 100_000, 1, 120_000),
+            // Past one block's shared memory: a cluster of up to 8 slices (sm_90).
+            (1, 4, 512, 400_000, 1, 420_000),
             (33, 20, 5, 50, 3, 100),
             (1, 4, 3, 10, 2, 30),
         ];
@@ -618,8 +620,18 @@ mod gpu {
     #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
     fn gpu_index_topk_breaks_ties_to_the_lowest_index() {
         let dev = device();
-        // Entries that repeat: many exact ties, and all-negative dots (score -0.0 or +0.0).
-        let (nh, c, k, cap, t) = (4, 8, 7, 64, 3);
+        // Entries that repeat: many exact ties, and all-negative dots (score -0.0 or +0.0); in
+        // one block, and over a cluster of slices (the ties then span the slices).
+        for (k, cap, positions) in [
+            (7, 64, vec![0, 5, 20, 63, 100]),
+            (700, 300_000, vec![299_999]),
+        ] {
+            index_ties(&dev, k, cap, &positions);
+        }
+    }
+
+    fn index_ties(dev: &Device, k: usize, cap: usize, positions: &[usize]) {
+        let (nh, c, t) = (4, 8, 3);
         let base: Vec<f32> = (0..4 * c)
             .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
             .collect();
@@ -632,10 +644,10 @@ mod gpu {
         let w: Vec<f32> = (0..t * nh)
             .map(|i| if i % 3 == 0 { -0.5 } else { 0.25 })
             .collect();
-        for pos0 in [0, 5, 20, 63, 100] {
-            let (_, got) = device_index_topk(&dev, (&q, &w, &entries), [nh, c, 1, pos0, k]);
+        for &pos0 in positions {
+            let (_, got) = device_index_topk(dev, (&q, &w, &entries), [nh, c, 1, pos0, k]);
             let want = cpu::index_topk(&q, &w, &entries, nh, c, 1, pos0, k);
-            assert_eq!(got, want, "position {pos0}");
+            assert_eq!(got, want, "{cap} entries, position {pos0}");
         }
     }
 
