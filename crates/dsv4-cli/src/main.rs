@@ -769,7 +769,9 @@ fn bench(a: BenchArgs) -> Result<()> {
         dsv4_model::gpu::MAX_CHUNK
     );
     let (eager_ms, eager_host) = time_decode(&mut model, a.decode, |m| Ok(eager_launch(m, &s)?))?;
+    let t = Instant::now();
     let graph = DecodeGraph::capture(&mut model, &s)?;
+    let capture_ms = t.elapsed().as_secs_f64() * 1e3;
     // The graph's replays are what a profiler started with `--profile-from-start off` sees.
     model.device().profile(true)?;
     let (graph_ms, graph_host) = time_decode(&mut model, a.decode, |m| Ok(graph.replay(m)?))?;
@@ -787,7 +789,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     );
     println!(
         "decode graph: {graph_ms:.3} ms/token ({:.1}% of roofline), host {graph_host:.1} µs/step, \
-         {} nodes per step",
+         {} nodes per step, captured and instantiated in {capture_ms:.1} ms",
         pct(graph_ms),
         graph.nodes()
     );
