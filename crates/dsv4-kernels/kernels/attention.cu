@@ -478,7 +478,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 #define ATT_MAX_CPL 16u  // channels a lane holds: d <= 512
 
 #define ATT_MAX_SPLITS 64u
-#define ATT_BATCH 4u  // keys a warp scores at once (its double buffer holds two batches)
+#define ATT_BATCH 4u  // keys a warp scores at once
 
 // n softmax states (maxima m[i * stride], denominators l[i * stride]) brought to their common
 // maximum: each m becomes the state's factor to it; mx gets the maximum and den the denominators
@@ -531,9 +531,10 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 // [0, min((p + 1) / ratio, cap)), mode 2 the ids in the first min(k, that count) slots of
 // selected[t] (-1 or an id >= cap: none; index_select leaves -1 in the slots past them).
 // The n keys are cut into S = gridDim.z consecutive splits of ceil(n / S). Dynamic shared
-// memory: 8 · 2 · 4 · d floats, each warp's double buffer of keys, later the warps' states.
-// Warp w takes its split's keys w, w + 8, ... four at a time: the next four copy into its
-// buffer while it scores these. Per batch the lanes hold d / 32 channels of each key, the 16
+// memory: 8 · ring · 4 · d floats, each warp's ring of buffers of four keys (two where the
+// GPU's shared memory holds them), later the warps' states (8 · 4 · d). Warp w takes its
+// split's keys w, w + 8, ... four at a time: the next four copy into a buffer while it scores
+// these. Per batch the lanes hold d / 32 channels of each key, the 16
 // (head, key) dot products are summed over the warp together, and each head's running max,
 // sum and weighted values are updated once (FMAs, a fixed order). The warps' states then merge
 // through shared memory, summed in warp order.
@@ -547,13 +548,13 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    u32* __restrict__ counters, u16* __restrict__ out) {
+    u32* __restrict__ counters, u16* __restrict__ out, u32 ring) {
     pdl_enter();
     __shared__ __align__(16) float q_s[ATT_HEADS * ATT_MAX_CPL * 32u];
     __shared__ float acc_s[ATT_HEADS * ATT_MAX_CPL * 32u];
     __shared__ float m_s[ATT_HEADS], l_s[ATT_HEADS];
     __shared__ float wm_s[ATT_WARPS][ATT_HEADS], wl_s[ATT_WARPS][ATT_HEADS];
-    extern __shared__ __align__(16) float stage[];  // [ATT_WARPS][2][ATT_BATCH][d] keys, then [ATT_WARPS][ATT_HEADS][d]
+    extern __shared__ __align__(16) float stage[];  // [ATT_WARPS][ring][ATT_BATCH][d] keys, then [ATT_WARPS][ATT_HEADS][d]
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
     const u32 h0 = blockIdx.x * ATT_HEADS;
@@ -577,15 +578,16 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     cp_async_commit();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 cpl = d / 32u;
-    // The warp takes its split's keys w, w + 8, ... four at a time (a batch), each batch copied
-    // into the warp's half of a double buffer while the one before it is scored.
+    // The warp takes its split's keys w, w + 8, ... four at a time (a batch). With two buffers
+    // (ring = 2) a batch is copied into one while the one before it is scored from the other;
+    // with one, once the batch before it is in registers.
     const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
-    float* keybuf = stage + warp * 2u * ATT_BATCH * d;
+    float* keybuf = stage + warp * ring * ATT_BATCH * d;
     const u32 j_first = split * per + warp;
-    // Issues batch b's copies into buffer b % 2 and returns its mask of present keys.
+    // Issues batch b's copies into its buffer and returns its mask of present keys.
     auto load_batch = [&](u32 b) {
         u32 mask = 0u;
-        float* buf = keybuf + (b & 1u) * ATT_BATCH * d;
+        float* buf = keybuf + (ring == 2u ? b & 1u : 0u) * ATT_BATCH * d;
 #pragma unroll
         for (u32 r = 0; r < ATT_BATCH; r++) {
             const u32 jr = j_first + (b * ATT_BATCH + r) * ATT_WARPS;
@@ -617,17 +619,20 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     // (L >> 1) & 3 of the batch.
     const u32 my_h = (lane >> 3) & 3u, my_r = (lane >> 1) & 3u;
     for (u32 b = 0; b < batches; b++) {
-        const u32 next_mask = b + 1u < batches ? load_batch(b + 1u) : 0u;
-        if (b + 1u < batches) cp_async_wait<1>();
-        else cp_async_wait<0>();
+        const bool more = b + 1u < batches;
+        u32 next_mask = ring == 2u && more ? load_batch(b + 1u) : 0u;
+        if (ring == 2u && more) cp_async_wait<1>();
+        else cp_async_wait<0>();  // batch b
         __syncwarp();
-        const float* buf = keybuf + (b & 1u) * ATT_BATCH * d;
+        const float* buf = keybuf + (ring == 2u ? b & 1u : 0u) * ATT_BATCH * d;
         float kr[ATT_BATCH][ATT_MAX_CPL];
 #pragma unroll
         for (u32 r = 0; r < ATT_BATCH; r++)
 #pragma unroll
             for (u32 x = 0; x < ATT_MAX_CPL; x++)
                 kr[r][x] = (mask >> r) & 1u && x < cpl ? buf[r * d + lane + 32u * x] : 0.0f;
+        __syncwarp();  // every lane has read the buffer: a later batch may overwrite it
+        if (ring == 1u && more) next_mask = load_batch(b + 1u);
         // The lane's share of the 16 dot products (head h, key r at v[4 h + r]).
         float v[ATT_HEADS * ATT_BATCH];
 #pragma unroll
@@ -682,7 +687,6 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
                 acc[h][x] = a;
             }
         mask = next_mask;
-        __syncwarp();  // the buffer is refilled by the batch after next
     }
     // Every warp's copies have landed and its buffers are read: the stage may be reused.
     __syncthreads();

@@ -97,6 +97,10 @@ pub mod tuning {
     /// An FP8 GEMV at M = 1 whose activations are staged may stage them prescaled
     /// (`gemv_*fp8_m1`: the block scales folded into f16 activations; other rounding).
     pub static PRESCALED: Switch = Switch::on();
+
+    /// `attention_heads` gives each warp two buffers of keys in shared memory where they fit
+    /// (one otherwise; the same bits either way).
+    pub static ATTENTION_DOUBLE_BUFFER: Switch = Switch::on();
 }
 
 /// A weight's number format.

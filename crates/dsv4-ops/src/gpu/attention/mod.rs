@@ -14,6 +14,7 @@ use cudarc::driver::LaunchConfig;
 
 use half::bf16;
 
+use super::gemv::tuning;
 use super::launch::{self, dim_u32, elementwise, Args};
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
@@ -338,12 +339,20 @@ pub fn index_topk(
     // entries are cut into a cluster of up to 8 slices (sm_90+), each within it where 8 do.
     let free = dev.max_block_shared() - dev.kernel_limits("index_select")?.static_shared;
     let most = free / 4;
-    let parts = if dev.arch().has_clusters() {
+    let mut parts = if dev.arch().has_clusters() {
         cap.div_ceil(most.max(1)).clamp(1, MAX_SELECT_SLICES)
     } else {
         1
     };
-    let held = (most.min(cap.div_ceil(parts))) as u32;
+    // One block rereading the scores where no cluster of that many blocks can be resident
+    // (a partitioned GPU).
+    let held_for = |parts: usize| most.min(cap.div_ceil(parts)) as u32;
+    if parts > 1
+        && dev.resident_clusters("index_select", 1024, 4 * held_for(parts), parts as u32)? == 0
+    {
+        parts = 1;
+    }
+    let held = held_for(parts);
     let cfg = LaunchConfig {
         grid_dim: (tokens, parts as u32, 1),
         block_dim: (1024, 1, 1),
@@ -534,12 +543,18 @@ pub fn attention(
             )
         }
     };
-    // The queries are copied into shared memory in 16-byte pieces (rows of d floats keep the
-    // bound).
-    if !q.device_address().is_multiple_of(16) {
+    // Queries and keys are copied into shared memory in 16-byte pieces (rows of d floats keep
+    // the bound).
+    let aligned = [
+        ("queries", q.device_address()),
+        ("keys", kv.device_address()),
+        ("window", window.device_address()),
+        ("compressed entries", entries_ptr),
+    ];
+    if let Some((what, _)) = aligned.iter().find(|(_, a)| !a.is_multiple_of(16)) {
         return Err(GpuError::invalid(
             "attention",
-            "queries not on a 16-byte boundary",
+            format!("{what} not on a 16-byte boundary"),
         ));
     }
     if t == 0 {
@@ -563,16 +578,37 @@ pub fn attention(
         ("splits", s),
     ])?;
     let scale = 1.0 / (d as f32).sqrt();
-    // Each of the 8 warps' double buffer of ATT_BATCH keys, later their states of ATT_HEADS
-    // heads, in shared memory (the first launch opts the kernel in past 48 KiB).
-    let stage_bytes = 8 * (2 * ATT_BATCH).max(ATT_HEADS) * d * std::mem::size_of::<f32>();
-    dev.kernel_limits("attention_heads")?;
+    // Each of the 8 warps' ring of buffers of ATT_BATCH keys, later their states of ATT_HEADS
+    // heads, in shared memory (the first launch opts the kernel in past 48 KiB): two buffers
+    // where they fit (H100, bench4 after 1M positions: 1.895 ms/token with two, 2.085 with
+    // one), else one.
+    let stage =
+        |ring: usize| 8 * (ring * ATT_BATCH).max(ATT_HEADS) * d * std::mem::size_of::<f32>();
+    let limits = dev.kernel_limits("attention_heads")?;
+    let fits = |ring: usize| limits.static_shared + stage(ring) <= dev.max_block_shared();
+    let ring = if fits(2) && tuning::ATTENTION_DOUBLE_BUFFER.get() {
+        2
+    } else {
+        1
+    };
+    let stage_bytes = stage(ring);
+    if !fits(ring) {
+        return Err(GpuError::invalid(
+            "attention",
+            format!(
+                "head width {d}: a block needs {} bytes of shared memory, this GPU gives {}",
+                limits.static_shared + stage_bytes,
+                dev.max_block_shared()
+            ),
+        ));
+    }
     let cfg = LaunchConfig {
         grid_dim: (dims[6], tokens, dims[8]),
         block_dim: (256, 1, 1),
         shared_mem_bytes: stage_bytes as u32,
     };
-    // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1,
+    // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1
+    // (q, kv, window and entries on 16-byte boundaries),
     // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),
     // selected [t, k], sink [heads], pos [1], inv_freq [half] with 2·half <= d, out
     // [t, heads·d] BF16; a block reads and writes only its heads < heads; with s > 1,
@@ -600,7 +636,8 @@ pub fn attention(
                 .ptr(&splits.acc)
                 .ptr(&splits.stats)
                 .ptr(&splits.counters)
-                .ptr(out);
+                .ptr(out)
+                .arg(ring as u32);
         })
     }
 }

@@ -570,8 +570,10 @@ mod gpu {
             (4, 16, 8, 40, 4, 200),
             (8, 32, 8, 300, 1, 400),
             (2, 8, 512, 100_000, 1, 120_000),
-            // Past one block's shared memory: a cluster of up to 8 slices (sm_90).
+            // Past one block's shared memory: a cluster of up to 8 slices (sm_90), each held
+            // in shared memory, then slices past it read from the scores.
             (1, 4, 512, 400_000, 1, 420_000),
+            (1, 4, 512, 520_000, 1, 540_000),
             (33, 20, 5, 50, 3, 100),
             (1, 4, 3, 10, 2, 30),
         ];
@@ -766,6 +768,15 @@ mod gpu {
                     }
                 }
             }
+            // One key buffer a warp (where two do not fit): the same bits.
+            let single = &crate::gpu::gemv::tuning::ATTENTION_DOUBLE_BUFFER;
+            single.set(false);
+            let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
+            let r = attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &fd, &mut big, &mut out);
+            single.set(true);
+            r.unwrap();
+            let got = download_f32(&dev, &out);
+            assert_bits_eq(&format!("{what} one buffer"), &got, &firsts[1]);
             if mode == 2 {
                 // The slots past min(k, visible) are not read: ids there change nothing.
                 let dirty: Vec<i32> = selected
@@ -1082,6 +1093,24 @@ mod gpu {
         };
         let err = run(skewed_call, &mut sp, &mut out).unwrap_err().to_string();
         assert!(err.contains("queries not on a 16-byte"), "{err}");
+        // Keys and compressed entries likewise.
+        let skewed_kv = wide.view(1, &[2, 32]).unwrap();
+        let skewed_call = Call {
+            kv: &skewed_kv,
+            ..good
+        };
+        let err = run(skewed_call, &mut sp, &mut out).unwrap_err().to_string();
+        assert!(err.contains("keys not on a 16-byte"), "{err}");
+        let skewed_entries = wide.view(1, &[10, 32]).unwrap();
+        let skewed_call = Call {
+            comp: Compressed::All {
+                entries: &skewed_entries,
+                ratio: 4,
+            },
+            ..good
+        };
+        let err = run(skewed_call, &mut sp, &mut out).unwrap_err().to_string();
+        assert!(err.contains("compressed entries not on a 16-byte"), "{err}");
         let sel = dev.alloc::<i32>(DType::I32, &[3, 8]).unwrap();
         let entries = f32s(&[10, 32]);
         let sel_3 = Call {
