@@ -647,16 +647,7 @@ impl GpuModel {
     /// worth: what a benchmark of decoding after a long context needs, in seconds instead of
     /// a prefill of `n` tokens. The next [`Self::prefill`] continues from there.
     pub fn fill_context(&mut self, n: usize, seed: u64) -> Result<(), GpuModelError> {
-        let limit = self.config.max_position_embeddings;
-        if n > limit {
-            return Err(ForwardError::ContextLimit { needed: n, limit }.into());
-        }
-        if n > self.capacity {
-            return Err(GpuModelError::Capacity {
-                needed: n,
-                capacity: self.capacity,
-            });
-        }
+        self.check_length(n)?;
         let pos = u32::try_from(n).map_err(|_| GpuModelError::Capacity {
             needed: n,
             capacity: u32::MAX as usize,
@@ -684,13 +675,14 @@ impl GpuModel {
             }
             .into());
         }
-        let needed = self.len + tokens.len();
-        if needed > c.max_position_embeddings {
-            return Err(ForwardError::ContextLimit {
-                needed,
-                limit: c.max_position_embeddings,
-            }
-            .into());
+        self.check_length(self.len + tokens.len())
+    }
+
+    /// A sequence of `needed` positions fits the model's context limit and the state's capacity.
+    fn check_length(&self, needed: usize) -> Result<(), GpuModelError> {
+        let limit = self.config.max_position_embeddings;
+        if needed > limit {
+            return Err(ForwardError::ContextLimit { needed, limit }.into());
         }
         if needed > self.capacity {
             return Err(GpuModelError::Capacity {
@@ -780,18 +772,7 @@ impl GpuModel {
         if !self.token_ready {
             return Err(GpuModelError::NoToken);
         }
-        let needed = self.len + steps;
-        let limit = self.config.max_position_embeddings;
-        if needed > limit {
-            return Err(ForwardError::ContextLimit { needed, limit }.into());
-        }
-        if needed > self.capacity {
-            return Err(GpuModelError::Capacity {
-                needed,
-                capacity: self.capacity,
-            });
-        }
-        Ok(())
+        self.check_length(self.len + steps)
     }
 
     /// One decode step's launches on every rank (see [`Self::launch_rank_decode_step`]).
