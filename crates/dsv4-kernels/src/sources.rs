@@ -73,6 +73,21 @@ pub const FAMILIES: &[KernelFamily] = &[
         ],
     },
     KernelFamily {
+        name: "gemm",
+        file: "gemm.cu",
+        source: include_str!("../kernels/gemm.cu"),
+        functions: &[
+            "gemm_bf16",
+            "gemm_fp8",
+            "gemm_nvfp4",
+            "gemm_mxfp4",
+            "gemm_swiglu_bf16",
+            "gemm_swiglu_fp8",
+            "gemm_swiglu_nvfp4",
+            "gemm_swiglu_mxfp4",
+        ],
+    },
+    KernelFamily {
         name: "moe",
         file: "moe.cu",
         source: include_str!("../kernels/moe.cu"),

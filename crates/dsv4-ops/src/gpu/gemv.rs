@@ -1,5 +1,6 @@
 //! Decode GEMV / small-M GEMM launchers (`kernels/gemv.cu`): `y[M, N] = x[M, K] · W[N, K]ᵀ`
-//! for `M <= 16` bf16 activation rows, with weights in BF16, FP8 e4m3 with block scales,
+//! for `M <= 16` bf16 activation rows (more rows run the prefill GEMM of `kernels/gemm.cu` on
+//! the same weights, through the same functions), with weights in BF16, FP8 e4m3 with block scales,
 //! NVFP4 or MXFP4, dequantized in registers (W4A16 / W8A16 on tensor cores; FP8 runs on the f16
 //! MMA with activations converted to f16, exact for `|x|` in `[2^-14, 65504]` and 0). The fused
 //! [`gemv_swiglu`] computes `silu(min(x·W1ᵀ, L)) · clamp(x·W3ᵀ, −L, L)` in one pass.
@@ -21,6 +22,7 @@ use cudarc::driver::DeviceRepr;
 use dsv4_kernels::GEMV_FP8_RING;
 use half::bf16;
 
+use super::gemm;
 use super::launch::{dim_u32, launch_struct};
 use super::random;
 use super::relayout;
@@ -30,7 +32,7 @@ use crate::codecs::fp8_block::ScaleFormat;
 use crate::codecs::mxfp4::Mxfp4Quantized;
 use crate::codecs::nvfp4::Nvfp4Quantized;
 
-/// Largest number of activation rows one launch takes.
+/// Most activation rows the GEMV kernels take; launches with more run the prefill GEMM.
 pub const MAX_M: usize = 16;
 
 /// Largest MXFP4 scale byte the kernels take: 2^17. Larger block scales would overflow the
@@ -117,7 +119,7 @@ pub enum GemvFormat {
 }
 
 impl GemvFormat {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             GemvFormat::Bf16 => "bf16",
             GemvFormat::Fp8 { .. } => "fp8",
@@ -134,7 +136,7 @@ impl GemvFormat {
     }
 
     /// Elements per 16-byte chunk: K must be a multiple (rows start 16-byte aligned).
-    fn chunk_elems(self) -> usize {
+    pub(crate) fn chunk_elems(self) -> usize {
         match self {
             GemvFormat::Bf16 => 8,
             GemvFormat::Fp8 { .. } => 16,
@@ -397,18 +399,18 @@ pub mod pack {
 /// A device-resident weight for [`gemv`] (`W [n, k]`) or [`gemv_swiglu`] (`W1, W3 [n, k]`),
 /// repacked into the kernels' tile layout ([`pack`]) when uploaded.
 pub struct GemvWeight {
-    format: GemvFormat,
-    n: usize,
-    k: usize,
-    gate_up: bool,
-    codes: DeviceTensor<u8>,
+    pub(crate) format: GemvFormat,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) gate_up: bool,
+    pub(crate) codes: DeviceTensor<u8>,
     /// NVFP4/MXFP4 packed scales.
-    scales: Option<DeviceTensor<u8>>,
+    pub(crate) scales: Option<DeviceTensor<u8>>,
     /// FP8 scales of W (W1) and, for gate+up, W3: f32, one per 64 columns
     /// (`[ceil(n / block.0), ceil(k / 64)]`).
     fp8: Option<(DeviceTensor<f32>, Option<DeviceTensor<f32>>)>,
     /// Epilogue multipliers of W (W1) and W3 rows.
-    post: (f32, f32),
+    pub(crate) post: (f32, f32),
     /// Checkpoint bytes: codes and scales, unpadded.
     bytes: usize,
 }
@@ -880,6 +882,18 @@ impl GemvWeight {
         })
     }
 
+    /// The device addresses of the FP8 scales of W (W1) and W3 (W's again for a plain weight);
+    /// zero for other formats.
+    pub(crate) fn fp8_scale_addresses(&self) -> (u64, u64) {
+        match &self.fp8 {
+            Some((s0, s1)) => (
+                s0.device_address(),
+                s1.as_ref().unwrap_or(s0).device_address(),
+            ),
+            None => (0, 0),
+        }
+    }
+
     pub fn format(&self) -> GemvFormat {
         self.format
     }
@@ -1288,11 +1302,8 @@ fn check_x(x: &DeviceTensor<bf16>, k: usize) -> Result<usize, GpuError> {
             found: vec![m, kx],
         });
     }
-    if m == 0 || m > MAX_M {
-        return Err(invalid(
-            "gemv input x",
-            format!("{m} rows; 1..={MAX_M} are supported"),
-        ));
+    if m == 0 {
+        return Err(invalid("gemv input x", "no rows"));
     }
     Ok(m)
 }
@@ -1356,13 +1367,7 @@ fn launch(
         GemvFormat::Fp8 { block, .. } => block.0,
         _ => 1,
     };
-    let (fs0, fs1) = match &w.fp8 {
-        Some((s0, s1)) => (
-            s0.device_address(),
-            s1.as_ref().unwrap_or(s0).device_address(),
-        ),
-        None => (0, 0),
-    };
+    let (fs0, fs1) = w.fp8_scale_addresses();
     let args = GemvArgs {
         x: x.device_address(),
         w: w.codes.device_address(),
@@ -1433,10 +1438,10 @@ fn kernel_name(prefix: &str, format: GemvFormat, m: usize) -> String {
 }
 
 /// Where a launch writes its results, and how (`y_f32` in gemv.cu).
-struct Output {
-    address: u64,
+pub(crate) struct Output {
+    pub(crate) address: u64,
     /// 0: rounded to BF16; 1: F32 sums as they are; 2: F32 sums added to what `y` holds.
-    mode: u32,
+    pub(crate) mode: u32,
 }
 
 impl Output {
@@ -1513,11 +1518,14 @@ fn plain<Y: ActElem>(
     }
     let m = check_x(x, groups * w.k)?;
     y.expect(&format!("{what} output y"), Y::DTYPE, &[m, w.n])?;
-    let kernel = kernel_name("gemv_", w.format, m);
     let out = Output {
         address: y.device_address(),
         mode,
     };
+    if m > MAX_M {
+        return gemm::launch(dev, "gemm_", x, m, w, 0.0, out, groups);
+    }
+    let kernel = kernel_name("gemv_", w.format, m);
     launch(dev, &kernel, x, m, w, 0.0, out, groups, ws)
 }
 
@@ -1546,6 +1554,9 @@ pub fn gemv_swiglu(
     }
     let m = check_x(x, w13.k)?;
     h.expect("gemv_swiglu output h", DType::BF16, &[m, w13.n])?;
+    if m > MAX_M {
+        return gemm::launch(dev, "gemm_swiglu_", x, m, w13, limit, Output::of(h), 1);
+    }
     launch(
         dev,
         &kernel_name("gemv_swiglu_", w13.format, m),

@@ -15,6 +15,7 @@ pub mod bandwidth;
 pub mod collective;
 mod device;
 pub mod formats;
+mod gemm;
 pub mod gemv;
 mod launch;
 pub mod mhc;
