@@ -33,6 +33,15 @@ fn time(dev: &Device, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
     Ok(runs[2])
 }
 
+fn label(f: GemvFormat) -> &'static str {
+    match f {
+        GemvFormat::Bf16 => "BF16",
+        GemvFormat::Fp8 { .. } => "FP8",
+        GemvFormat::Nvfp4 => "NVFP4",
+        GemvFormat::Mxfp4 => "MXFP4",
+    }
+}
+
 fn main() -> Res<()> {
     let dev = Device::new(0)?;
     let rows: Vec<usize> = match std::env::var("DSV4_BENCH_ROWS") {
@@ -91,7 +100,7 @@ fn main() -> Res<()> {
             let flop = flop_row * m as f64;
             println!(
                 "| {name} | {} | [{n}, {k}] | {m} | {:.1} µs | {:.0} | {:.1} µs | {:.0} |",
-                format!("{format:?}"),
+                label(format),
                 t * 1e6,
                 flop / t / 1e12,
                 t16 * 1e6,
