@@ -766,7 +766,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         a.prompt,
         prefill_s,
         a.prompt as f64 / prefill_s,
-        dsv4_model::gpu::MAX_CHUNK
+        model.chunk()
     );
     let (eager_ms, eager_host) = time_decode(&mut model, a.decode, |m| Ok(eager_launch(m, &s)?))?;
     let t = Instant::now();

@@ -180,8 +180,12 @@ fn gpu_model_matches_cpu_and_oracle_on_every_fixture() {
         let mut gpu = gpu_model(copy.path(), &dev, t);
         let uneven = [7.min(t), 5.min(t.saturating_sub(7))];
         let uneven: Vec<usize> = uneven.into_iter().filter(|&n| n > 0).collect();
+        // The full prefill is one chunk (the model's chunk length covers the context), its
+        // attention, selection and experts run per sub-chunk of 16; chunks of 16 are one
+        // sub-chunk each.
         for (how, chunks) in [
             ("full prefill", vec![t]),
+            ("chunks of 16 then decode", vec![16; t / 16]),
             ("uneven chunks then decode", uneven),
             ("token-by-token decode", vec![]),
         ] {
@@ -449,6 +453,65 @@ fn gpu_random_model_reads_what_its_checkpoint_reads_and_decodes() {
         );
         println!("{format:?}: {written} bytes per step, tokens {eager_tokens:?}");
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_flash_width_prefill_is_independent_of_chunking() {
+    // Flash widths (CSA ratio 4 with top-k 512, HCA ratio 128, window 128), a CSA and an HCA
+    // layer, random NVFP4 weights: a prompt past the window, both ratios and more CSA entries
+    // than top-k, prefilled as one forward (chunks of the model's length, run per sub-chunk of
+    // 16) and as forwards of 16, 100 and 1 tokens. The last logits agree within the GPU bounds.
+    use dsv4_model::config::{Config, LayerKind};
+    use dsv4_model::synth::SynthFormat;
+    let dev = device();
+    let mut config = Config::flash();
+    config.layers = vec![LayerKind::Csa { ratio: 4 }, LayerKind::Hca { ratio: 128 }];
+    config.num_layers = 2;
+    let n = sanitizer_length(2200, 300);
+    let opts = GpuOptions {
+        max_context: Some(n),
+    };
+    let mut model = GpuModel::random(
+        config.clone(),
+        SynthFormat::Nvfp4,
+        11,
+        std::slice::from_ref(&dev),
+        opts,
+        |_, _| {},
+    )
+    .unwrap();
+    assert!(model.chunk() > 16, "chunk {}", model.chunk());
+    let prompt: Vec<u32> = (0..n)
+        .map(|i| ((i * 7919 + 13) % config.vocab_size) as u32)
+        .collect();
+    let mut last = |pieces: &[usize]| {
+        model.reset().unwrap();
+        let (mut start, mut out) = (0, Vec::new());
+        for &len in pieces.iter().chain(std::iter::repeat(&1)) {
+            if start == n {
+                break;
+            }
+            let len = len.min(n - start);
+            out = model
+                .forward(&prompt[start..start + len], Logits::Last)
+                .unwrap();
+            start += len;
+        }
+        out
+    };
+    let whole = last(&[n]);
+    assert!(whole.iter().all(|v| v.is_finite()), "logits not finite");
+    let vocab = config.vocab_size;
+    let mut bad = Vec::new();
+    for (how, pieces) in [
+        ("forwards of 16", vec![16; n / 16]),
+        ("forwards of 100 then 1", vec![100; n / 100]),
+    ] {
+        let got = last(&pieces);
+        bad.extend(check_positions(how, &got, &whole, vocab, &[]));
+    }
+    assert_none(bad);
 }
 
 #[test]

@@ -130,3 +130,11 @@ DSV4_KERNEL void advance_position(u32* __restrict__ pos, u32 n) {
     pdl_enter();
     if (blockIdx.x == 0u && threadIdx.x == 0u) pos[0] += n;
 }
+
+// out[j] = pos[0] + j * step for j < count: the first positions of a long chunk's sub-chunks
+// (the launches that take at most `step` tokens run once per sub-chunk at its position).
+DSV4_KERNEL void chunk_positions(const u32* __restrict__ pos, u32* __restrict__ out, u32 count, u32 step) {
+    pdl_enter();
+    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < count) out[j] = pos[0] + j * step;
+}

@@ -125,6 +125,7 @@ pub const FAMILIES: &[KernelFamily] = &[
             "rms_norm_rows",
             "rope_rows",
             "advance_position",
+            "chunk_positions",
         ],
     },
     KernelFamily {

@@ -1,6 +1,7 @@
 //! Everything the GPU forward writes, in one buffer pool: the sequence state (token ids,
 //! position, window rings, compressor windows and entries, indexer keys) and the activations of
-//! a chunk of up to [`MAX_CHUNK`] tokens. Sizes depend only on the config and the context
+//! a chunk of tokens (the plan's chunk length; the launches that take at most [`MAX_CHUNK`]
+//! tokens run over its sub-chunks, and the head over at most [`MAX_CHUNK`] rows). Sizes depend only on the config and the context
 //! capacity, so the same code runs twice: a sizing pass reserves every buffer by name in the
 //! open pool, and after sealing a second pass takes them (fixed addresses for graph replays).
 
@@ -14,7 +15,8 @@ use half::bf16;
 
 use crate::config::{Config, LayerKind};
 
-/// Most tokens one forward launch sequence takes (the small-M GEMV and MoE kernels' limit).
+/// Most tokens the attention, indexer top-k, routed-expert and head launches take at once (the
+/// decode kernels' limit): a longer chunk runs them once per sub-chunk of this many.
 pub const MAX_CHUNK: usize = 16;
 
 /// Splits of one decode token's attention keys the scratch has room for, per head (a decode
@@ -182,13 +184,15 @@ pub struct LayerState<S: Stage> {
     pub index: Option<IndexState<S>>,
 }
 
-/// Activations of one chunk, `[MAX_CHUNK, width]` each (views of the first rows serve shorter
-/// chunks).
+/// Activations of one chunk, `[chunk, width]` each, or `[MAX_CHUNK, width]` for what runs per
+/// sub-chunk (views of the first rows serve shorter chunks).
 pub struct Acts<S: Stage> {
     /// The chunk's token ids; a decode step reads and the sampler writes element 0.
     pub tokens: S::Buf<u32>,
     /// Position of the chunk's first token.
     pub pos: S::Buf<u32>,
+    /// Positions of the chunk's sub-chunks of [`MAX_CHUNK`] tokens.
+    pub sub_pos: S::Buf<u32>,
     /// The mHC streams, ping-ponged by each site's expansion.
     pub streams: [S::Buf<f32>; 2],
     /// Scratch of the mHC mix projection.
@@ -249,16 +253,17 @@ pub struct Buffers<S: Stage> {
 
 impl<S: Stage> Buffers<S> {
     /// Every buffer for one rank of `world` (`c` at the rank's widths) with room for
-    /// `capacity` positions; `shared_inter` is the shared expert's intermediate width (the
-    /// rank's slice).
+    /// `capacity` positions and chunks of `chunk` tokens; `shared_inter` is the shared
+    /// expert's intermediate width (the rank's slice).
     pub fn build(
         s: &mut S,
         c: &Config,
         capacity: usize,
+        chunk: usize,
         shared_inter: usize,
         world: usize,
     ) -> Result<Self, GpuError> {
-        let m = MAX_CHUNK;
+        let (m, sub) = (chunk, MAX_CHUNK);
         let (d, hd, q_all) = (c.hidden_size, c.head_dim, c.num_heads * c.head_dim);
         let (ni, ic) = (c.index_n_heads, c.index_head_dim);
         let (k, inter) = (c.experts_per_token, c.moe_intermediate_size);
@@ -270,6 +275,7 @@ impl<S: Stage> Buffers<S> {
         let acts = Acts {
             tokens: s.buf("tokens", &[m])?,
             pos: s.buf("pos", &[1])?,
+            sub_pos: s.buf("sub_pos", &[m.div_ceil(sub)])?,
             streams: [
                 s.buf("streams.0", &[m, c.hc_dim()])?,
                 s.buf("streams.1", &[m, c.hc_dim()])?,
@@ -299,12 +305,12 @@ impl<S: Stage> Buffers<S> {
             gate: s.buf("gate", &[m, c.n_routed_experts])?,
             ids: s.buf("ids", &[m, k])?,
             weights: s.buf("route_weights", &[m, k])?,
-            h_b: s.buf("h_b", &[m, k, inter])?,
-            h: s.buf("h", &[m, k, inter])?,
+            h_b: s.buf("h_b", &[sub, k, inter])?,
+            h: s.buf("h", &[sub, k, inter])?,
             moe: s.buf("moe", &[m, d])?,
             shared_h: s.buf("shared_h", &[m, shared_inter])?,
-            logits: s.buf("logits", &[m, c.vocab_size])?,
-            head_part: s.buf("head_part", &tp_shape(vec![m, c.vocab_size / world]))?,
+            logits: s.buf("logits", &[sub, c.vocab_size])?,
+            head_part: s.buf("head_part", &tp_shape(vec![sub, c.vocab_size / world]))?,
             coll_recv: s.buf(recv.0, &tp_shape(recv.2))?,
             coll_flags: s.buf(flags.0, &tp_shape(flags.2))?,
             coll_state: s.buf(state.0, &tp_shape(state.2))?,
@@ -335,8 +341,8 @@ impl<S: Stage> Buffers<S> {
                         let cap = (capacity / ratio).max(1);
                         Some(IndexState {
                             comp: CompState::build(s, &name("indexer"), ratio, ic, true, cap)?,
-                            scores: s.buf(&name("indexer.scores"), &[m, cap])?,
-                            selected: s.buf(&name("indexer.selected"), &[m, c.index_topk])?,
+                            scores: s.buf(&name("indexer.scores"), &[sub, cap])?,
+                            selected: s.buf(&name("indexer.selected"), &[sub, c.index_topk])?,
                         })
                     }
                     _ => None,
@@ -352,14 +358,15 @@ impl<S: Stage> Buffers<S> {
     }
 }
 
-/// Bytes the pool takes for `capacity` positions.
+/// Bytes the pool takes for `capacity` positions and chunks of `chunk` tokens.
 pub fn pool_bytes(
     c: &Config,
     capacity: usize,
+    chunk: usize,
     shared_inter: usize,
     world: usize,
 ) -> Result<usize, GpuError> {
     let mut s = Sizing(BufferPool::new());
-    Buffers::build(&mut s, c, capacity, shared_inter, world)?;
+    Buffers::build(&mut s, c, capacity, chunk, shared_inter, world)?;
     Ok(s.0.total_bytes())
 }

@@ -29,10 +29,10 @@ use dsv4_ops::gpu::mhc::{
 };
 use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
 use dsv4_ops::gpu::moe_bf16::moe_bf16;
-use dsv4_ops::gpu::router::{gate_logits, gate_route, DeviceRouteBy, GateWeight};
+use dsv4_ops::gpu::router::{gate_logits, gate_route, route_topk, DeviceRouteBy, GateWeight};
 use dsv4_ops::gpu::rows::{
-    advance_position, embed_hc_gather, rms_norm_rope_pair, rms_norm_rows, rope_rows, ColRange,
-    NormRows, RopeDirection, RowRope,
+    advance_position, chunk_positions, embed_hc_gather, rms_norm_rope_pair, rms_norm_rows,
+    rope_rows, ColRange, NormRows, RopeDirection, RowRope,
 };
 use dsv4_ops::gpu::sample::{sample, Sampling};
 use dsv4_ops::gpu::stager::SLOT_BYTES;
@@ -352,6 +352,40 @@ fn cols<T: dsv4_ops::gpu::DeviceElem>(
     t.view(0, &[n, width])
 }
 
+/// Rows `[first, first + rows)` of `t` (`[n, ...]`, rows contiguous), as `[rows, ...]`.
+fn row_range<T: dsv4_ops::gpu::DeviceElem>(
+    t: &DeviceTensor<T>,
+    first: usize,
+    rows: usize,
+) -> Result<DeviceTensor<T>, GpuError> {
+    let mut shape = t.shape().to_vec();
+    let row = t.len() / shape[0].max(1);
+    shape[0] = rows;
+    t.view(first * row, &shape)
+}
+
+/// A chunk of `n` tokens as sub-chunks of at most [`MAX_CHUNK`]: (first row, rows).
+fn sub_chunks(n: usize) -> Vec<(usize, usize)> {
+    (0..n)
+        .step_by(MAX_CHUNK)
+        .map(|first| (first, MAX_CHUNK.min(n - first)))
+        .collect()
+}
+
+/// The position buffer of sub-chunk `j` of `subs`: the chunk's own when it is one sub-chunk,
+/// else its entry of `acts.sub_pos` (written at the chunk's start).
+fn sub_position(
+    a: &buffers::Acts<Taking>,
+    j: usize,
+    subs: usize,
+) -> Result<DeviceTensor<u32>, GpuError> {
+    if subs == 1 {
+        a.pos.view(0, &[1])
+    } else {
+        a.sub_pos.view(j, &[1])
+    }
+}
+
 /// One GPU's part of the model: its device, its slice of the weights and its pool (the whole
 /// model on one GPU).
 struct Rank {
@@ -376,6 +410,8 @@ pub struct GpuModel {
     local: Config,
     ranks: Vec<Rank>,
     capacity: usize,
+    /// Most tokens one forward pass takes (prefill chunks).
+    chunk: usize,
     /// Tokens processed (mirrors the device position, which the device advances).
     len: usize,
     /// Whether the token buffer holds a sampled token for the next decode step.
@@ -533,18 +569,19 @@ impl GpuModel {
         for dev in devs {
             free = free.min(dev.memory_info()?.0);
         }
-        let capacity = choose_capacity(c, opts.max_context, shared_inter, world, free)?;
+        let Layout { capacity, chunk } =
+            choose_layout(c, opts.max_context, shared_inter, world, free)?;
         if world > 1 {
             enable_peer_access(devs)?;
         }
         let mut ranks = Vec::with_capacity(world);
         for (dev, w) in devs.iter().zip(weights) {
             let mut sizing = Sizing(BufferPool::new());
-            Buffers::build(&mut sizing, c, capacity, shared_inter, world)?;
+            Buffers::build(&mut sizing, c, capacity, chunk, shared_inter, world)?;
             let mut pool = sizing.0;
             pool.seal(dev)?;
             let mut taking = Taking(pool);
-            let bufs = Buffers::build(&mut taking, c, capacity, shared_inter, world)?;
+            let bufs = Buffers::build(&mut taking, c, capacity, chunk, shared_inter, world)?;
             ranks.push(Rank {
                 dev: dev.clone(),
                 w,
@@ -580,6 +617,7 @@ impl GpuModel {
             local,
             ranks,
             capacity,
+            chunk,
             len: 0,
             token_ready: false,
             token_readback,
@@ -615,6 +653,11 @@ impl GpuModel {
     /// Positions the sequence state holds.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Most tokens one forward pass takes: prompts run in chunks of this many.
+    pub fn chunk(&self) -> usize {
+        self.chunk
     }
 
     /// Tokens processed so far.
@@ -693,27 +736,36 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Runs `tokens` (in chunks of at most [`MAX_CHUNK`]) and returns the requested logits
+    /// Runs `tokens` (in chunks of at most [`Self::chunk`]) and returns the requested logits
     /// (`[n, vocab]` or the last token's `[vocab]`), as the CPU forward does.
     pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>, GpuModelError> {
         self.check_tokens(tokens)?;
         self.token_ready = false;
-        let vocab = self.config.vocab_size;
         let mut out = Vec::new();
-        for chunk in tokens.chunks(MAX_CHUNK) {
+        let chunks: Vec<&[u32]> = tokens.chunks(self.chunk).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
             let n = chunk.len();
             for r in 0..self.ranks.len() {
                 self.write_tokens(r, chunk)?;
-                self.launch_layers_and_head(r, n)?;
+                self.launch_layers(r, n)?;
+            }
+            // The head at most MAX_CHUNK rows at a time, each read back before the next.
+            let heads = match which {
+                Logits::All => sub_chunks(n),
+                Logits::Last if i + 1 == chunks.len() => vec![(n - 1, 1)],
+                Logits::Last => Vec::new(),
+            };
+            for (first, rows) in heads {
+                for r in 0..self.ranks.len() {
+                    self.launch_head(r, first, rows)?;
+                }
+                let r0 = &self.ranks[0];
+                out.extend(r0.dev.download(&r0.bufs.acts.logits.rows(rows)?)?);
+            }
+            for r in 0..self.ranks.len() {
                 self.launch_advance(r, n)?;
             }
             self.len += n;
-            let r0 = &self.ranks[0];
-            let logits = r0.dev.download(&r0.bufs.acts.logits.rows(n)?)?;
-            match which {
-                Logits::All => out.extend_from_slice(&logits),
-                Logits::Last => out = logits[(n - 1) * vocab..].to_vec(),
-            }
         }
         Ok(out)
     }
@@ -734,26 +786,27 @@ impl GpuModel {
         on_progress: &mut dyn FnMut(usize),
     ) -> Result<(), GpuModelError> {
         self.check_tokens(prompt)?;
-        let chunks: Vec<&[u32]> = prompt.chunks(MAX_CHUNK).collect();
+        let chunks: Vec<&[u32]> = prompt.chunks(self.chunk).collect();
         let mut reported = 0;
         for (i, chunk) in chunks.iter().enumerate() {
             let n = chunk.len();
             for r in 0..self.ranks.len() {
                 self.write_tokens(r, chunk)?;
-                self.launch_layers_and_head(r, n)?;
+                self.launch_layers(r, n)?;
                 if i + 1 == chunks.len() {
-                    // Sampled with the last prompt token's position as the key, as a decode
-                    // step samples with its own token's.
+                    // Only the last prompt token's logits, sampled with its position as the
+                    // key, as a decode step samples with its own token's.
+                    self.launch_head(r, n - 1, 1)?;
                     if n > 1 {
                         self.launch_advance(r, n - 1)?;
                     }
-                    self.launch_sample(r, n - 1, s)?;
+                    self.launch_sample(r, 0, s)?;
                 } else {
                     self.launch_advance(r, n)?;
                 }
             }
             self.len += n;
-            let done = (i + 1) * MAX_CHUNK;
+            let done = (i + 1) * self.chunk;
             if done - reported >= every && i + 1 < chunks.len() {
                 for r in &self.ranks {
                     r.dev.synchronize()?;
@@ -789,7 +842,8 @@ impl GpuModel {
     /// the caller accounts for the step with [`Self::note_decoded`] (checked first with
     /// [`Self::check_decode`]) and launches every rank's step before waiting for any.
     pub fn launch_rank_decode_step(&mut self, rank: usize, s: &Sampling) -> Result<(), GpuError> {
-        self.launch_layers_and_head(rank, 1)?;
+        self.launch_layers(rank, 1)?;
+        self.launch_head(rank, 0, 1)?;
         self.launch_sample(rank, 0, s)
     }
 
@@ -859,9 +913,10 @@ impl GpuModel {
         )
     }
 
-    /// Rank `rank`'s embedding, every layer and the head for the `n` tokens in its token
-    /// buffer at its device position; the whole vocabulary's logits into `acts.logits[..n]`.
-    fn launch_layers_and_head(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
+    /// Rank `rank`'s embedding and every layer for the `n` tokens (at most [`Self::chunk`]) in
+    /// its token buffer at its device position, into `acts.streams[0]` (each layer's two
+    /// sub-layers end in the buffer they started from).
+    fn launch_layers(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
         let Rank {
             dev, w, bufs, tp, ..
         } = &mut self.ranks[rank];
@@ -878,6 +933,10 @@ impl GpuModel {
             }
         };
         let tokens = a.tokens.rows(n)?;
+        if n > MAX_CHUNK {
+            let mut subs = a.sub_pos.rows(n.div_ceil(MAX_CHUNK))?;
+            chunk_positions(dev, &a.pos, &mut subs, MAX_CHUNK as u32)?;
+        }
         let mut s0 = a.streams[0].rows(n)?;
         embed_hc_gather(dev, &w.embed, &tokens, c.hc_mult, &mut s0)?;
         // The first site's mix projection; every later one comes with the expansion before it.
@@ -908,10 +967,23 @@ impl GpuModel {
             };
             hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, ffn, |a| &a.moe)?;
         }
-        // Head: collapse with the final norm, lm_head (each rank's slice of the vocabulary,
-        // gathered into every rank's logits).
-        let streams = a.streams[cur].rows(n)?;
-        let part = a.mix_partials.rows(n)?;
+        debug_assert_eq!(cur, 0);
+        Ok(())
+    }
+
+    /// Rank `rank`'s head for rows `[first, first + n)` (`n` at most [`MAX_CHUNK`]) of the
+    /// chunk [`Self::launch_layers`] ran: the final collapse with the output norm and lm_head
+    /// (each rank's slice of the vocabulary, gathered into every rank's logits), the whole
+    /// vocabulary's logits into `acts.logits[..n]`.
+    fn launch_head(&mut self, rank: usize, first: usize, n: usize) -> Result<(), GpuError> {
+        let Rank {
+            dev, w, bufs, tp, ..
+        } = &mut self.ranks[rank];
+        let dev = &**dev;
+        let a = &mut bufs.acts;
+        let streams = row_range(&a.streams[0], first, n)?;
+        let part = row_range(&a.mix_partials, first, n)?;
+        let eps = self.local.rms_norm_eps;
         let (mut xn, mut xb) = (a.xn.rows(n)?, a.xb.rows(n)?);
         let input = NormedInput {
             weight: &w.norm,
@@ -920,7 +992,7 @@ impl GpuModel {
             xb: &mut xb,
         };
         hc_head(dev, &streams, &w.hc_head, &self.hc, &part, input)?;
-        match tp {
+        match tp.as_ref() {
             Some((coll, logits)) => {
                 let mut slice = a.head_part.rows(n)?;
                 gemv(dev, &xb, &w.head, &mut slice, &mut a.ws)?;
@@ -1055,9 +1127,16 @@ fn attention_layer(
     };
     let (mut qa_n, mut qab) = (a.qa_n.rows(n)?, a.qab.rows(n)?);
     rms_norm_rows(dev, qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
+    // A chunk of one sub-chunk selects beside the queries; a longer one per sub-chunk below,
+    // each before its attention (the scores' scratch holds one sub-chunk).
+    let subs = sub_chunks(n);
+    let select_beside = subs.len() == 1;
     if at.indexer.is_some() {
         dev.fork()?;
-        dev.on_side(|| select(dev, c, w, lw, ls, a, n))?;
+        dev.on_side(|| index_queries(dev, c, w, lw, a, n))?;
+        if select_beside {
+            dev.on_side(|| select(dev, lw, ls, a, 0, n, 1))?;
+        }
     }
     // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
     // key/value's kv_norm and rope.
@@ -1092,42 +1171,59 @@ fn attention_layer(
         layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, &a.pos, &mut a.ws)?;
     }
     dev.join()?;
-    let selected;
-    let compressed = match (&ls.comp, &ls.index) {
-        (Some(st), Some(ist)) => {
-            selected = ist.selected.rows(n)?;
-            Compressed::Selected {
-                entries: st.entries(),
-                selected: &selected,
-                ratio: lw.kind.ratio(),
-            }
-        }
-        (Some(st), None) => Compressed::All {
-            entries: st.entries(),
-            ratio: lw.kind.ratio(),
-        },
-        _ => Compressed::None,
-    };
     // The output comes rotated back and in BF16.
-    let mut ob = a.attn_b.rows(n)?;
+    let ob = a.attn_b.rows(n)?;
     let mut splits = a.attention_splits()?;
-    attention::attention(
-        dev,
-        &q_n,
-        &kv_n,
-        &ls.window,
-        compressed,
-        &at.sink,
-        &a.pos,
-        rope,
-        &mut splits,
-        &mut ob,
-    )?;
-    // The ring takes the chunk's keys on the side stream, beside the output projection: only
-    // this layer's next chunk reads it, and the join below comes before the next layer
-    // rewrites kv_n (or the position moves on).
+    let last = subs.len() - 1;
+    for (j, &(first, rows)) in subs.iter().enumerate() {
+        let pos = sub_position(a, j, subs.len())?;
+        if !select_beside && at.indexer.is_some() {
+            select(dev, lw, ls, a, first, rows, subs.len())?;
+        }
+        let selected;
+        let compressed = match (&ls.comp, &ls.index) {
+            (Some(st), Some(ist)) => {
+                selected = ist.selected.rows(rows)?;
+                Compressed::Selected {
+                    entries: st.entries(),
+                    selected: &selected,
+                    ratio: lw.kind.ratio(),
+                }
+            }
+            (Some(st), None) => Compressed::All {
+                entries: st.entries(),
+                ratio: lw.kind.ratio(),
+            },
+            _ => Compressed::None,
+        };
+        let kv = row_range(&kv_n, first, rows)?;
+        attention::attention(
+            dev,
+            &row_range(&q_n, first, rows)?,
+            &kv,
+            &ls.window,
+            compressed,
+            &at.sink,
+            &pos,
+            rope,
+            &mut splits,
+            &mut row_range(&ob, first, rows)?,
+        )?;
+        // Every sub-chunk but the last adds its keys to the ring before the next one attends.
+        if j < last {
+            attention::window_write(dev, &kv, &pos, &mut ls.window)?;
+        }
+    }
+    // The ring takes the last sub-chunk's keys on the side stream, beside the output
+    // projection: only this layer's next chunk reads it, and the join below comes before the
+    // next layer rewrites kv_n (or the position moves on).
+    let (first, rows) = subs[last];
+    let (kv, pos) = (
+        row_range(&kv_n, first, rows)?,
+        sub_position(a, last, subs.len())?,
+    );
     dev.fork()?;
-    dev.on_side(|| attention::window_write(dev, &kv_n, &a.pos, &mut ls.window))?;
+    dev.on_side(|| attention::window_write(dev, &kv, &pos, &mut ls.window))?;
     // Grouped output projection: group g's heads (columns) through its rows of wo_a, in one
     // launch, then wo_b.
     let mut z = a.z.rows(n)?;
@@ -1217,18 +1313,17 @@ fn indexer_inputs(
     )
 }
 
-/// In a CSA layer, the indexer's top-k of the compressed entries for each query, from the
+/// In a CSA layer, the indexer's rotated queries (`acts.iq`) of the `n` tokens, from the
 /// normalized query latent `acts.qab` (after [`indexer_inputs`], on the side stream).
-fn select(
+fn index_queries(
     dev: &Device,
     c: &Config,
     w: &DevWeights,
     lw: &DevLayer,
-    ls: &mut buffers::LayerState<Taking>,
     a: &mut buffers::Acts<Taking>,
     n: usize,
 ) -> Result<(), GpuError> {
-    let (Some(iw), Some(ist)) = (&lw.attn.indexer, &mut ls.index) else {
+    let Some(iw) = &lw.attn.indexer else {
         return Ok(());
     };
     let qab = a.qab.rows(n)?;
@@ -1240,16 +1335,36 @@ fn select(
         &w.rope_compress,
         &a.pos,
         RopeDirection::Forward,
-    )?;
-    let mut sel = ist.selected.rows(n)?;
+    )
+}
+
+/// In a CSA layer, the indexer's top-k of the compressed entries for the `rows` queries from
+/// row `first` of [`index_queries`]' output (sub-chunk `first / MAX_CHUNK` of `subs`), into
+/// the layer's `selected`.
+fn select(
+    dev: &Device,
+    lw: &DevLayer,
+    ls: &mut buffers::LayerState<Taking>,
+    a: &buffers::Acts<Taking>,
+    first: usize,
+    rows: usize,
+    subs: usize,
+) -> Result<(), GpuError> {
+    let (Some(iw), Some(ist)) = (&lw.attn.indexer, &mut ls.index) else {
+        return Ok(());
+    };
+    let width = iw.wq_b.n();
+    let iq = row_range(&cols(&a.iq, first + rows, width)?, first, rows)?;
+    let iw_rows = row_range(&a.iw, first, rows)?;
+    let mut sel = ist.selected.rows(rows)?;
     attention::index_topk(
         dev,
         &iq,
-        &a.iw.rows(n)?,
+        &iw_rows,
         ist.comp.entries(),
         lw.kind.ratio(),
-        &a.pos,
-        &mut ist.scores.rows(n)?,
+        &sub_position(a, first / MAX_CHUNK, subs)?,
+        &mut ist.scores.rows(rows)?,
         &mut sel,
     )
 }
@@ -1288,41 +1403,51 @@ fn moe_layer(
         DevRouting::Learned(b) => DeviceRouteBy::Learned { bias: b },
     };
     let (mut ids, mut wts) = (a.ids.rows(n)?, a.weights.rows(n)?);
-    gate_route(
-        dev,
-        &a.xn.rows(n)?,
-        m.gate.weight(),
-        tokens,
-        by,
-        c.routed_scaling_factor,
-        &mut a.route_counter,
-        &mut logits,
-        &mut ids,
-        &mut wts,
-    )?;
-    let join = || dev.join();
-    match &m.experts {
-        RoutedExperts::Fp4(e) => {
-            let mut h = a.h_b.rows(n)?;
-            let onto = MoeOut::F32Add(&mut out);
-            moe_decode(dev, &xb, &ids, &wts, e, c.swiglu_limit, &mut h, onto, join)
-        }
-        RoutedExperts::Bf16(e) => {
-            let mut h = a.h.rows(n)?;
-            moe_bf16(
-                dev,
-                &xb,
-                &ids,
-                &wts,
-                e,
-                c.swiglu_limit,
-                &mut h,
-                &mut out,
-                true,
-                join,
-            )
+    let (xn, scale) = (a.xn.rows(n)?, c.routed_scaling_factor);
+    if n <= MAX_CHUNK {
+        let ticket = &mut a.route_counter;
+        let (ids, wts) = (&mut ids, &mut wts);
+        gate_route(
+            dev,
+            &xn,
+            m.gate.weight(),
+            tokens,
+            by,
+            scale,
+            ticket,
+            &mut logits,
+            ids,
+            wts,
+        )?;
+    } else {
+        // A long chunk routes with a block per token, not in the gate's last block.
+        gate_logits(dev, &xn, m.gate.weight(), &mut logits)?;
+        route_topk(dev, &logits, tokens, by, scale, &mut ids, &mut wts)?;
+    }
+    // The routed experts a sub-chunk at a time; the first joins the shared expert before its
+    // down projection adds onto the shared expert's output.
+    for (j, (first, rows)) in sub_chunks(n).into_iter().enumerate() {
+        let join = || if j == 0 { dev.join() } else { Ok(()) };
+        let (x, ids, wts) = (
+            row_range(&xb, first, rows)?,
+            row_range(&ids, first, rows)?,
+            row_range(&wts, first, rows)?,
+        );
+        let mut out = row_range(&out, first, rows)?;
+        match &m.experts {
+            RoutedExperts::Fp4(e) => {
+                let mut h = a.h_b.rows(rows)?;
+                let onto = MoeOut::F32Add(&mut out);
+                moe_decode(dev, &x, &ids, &wts, e, c.swiglu_limit, &mut h, onto, join)?;
+            }
+            RoutedExperts::Bf16(e) => {
+                let mut h = a.h.rows(rows)?;
+                let limit = c.swiglu_limit;
+                moe_bf16(dev, &x, &ids, &wts, e, limit, &mut h, &mut out, true, join)?;
+            }
         }
     }
+    Ok(())
 }
 
 /// How a model fits `world` GPUs, worked out before anything is allocated.
@@ -1338,6 +1463,8 @@ pub struct MemoryPlan {
     /// Sequence-state bytes a context token adds.
     pub per_token: f64,
     pub capacity: usize,
+    /// Most tokens one forward pass takes (see [`choose_layout`]).
+    pub chunk: usize,
 }
 
 impl std::fmt::Display for MemoryPlan {
@@ -1346,13 +1473,15 @@ impl std::fmt::Display for MemoryPlan {
         write!(
             f,
             "{} GPU(s): {:.2} GiB of weights and {:.2} GiB of activations each, {:.1} KiB of \
-             state per context token; {:.2} GiB free on each: context capacity {} tokens",
+             state per context token; {:.2} GiB free on each: context capacity {} tokens, \
+             prompts in chunks of {}",
             self.world,
             gib(self.weights),
             gib(self.fixed),
             self.per_token / 1024.0,
             gib(self.free),
-            self.capacity
+            self.capacity,
+            self.chunk
         )
     }
 }
@@ -1401,15 +1530,14 @@ fn plan(
         let Ok(lc) = local_config(config, n) else {
             return false;
         };
-        free.checked_sub(rank_bytes(n)).is_some_and(|rest| {
-            choose_capacity(&lc, max_context, shared_inter / n, n, rest).is_ok()
-        })
+        free.checked_sub(rank_bytes(n))
+            .is_some_and(|rest| choose_layout(&lc, max_context, shared_inter / n, n, rest).is_ok())
     };
     let shared_inter = shared_inter / world;
-    let capacity = free.checked_sub(w).ok_or(()).and_then(|rest| {
-        choose_capacity(&local, max_context, shared_inter, world, rest).map_err(|_| ())
+    let layout = free.checked_sub(w).ok_or(()).and_then(|rest| {
+        choose_layout(&local, max_context, shared_inter, world, rest).map_err(|_| ())
     });
-    let Ok(capacity) = capacity else {
+    let Ok(Layout { capacity, chunk }) = layout else {
         let hint = [1, 2, 4, 8]
             .into_iter()
             .find(|&n| n > world && fits(n))
@@ -1421,10 +1549,11 @@ fn plan(
             hint,
         });
     };
-    let fixed = buffers::pool_bytes(&local, 0, shared_inter, world)?;
+    let fixed = buffers::pool_bytes(&local, 0, chunk, shared_inter, world)?;
     let probe = 1 << 14;
-    let per_token =
-        (buffers::pool_bytes(&local, probe, shared_inter, world)? - fixed) as f64 / probe as f64;
+    let per_token = (buffers::pool_bytes(&local, probe, chunk, shared_inter, world)? - fixed)
+        as f64
+        / probe as f64;
     Ok(MemoryPlan {
         world,
         free,
@@ -1432,6 +1561,7 @@ fn plan(
         fixed,
         per_token,
         capacity,
+        chunk,
     })
 }
 
@@ -1467,12 +1597,54 @@ fn step_bytes(c: &Config, w: &DevWeights) -> usize {
     layers + g(&w.head) + hc(&w.hc_head) + c.hidden_size * 2
 }
 
-/// The context capacity: the one asked for, up to the model's limit (an error if it does not
-/// fit in 90% of the free memory), else the most that fits there, up to the model's limit, in
-/// whole 128-token units.
+/// Longest prompt chunk: its GEMMs read each weight once per this many tokens.
+pub const PREFILL_CHUNK: usize = 1024;
+
+/// A rank's sequence capacity and chunk length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Layout {
+    capacity: usize,
+    chunk: usize,
+}
+
+/// The longest chunk (a power of two from [`PREFILL_CHUNK`], or from the asked capacity when
+/// that is shorter, down to [`MAX_CHUNK`]) whose activations take at most an eighth of `free`
+/// and leave room for the capacity [`choose_capacity`] gives.
+fn choose_layout(
+    c: &Config,
+    asked: Option<usize>,
+    shared_inter: usize,
+    world: usize,
+    free: usize,
+) -> Result<Layout, GpuModelError> {
+    let longest = asked.map_or(PREFILL_CHUNK, |n| {
+        n.next_power_of_two().clamp(MAX_CHUNK, PREFILL_CHUNK)
+    });
+    let base = buffers::pool_bytes(c, 0, MAX_CHUNK, shared_inter, world)?;
+    let mut chunk = longest;
+    while chunk > MAX_CHUNK {
+        let extra = buffers::pool_bytes(c, 0, chunk, shared_inter, world)? - base;
+        if extra <= free / 8 {
+            if let Ok(capacity) = choose_capacity(c, asked, chunk, shared_inter, world, free) {
+                return Ok(Layout { capacity, chunk });
+            }
+        }
+        chunk /= 2;
+    }
+    let capacity = choose_capacity(c, asked, MAX_CHUNK, shared_inter, world, free)?;
+    Ok(Layout {
+        capacity,
+        chunk: MAX_CHUNK,
+    })
+}
+
+/// The context capacity with chunks of `chunk` tokens: the one asked for, up to the model's
+/// limit (an error if it does not fit in 90% of the free memory), else the most that fits
+/// there, up to the model's limit, in whole 128-token units.
 fn choose_capacity(
     c: &Config,
     asked: Option<usize>,
+    chunk: usize,
     shared_inter: usize,
     world: usize,
     free: usize,
@@ -1481,7 +1653,7 @@ fn choose_capacity(
     if let Some(ctx) = asked {
         // Positions past the model's limit are never run.
         let ctx = ctx.min(c.max_position_embeddings);
-        let need = buffers::pool_bytes(c, ctx, shared_inter, world).unwrap_or(usize::MAX);
+        let need = buffers::pool_bytes(c, ctx, chunk, shared_inter, world).unwrap_or(usize::MAX);
         if need > budget {
             return Err(GpuModelError::OutOfMemory {
                 context: ctx,
@@ -1492,10 +1664,10 @@ fn choose_capacity(
         return Ok(ctx);
     }
     let unit = 128;
-    let fixed = buffers::pool_bytes(c, 0, shared_inter, world)?;
+    let fixed = buffers::pool_bytes(c, 0, chunk, shared_inter, world)?;
     let probe = 1 << 16;
     let per_unit =
-        (buffers::pool_bytes(c, probe, shared_inter, world)? - fixed).div_ceil(probe / unit);
+        (buffers::pool_bytes(c, probe, chunk, shared_inter, world)? - fixed).div_ceil(probe / unit);
     if fixed + per_unit > budget {
         return Err(GpuModelError::OutOfMemory {
             context: unit,
@@ -1550,23 +1722,54 @@ mod tests {
         let c = Config::tiny();
         let inter = c.moe_intermediate_size;
         let gib = 1usize << 30;
-        assert_eq!(choose_capacity(&c, Some(100), inter, 1, gib).unwrap(), 100);
+        let m = MAX_CHUNK;
+        assert_eq!(
+            choose_capacity(&c, Some(100), m, inter, 1, gib).unwrap(),
+            100
+        );
         let limit = c.max_position_embeddings;
         assert_eq!(
-            choose_capacity(&c, Some(limit + 9), inter, 1, gib).unwrap(),
+            choose_capacity(&c, Some(limit + 9), m, inter, 1, gib).unwrap(),
             limit
         );
-        let fits = choose_capacity(&c, None, inter, 1, gib).unwrap();
+        let fits = choose_capacity(&c, None, m, inter, 1, gib).unwrap();
         assert!(fits.is_multiple_of(128) || fits == limit, "{fits}");
-        assert!(buffers::pool_bytes(&c, fits, inter, 1).unwrap() <= gib / 10 * 9);
-        let small = buffers::pool_bytes(&c, 0, inter, 1).unwrap();
+        assert!(buffers::pool_bytes(&c, fits, m, inter, 1).unwrap() <= gib / 10 * 9);
+        let small = buffers::pool_bytes(&c, 0, m, inter, 1).unwrap();
         for asked in [Some(1000), None] {
-            let err = choose_capacity(&c, asked, inter, 1, small)
+            let err = choose_capacity(&c, asked, m, inter, 1, small)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("too little GPU memory"), "{err}");
             assert!(err.contains(&small.to_string()), "{err}");
         }
+    }
+
+    #[test]
+    fn chunks_are_as_long_as_memory_and_the_asked_context_allow() {
+        let c = Config::flash();
+        let inter = c.moe_intermediate_size;
+        let gib = 1usize << 30;
+        let layout = |asked, free| choose_layout(&c, asked, inter, 1, free).unwrap();
+        assert_eq!(layout(Some(4096), 40 * gib).chunk, PREFILL_CHUNK);
+        // No longer than the asked context needs.
+        assert_eq!(layout(Some(40), 40 * gib).chunk, 64);
+        assert_eq!(layout(Some(5), 40 * gib).chunk, MAX_CHUNK);
+        // Activations of at most an eighth of the memory: shorter chunks where it is short.
+        let extra = |chunk| {
+            buffers::pool_bytes(&c, 0, chunk, inter, 1).unwrap()
+                - buffers::pool_bytes(&c, 0, MAX_CHUNK, inter, 1).unwrap()
+        };
+        for free in [gib, 2 * gib, 4 * gib] {
+            let l = layout(Some(4096), free);
+            assert!(l.chunk < PREFILL_CHUNK && l.chunk >= MAX_CHUNK, "{l:?}");
+            assert!(l.chunk == MAX_CHUNK || extra(l.chunk) <= free / 8, "{l:?}");
+            assert!(extra(2 * l.chunk) > free / 8, "{l:?}");
+            assert_eq!(l.capacity, 4096);
+        }
+        // Where only the shortest chunk leaves room for the context, that one.
+        let tight = buffers::pool_bytes(&c, 4096, MAX_CHUNK, inter, 1).unwrap() / 9 * 10 + 1000;
+        assert_eq!(layout(Some(4096), tight).chunk, MAX_CHUNK);
     }
 
     #[test]
@@ -1615,7 +1818,8 @@ mod tests {
         );
         let inter = c.moe_intermediate_size;
         let pool = |n: usize| {
-            buffers::pool_bytes(&local_config(&c, n).unwrap(), 64, inter / n, n).unwrap()
+            let lc = local_config(&c, n).unwrap();
+            buffers::pool_bytes(&lc, 64, MAX_CHUNK, inter / n, n).unwrap()
         };
         // Room for a half of the split weights and the pool on each of two GPUs (the pool may
         // take 90% of what the weights leave), not for the whole on one.

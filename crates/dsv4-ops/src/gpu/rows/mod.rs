@@ -385,6 +385,36 @@ pub fn advance_position(dev: &Device, pos: &mut DeviceTensor<u32>, n: u32) -> Re
     Ok(())
 }
 
+/// `out[j] = pos[0] + j·step` for every element of `out` (U32 `[count]`; `pos`: U32 `[1]`): the
+/// first positions of a chunk's sub-chunks of `step` tokens, on the device.
+pub fn chunk_positions(
+    dev: &Device,
+    pos: &DeviceTensor<u32>,
+    out: &mut DeviceTensor<u32>,
+    step: u32,
+) -> Result<(), GpuError> {
+    pos.expect("position", DType::U32, &[1])?;
+    let count = out.len();
+    out.expect("sub-chunk positions", DType::U32, &[count])?;
+    if count == 0 {
+        return Ok(());
+    }
+    // SAFETY: pos holds one u32, out `count`.
+    unsafe {
+        launch(
+            dev,
+            "chunk_positions",
+            elementwise(count as u64),
+            Args::new()
+                .ptr(pos)
+                .ptr(out)
+                .arg(dim_u32("sub-chunks", count)?)
+                .arg(step),
+        )
+    }?;
+    Ok(())
+}
+
 /// An activation element type (F32 or BF16) a kernel reads or writes.
 pub trait ActElem: DeviceElem {
     const DTYPE: DType;

@@ -431,6 +431,10 @@ fn gpu_row_launchers_reject_bad_shapes_and_positions_advance() {
     advance_position(&dev, &mut pos, 5).unwrap();
     advance_position(&dev, &mut pos, 2).unwrap();
     assert_eq!(dev.download(&pos).unwrap(), vec![7]);
+    let mut subs = dev.alloc::<u32>(DType::U32, &[300]).unwrap();
+    chunk_positions(&dev, &pos, &mut subs, 16).unwrap();
+    let want: Vec<u32> = (0..300).map(|j| 7 + 16 * j).collect();
+    assert_eq!(dev.download(&subs).unwrap(), want);
 }
 
 #[test]
