@@ -1,9 +1,12 @@
 // Prefill GEMM: y[M, N] = x[M, K] . W[N, K]^T for chunks of many activation rows, on the decode
 // GEMV's packed weight tiles and MMA operand order (gemv_tile.cu, gemv.cu), so every weight the
 // GEMV takes runs here as uploaded: BF16, FP8 e4m3 with block scales (on the f16 MMA), NVFP4
-// and MXFP4 (on the bf16 MMA). Plain, grouped (grid z: group z's rows read x columns
-// [z * K, (z + 1) * K) and write y columns [z * N, (z + 1) * N)) or gate+up with the clamped
-// SwiGLU epilogue.
+// and MXFP4 (on the bf16 MMA). Plain or gate+up with the clamped SwiGLU epilogue. Grid z
+// selects the z-th stack of `tiles` weight tiles, either a group (grouped projections: x
+// columns [z * K, (z + 1) * K), y columns [z * N, (z + 1) * N)) or an expert (routed experts:
+// its rows come from a list on the device, entry r naming x row r / row_div and y row r, and
+// its epilogue multipliers from per-expert factors). Blocks walk their z's row blocks in
+// grid-x strides, so a list's length is read on the device.
 //
 // A block is 8 warps, one 16-row weight tile each, and 64 activation rows (eight MMA column
 // blocks of 8). Each weight sub-step a warp loads (1 KB: 32 k of BF16, 64 of FP8, 128 of FP4)
@@ -18,17 +21,23 @@
 // Kernel arguments (layout mirrored by `GemmArgs` in dsv4_ops::gpu::gemm).
 struct GemmArgs {
     const u16* x;      // [m, x_ld] bf16
-    const u8* w;       // packed tiles of all groups
+    const u8* w;       // packed tiles of all of z's stacks
     const u8* s;       // packed NVFP4/MXFP4 scales
     const float* fs0;  // FP8 scales (as GemvArgs::fs0), rows of all groups
     const float* fs1;
     void* y;           // [m, y_ld] bf16 or f32
-    u32 m, n, k;       // n: output columns of one group (SwiGLU: of h)
+    const u32* rows;   // lists [z][list_stride] of row entries; null: rows 0..m-1
+    const u32* counts; // entries in each list (with rows)
+    const float* g0;   // per z: factors of post0 / post1 (null: 1)
+    const float* g1;
+    u32 m, n, k;       // n: output columns of one stack (SwiGLU: of h)
     float post0, post1, limit;
     u32 fp8_br;
-    u32 tiles;         // tiles of one group
+    u32 tiles;         // tiles of one stack
     u32 y_f32;         // as GemvArgs::y_f32
     u32 x_ld, y_ld;
+    u32 x_col_z, y_col_z;  // x and y column offsets per z (grouped: k and n)
+    u32 list_stride, row_div;
 };
 
 namespace gemm {
@@ -133,9 +142,10 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
     // Warps past the last tile only stage activations.
     const bool live = tile < a.tiles;
     const u32 t = live ? tile : 0u;
-    const u32 wt = z * a.tiles + t;             // the tile among all groups'
-    const u32 chunks = a.k / E, row0 = blockIdx.x * TM;
-    const u16* x = a.x + (u64)z * a.k;
+    const u32 wt = z * a.tiles + t;             // the tile among all stacks'
+    const u32 chunks = a.k / E;
+    const u16* x = a.x + (u64)z * a.x_col_z;
+    const u32* list = a.rows ? a.rows + (u64)z * a.list_stride : nullptr;
 
     Lane L;
     lane_init<F>(L, a.w + (u64)wt * tile_bytes(chunks),
@@ -154,79 +164,94 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
     // Two weight sub-steps in flight ahead of the MMAs.
     const u32 subs = live ? L.subs : 0u;
     Sub cur, nxt;
-    if (subs > 0) sub_load<F>(L, 0, cur);
-    if (subs > 1) sub_load<F>(L, 1, nxt);
+    auto first_subs = [&]() {
+        if (subs > 0) sub_load<F>(L, 0, cur);
+        if (subs > 1) sub_load<F>(L, 1, nxt);
+    };
+    first_subs();
     pdl_wait();
     pdl_launch_dependents();
+    const u32 rows = list ? a.counts[z] : a.m;
+    const float post0 = a.post0 * f_lo * (a.g0 ? a.g0[z] : 1.0f);
+    const float post1 = a.post1 * f_hi * (a.g1 ? a.g1[z] : 1.0f);
+    const u64 y_col = (u64)z * a.y_col_z;
 
-    // Piece p of a thread: slab row i / ROW_PIECES, columns 8 * (i % ROW_PIECES) + [0, 8).
-    uint4 v[PIECES];
-    auto load_slab = [&](u32 s) {
-#pragma unroll
-        for (u32 p = 0; p < PIECES; ++p) {
-            const u32 i = threadIdx.x + p * THREADS, r = row0 + i / ROW_PIECES;
-            const u32 c = s * KS + 8 * (i % ROW_PIECES);
-            v[p] = r < a.m && c < a.k ? ld_act(x + (u64)r * a.x_ld + c) : make_uint4(0, 0, 0, 0);
-        }
-    };
-    auto store_slab = [&](u32 s) {
-        u16* dst = xs + (s & 1u) * TM * XS;
-#pragma unroll
-        for (u32 p = 0; p < PIECES; ++p) {
-            const u32 i = threadIdx.x + p * THREADS;
-            uint4 w = v[p];
-            if (F == FP8) {
-                w.x = bf16x2_to_f16x2(w.x);
-                w.y = bf16x2_to_f16x2(w.y);
-                w.z = bf16x2_to_f16x2(w.z);
-                w.w = bf16x2_to_f16x2(w.w);
-            }
-            *reinterpret_cast<uint4*>(dst + (i / ROW_PIECES) * XS + 8 * (i % ROW_PIECES)) = w;
-        }
-    };
-    const u32 slabs = (a.k + KS - 1) / KS;
-    load_slab(0);
-    store_slab(0);
-    __syncthreads();
-
-    float acc[MT][4];
-    zero(acc);
 #pragma unroll 1
-    for (u32 s = 0; s < slabs; ++s) {
-        const bool more = s + 1 < slabs;
-        if (more) load_slab(s + 1);
-        const u16* xb = xs + (s & 1u) * TM * XS + g * XS + q * E;
+    for (u32 row0 = blockIdx.x * TM; row0 < rows; row0 += gridDim.x * TM) {
+        if (row0 != blockIdx.x * TM) first_subs();
+        // The x rows of this thread's staging pieces (piece p: slab row i / ROW_PIECES,
+        // columns 8 * (i % ROW_PIECES) + [0, 8)); rows past the end stage zeros.
+        const u16* src[PIECES];
 #pragma unroll
-        for (u32 jj = 0; jj < SPS; ++jj) {
-            const u32 j = s * SPS + jj;
-            if (j < subs) {
-                const Sub f = cur;
-                cur = nxt;
-                if (j + 2 < subs) sub_load<F>(L, j + 2, nxt);
-                sub_mma<F, MT>(f, xb + jj * 4 * E, acc);
-            }
+        for (u32 p = 0; p < PIECES; ++p) {
+            const u32 r = row0 + (threadIdx.x + p * THREADS) / ROW_PIECES;
+            const u32 xr = r < rows ? (list ? list[r] / a.row_div : r) : 0xffffffffu;
+            src[p] = xr == 0xffffffffu ? nullptr : x + (u64)xr * a.x_ld + 8 * (threadIdx.x % ROW_PIECES);
         }
-        if (more) store_slab(s + 1);
+        uint4 v[PIECES];
+        auto load_slab = [&](u32 s) {
+#pragma unroll
+            for (u32 p = 0; p < PIECES; ++p) {
+                const u32 c = s * KS + 8 * (threadIdx.x % ROW_PIECES);
+                v[p] = src[p] && c < a.k ? ld_act(src[p] + s * KS) : make_uint4(0, 0, 0, 0);
+            }
+        };
+        auto store_slab = [&](u32 s) {
+            u16* dst = xs + (s & 1u) * TM * XS;
+#pragma unroll
+            for (u32 p = 0; p < PIECES; ++p) {
+                const u32 i = threadIdx.x + p * THREADS;
+                uint4 w = v[p];
+                if (F == FP8) {
+                    w.x = bf16x2_to_f16x2(w.x);
+                    w.y = bf16x2_to_f16x2(w.y);
+                    w.z = bf16x2_to_f16x2(w.z);
+                    w.w = bf16x2_to_f16x2(w.w);
+                }
+                *reinterpret_cast<uint4*>(dst + (i / ROW_PIECES) * XS + 8 * (i % ROW_PIECES)) = w;
+            }
+        };
+        const u32 slabs = (a.k + KS - 1) / KS;
+        load_slab(0);
+        store_slab(0);
         __syncthreads();
-    }
-    if (!live) return;
 
-    const float post0 = a.post0 * f_lo, post1 = a.post1 * f_hi;
-    const u64 col0 = (u64)z * a.n;
+        float acc[MT][4];
+        zero(acc);
+#pragma unroll 1
+        for (u32 s = 0; s < slabs; ++s) {
+            const bool more = s + 1 < slabs;
+            if (more) load_slab(s + 1);
+            const u16* xb = xs + (s & 1u) * TM * XS + g * XS + q * E;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (u32 i = 0; i < 2; ++i) {
-            const u32 r = row0 + mt * 8 + 2 * q + i;
-            if (r >= a.m) continue;
-            const u64 y0 = (u64)r * a.y_ld + col0;
-            if (SWIGLU) {
-                if (r_lo < a.n) store(a, y0 + r_lo, swiglu(acc[mt][i] * post0, acc[mt][i + 2] * post1, a.limit));
-            } else {
-                if (r_lo < a.n) store(a, y0 + r_lo, acc[mt][i] * post0);
-                if (r_hi < a.n) store(a, y0 + r_hi, acc[mt][i + 2] * post1);
+            for (u32 jj = 0; jj < SPS; ++jj) {
+                const u32 j = s * SPS + jj;
+                if (j < subs) {
+                    const Sub f = cur;
+                    cur = nxt;
+                    if (j + 2 < subs) sub_load<F>(L, j + 2, nxt);
+                    sub_mma<F, MT>(f, xb + jj * 4 * E, acc);
+                }
             }
+            if (more) store_slab(s + 1);
+            __syncthreads();
         }
+        if (!live) continue;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (u32 i = 0; i < 2; ++i) {
+                const u32 r = row0 + mt * 8 + 2 * q + i;
+                if (r >= rows) continue;
+                const u64 y0 = (u64)(list ? list[r] : r) * a.y_ld + y_col;
+                if (SWIGLU) {
+                    if (r_lo < a.n) store(a, y0 + r_lo, swiglu(acc[mt][i] * post0, acc[mt][i + 2] * post1, a.limit));
+                } else {
+                    if (r_lo < a.n) store(a, y0 + r_lo, acc[mt][i] * post0);
+                    if (r_hi < a.n) store(a, y0 + r_hi, acc[mt][i + 2] * post1);
+                }
+            }
+    }
 }
 
 }  // namespace gemm

@@ -308,3 +308,53 @@ DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8_f3
 DSV4_KERNEL void moe_down_nvfp4_m16_f32add(const MoeArgs a) { moe::down<gemv::NVFP4, 2, moe::OUT_F32_ADD>(a); }
 DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8_f32add(const MoeArgs a) { moe::down<gemv::MXFP4, 1, moe::OUT_F32_ADD>(a); }
 DSV4_KERNEL void moe_down_mxfp4_m16_f32add(const MoeArgs a) { moe::down<gemv::MXFP4, 2, moe::OUT_F32_ADD>(a); }
+
+// ---- routed experts over a prompt chunk (moe_chunk in dsv4_ops::gpu::moe) ----
+//
+// moe_sort lists each expert's (token, slot) pairs; the prefill GEMM (gemm.cu) runs gate+up and
+// down over each expert's list, writing every pair's rows; moe_combine adds each token's
+// weighted pair rows in slot order. Every sum has a fixed order, whatever the routing.
+
+// lists[e * stride + i], i < counts[e]: the pairs p = token * topk + slot with ids[p] == e, in
+// ascending order. One block per expert, reading every id.
+DSV4_KERNEL void moe_sort(const int* __restrict__ ids, u32 pairs, u32 stride, u32* __restrict__ lists,
+                          u32* __restrict__ counts) {
+    __shared__ u32 warp_hits[32];
+    pdl_enter();
+    const u32 e = blockIdx.x, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    u32 base = 0;
+    for (u32 p0 = 0; p0 < pairs; p0 += blockDim.x) {
+        const u32 p = p0 + threadIdx.x;
+        const bool hit = p < pairs && ids[p] == (int)e;
+        const u32 ballot = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0u) warp_hits[warp] = __popc(ballot);
+        __syncthreads();
+        u32 before = base, all = base;
+        for (u32 w = 0; w < warps; ++w) {
+            if (w < warp) before += warp_hits[w];
+            all += warp_hits[w];
+        }
+        if (hit) lists[(u64)e * stride + before + __popc(ballot & ((1u << lane) - 1u))] = p;
+        base = all;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0u) counts[e] = base;
+}
+
+// out[t, c] += sum over slots s of weights[t, s] * rows[t * topk + s, c], in slot order, for
+// the slots whose expert id is valid (others wrote no row).
+DSV4_KERNEL void moe_combine(const int* __restrict__ ids, const float* __restrict__ weights,
+                             const float* __restrict__ rows, float* __restrict__ out, u32 n, u32 topk, u32 d,
+                             u32 experts) {
+    pdl_enter();
+    const u64 total = (u64)n * d;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u32 t = (u32)(i / d), c = (u32)(i % d);
+        float acc = 0.0f;
+        for (u32 s = 0; s < topk; ++s) {
+            const u32 p = t * topk + s;
+            if (moe::valid_expert(ids[p], experts)) acc = fmaf(weights[p], rows[(u64)p * d + c], acc);
+        }
+        out[i] = __fadd_rn(out[i], acc);
+    }
+}

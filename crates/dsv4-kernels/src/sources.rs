@@ -108,6 +108,8 @@ pub const FAMILIES: &[KernelFamily] = &[
             "moe_down_nvfp4_m16_f32add",
             "moe_down_mxfp4_m8_f32add",
             "moe_down_mxfp4_m16_f32add",
+            "moe_sort",
+            "moe_combine",
         ],
     },
     KernelFamily {

@@ -246,6 +246,127 @@ fn gpu_moe_matches_reference_on_random_routings() {
     }
 }
 
+/// [`moe::moe_chunk`] for `x [m, d]` added onto `base`: the sums it added (f64) and the raw
+/// output.
+#[allow(clippy::too_many_arguments)]
+fn run_chunk(
+    dev: &Device,
+    ex: &Experts,
+    x: &[bf16],
+    m: usize,
+    ids: &[i32],
+    wts: &[f32],
+    topk: usize,
+    limit: f32,
+    base: &[f32],
+) -> (Vec<f64>, Vec<f32>) {
+    let (d, inter, e) = (ex.gpu.d(), ex.gpu.inter(), ex.gpu.experts());
+    let xd = dev.upload(DType::BF16, &[m, d], x).unwrap();
+    let idd = dev.upload(DType::I32, &[m, topk], ids).unwrap();
+    let wd = dev.upload(DType::F32, &[m, topk], wts).unwrap();
+    let mut scratch = moe::MoeChunkScratch {
+        lists: dev.alloc(DType::U32, &[e, m * topk]).unwrap(),
+        counts: dev.alloc(DType::U32, &[e]).unwrap(),
+        h: dev.alloc(DType::BF16, &[m, topk, inter]).unwrap(),
+        rows: dev.alloc(DType::F32, &[m * topk, d]).unwrap(),
+    };
+    dev.fill_bytes(&mut scratch.lists, POISON).unwrap();
+    dev.fill_bytes(&mut scratch.counts, POISON).unwrap();
+    dev.fill_bytes(&mut scratch.h, POISON).unwrap();
+    dev.fill_bytes(&mut scratch.rows, POISON).unwrap();
+    let mut out = dev.upload(DType::F32, &[m, d], base).unwrap();
+    moe::moe_chunk(
+        dev,
+        &xd,
+        &idd,
+        &wd,
+        &ex.gpu,
+        limit,
+        &mut scratch,
+        &mut out,
+        || Ok(()),
+    )
+    .unwrap();
+    let got: Vec<f32> = dev.download(&out).unwrap();
+    let sums = got
+        .iter()
+        .zip(base)
+        .map(|(&g, &b)| g as f64 - b as f64)
+        .collect();
+    (sums, got)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_moe_chunk_matches_reference_and_rows_stay_independent() {
+    // Chunks of 17 to 300 tokens over a dozen to 48 experts (some with no tokens; one with
+    // every token), invalid slots included; then the chunk's first 40 tokens alone give the
+    // same bits.
+    let dev = device();
+    let mut rng = rng("gpu_moe_chunk_matches_reference_and_rows_stay_independent");
+    for format in [MoeFormat::Nvfp4, MoeFormat::Mxfp4] {
+        for case in 0..3 {
+            let e = rng.random_range(12..=48);
+            let d = 32 * rng.random_range(2..=16);
+            let inter = 32 * rng.random_range(1..=12);
+            let ex = make_experts(&dev, &mut rng, format, e, d, inter);
+            let m = [17, rng.random_range(40..=120), 300][case];
+            let topk = rng.random_range(1..=6);
+            let (mut ids, wts) = routing(&mut rng, m, topk, e, case == 0);
+            if case == 2 {
+                // Every token's first slot on expert 0: 300 rows, several row blocks of one
+                // launch block in turn.
+                for t in ids.chunks_mut(topk) {
+                    match t.iter().position(|&i| i == 0) {
+                        Some(j) => t.swap(0, j),
+                        None => t[0] = 0,
+                    }
+                }
+            }
+            let x: Vec<bf16> = gaussian(&mut rng, m * d, 1.0)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let limit = rng.random_range(0.3f32..3.0);
+            let base: Vec<f32> = (0..m * d).map(|i| (i % 7) as f32 - 3.0).collect();
+            let (got, raw) = run_chunk(&dev, &ex, &x, m, &ids, &wts, topk, limit, &base);
+            let deq: Vec<reference::ExpertF32> = ex
+                .deq
+                .iter()
+                .map(|w| reference::ExpertF32 {
+                    w1: &w[0],
+                    w3: &w[1],
+                    w2: &w[2],
+                })
+                .collect();
+            let want = reference::moe(&x, m, d, inter, &ids, &wts, topk, &deq, limit as f64);
+            let err = relative_error(&got, &want);
+            println!("  chunk {format:?} E={e:2} D={d:4} I={inter:4} M={m:3} k={topk}: rel err {err:.2e}");
+            assert!(
+                err <= TOL,
+                "chunk {format:?} E={e} D={d} I={inter} M={m} k={topk}: relative error {err:e}"
+            );
+            let part = 40.min(m - 1);
+            let (_, alone) = run_chunk(
+                &dev,
+                &ex,
+                &x[..part * d],
+                part,
+                &ids[..part * topk],
+                &wts[..part * topk],
+                topk,
+                limit,
+                &base[..part * d],
+            );
+            assert_bits_eq(
+                &format!("chunk {format:?} M={m}: the first {part} tokens alone"),
+                &alone,
+                &raw[..part * d],
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_moe_token_output_does_not_depend_on_the_other_tokens() {

@@ -227,9 +227,15 @@ pub struct Acts<S: Stage> {
     pub gate: S::Buf<f32>,
     pub ids: S::Buf<i32>,
     pub weights: S::Buf<f32>,
-    /// Routed-expert intermediates: BF16 for the FP4 grouped MoE, F32 for BF16 experts.
+    /// Routed-expert intermediates: BF16 for the FP4 experts (the whole chunk's), F32 for BF16
+    /// experts (a sub-chunk's).
     pub h_b: S::Buf<bf16>,
     pub h: S::Buf<f32>,
+    /// A chunk's routed experts ([`dsv4_ops::gpu::moe::MoeChunkScratch`]): each expert's
+    /// pair list and its length, and every pair's output row.
+    pub moe_lists: S::Buf<u32>,
+    pub moe_counts: S::Buf<u32>,
+    pub moe_rows: S::Buf<f32>,
     pub moe: S::Buf<f32>,
     pub shared_h: S::Buf<bf16>,
     /// The whole vocabulary's logits (on several GPUs, gathered from every rank's slice).
@@ -305,8 +311,11 @@ impl<S: Stage> Buffers<S> {
             gate: s.buf("gate", &[m, c.n_routed_experts])?,
             ids: s.buf("ids", &[m, k])?,
             weights: s.buf("route_weights", &[m, k])?,
-            h_b: s.buf("h_b", &[sub, k, inter])?,
+            h_b: s.buf("h_b", &[m, k, inter])?,
             h: s.buf("h", &[sub, k, inter])?,
+            moe_lists: s.buf("moe.lists", &[c.n_routed_experts, m * k])?,
+            moe_counts: s.buf("moe.counts", &[c.n_routed_experts])?,
+            moe_rows: s.buf("moe.rows", &[m * k, d])?,
             moe: s.buf("moe", &[m, d])?,
             shared_h: s.buf("shared_h", &[m, shared_inter])?,
             logits: s.buf("logits", &[sub, c.vocab_size])?,

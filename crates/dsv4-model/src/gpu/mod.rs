@@ -27,7 +27,7 @@ use dsv4_ops::gpu::mhc::reference::HcParams;
 use dsv4_ops::gpu::mhc::{
     hc_head, hc_mix, hc_post_mix, hc_pre, DeviceHcMix, DeviceHcSite, NormedInput, HC,
 };
-use dsv4_ops::gpu::moe::{moe_decode, MoeOut};
+use dsv4_ops::gpu::moe::{moe_chunk, moe_decode, MoeChunkScratch, MoeOut};
 use dsv4_ops::gpu::moe_bf16::moe_bf16;
 use dsv4_ops::gpu::router::{gate_logits, gate_route, route_topk, DeviceRouteBy, GateWeight};
 use dsv4_ops::gpu::rows::{
@@ -1423,6 +1423,29 @@ fn moe_layer(
         // A long chunk routes with a block per token, not in the gate's last block.
         gate_logits(dev, &xn, m.gate.weight(), &mut logits)?;
         route_topk(dev, &logits, tokens, by, scale, &mut ids, &mut wts)?;
+    }
+    if let (RoutedExperts::Fp4(e), true) = (&m.experts, n > MAX_CHUNK) {
+        // A long chunk's experts on the prefill GEMM, over each expert's rows.
+        let experts = c.n_routed_experts;
+        let k = c.experts_per_token;
+        let mut scratch = MoeChunkScratch {
+            lists: a.moe_lists.view(0, &[experts, n * k])?,
+            counts: a.moe_counts.view(0, &[experts])?,
+            h: a.h_b.rows(n)?,
+            rows: a.moe_rows.view(0, &[n * k, c.hidden_size])?,
+        };
+        let join = || dev.join();
+        return moe_chunk(
+            dev,
+            &xb,
+            &ids,
+            &wts,
+            e,
+            c.swiglu_limit,
+            &mut scratch,
+            &mut out,
+            join,
+        );
     }
     // The routed experts a sub-chunk at a time; the first joins the shared expert before its
     // down projection adds onto the shared expert's output.

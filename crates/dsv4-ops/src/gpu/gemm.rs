@@ -1,9 +1,10 @@
 //! The prefill GEMM (`kernels/gemm.cu`): what [`super::gemv`]'s launchers run for more than
-//! [`MAX_M`] activation rows. The same weights (the GEMV's packed tiles, every format), the same
-//! products on the same MMAs, but each weight byte is read once per 64 rows and each warp sums
-//! its tile's whole K in registers (no split, no workspace), so a row's result depends only on
-//! its own activations, never on how many rows share the launch. CPU reference:
-//! [`super::gemv::reference`]; the GPU tests are `tests/gpu_gemv.rs`.
+//! [`MAX_M`] activation rows, and what [`super::moe::moe_chunk`] runs over each expert's rows.
+//! The same weights (the GEMV's packed tiles, every format), the same products on the same
+//! MMAs, but each weight byte is read once per 64 rows and each warp sums its tile's whole K in
+//! registers (no split, no workspace), so a row's result depends only on its own activations,
+//! never on how many rows share the launch. CPU references: [`super::gemv::reference`],
+//! [`super::moe::reference`]; the GPU tests are `tests/gpu_gemv.rs` and `tests/gpu_moe.rs`.
 
 use cudarc::driver::DeviceRepr;
 
@@ -29,6 +30,10 @@ struct GemmArgs {
     fs0: u64,
     fs1: u64,
     y: u64,
+    rows: u64,
+    counts: u64,
+    g0: u64,
+    g1: u64,
     m: u32,
     n: u32,
     k: u32,
@@ -40,10 +45,154 @@ struct GemmArgs {
     y_f32: u32,
     x_ld: u32,
     y_ld: u32,
+    x_col_z: u32,
+    y_col_z: u32,
+    list_stride: u32,
+    row_div: u32,
 }
 
 // SAFETY: plain old data with the CUDA struct's layout (checked by a test).
 unsafe impl DeviceRepr for GemmArgs {}
+
+/// A stack of weights of one shape in the packed tile layout (a grouped projection's groups, a
+/// layer's experts), as the kernel reads it: stack `z` is tiles `[z·T, (z+1)·T)`.
+pub(crate) struct Stack {
+    pub format: GemvFormat,
+    /// Output rows of one stack (gate+up: of h).
+    pub n: usize,
+    pub k: usize,
+    pub gate_up: bool,
+    pub codes: u64,
+    /// NVFP4/MXFP4 packed scales.
+    pub scales: u64,
+    /// FP8 scales of W (W1) and W3.
+    pub fp8: (u64, u64),
+    /// Epilogue multipliers of W (W1) and W3 rows, and per-stack factors of them (0: none).
+    pub post: (f32, f32),
+    pub factors: (u64, u64),
+}
+
+impl Stack {
+    fn tiles(&self) -> usize {
+        pack::Layout {
+            rows: self.n,
+            chunks: self.k / self.format.chunk_elems(),
+            gate_up: self.gate_up,
+        }
+        .tiles()
+    }
+}
+
+/// Which rows each stack takes.
+pub(crate) enum Rows<'a> {
+    /// Every stack the `m` rows of x and y; stack z reads x columns `[z·K, (z+1)·K)` and
+    /// writes y columns `[z·N, (z+1)·N)`.
+    Grouped { m: usize },
+    /// Stack z the `counts[z]` entries of list z (`lists [stacks, stride]`): entry r reads x
+    /// row `r / div` and writes y row r; `blocks` 64-row blocks a stack side by side.
+    Lists {
+        lists: &'a DeviceTensor<u32>,
+        counts: &'a DeviceTensor<u32>,
+        div: usize,
+        blocks: usize,
+    },
+}
+
+/// Launches `prefix` (`gemm_` or `gemm_swiglu_`) for `w`'s `stacks` stacks over `x` into `y`
+/// (rows `y_ld` elements apart; the caller checked every shape against the rows it passes).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_stacks(
+    dev: &Device,
+    prefix: &str,
+    x: &DeviceTensor<bf16>,
+    x_ld: usize,
+    w: &Stack,
+    stacks: usize,
+    rows: Rows<'_>,
+    limit: f32,
+    y: Output,
+    y_ld: usize,
+) -> Result<(), GpuError> {
+    let kernel = format!("{prefix}{}", w.format.name());
+    let limits = dev.kernel_limits(&kernel)?;
+    if SHARED + limits.static_shared > dev.max_block_shared() {
+        return Err(GpuError::invalid(
+            "gemm",
+            format!(
+                "{kernel} needs {SHARED} bytes of shared memory a block; this GPU gives {}",
+                dev.max_block_shared()
+            ),
+        ));
+    }
+    let tiles = w.tiles();
+    let (m, lists, counts, stride, div, blocks, x_col, y_col) = match rows {
+        Rows::Grouped { m } => (m, 0, 0, 0, 1, m.div_ceil(ROWS), w.k, w.n),
+        Rows::Lists {
+            lists,
+            counts,
+            div,
+            blocks,
+        } => (
+            0,
+            lists.device_address(),
+            counts.device_address(),
+            lists.len() / stacks.max(1),
+            div,
+            blocks,
+            0,
+            0,
+        ),
+    };
+    let args = GemmArgs {
+        x: x.device_address(),
+        w: w.codes,
+        s: w.scales,
+        fs0: w.fp8.0,
+        fs1: w.fp8.1,
+        y: y.address,
+        rows: lists,
+        counts,
+        g0: w.factors.0,
+        g1: w.factors.1,
+        m: dim_u32("gemm rows", m)?,
+        n: dim_u32("gemm n", w.n)?,
+        k: dim_u32("gemm k", w.k)?,
+        post0: w.post.0,
+        post1: w.post.1,
+        limit,
+        fp8_br: match w.format {
+            GemvFormat::Fp8 { block, .. } => block.0 as u32,
+            _ => 1,
+        },
+        tiles: dim_u32("gemm tiles", tiles)?,
+        y_f32: y.mode,
+        x_ld: dim_u32("gemm x row", x_ld)?,
+        y_ld: dim_u32("gemm y row", y_ld)?,
+        x_col_z: dim_u32("gemm x columns", x_col)?,
+        y_col_z: dim_u32("gemm y columns", y_col)?,
+        list_stride: dim_u32("gemm list", stride)?,
+        row_div: dim_u32("gemm row divisor", div)?,
+    };
+    let grid = (
+        dim_u32("gemm row blocks", blocks.max(1))?,
+        dim_u32("gemm tile blocks", tiles.div_ceil(WARPS))?,
+        dim_u32("gemm stacks", stacks)?,
+    );
+    // SAFETY: GemmArgs mirrors the kernel's argument; the weight's tensors hold `stacks *
+    // tiles` whole packed tiles; x and y hold the rows and columns the caller checked (list
+    // entries below its bound).
+    unsafe {
+        launch_struct(
+            dev,
+            &kernel,
+            grid,
+            ((WARPS * 32) as u32, SHARED as u32),
+            &args,
+            super::gemv::tuning::PROGRAMMATIC_LAUNCH.get(),
+            1,
+        )
+    }
+}
 
 /// Launches `prefix` (`gemm_` or `gemm_swiglu_`) for `m > MAX_M` rows of `x [m, groups·K]`
 /// into `y`: `groups` blocks of the weight's rows, group `g` reading x's columns
@@ -60,65 +209,30 @@ pub(crate) fn launch(
     groups: usize,
 ) -> Result<(), GpuError> {
     debug_assert!(m > MAX_M);
-    let kernel = format!("{prefix}{}", w.format.name());
-    let limits = dev.kernel_limits(&kernel)?;
-    if SHARED + limits.static_shared > dev.max_block_shared() {
-        return Err(GpuError::invalid(
-            "gemm",
-            format!(
-                "{kernel} needs {SHARED} bytes of shared memory a block; this GPU gives {}",
-                dev.max_block_shared()
-            ),
-        ));
-    }
-    let rows = w.n / groups;
-    let tiles = pack::Layout {
-        rows,
-        chunks: w.k / w.format.chunk_elems(),
+    let stack = Stack {
+        format: w.format,
+        n: w.n / groups,
+        k: w.k,
         gate_up: w.gate_up,
-    }
-    .tiles();
-    let (fs0, fs1) = w.fp8_scale_addresses();
-    let args = GemmArgs {
-        x: x.device_address(),
-        w: w.codes.device_address(),
-        s: w.scales.as_ref().map_or(0, |s| s.device_address()),
-        fs0,
-        fs1,
-        y: y.address,
-        m: dim_u32("gemm rows", m)?,
-        n: dim_u32("gemm n", rows)?,
-        k: dim_u32("gemm k", w.k)?,
-        post0: w.post.0,
-        post1: w.post.1,
-        limit,
-        fp8_br: match w.format {
-            GemvFormat::Fp8 { block, .. } => block.0 as u32,
-            _ => 1,
-        },
-        tiles: dim_u32("gemm tiles", tiles)?,
-        y_f32: y.mode,
-        x_ld: dim_u32("gemm x row", groups * w.k)?,
-        y_ld: dim_u32("gemm y row", w.n)?,
+        codes: w.codes.device_address(),
+        scales: w.scales.as_ref().map_or(0, |s| s.device_address()),
+        fp8: w.fp8_scale_addresses(),
+        post: w.post,
+        factors: (0, 0),
     };
-    let grid = (
-        dim_u32("gemm row blocks", m.div_ceil(ROWS))?,
-        dim_u32("gemm tile blocks", tiles.div_ceil(WARPS))?,
-        dim_u32("gemm groups", groups)?,
-    );
-    // SAFETY: GemmArgs mirrors the kernel's argument; the weight's tensors hold `groups * tiles`
-    // whole packed tiles; x and y were checked against (m, groups * k) and (m, n).
-    unsafe {
-        launch_struct(
-            dev,
-            &kernel,
-            grid,
-            ((WARPS * 32) as u32, SHARED as u32),
-            &args,
-            super::gemv::tuning::PROGRAMMATIC_LAUNCH.get(),
-            1,
-        )
-    }
+    let rows = Rows::Grouped { m };
+    launch_stacks(
+        dev,
+        prefix,
+        x,
+        groups * w.k,
+        &stack,
+        groups,
+        rows,
+        limit,
+        y,
+        w.n,
+    )
 }
 
 #[cfg(test)]
@@ -127,8 +241,8 @@ mod tests {
 
     #[test]
     fn args_layout_matches_the_cuda_struct() {
-        // 6 pointers, 3 u32, 3 f32, 5 u32 = 92 bytes, padded to 96.
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 96);
+        // 10 pointers, 3 u32, 3 f32, 9 u32 = 140 bytes, padded to 144.
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 144);
         assert_eq!(std::mem::align_of::<GemmArgs>(), 8);
     }
 }

@@ -8,22 +8,29 @@
 //! 2. down projections of all selected experts and the weighted sum into `out [M, D]`, each
 //!    token's sum taken in ascending expert order in a fixed order (no atomics).
 //!
+//! [`moe_chunk`] does the same for a prompt chunk of any length on the prefill GEMM: each
+//! expert's (token, slot) pairs listed on the device, gate+up and down over each expert's list
+//! (each expert's weights read once per 64 of its rows), each token's weighted rows summed in
+//! slot order.
+//!
 //! Expert ids outside `[0, experts)` select nothing. CPU reference: [`mod@reference`].
 
 use cudarc::driver::DeviceRepr;
 use half::bf16;
 use rayon::prelude::*;
 
+use super::gemm::{launch_stacks, Rows, Stack};
 use super::gemv::pack::{CodeOrder, Layout};
 use super::gemv::{
     check_mxfp4_scales, resident_warps, staging_bytes, tuning, HostWeight, MXFP4_MAX_SCALE_BYTE,
 };
-use super::launch::dim_u32;
-use super::launch::launch_struct;
+use super::gemv::{GemvFormat, Output};
+use super::launch::{dim_u32, grid_for, launch, launch_struct, Args};
 use super::random;
 use super::{DType, Device, DeviceTensor, GpuError, Stager};
 use crate::codecs::mxfp4::Mxfp4Quantized;
 use crate::codecs::nvfp4::Nvfp4Quantized;
+use cudarc::driver::LaunchConfig;
 
 /// Largest number of tokens one launch takes (the down kernel's per-token shared tables are
 /// sized for it: `MAX_M` in moe.cu).
@@ -618,6 +625,172 @@ pub fn moe_decode(
             &args,
             tuning::PROGRAMMATIC_LAUNCH.get(),
             1,
+        )
+    }
+}
+
+/// Scratch of [`moe_chunk`] for `m` tokens (views of pool buffers sized for the longest
+/// chunk): each expert's list of (token, slot) pairs and its length, every pair's SwiGLU row
+/// and down-projection row.
+pub struct MoeChunkScratch {
+    /// U32 `[experts, m · top_k]`.
+    pub lists: DeviceTensor<u32>,
+    /// U32 `[experts]`.
+    pub counts: DeviceTensor<u32>,
+    /// BF16 `[m, top_k, I]`.
+    pub h: DeviceTensor<bf16>,
+    /// F32 `[m · top_k, D]`.
+    pub rows: DeviceTensor<f32>,
+}
+
+/// Routed experts for a chunk of `x [M, D]` (any M): as [`moe_decode`] with its output added
+/// onto the F32 `out [M, D]`, on the prefill GEMM. Four launches: the experts' pair lists,
+/// gate+up into `scratch.h`, down into `scratch.rows`, then (after `between`, e.g. a join of
+/// the stream that wrote `out`) each token's rows weighted and summed in slot order onto `out`.
+/// A token's result depends only on its own input and routing.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_chunk(
+    dev: &Device,
+    x: &DeviceTensor<bf16>,
+    ids: &DeviceTensor<i32>,
+    weights: &DeviceTensor<f32>,
+    experts: &MoeExperts,
+    limit: f32,
+    scratch: &mut MoeChunkScratch,
+    out: &mut DeviceTensor<f32>,
+    between: impl FnOnce() -> Result<(), GpuError>,
+) -> Result<(), GpuError> {
+    let (m, d, topk) = check_routing(
+        ("moe", "moe_chunk"),
+        x,
+        ids,
+        weights,
+        experts.d,
+        limit,
+        (usize::MAX, usize::MAX),
+    )?;
+    let (e, inter) = (experts.experts, experts.inter);
+    let pairs = m * topk;
+    scratch
+        .lists
+        .expect("moe pair lists", DType::U32, &[e, pairs])?;
+    scratch
+        .counts
+        .expect("moe list lengths", DType::U32, &[e])?;
+    scratch
+        .h
+        .expect("moe intermediate h", DType::BF16, &[m, topk, inter])?;
+    scratch
+        .rows
+        .expect("moe pair rows", DType::F32, &[pairs, d])?;
+    out.expect("moe output", DType::F32, &[m, d])?;
+    // SAFETY: ids [pairs]; lists [e, pairs] (no expert has more entries than there are
+    // pairs); counts [e].
+    unsafe {
+        launch(
+            dev,
+            "moe_sort",
+            LaunchConfig {
+                grid_dim: (dim_u32("experts", e)?, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            Args::new()
+                .ptr(ids)
+                .arg(dim_u32("moe pairs", pairs)?)
+                .arg(dim_u32("moe list", pairs)?)
+                .ptr(&scratch.lists)
+                .ptr(&scratch.counts),
+        )
+    }?;
+    let (up, down) = layouts(d, inter);
+    let format = match experts.format {
+        MoeFormat::Nvfp4 => GemvFormat::Nvfp4,
+        MoeFormat::Mxfp4 => GemvFormat::Mxfp4,
+    };
+    let g = |i: usize| {
+        experts
+            .globals
+            .as_ref()
+            .map_or(0, |g| g[i].device_address())
+    };
+    // 64-row blocks an expert's list gets side by side: enough for its share of the pairs.
+    let blocks = pairs.div_ceil(e).div_ceil(64).clamp(1, m.div_ceil(64));
+    let lists = |div| Rows::Lists {
+        lists: &scratch.lists,
+        counts: &scratch.counts,
+        div,
+        blocks,
+    };
+    let stack =
+        |n: usize, k: usize, gate_up, codes: &DeviceTensor<u8>, scales: &DeviceTensor<u8>| Stack {
+            format,
+            n,
+            k,
+            gate_up,
+            codes: codes.device_address(),
+            scales: scales.device_address(),
+            fp8: (0, 0),
+            post: (65536.0, 65536.0),
+            factors: (0, 0),
+        };
+    debug_assert_eq!((up.rows, down.rows), (inter, d));
+    let w13 = Stack {
+        factors: (g(0), g(1)),
+        ..stack(inter, d, true, &experts.w13, &experts.s13)
+    };
+    let h = Output {
+        address: scratch.h.device_address(),
+        mode: 0,
+    };
+    launch_stacks(
+        dev,
+        "gemm_swiglu_",
+        x,
+        d,
+        &w13,
+        e,
+        lists(topk),
+        limit,
+        h,
+        inter,
+    )?;
+    let w2 = Stack {
+        factors: (g(2), g(2)),
+        ..stack(d, inter, false, &experts.w2, &experts.s2)
+    };
+    let rows = Output {
+        address: scratch.rows.device_address(),
+        mode: 1,
+    };
+    launch_stacks(
+        dev,
+        "gemm_",
+        &scratch.h,
+        inter,
+        &w2,
+        e,
+        lists(1),
+        0.0,
+        rows,
+        d,
+    )?;
+    between()?;
+    // SAFETY: ids and weights [m, topk], rows [pairs, d], out [m, d], checked above.
+    unsafe {
+        launch(
+            dev,
+            "moe_combine",
+            grid_for((m * d) as u64, 1024, 256),
+            Args::new()
+                .ptr(ids)
+                .ptr(weights)
+                .ptr(&scratch.rows)
+                .ptr(out)
+                .arg(m as u32)
+                .arg(topk as u32)
+                .arg(d as u32)
+                .arg(e as u32),
         )
     }
 }
