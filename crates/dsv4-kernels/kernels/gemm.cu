@@ -267,3 +267,12 @@ DSV4_GEMM(gemm_swiglu_fp8, gemv::FP8, true)
 DSV4_GEMM(gemm_swiglu_nvfp4, gemv::NVFP4, true)
 DSV4_GEMM(gemm_swiglu_mxfp4, gemv::MXFP4, true)
 #undef DSV4_GEMM
+// 32-row blocks for routed experts with few rows each (a prompt chunk's tokens spread over
+// many experts).
+#define DSV4_GEMM32(name, F, SW) \
+    DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) name(const GemmArgs a) { gemm::gemm_kernel<F, 4, SW>(a); }
+DSV4_GEMM32(gemm_nvfp4_m32, gemv::NVFP4, false)
+DSV4_GEMM32(gemm_mxfp4_m32, gemv::MXFP4, false)
+DSV4_GEMM32(gemm_swiglu_nvfp4_m32, gemv::NVFP4, true)
+DSV4_GEMM32(gemm_swiglu_mxfp4_m32, gemv::MXFP4, true)
+#undef DSV4_GEMM32

@@ -85,6 +85,10 @@ pub const FAMILIES: &[KernelFamily] = &[
             "gemm_swiglu_fp8",
             "gemm_swiglu_nvfp4",
             "gemm_swiglu_mxfp4",
+            "gemm_nvfp4_m32",
+            "gemm_mxfp4_m32",
+            "gemm_swiglu_nvfp4_m32",
+            "gemm_swiglu_mxfp4_m32",
         ],
     },
     KernelFamily {

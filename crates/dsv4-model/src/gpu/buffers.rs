@@ -15,7 +15,7 @@ use half::bf16;
 
 use crate::config::{Config, LayerKind};
 
-/// Most tokens the attention, indexer top-k, routed-expert and head launches take at once (the
+/// Most tokens the indexer's top-k, the BF16 routed experts and the head take at once (the
 /// decode kernels' limit): a longer chunk runs them once per sub-chunk of this many.
 pub const MAX_CHUNK: usize = 16;
 
@@ -351,7 +351,7 @@ impl<S: Stage> Buffers<S> {
                         Some(IndexState {
                             comp: CompState::build(s, &name("indexer"), ratio, ic, true, cap)?,
                             scores: s.buf(&name("indexer.scores"), &[sub, cap])?,
-                            selected: s.buf(&name("indexer.selected"), &[sub, c.index_topk])?,
+                            selected: s.buf(&name("indexer.selected"), &[m, c.index_topk])?,
                         })
                     }
                     _ => None,

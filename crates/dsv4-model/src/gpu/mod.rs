@@ -1127,8 +1127,8 @@ fn attention_layer(
     };
     let (mut qa_n, mut qab) = (a.qa_n.rows(n)?, a.qab.rows(n)?);
     rms_norm_rows(dev, qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
-    // A chunk of one sub-chunk selects beside the queries; a longer one per sub-chunk below,
-    // each before its attention (the scores' scratch holds one sub-chunk).
+    // A chunk of one sub-chunk selects beside the queries; a longer one per sub-chunk below
+    // (the scores' scratch holds one sub-chunk).
     let subs = sub_chunks(n);
     let select_beside = subs.len() == 1;
     if at.indexer.is_some() {
@@ -1171,59 +1171,49 @@ fn attention_layer(
         layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, &a.pos, &mut a.ws)?;
     }
     dev.join()?;
-    // The output comes rotated back and in BF16.
-    let ob = a.attn_b.rows(n)?;
-    let mut splits = a.attention_splits()?;
-    let last = subs.len() - 1;
-    for (j, &(first, rows)) in subs.iter().enumerate() {
-        let pos = sub_position(a, j, subs.len())?;
-        if !select_beside && at.indexer.is_some() {
+    // A longer chunk's selections, a sub-chunk at a time, into its rows of `selected` (after
+    // the join: the indexer's queries come from the side stream).
+    if !select_beside {
+        for &(first, rows) in &subs {
             select(dev, lw, ls, a, first, rows, subs.len())?;
         }
-        let selected;
-        let compressed = match (&ls.comp, &ls.index) {
-            (Some(st), Some(ist)) => {
-                selected = ist.selected.rows(rows)?;
-                Compressed::Selected {
-                    entries: st.entries(),
-                    selected: &selected,
-                    ratio: lw.kind.ratio(),
-                }
-            }
-            (Some(st), None) => Compressed::All {
-                entries: st.entries(),
-                ratio: lw.kind.ratio(),
-            },
-            _ => Compressed::None,
-        };
-        let kv = row_range(&kv_n, first, rows)?;
-        attention::attention(
-            dev,
-            &row_range(&q_n, first, rows)?,
-            &kv,
-            &ls.window,
-            compressed,
-            &at.sink,
-            &pos,
-            rope,
-            &mut splits,
-            &mut row_range(&ob, first, rows)?,
-        )?;
-        // Every sub-chunk but the last adds its keys to the ring before the next one attends.
-        if j < last {
-            attention::window_write(dev, &kv, &pos, &mut ls.window)?;
-        }
     }
-    // The ring takes the last sub-chunk's keys on the side stream, beside the output
-    // projection: only this layer's next chunk reads it, and the join below comes before the
-    // next layer rewrites kv_n (or the position moves on).
-    let (first, rows) = subs[last];
-    let (kv, pos) = (
-        row_range(&kv_n, first, rows)?,
-        sub_position(a, last, subs.len())?,
-    );
+    let selected;
+    let compressed = match (&ls.comp, &ls.index) {
+        (Some(st), Some(ist)) => {
+            selected = ist.selected.rows(n)?;
+            Compressed::Selected {
+                entries: st.entries(),
+                selected: &selected,
+                ratio: lw.kind.ratio(),
+            }
+        }
+        (Some(st), None) => Compressed::All {
+            entries: st.entries(),
+            ratio: lw.kind.ratio(),
+        },
+        _ => Compressed::None,
+    };
+    // The output comes rotated back and in BF16.
+    let mut ob = a.attn_b.rows(n)?;
+    let mut splits = a.attention_splits()?;
+    attention::attention(
+        dev,
+        &q_n,
+        &kv_n,
+        &ls.window,
+        compressed,
+        &at.sink,
+        &a.pos,
+        rope,
+        &mut splits,
+        &mut ob,
+    )?;
+    // The ring takes the chunk's keys on the side stream, beside the output projection: only
+    // this layer's next chunk reads it, and the join below comes before the next layer
+    // rewrites kv_n (or the position moves on).
     dev.fork()?;
-    dev.on_side(|| attention::window_write(dev, &kv, &pos, &mut ls.window))?;
+    dev.on_side(|| attention::window_write(dev, &kv_n, &a.pos, &mut ls.window))?;
     // Grouped output projection: group g's heads (columns) through its rows of wo_a, in one
     // launch, then wo_b.
     let mut z = a.z.rows(n)?;
@@ -1340,7 +1330,7 @@ fn index_queries(
 
 /// In a CSA layer, the indexer's top-k of the compressed entries for the `rows` queries from
 /// row `first` of [`index_queries`]' output (sub-chunk `first / MAX_CHUNK` of `subs`), into
-/// the layer's `selected`.
+/// the same rows of the layer's `selected`.
 fn select(
     dev: &Device,
     lw: &DevLayer,
@@ -1356,7 +1346,7 @@ fn select(
     let width = iw.wq_b.n();
     let iq = row_range(&cols(&a.iq, first + rows, width)?, first, rows)?;
     let iw_rows = row_range(&a.iw, first, rows)?;
-    let mut sel = ist.selected.rows(rows)?;
+    let mut sel = row_range(&ist.selected, first, rows)?;
     attention::index_topk(
         dev,
         &iq,

@@ -13,12 +13,17 @@ use super::launch::{dim_u32, launch_struct};
 use super::{Device, DeviceTensor, GpuError};
 use half::bf16;
 
-/// Activation rows of one block (eight MMA column blocks of 8).
+/// Activation rows of one block (eight MMA column blocks of 8), and of the `_m32` kernels'
+/// (four) for expert lists of few rows.
 const ROWS: usize = 64;
+const SHORT_ROWS: usize = 32;
 /// Warps of a block, one 16-row weight tile each (`WARPS` in gemm.cu).
 const WARPS: usize = 8;
-/// Shared memory of a block: two slabs of 64 rows of 256 + 8 bf16 (`KS`, `XS` in gemm.cu).
-const SHARED: usize = 2 * ROWS * (256 + 8) * 2;
+
+/// Shared memory of a block of `rows`: two slabs of 256 + 8 bf16 a row (`KS`, `XS` in gemm.cu).
+fn shared_bytes(rows: usize) -> usize {
+    2 * rows * (256 + 8) * 2
+}
 
 /// Kernel arguments (mirrors `GemmArgs` in gemm.cu).
 #[repr(C)]
@@ -89,12 +94,13 @@ pub(crate) enum Rows<'a> {
     /// writes y columns `[z·N, (z+1)·N)`.
     Grouped { m: usize },
     /// Stack z the `counts[z]` entries of list z (`lists [stacks, stride]`): entry r reads x
-    /// row `r / div` and writes y row r; `blocks` 64-row blocks a stack side by side.
+    /// row `r / div` and writes y row r, about `per_stack` entries a list: row blocks of 32
+    /// where that is 32 or fewer, else of 64, as many side by side as it fills.
     Lists {
         lists: &'a DeviceTensor<u32>,
         counts: &'a DeviceTensor<u32>,
         div: usize,
-        blocks: usize,
+        per_stack: usize,
     },
 }
 
@@ -113,36 +119,45 @@ pub(crate) fn launch_stacks(
     y: Output,
     y_ld: usize,
 ) -> Result<(), GpuError> {
-    let kernel = format!("{prefix}{}", w.format.name());
-    let limits = dev.kernel_limits(&kernel)?;
-    if SHARED + limits.static_shared > dev.max_block_shared() {
-        return Err(GpuError::invalid(
-            "gemm",
-            format!(
-                "{kernel} needs {SHARED} bytes of shared memory a block; this GPU gives {}",
-                dev.max_block_shared()
-            ),
-        ));
-    }
     let tiles = w.tiles();
-    let (m, lists, counts, stride, div, blocks, x_col, y_col) = match rows {
-        Rows::Grouped { m } => (m, 0, 0, 0, 1, m.div_ceil(ROWS), w.k, w.n),
+    let (m, lists, counts, stride, div, block_rows, blocks, x_col, y_col) = match rows {
+        Rows::Grouped { m } => (m, 0, 0, 0, 1, ROWS, m.div_ceil(ROWS), w.k, w.n),
         Rows::Lists {
             lists,
             counts,
             div,
-            blocks,
-        } => (
-            0,
-            lists.device_address(),
-            counts.device_address(),
-            lists.len() / stacks.max(1),
-            div,
-            blocks,
-            0,
-            0,
-        ),
+            per_stack,
+        } => {
+            let short = per_stack <= SHORT_ROWS && w.format.chunk_elems() == 32;
+            let block_rows = if short { SHORT_ROWS } else { ROWS };
+            (
+                0,
+                lists.device_address(),
+                counts.device_address(),
+                lists.len() / stacks.max(1),
+                div,
+                block_rows,
+                per_stack.div_ceil(block_rows).max(1),
+                0,
+                0,
+            )
+        }
     };
+    let kernel = match block_rows {
+        SHORT_ROWS => format!("{prefix}{}_m32", w.format.name()),
+        _ => format!("{prefix}{}", w.format.name()),
+    };
+    let shared = shared_bytes(block_rows);
+    let limits = dev.kernel_limits(&kernel)?;
+    if shared + limits.static_shared > dev.max_block_shared() {
+        return Err(GpuError::invalid(
+            "gemm",
+            format!(
+                "{kernel} needs {shared} bytes of shared memory a block; this GPU gives {}",
+                dev.max_block_shared()
+            ),
+        ));
+    }
     let args = GemmArgs {
         x: x.device_address(),
         w: w.codes,
@@ -186,7 +201,7 @@ pub(crate) fn launch_stacks(
             dev,
             &kernel,
             grid,
-            ((WARPS * 32) as u32, SHARED as u32),
+            ((WARPS * 32) as u32, shared as u32),
             &args,
             super::gemv::tuning::PROGRAMMATIC_LAUNCH.get(),
             1,

@@ -714,13 +714,13 @@ pub fn moe_chunk(
             .as_ref()
             .map_or(0, |g| g[i].device_address())
     };
-    // 64-row blocks an expert's list gets side by side: enough for its share of the pairs.
-    let blocks = pairs.div_ceil(e).div_ceil(64).clamp(1, m.div_ceil(64));
+    // Row blocks as wide and as many side by side as an expert's share of the pairs needs (a
+    // crowded list's blocks walk its further rows).
     let lists = |div| Rows::Lists {
         lists: &scratch.lists,
         counts: &scratch.counts,
         div,
-        blocks,
+        per_stack: pairs.div_ceil(e).min(m),
     };
     let stack =
         |n: usize, k: usize, gate_up, codes: &DeviceTensor<u8>, scales: &DeviceTensor<u8>| Stack {
