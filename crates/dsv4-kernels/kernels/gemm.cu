@@ -256,23 +256,17 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
 
 }  // namespace gemm
 
-#define DSV4_GEMM(name, F, SW) \
-    DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) name(const GemmArgs a) { gemm::gemm_kernel<F, 8, SW>(a); }
-DSV4_GEMM(gemm_bf16, gemv::BF16, false)
-DSV4_GEMM(gemm_fp8, gemv::FP8, false)
-DSV4_GEMM(gemm_nvfp4, gemv::NVFP4, false)
-DSV4_GEMM(gemm_mxfp4, gemv::MXFP4, false)
-DSV4_GEMM(gemm_swiglu_bf16, gemv::BF16, true)
-DSV4_GEMM(gemm_swiglu_fp8, gemv::FP8, true)
-DSV4_GEMM(gemm_swiglu_nvfp4, gemv::NVFP4, true)
-DSV4_GEMM(gemm_swiglu_mxfp4, gemv::MXFP4, true)
-#undef DSV4_GEMM
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_bf16(const GemmArgs a) { gemm::gemm_kernel<gemv::BF16, 8, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_fp8(const GemmArgs a) { gemm::gemm_kernel<gemv::FP8, 8, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_nvfp4(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 8, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_mxfp4(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 8, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_bf16(const GemmArgs a) { gemm::gemm_kernel<gemv::BF16, 8, true>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_fp8(const GemmArgs a) { gemm::gemm_kernel<gemv::FP8, 8, true>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_nvfp4(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 8, true>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_mxfp4(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 8, true>(a); }
 // 32-row blocks for routed experts with few rows each (a prompt chunk's tokens spread over
 // many experts).
-#define DSV4_GEMM32(name, F, SW) \
-    DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) name(const GemmArgs a) { gemm::gemm_kernel<F, 4, SW>(a); }
-DSV4_GEMM32(gemm_nvfp4_m32, gemv::NVFP4, false)
-DSV4_GEMM32(gemm_mxfp4_m32, gemv::MXFP4, false)
-DSV4_GEMM32(gemm_swiglu_nvfp4_m32, gemv::NVFP4, true)
-DSV4_GEMM32(gemm_swiglu_mxfp4_m32, gemv::MXFP4, true)
-#undef DSV4_GEMM32
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_nvfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 4, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_mxfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 4, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_nvfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 4, true>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_mxfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 4, true>(a); }
