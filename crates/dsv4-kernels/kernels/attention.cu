@@ -809,6 +809,219 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     for (u32 i = threadIdx.x; i < hv * d; i += blockDim.x) out[((u64)t * heads + h0) * d + i] = f32_to_bf16(acc_s[i]);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Attention of a prompt chunk on tensor cores
+// ---------------------------------------------------------------------------------------------
+//
+// attention_mma: the same attention as attention_heads for every token of a long chunk, with
+// the token's 64 heads as the M side of f16 MMAs (the heads share one key/value head): block
+// (x, t) takes heads [64x, 64x + 64) of token t. Every f32 operand is split into two f16
+// parts, x = hi + lo (hi = x rounded to f16, lo = the rest rounded again: about 22
+// significant bits), and a product of two is taken as hi·hi + hi·lo + lo·hi on the MMAs, with
+// f32 sums: one f16 rounding of the queries moved logits enough to change a router's choice in
+// a later layer of the tiny fixtures. The block's queries go to shared memory once, its keys
+// (in attention_heads' order: window, then compressed) 32 at a time. 16 warps: warp w scores
+// heads 16 (w % 4) .. + 16 against keys 8 (w / 4) .. + 8 over the whole head width, the block
+// shares the scores through shared memory, and each warp then keeps the online softmax of its
+// 16 heads (the four warps of a head group keep the same one) and accumulates probabilities
+// times keys into its quarter of the head width. Then the sink joins each head's
+// denominator, the output is rotated back and written in bf16, as attention_heads does.
+#define AMMA_HEADS 64u
+#define AMMA_KEYS 32u
+#define AMMA_WARPS 16u
+
+__device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The f16 pair of (a, b) and the pair of what it leaves out.
+__device__ __forceinline__ void f16x2_split(float a, float b, u32& hi, u32& lo) {
+    hi = f16x2(a, b);
+    float ha, hb;
+    asm("{ .reg .b16 x, y; mov.b32 {x, y}, %2; cvt.f32.f16 %0, x; cvt.f32.f16 %1, y; }"
+        : "=f"(ha), "=f"(hb)
+        : "r"(hi));
+    lo = f16x2(a - ha, b - hb);
+}
+
+// Four f32 values to hi and lo f16 parts at hi_dst and lo_dst (8 bytes each).
+__device__ __forceinline__ void store_split(float4 v, u16* hi_dst, u16* lo_dst) {
+    u32 h0, l0, h1, l1;
+    f16x2_split(v.x, v.y, h0, l0);
+    f16x2_split(v.z, v.w, h1, l1);
+    *reinterpret_cast<uint2*>(hi_dst) = make_uint2(h0, h1);
+    *reinterpret_cast<uint2*>(lo_dst) = make_uint2(l0, l1);
+}
+
+// Dynamic shared memory: queries [2][64][d + 8] f16 (hi, lo), keys [2][32][d + 8] f16,
+// scores [64][33] f32.
+DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
+    const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
+    const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
+    const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
+    const float* __restrict__ inv_freq, u32 rope_half, u16* __restrict__ out) {
+    pdl_enter();
+    extern __shared__ __align__(16) u16 amma[];
+    const u32 ld = d + 8u;  // row stride (f16): rows 16 bytes apart in banks
+    u16* q_s = amma;                          // hi, then lo at + AMMA_HEADS * ld
+    u16* k_s = q_s + 2u * AMMA_HEADS * ld;    // hi, then lo at + AMMA_KEYS * ld
+    float* s_s = reinterpret_cast<float*>(k_s + 2u * AMMA_KEYS * ld);
+    const u32 q_lo = AMMA_HEADS * ld, k_lo = AMMA_KEYS * ld;
+    const u32 t = blockIdx.y, h0 = blockIdx.x * AMMA_HEADS;
+    const u32 hv = min(AMMA_HEADS, heads - h0);
+    const u32 pos0 = pos[0], p = pos0 + t;
+    const u32 n_w = min(p + 1u, wsize);
+    const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
+    const u32 n = n_w + (mode == 2u ? min(k, n_vis) : n_vis);
+    const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3u;
+    const u32 hg = warp & 3u, kq = warp >> 2;  // head group (16 heads), key quarter / dim quarter
+    const u32 dq = d / 4u, ntiles = dq / 8u;   // this warp's output columns
+
+    // Queries as f16 (missing heads zero).
+    const float* qt = q + ((u64)t * heads + h0) * d;
+    for (u32 i = 4u * threadIdx.x; i < AMMA_HEADS * d; i += 4u * blockDim.x) {
+        const u32 h = i / d, c = i % d;
+        const float4 v = h < hv ? *reinterpret_cast<const float4*>(qt + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        store_split(v, q_s + h * ld + c, q_s + q_lo + h * ld + c);
+    }
+    float o[16][4];
+#pragma unroll
+    for (u32 i = 0; i < 16u; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    // Running max and denominator of rows g and g + 8 of the warp's head group.
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    for (u32 j0 = 0; j0 < n; j0 += AMMA_KEYS) {
+        __syncthreads();  // the previous tile's keys and scores are read
+        // Keys j0 .. j0 + 31 as f16 rows (absent ones zero).
+        for (u32 i = 4u * threadIdx.x; i < AMMA_KEYS * d; i += 4u * blockDim.x) {
+            const u32 r = i / d, c = i % d, j = j0 + r;
+            const float* key = j < n ? att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
+            const float4 v = key ? *reinterpret_cast<const float4*>(key + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            store_split(v, k_s + r * ld + c, k_s + k_lo + r * ld + c);
+        }
+        __syncthreads();
+        // Scores of heads 16 hg + (g, g + 8) and keys 8 kq + 2 qd + (0, 1).
+        {
+            float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const u16* qa = q_s + (16u * hg + g) * ld + 2u * qd;
+            const u16* kb = k_s + (8u * kq + g) * ld + 2u * qd;
+            auto ld32 = [](const u16* p) { return *reinterpret_cast<const u32*>(p); };
+            for (u32 c = 0; c < d; c += 16u) {
+                // hi·hi + hi·lo + lo·hi.
+                const u32 a0 = ld32(qa + c), a1 = ld32(qa + 8u * ld + c);
+                const u32 a2 = ld32(qa + c + 8u), a3 = ld32(qa + 8u * ld + c + 8u);
+                const u32 b0 = ld32(kb + c), b1 = ld32(kb + c + 8u);
+                const u32 l0 = ld32(kb + k_lo + c), l1 = ld32(kb + k_lo + c + 8u);
+                mma_f16(sc, a0, a1, a2, a3, b0, b1);
+                mma_f16(sc, a0, a1, a2, a3, l0, l1);
+                const u16* ql = qa + q_lo;
+                mma_f16(sc, ld32(ql + c), ld32(ql + 8u * ld + c), ld32(ql + c + 8u), ld32(ql + 8u * ld + c + 8u), b0, b1);
+            }
+            // Absent keys (past n, or a selection slot holding none) score -inf.
+#pragma unroll
+            for (u32 i = 0; i < 4u; i++) {
+                const u32 j = j0 + 8u * kq + 2u * qd + (i & 1u);
+                const bool present =
+                    j < n && att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) != nullptr;
+                s_s[(16u * hg + g + 8u * (i >> 1)) * (AMMA_KEYS + 1u) + 8u * kq + 2u * qd + (i & 1u)] =
+                    present ? sc[i] * scale : NEG_INF;
+            }
+        }
+        __syncthreads();
+        // Online softmax of rows g and g + 8 over the tile's 32 keys: the quad's lanes take 8
+        // keys each (keys 2 qd + 8 i + (0, 1), the A fragment's columns).
+        float pr[2][8];
+#pragma unroll
+        for (u32 r = 0; r < 2u; r++) {
+            const float* row = s_s + (16u * hg + g + 8u * r) * (AMMA_KEYS + 1u);
+            float mx = NEG_INF;
+#pragma unroll
+            for (u32 i = 0; i < 8u; i++) {
+                pr[r][i] = row[2u * qd + 8u * (i >> 1) + (i & 1u)];
+                mx = fmaxf(mx, pr[r][i]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m[r], mx);
+            const float alpha = mn == NEG_INF || m[r] == mn ? 1.0f : expf(m[r] - mn);
+            float sum = 0.0f;
+#pragma unroll
+            for (u32 i = 0; i < 8u; i++) {
+                pr[r][i] = pr[r][i] == NEG_INF ? 0.0f : expf(pr[r][i] - mn);
+                sum += pr[r][i];
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            l[r] = fmaf(l[r], alpha, sum);
+            m[r] = mn;
+#pragma unroll
+            for (u32 nt = 0; nt < 16u; nt++) {
+                o[nt][2u * r] *= alpha;
+                o[nt][2u * r + 1u] *= alpha;
+            }
+        }
+        // o += p . keys over the warp's columns dq kq .. + dq: two k steps of 16 keys.
+#pragma unroll
+        for (u32 ks = 0; ks < 2u; ks++) {
+            u32 a0, a1, a2, a3, e0, e1, e2, e3;  // hi and lo parts of the probabilities
+            f16x2_split(pr[0][4u * ks], pr[0][4u * ks + 1u], a0, e0);
+            f16x2_split(pr[1][4u * ks], pr[1][4u * ks + 1u], a1, e1);
+            f16x2_split(pr[0][4u * ks + 2u], pr[0][4u * ks + 3u], a2, e2);
+            f16x2_split(pr[1][4u * ks + 2u], pr[1][4u * ks + 3u], a3, e3);
+            // B: keys 16 ks + (2 qd, 2 qd + 1) and + 8, column g of each 8-column tile, by
+            // ldmatrix.trans from the key rows (lanes 0-15 name rows 16 ks + lane % 16).
+            const u16* rowp = k_s + (16u * ks + (lane & 15u)) * ld + dq * kq;
+            const u32 base = (u32)__cvta_generic_to_shared(rowp);
+            const u32 base_lo = base + k_lo * 2u;
+#pragma unroll
+            for (u32 nt = 0; nt < 16u; nt++) {
+                if (nt >= ntiles) break;
+                u32 b0, b1, c0, c1;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+                             : "=r"(b0), "=r"(b1)
+                             : "r"(base + nt * 16u));
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+                             : "=r"(c0), "=r"(c1)
+                             : "r"(base_lo + nt * 16u));
+                mma_f16(o[nt], a0, a1, a2, a3, b0, b1);
+                mma_f16(o[nt], a0, a1, a2, a3, c0, c1);
+                mma_f16(o[nt], e0, e1, e2, e3, b0, b1);
+            }
+        }
+    }
+    // The sink joins the denominator; rows g and g + 8 are heads 16 hg + g (+ 8).
+#pragma unroll
+    for (u32 r = 0; r < 2u; r++) {
+        const u32 h = 16u * hg + g + 8u * r;
+        if (h >= hv) continue;
+        const float sk = sink[h0 + h], mf = fmaxf(m[r], sk);
+        const float a = m[r] == mf ? 1.0f : expf(m[r] - mf);
+        const float den = fmaf(l[r], a, expf(sk - mf));
+        const float f = a / den;
+        u16* dst = out + ((u64)t * heads + h0 + h) * d + dq * kq;
+        const u32 rope0 = d - 2u * rope_half;
+#pragma unroll
+        for (u32 nt = 0; nt < 16u; nt++) {
+            if (nt >= ntiles) break;
+            const u32 c = nt * 8u + 2u * qd;
+            float pair[2] = {o[nt][2u * r] * f, o[nt][2u * r + 1u] * f};
+            // Rotated back at the token's position (interleaved pairs, as rope_rows with -1).
+            if (dq * kq + c >= rope0) rope_pair(pair, p, inv_freq[(dq * kq + c - rope0) / 2u], -1.0f);
+            dst[c] = f32_to_bf16(pair[0]);
+            dst[c + 1u] = f32_to_bf16(pair[1]);
+        }
+    }
+}
+
 // ring[(pos0 + t) % W] = kv[t] for the last min(T, W) rows t of the chunk.
 DSV4_KERNEL void window_write(const float* __restrict__ kv, u32 tokens, u32 d, const u32* __restrict__ pos, u32 wsize,
                               float* __restrict__ window) {

@@ -162,6 +162,7 @@ pub const FAMILIES: &[KernelFamily] = &[
             "index_scores",
             "index_select",
             "attention_heads",
+            "attention_mma",
             "window_write",
         ],
     },

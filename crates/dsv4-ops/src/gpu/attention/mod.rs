@@ -443,6 +443,12 @@ fn choose_splits(
         .max(1)
 }
 
+/// Launches of at least this many tokens (a prompt chunk) run on tensor cores (f16 pairs).
+const MMA_MIN_TOKENS: usize = 17;
+/// Heads and keys an `attention_mma` block takes at once (`AMMA_HEADS`, `AMMA_KEYS`).
+const MMA_HEADS: usize = 64;
+const MMA_KEYS: usize = 32;
+
 /// Attention of T queries `q [T, H·d]` (one shared KV head, K = V, d = head width, a multiple
 /// of 32 up to [`MAX_HEAD_DIM`]) over the window and compressed keys, with a per-head sink
 /// logit `sink [H]`, scale 1/sqrt(d), as [`reference::attend`]: keys are the window positions
@@ -454,7 +460,9 @@ fn choose_splits(
 /// BF16 to `out [T, H·d]`, the output projection's input. When there are fewer (token, head
 /// group) blocks than SMs, each token's keys are split over several blocks (`splits` holds
 /// their partial states; the split count depends on the device and the shapes only, so a
-/// captured launch replays at any position).
+/// captured launch replays at any position). A launch of 17 tokens or more (a prompt chunk)
+/// runs every token's heads on f16 MMAs instead, each f32 operand as a pair of f16 parts and
+/// each product as three MMAs (about 22 significant bits), the sums in f32.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     dev: &Device,
@@ -561,6 +569,64 @@ pub fn attention(
         return Ok(());
     }
     let tokens = grid_tokens("attention", t)?;
+    let scale = 1.0 / (d as f32).sqrt();
+    if t >= MMA_MIN_TOKENS {
+        // A prompt chunk: every token's heads on tensor cores (attention_mma).
+        let dims = dims_u32([
+            ("window", w),
+            ("attention entries", cap),
+            ("compression ratio", ratio),
+            ("attention top-k", k),
+            ("heads", heads),
+            ("head width", d),
+            ("rope half", half),
+        ])?;
+        let shared = 2 * (MMA_HEADS + MMA_KEYS) * (d + 8) * 2 + MMA_HEADS * (MMA_KEYS + 1) * 4;
+        let limits = dev.kernel_limits("attention_mma")?;
+        if limits.static_shared + shared > dev.max_block_shared() {
+            return Err(GpuError::invalid(
+                "attention",
+                format!(
+                    "head width {d}: a chunk's block needs {shared} bytes of shared memory, this \
+                     GPU gives {}",
+                    dev.max_block_shared()
+                ),
+            ));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (
+                dim_u32("head blocks", heads.div_ceil(MMA_HEADS))?,
+                tokens,
+                1,
+            ),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        // SAFETY: as attention_heads below, without the split scratch: a block reads its
+        // token's queries (heads < heads), keys and selection, and writes its heads' outputs.
+        return unsafe {
+            launch(dev, "attention_mma", cfg, |b| {
+                b.ptr(q)
+                    .ptr(kv)
+                    .ptr(window)
+                    .arg(dims[0])
+                    .arg(mode)
+                    .arg(entries_ptr)
+                    .arg(dims[1])
+                    .arg(dims[2])
+                    .arg(sel_ptr)
+                    .arg(dims[3])
+                    .ptr(sink)
+                    .ptr(pos)
+                    .arg(dims[4])
+                    .arg(dims[5])
+                    .arg(scale)
+                    .ptr(inv_freq)
+                    .arg(dims[6])
+                    .ptr(out);
+            })
+        };
+    }
     // Each key load serves four heads; splits fill the SMs.
     let groups = heads.div_ceil(ATT_HEADS);
     // The most keys a token may see: a selection's are at most min(k, capacity).
@@ -577,7 +643,6 @@ pub fn attention(
         ("rope half", half),
         ("splits", s),
     ])?;
-    let scale = 1.0 / (d as f32).sqrt();
     // Each of the 8 warps' ring of buffers of ATT_BATCH keys, later their states of ATT_HEADS
     // heads, in shared memory (the first launch opts the kernel in past 48 KiB): two buffers
     // where they fit (H100, bench4 after 1M positions: 1.895 ms/token with two, 2.085 with

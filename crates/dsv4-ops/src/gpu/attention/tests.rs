@@ -811,6 +811,103 @@ mod gpu {
         }
     }
 
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+    fn gpu_attention_of_long_chunks_matches_reference() {
+        // 17 tokens or more: the tensor-core kernel (f16 pairs for f32 operands), a
+        // head group past the 64 a block takes (Pro), windows crossing the chunk's start,
+        // every compression mode, selections with empty slots; then relaunched, the same bits.
+        let dev = device();
+        let mut rng = rng("gpu_attention_of_long_chunks_matches_reference");
+        let shapes = [(64, 512, 128), (128, 512, 128), (4, 32, 16), (6, 64, 5)];
+        for iter in 0..12 {
+            let (h, d, w) = shapes[iter % shapes.len()];
+            let mode = iter % 3;
+            let t = rng.random_range(17..=90usize);
+            let pos0 = [0, rng.random_range(1..w + 1), rng.random_range(w..4000)][iter % 3];
+            let hd = h * d;
+            // RMS-normalised queries and keys, as the model's.
+            let q = uniform(&mut rng, t * hd, -1.7, 1.7);
+            let kv = uniform(&mut rng, t * d, -1.7, 1.7);
+            let ring = uniform(&mut rng, w * d, -1.7, 1.7);
+            let sink = uniform(&mut rng, h, -2.0, 4.0);
+            let ratio = [4, 128, 3][iter % 3];
+            let cap = (pos0 + t) / ratio + 2;
+            let entries = uniform(&mut rng, cap * d, -1.7, 1.7);
+            let k = 8;
+            let selected: Vec<i32> = (0..t)
+                .flat_map(|tt| {
+                    let n = cpu::visible_entries(pos0 + tt, ratio, cap);
+                    let mut ids: Vec<i32> = (0..n as i32).collect();
+                    ids.retain(|_| rng.random_bool(0.6));
+                    ids.truncate(k);
+                    ids.resize(k, -1);
+                    ids
+                })
+                .collect();
+            let qd = dev.upload(DType::F32, &[t, hd], &q).unwrap();
+            let kvd = dev.upload(DType::F32, &[t, d], &kv).unwrap();
+            let rd = dev.upload(DType::F32, &[w, d], &ring).unwrap();
+            let sd = dev.upload(DType::F32, &[h], &sink).unwrap();
+            let ed = dev.upload(DType::F32, &[cap, d], &entries).unwrap();
+            let seld = dev.upload(DType::I32, &[t, k], &selected).unwrap();
+            let pos = position(&dev, pos0);
+            let (dc, hc) = match mode {
+                0 => (Compressed::None, HostCompressed::None),
+                1 => (
+                    Compressed::All {
+                        entries: &ed,
+                        ratio,
+                    },
+                    HostCompressed::All {
+                        entries: &entries,
+                        ratio,
+                    },
+                ),
+                _ => (
+                    Compressed::Selected {
+                        entries: &ed,
+                        selected: &seld,
+                        ratio,
+                    },
+                    HostCompressed::Selected {
+                        entries: &entries,
+                        selected: &selected,
+                        k,
+                    },
+                ),
+            };
+            let half = d / 4;
+            let f = inv_freq(half);
+            let fd = dev.upload(DType::F32, &[half], &f).unwrap();
+            let mut want = cpu::attention(&q, &kv, &ring, d, hc, &sink, pos0);
+            for (tt, row) in want.chunks_mut(hd).enumerate() {
+                rope_rows(row, h, d, &f, pos0 + tt, RopeDirection::Inverse);
+            }
+            let what = format!("iter {iter}: H {h} d {d} W {w} mode {mode} T {t} at {pos0}");
+            let mut sp = scratch(&dev, 0, d);
+            let mut first = Vec::new();
+            for again in 0..2 {
+                let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
+                attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &fd, &mut sp, &mut out).unwrap();
+                let got = download_f32(&dev, &out);
+                if again == 1 {
+                    assert_bits_eq(&format!("{what} relaunch"), &got, &first);
+                    continue;
+                }
+                for tt in 0..t {
+                    assert_close_bf16(
+                        &format!("{what} token {tt}"),
+                        &got[tt * hd..(tt + 1) * hd],
+                        &want[tt * hd..(tt + 1) * hd],
+                        1e-4,
+                    );
+                }
+                first = got;
+            }
+        }
+    }
+
     /// Room for the attention's split states in the tests: Pro's 128 heads × 16 tokens × 4.
     const SPLIT_ROWS: usize = 8192;
 
