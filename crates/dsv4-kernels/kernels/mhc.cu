@@ -22,25 +22,37 @@ __device__ __forceinline__ float sigmoid_rn(float x) { return __fdiv_rn(1.0f, __
 // Per (token, column block): MIX dot products and the sum of squares.
 #define PART (MIX + 1)
 
-// Block (c, t)'s part of the mix projection, with columns [c * MIX_COLS, ...) of token t's
-// streams staged in sv: warp w takes rows w, w + 8, ...: row k < mix is fn[k, cols] . s[cols],
-// row `mix` the sum of squares. Lanes stride the columns; a fixed shuffle tree sums them.
+// Block (c, y)'s part of the mix projection for TPB tokens t0 = y * TPB .. (those below n),
+// with columns [c * MIX_COLS, ...) of each token's streams staged in sv (MIX_COLS apart): warp
+// w takes rows w, w + 8, ...: row k < mix is fn[k, cols] . s[cols], row `mix` the sum of
+// squares. Lanes stride the columns; a fixed shuffle tree sums them (each token in the same
+// order, however many share the block; the fn values read once for all of them).
 // partials is [n, gridDim.x, PART].
+template <u32 TPB>
 __device__ __forceinline__ void mix_rows(const float* sv, u32 len, u32 width, const float* __restrict__ fn, u32 mix,
-                                         float* __restrict__ partials) {
-    const u32 t = blockIdx.y, c = blockIdx.x;
+                                         float* __restrict__ partials, u32 n) {
+    const u32 t0 = blockIdx.y * TPB, c = blockIdx.x;
     const u32 j0 = c * MIX_COLS;
     const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
     for (u32 k = warp; k <= mix; k += warps) {
         const float* w = fn + (u64)k * width + j0;
-        float acc = 0.0f;
+        float acc[TPB];
+#pragma unroll
+        for (u32 tt = 0; tt < TPB; tt++) acc[tt] = 0.0f;
         for (u32 i = lane; i < len; i += 32u) {
-            const float v = sv[i];
-            acc = __fadd_rn(acc, __fmul_rn(k < mix ? w[i] : v, v));
+            const float wi = k < mix ? w[i] : 0.0f;
+#pragma unroll
+            for (u32 tt = 0; tt < TPB; tt++) {
+                const float v = sv[tt * MIX_COLS + i];
+                acc[tt] = __fadd_rn(acc[tt], __fmul_rn(k < mix ? wi : v, v));
+            }
         }
 #pragma unroll
-        for (u32 o = 16u; o > 0u; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-        if (lane == 0u) partials[((u64)t * gridDim.x + c) * PART + k] = acc;
+        for (u32 tt = 0; tt < TPB; tt++) {
+#pragma unroll
+            for (u32 o = 16u; o > 0u; o >>= 1) acc[tt] = __fadd_rn(acc[tt], __shfl_xor_sync(0xffffffffu, acc[tt], o));
+            if (lane == 0u && t0 + tt < n) partials[((u64)(t0 + tt) * gridDim.x + c) * PART + k] = acc[tt];
+        }
     }
 }
 
@@ -55,7 +67,7 @@ DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, c
     const float* s = streams + (u64)blockIdx.y * width + j0;
     for (u32 i = threadIdx.x; i < len; i += blockDim.x) sv[i] = s[i];
     __syncthreads();
-    mix_rows(sv, len, width, fn, mix, partials);
+    mix_rows<1>(sv, len, width, fn, mix, partials, gridDim.y);
 }
 
 // The expansion's output for one flattened column e = j * d + c of token t's new streams.
@@ -72,24 +84,44 @@ __device__ __forceinline__ float post_value(const float* __restrict__ streams, c
 }
 
 // The expansion into out, then the next site's mix projection (fn [mix, HC * d]) of out, with
-// hc_mix_partials' grid and partials: block (c, t) expands its columns of token t, keeps them in
-// shared memory and runs mix_rows on them.
+// hc_mix_partials' column blocks and partials: block (c, y) expands its columns of tokens
+// y * TPB .. (those below n), keeps them in shared memory and runs mix_rows on them.
+template <u32 TPB>
+__device__ __forceinline__ void post_mix(const float* __restrict__ streams, const float* __restrict__ y,
+                                         const float* __restrict__ post, const float* __restrict__ comb, u32 d,
+                                         float* __restrict__ out, const float* __restrict__ fn, u32 mix,
+                                         float* __restrict__ partials, u32 n) {
+    pdl_enter();
+    __shared__ float sv[TPB * MIX_COLS];
+    const u32 width = HC * d, t0 = blockIdx.y * TPB;
+    const u32 j0 = blockIdx.x * MIX_COLS;
+    const u32 len = min(MIX_COLS, width - j0);
+    for (u32 i = threadIdx.x; i < TPB * len; i += blockDim.x) {
+        const u32 tt = i / len, col = i % len, t = t0 + tt;
+        float v = 0.0f;
+        if (t < n) {
+            v = post_value(streams, y, post, comb, t, d, j0 + col);
+            out[(u64)t * width + j0 + col] = v;
+        }
+        sv[tt * MIX_COLS + col] = v;
+    }
+    __syncthreads();
+    mix_rows<TPB>(sv, len, width, fn, mix, partials, n);
+}
+
 DSV4_KERNEL void hc_post_mix(const float* __restrict__ streams, const float* __restrict__ y,
                              const float* __restrict__ post, const float* __restrict__ comb, u32 d,
                              float* __restrict__ out, const float* __restrict__ fn, u32 mix,
                              float* __restrict__ partials) {
-    pdl_enter();
-    __shared__ float sv[MIX_COLS];
-    const u32 width = HC * d, t = blockIdx.y;
-    const u32 j0 = blockIdx.x * MIX_COLS;
-    const u32 len = min(MIX_COLS, width - j0);
-    for (u32 i = threadIdx.x; i < len; i += blockDim.x) {
-        const float v = post_value(streams, y, post, comb, t, d, j0 + i);
-        out[(u64)t * width + j0 + i] = v;
-        sv[i] = v;
-    }
-    __syncthreads();
-    mix_rows(sv, len, width, fn, mix, partials);
+    post_mix<1>(streams, y, post, comb, d, out, fn, mix, partials, gridDim.y);
+}
+
+// Eight tokens a block (a prompt chunk): each fn value read once for the eight.
+DSV4_KERNEL void hc_post_mix_t8(const float* __restrict__ streams, const float* __restrict__ y,
+                                const float* __restrict__ post, const float* __restrict__ comb, u32 d,
+                                float* __restrict__ out, const float* __restrict__ fn, u32 mix,
+                                float* __restrict__ partials, u32 n) {
+    post_mix<8>(streams, y, post, comb, d, out, fn, mix, partials, n);
 }
 
 // mu[k] = rsqrt(mean(s^2) + eps) * (fn[k, :] . s) for k < mix, from one token's `splits`

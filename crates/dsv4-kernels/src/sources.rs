@@ -138,7 +138,13 @@ pub const FAMILIES: &[KernelFamily] = &[
         name: "mhc",
         file: "mhc.cu",
         source: include_str!("../kernels/mhc.cu"),
-        functions: &["hc_mix_partials", "hc_post_mix", "hc_pre", "hc_head"],
+        functions: &[
+            "hc_mix_partials",
+            "hc_post_mix",
+            "hc_post_mix_t8",
+            "hc_pre",
+            "hc_head",
+        ],
     },
     KernelFamily {
         name: "router",

@@ -313,23 +313,40 @@ pub fn hc_post_mix(
         return Ok(());
     }
     let (d32, mix32) = (dim_u32("hidden", d)?, dim_u32("mHC mix", rows)?);
-    // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16],
-    // fn [mix, 4d], partials [n, splits, MIX + 1], checked above.
-    unsafe {
-        launch(
-            dev,
-            "hc_post_mix",
-            cfg,
-            Args::new()
-                .ptr(streams)
-                .ptr(y)
-                .ptr(&mix.post)
-                .ptr(&mix.comb)
-                .arg(d32)
-                .ptr(out)
-                .ptr(&next.fn_)
-                .arg(mix32)
-                .ptr(partials),
+    let mut args = Args::new();
+    args.ptr(streams)
+        .ptr(y)
+        .ptr(&mix.post)
+        .ptr(&mix.comb)
+        .arg(d32)
+        .ptr(out)
+        .ptr(&next.fn_)
+        .arg(mix32)
+        .ptr(partials);
+    // A prompt chunk: eight tokens a block, each fn value read once for them (H100, 1024
+    // tokens of Flash: 150 µs a launch with one).
+    let (kernel, cfg) = if n > POST_MIX_TOKENS {
+        args.arg(n as u32);
+        let grid = (
+            cfg.grid_dim.0,
+            (n as u32).div_ceil(POST_MIX_TOKENS as u32),
+            1,
+        );
+        (
+            "hc_post_mix_t8",
+            LaunchConfig {
+                grid_dim: grid,
+                ..cfg
+            },
         )
-    }
+    } else {
+        ("hc_post_mix", cfg)
+    };
+    // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16],
+    // fn [mix, 4d], partials [n, splits, MIX + 1], checked above; the eight-token kernel
+    // skips tokens past n.
+    unsafe { launch(dev, kernel, cfg, &args) }
 }
+
+/// Tokens an `hc_post_mix_t8` block takes.
+const POST_MIX_TOKENS: usize = 8;

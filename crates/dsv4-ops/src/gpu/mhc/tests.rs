@@ -160,9 +160,14 @@ fn gpu_hc_pre_and_head_match_reference() {
 fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
     let dev = device();
     let mut rng = rng("gpu_hc_post_mix_matches_reference_bit_for_bit");
-    for iter in 0..6 {
+    for iter in 0..8 {
         let d = [64, 4096, 7168, rng.random_range(1..700)][iter % 4];
-        let n = rng.random_range(1..9);
+        // Odd iterations: more than 8 tokens, eight a block (a prompt chunk's kernel).
+        let n = if iter % 2 == 0 {
+            rng.random_range(1..9)
+        } else {
+            rng.random_range(9..70)
+        };
         let streams = uniform(&mut rng, n * HC * d, -3.0, 3.0);
         let y = uniform(&mut rng, n * d, -3.0, 3.0);
         let post = uniform(&mut rng, n * HC, 0.0, 2.0);
