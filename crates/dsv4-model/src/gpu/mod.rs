@@ -747,8 +747,8 @@ impl GpuModel {
             let n = chunk.len();
             for r in 0..self.ranks.len() {
                 self.write_tokens(r, chunk)?;
-                self.launch_layers(r, n)?;
             }
+            self.launch_layers_all(n)?;
             // The head at most MAX_CHUNK rows at a time, each read back before the next.
             let heads = match which {
                 Logits::All => sub_chunks(n),
@@ -792,7 +792,9 @@ impl GpuModel {
             let n = chunk.len();
             for r in 0..self.ranks.len() {
                 self.write_tokens(r, chunk)?;
-                self.launch_layers(r, n)?;
+            }
+            self.launch_layers_all(n)?;
+            for r in 0..self.ranks.len() {
                 if i + 1 == chunks.len() {
                     // Only the last prompt token's logits, sampled with its position as the
                     // key, as a decode step samples with its own token's.
@@ -917,6 +919,54 @@ impl GpuModel {
     /// its token buffer at its device position, into `acts.streams[0]` (each layer's two
     /// sub-layers end in the buffer they started from).
     fn launch_layers(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
+        self.launch_embed(rank, n)?;
+        for l in 0..self.local.num_layers {
+            self.launch_layer(rank, l, n)?;
+        }
+        Ok(())
+    }
+
+    /// All ranks' [`Self::launch_layers`], layer by layer across the ranks: a rank's all-reduce
+    /// spins until every rank's has started, so no rank's launches may wait behind another
+    /// rank's later layers (a long chunk's layer is a hundred launches or more, and a stream
+    /// holds only so many pending ones).
+    fn launch_layers_all(&mut self, n: usize) -> Result<(), GpuError> {
+        for r in 0..self.ranks.len() {
+            self.launch_embed(r, n)?;
+        }
+        for l in 0..self.local.num_layers {
+            for r in 0..self.ranks.len() {
+                self.launch_layer(r, l, n)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Rank `rank`'s embedding of its `n` tokens into `acts.streams[0]` with the first site's
+    /// mix projection (and, for a chunk past [`MAX_CHUNK`], its sub-chunks' positions).
+    fn launch_embed(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
+        let Rank { dev, w, bufs, .. } = &mut self.ranks[rank];
+        let dev = &**dev;
+        let a = &mut bufs.acts;
+        let tokens = a.tokens.rows(n)?;
+        if n > MAX_CHUNK {
+            let mut subs = a.sub_pos.rows(n.div_ceil(MAX_CHUNK))?;
+            chunk_positions(dev, &a.pos, &mut subs, MAX_CHUNK as u32)?;
+        }
+        let mut s0 = a.streams[0].rows(n)?;
+        embed_hc_gather(dev, &w.embed, &tokens, self.local.hc_mult, &mut s0)?;
+        // The first site's mix projection; every later one comes with the expansion before it.
+        hc_mix(
+            dev,
+            &s0,
+            w.entry_site(0),
+            &self.hc,
+            &mut a.mix_partials.rows(n)?,
+        )
+    }
+
+    /// Rank `rank`'s layer `l` for its `n` tokens, from and back into `acts.streams[0]`.
+    fn launch_layer(&mut self, rank: usize, l: usize, n: usize) -> Result<(), GpuError> {
         let Rank {
             dev, w, bufs, tp, ..
         } = &mut self.ranks[rank];
@@ -933,40 +983,29 @@ impl GpuModel {
             }
         };
         let tokens = a.tokens.rows(n)?;
-        if n > MAX_CHUNK {
-            let mut subs = a.sub_pos.rows(n.div_ceil(MAX_CHUNK))?;
-            chunk_positions(dev, &a.pos, &mut subs, MAX_CHUNK as u32)?;
-        }
-        let mut s0 = a.streams[0].rows(n)?;
-        embed_hc_gather(dev, &w.embed, &tokens, c.hc_mult, &mut s0)?;
-        // The first site's mix projection; every later one comes with the expansion before it.
-        let first = w.entry_site(0);
-        hc_mix(dev, &s0, first, &self.hc, &mut a.mix_partials.rows(n)?)?;
         let mut cur = 0;
         let eps = c.rms_norm_eps;
-        let layers = w.layers.iter().zip(bufs.layers.iter_mut());
-        for (l, (lw, ls)) in layers.enumerate() {
-            let attn = |a: &mut _| {
-                attention_layer(dev, c, w, lw, ls, a, n)?;
-                reduce(a, |a| &a.y)
-            };
-            let site = Site {
-                hc: &lw.hc_attn,
-                norm: &lw.attn_norm,
-                next: &lw.hc_ffn,
-            };
-            hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, attn, |a| &a.y)?;
-            let ffn = |a: &mut _| {
-                moe_layer(dev, c, lw, a, n, &tokens)?;
-                reduce(a, |a| &a.moe)
-            };
-            let site = Site {
-                hc: &lw.hc_ffn,
-                norm: &lw.ffn_norm,
-                next: w.entry_site(l + 1),
-            };
-            hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, ffn, |a| &a.moe)?;
-        }
+        let (lw, ls) = (&w.layers[l], &mut bufs.layers[l]);
+        let attn = |a: &mut _| {
+            attention_layer(dev, c, w, lw, ls, a, n)?;
+            reduce(a, |a| &a.y)
+        };
+        let site = Site {
+            hc: &lw.hc_attn,
+            norm: &lw.attn_norm,
+            next: &lw.hc_ffn,
+        };
+        hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, attn, |a| &a.y)?;
+        let ffn = |a: &mut _| {
+            moe_layer(dev, c, lw, a, n, &tokens)?;
+            reduce(a, |a| &a.moe)
+        };
+        let site = Site {
+            hc: &lw.hc_ffn,
+            norm: &lw.ffn_norm,
+            next: w.entry_site(l + 1),
+        };
+        hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, ffn, |a| &a.moe)?;
         debug_assert_eq!(cur, 0);
         Ok(())
     }
