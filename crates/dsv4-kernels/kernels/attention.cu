@@ -819,7 +819,8 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // parts, x = hi + lo (hi = x rounded to f16, lo = the rest rounded again: about 22
 // significant bits), and a product of two is taken as hi·hi + hi·lo + lo·hi on the MMAs, with
 // f32 sums: one f16 rounding of the queries moved logits enough to change a router's choice in
-// a later layer of the tiny fixtures. The block's queries go to shared memory once, its keys
+// a later layer of the tiny fixtures. Queries and keys must lie inside f16's range (|x| <
+// 65504; the model's are RMS-normalised). The block's queries go to shared memory once, its keys
 // (in attention_heads' order: window, then compressed) 32 at a time. 16 warps: warp w scores
 // heads 16 (w % 4) .. + 16 against keys 8 (w / 4) .. + 8 over the whole head width, the block
 // shares the scores through shared memory, and each warp then keeps the online softmax of its

@@ -116,7 +116,7 @@ DSV4_KERNEL void hc_post_mix(const float* __restrict__ streams, const float* __r
     post_mix<1>(streams, y, post, comb, d, out, fn, mix, partials, gridDim.y);
 }
 
-// Eight tokens a block (a prompt chunk): each fn value read once for the eight.
+// Eight tokens a block (launches of more than eight): each fn value read once for the eight.
 DSV4_KERNEL void hc_post_mix_t8(const float* __restrict__ streams, const float* __restrict__ y,
                                 const float* __restrict__ post, const float* __restrict__ comb, u32 d,
                                 float* __restrict__ out, const float* __restrict__ fn, u32 mix,

@@ -128,6 +128,7 @@ pub(crate) fn launch_stacks(
             div,
             per_stack,
         } => {
+            // The `_m32` kernels exist for the FP4 formats (32-element chunks), the experts'.
             let short = per_stack <= SHORT_ROWS && w.format.chunk_elems() == 32;
             let block_rows = if short { SHORT_ROWS } else { ROWS };
             (

@@ -787,10 +787,10 @@ pub fn moe_chunk(
                 .ptr(weights)
                 .ptr(&scratch.rows)
                 .ptr(out)
-                .arg(m as u32)
-                .arg(topk as u32)
-                .arg(d as u32)
-                .arg(e as u32),
+                .arg(dim_u32("moe tokens", m)?)
+                .arg(dim_u32("moe top-k", topk)?)
+                .arg(dim_u32("moe width", d)?)
+                .arg(dim_u32("experts", e)?),
         )
     }
 }

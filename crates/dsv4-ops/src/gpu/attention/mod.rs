@@ -462,7 +462,8 @@ const MMA_KEYS: usize = 32;
 /// their partial states; the split count depends on the device and the shapes only, so a
 /// captured launch replays at any position). A launch of 17 tokens or more (a prompt chunk)
 /// runs every token's heads on f16 MMAs instead, each f32 operand as a pair of f16 parts and
-/// each product as three MMAs (about 22 significant bits), the sums in f32.
+/// each product as three MMAs (about 22 significant bits), the sums in f32: queries and keys
+/// must lie inside f16's range (|x| < 65504), as the model's RMS-normalised ones do.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     dev: &Device,
