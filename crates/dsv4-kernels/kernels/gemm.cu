@@ -46,10 +46,16 @@ using namespace gemv;
 
 constexpr u32 WARPS = 8;
 constexpr u32 THREADS = WARPS * 32;
-// Slab columns, and the slab's row stride in shared memory: 16 bytes more than a row, so that
-// the eight rows of an MMA column block start in different banks.
+// Slab columns, and the slab's row stride in shared memory. A 16-byte shared load is served a
+// quarter-warp at a time (lanes g = 2h, 2h + 1 and q = 0..3), so those eight lanes must read
+// the eight different 16-byte units of the 32 banks (unit = address / 16 mod 8) to take one
+// pass. Counted in 16-byte units of a row, lane (g, q) reads q (BF16), 2q and 2q + 1 (FP8) or
+// 4q + i for i = 0..3 (FP4) of its row. BF16 rows are 36 units apart (odd rows 4 units over),
+// FP8 and FP4 rows 33 (odd rows one over); FP4 also swaps units 8-9 with 10-11 and 12-13 with
+// 14-15 of each 16 (`unit`), so that lanes q and q + 2 differ.
 constexpr u32 KS = 256;
-constexpr u32 XS = KS + 8;
+template <int F> __host__ __device__ constexpr u32 row_stride() { return KS + (F == BF16 ? 32 : 8); }
+template <int F> __device__ __forceinline__ u32 unit(u32 p) { return (F == NVFP4 || F == MXFP4) ? p ^ (p >> 2 & 2u) : p; }
 
 __device__ __forceinline__ uint4 lds(const u16* p) { return *reinterpret_cast<const uint4*>(p); }
 
@@ -60,18 +66,22 @@ __device__ __forceinline__ void store(const GemmArgs& a, u64 i, float v) {
 }
 
 // One weight sub-step against MT column blocks of staged activations: `xb` points at this
-// lane's chunk in activation row g of the first block (rows 8 apart per block, XS apart each).
+// lane's chunk in activation row g of the first block (rows 8 apart per block, XS apart each);
+// FP4 words 0-1 lie `sw` elements past it and words 2-3 `sw` before (`unit`).
 template <int F, int MT>
-__device__ __forceinline__ void sub_mma(const Sub& f, const u16* xb, float (&acc)[MT][4]) {
+__device__ __forceinline__ void sub_mma(const Sub& f, const u16* xb, int sw, float (&acc)[MT][4]) {
+    constexpr u32 XS = row_stride<F>();
     const u32 lo[4] = {f.wl.x, f.wl.y, f.wl.z, f.wl.w};
     const u32 hi[4] = {f.wh.x, f.wh.y, f.wh.z, f.wh.w};
     if (F == BF16) {
+        // Column blocks inner: consecutive MMAs add into different accumulators.
+        uint4 b[MT];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const uint4 b = lds(xb + mt * 8 * XS);
-            mma(acc[mt], lo[0], hi[0], lo[1], hi[1], b.x, b.y);
-            mma(acc[mt], lo[2], hi[2], lo[3], hi[3], b.z, b.w);
-        }
+        for (int mt = 0; mt < MT; ++mt) b[mt] = lds(xb + mt * 8 * XS);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma(acc[mt], lo[0], hi[0], lo[1], hi[1], b[mt].x, b[mt].y);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma(acc[mt], lo[2], hi[2], lo[3], hi[3], b[mt].z, b[mt].w);
     } else if (F == FP8) {
         // Codes to f16 pairs once; the four MMAs of a column block sum into one zeroed
         // accumulator, scaled by the sub-step's block scale (64 columns lie in one block).
@@ -114,22 +124,28 @@ __device__ __forceinline__ void sub_mma(const Sub& f, const u16* xb, float (&acc
                 ph[i][e] = bf16x2_mul(ph[i][e], sh[i >> 1]);
             }
         }
+        // Word i holds elements 8i..8i+7 of the lane's chunk. Column blocks inner: consecutive
+        // MMAs add into different accumulators.
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int i = 0; i < 4; ++i) {
+            const u16* xi = xb + 8 * i + (i < 2 ? sw : -sw);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                // Word i holds elements 8i..8i+7 of the lane's chunk.
-                const uint4 b = lds(xb + mt * 8 * XS + 8 * i);
+            for (int mt = 0; mt < MT; ++mt) {
+                const uint4 b = lds(xi + mt * 8 * XS);
                 mma(acc[mt], pl[i][0], ph[i][0], pl[i][1], ph[i][1], b.x, b.y);
                 mma(acc[mt], pl[i][2], ph[i][2], pl[i][3], ph[i][3], b.z, b.w);
             }
+        }
     }
 }
 
 template <int F, int MT, bool SWIGLU>
 __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
     extern __shared__ __align__(16) u16 xs[];
+    constexpr u32 NONE = 0xffffffffu;
+    __shared__ u32 x_rows[MT * 8];
     constexpr u32 TM = MT * 8;                  // activation rows of a block
+    constexpr u32 XS = row_stride<F>();
     constexpr u32 E = Format<F>::ELEMS;
     constexpr u32 SPS = KS / (4 * E);           // weight sub-steps per slab
     constexpr u32 ROW_PIECES = KS / 8;          // 16-byte pieces of a slab row
@@ -179,21 +195,22 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
 #pragma unroll 1
     for (u32 row0 = blockIdx.x * TM; row0 < rows; row0 += gridDim.x * TM) {
         if (row0 != blockIdx.x * TM) first_subs();
-        // The x rows of this thread's staging pieces (piece p: slab row i / ROW_PIECES,
-        // columns 8 * (i % ROW_PIECES) + [0, 8)); rows past the end stage zeros.
-        const u16* src[PIECES];
-#pragma unroll
-        for (u32 p = 0; p < PIECES; ++p) {
-            const u32 r = row0 + (threadIdx.x + p * THREADS) / ROW_PIECES;
-            const u32 xr = r < rows ? (list ? list[r] / a.row_div : r) : 0xffffffffu;
-            src[p] = xr == 0xffffffffu ? nullptr : x + (u64)xr * a.x_ld + 8 * (threadIdx.x % ROW_PIECES);
+        // The block's x rows (NONE past the end: those stage zeros), in shared memory rather
+        // than registers; the previous row block's last barrier has passed.
+        if (threadIdx.x < TM) {
+            const u32 r = row0 + threadIdx.x;
+            x_rows[threadIdx.x] = r < rows ? (list ? list[r] / a.row_div : r) : NONE;
         }
+        __syncthreads();
+        // This thread's staging pieces: piece p is slab row i / ROW_PIECES, columns
+        // 8 * (i % ROW_PIECES) + [0, 8) (i = threadIdx.x + p * THREADS).
         uint4 v[PIECES];
         auto load_slab = [&](u32 s) {
+            const u32 c = s * KS + 8 * (threadIdx.x % ROW_PIECES);
 #pragma unroll
             for (u32 p = 0; p < PIECES; ++p) {
-                const u32 c = s * KS + 8 * (threadIdx.x % ROW_PIECES);
-                v[p] = src[p] && c < a.k ? ld_act(src[p] + s * KS) : make_uint4(0, 0, 0, 0);
+                const u32 xr = x_rows[(threadIdx.x + p * THREADS) / ROW_PIECES];
+                v[p] = xr != NONE && c < a.k ? ld_act(x + (u64)xr * a.x_ld + c) : make_uint4(0, 0, 0, 0);
             }
         };
         auto store_slab = [&](u32 s) {
@@ -208,7 +225,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
                     w.z = bf16x2_to_f16x2(w.z);
                     w.w = bf16x2_to_f16x2(w.w);
                 }
-                *reinterpret_cast<uint4*>(dst + (i / ROW_PIECES) * XS + 8 * (i % ROW_PIECES)) = w;
+                *reinterpret_cast<uint4*>(dst + (i / ROW_PIECES) * XS + 8 * unit<F>(i % ROW_PIECES)) = w;
             }
         };
         const u32 slabs = (a.k + KS - 1) / KS;
@@ -223,6 +240,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
             const bool more = s + 1 < slabs;
             if (more) load_slab(s + 1);
             const u16* xb = xs + (s & 1u) * TM * XS + g * XS + q * E;
+            const int sw = (F == NVFP4 || F == MXFP4) && q >= 2 ? 16 : 0;
 #pragma unroll
             for (u32 jj = 0; jj < SPS; ++jj) {
                 const u32 j = s * SPS + jj;
@@ -230,7 +248,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
                     const Sub f = cur;
                     cur = nxt;
                     if (j + 2 < subs) sub_load<F>(L, j + 2, nxt);
-                    sub_mma<F, MT>(f, xb + jj * 4 * E, acc);
+                    sub_mma<F, MT>(f, xb + jj * 4 * E, sw, acc);
                 }
             }
             if (more) store_slab(s + 1);
@@ -265,8 +283,8 @@ DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_fp8(const GemmA
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_nvfp4(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 8, true>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_mxfp4(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 8, true>(a); }
 // 32-row blocks for routed experts with few rows each (a prompt chunk's tokens spread over
-// many experts).
-DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_nvfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 4, false>(a); }
-DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_mxfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 4, false>(a); }
-DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_nvfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 4, true>(a); }
-DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_mxfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 4, true>(a); }
+// many experts), two blocks a multiprocessor: their weight streams are latency-bound.
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_nvfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 4, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_mxfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 4, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_nvfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 4, true>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_mxfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 4, true>(a); }

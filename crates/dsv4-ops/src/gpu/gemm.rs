@@ -20,9 +20,11 @@ const SHORT_ROWS: usize = 32;
 /// Warps of a block, one 16-row weight tile each (`WARPS` in gemm.cu).
 const WARPS: usize = 8;
 
-/// Shared memory of a block of `rows`: two slabs of 256 + 8 bf16 a row (`KS`, `XS` in gemm.cu).
-fn shared_bytes(rows: usize) -> usize {
-    2 * rows * (256 + 8) * 2
+/// Shared memory of a block of `rows`: two slabs of 256 bf16 a row, rows 32 (BF16) or 8 more
+/// apart (`KS`, `row_stride` in gemm.cu).
+fn shared_bytes(rows: usize, format: &GemvFormat) -> usize {
+    let pad = if matches!(format, GemvFormat::Bf16) { 32 } else { 8 };
+    2 * rows * (256 + pad) * 2
 }
 
 /// Kernel arguments (mirrors `GemmArgs` in gemm.cu).
@@ -148,7 +150,7 @@ pub(crate) fn launch_stacks(
         SHORT_ROWS => format!("{prefix}{}_m32", w.format.name()),
         _ => format!("{prefix}{}", w.format.name()),
     };
-    let shared = shared_bytes(block_rows);
+    let shared = shared_bytes(block_rows, &w.format);
     let limits = dev.kernel_limits(&kernel)?;
     if shared + limits.static_shared > dev.max_block_shared() {
         return Err(GpuError::invalid(
