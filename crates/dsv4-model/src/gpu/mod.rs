@@ -1650,7 +1650,7 @@ fn step_bytes(c: &Config, w: &DevWeights) -> usize {
 }
 
 /// Longest prompt chunk: its GEMMs read each weight once per this many tokens.
-pub const PREFILL_CHUNK: usize = 1024;
+pub const PREFILL_CHUNK: usize = 2048;
 
 /// A rank's sequence capacity and chunk length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
