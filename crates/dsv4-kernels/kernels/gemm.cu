@@ -136,6 +136,14 @@ __device__ __forceinline__ void expand(const Sub& f, Frags<F>& r) {
     }
 }
 
+// acc += an FP8 sub-step's column block t with its rows' block scales (rows g, g + 8).
+__device__ __forceinline__ void scale_add(float (&acc)[4], const float (&t)[4], const Frags<FP8>& r) {
+    acc[0] = fmaf(r.fl, t[0], acc[0]);
+    acc[1] = fmaf(r.fl, t[1], acc[1]);
+    acc[2] = fmaf(r.fh, t[2], acc[2]);
+    acc[3] = fmaf(r.fh, t[3], acc[3]);
+}
+
 // One expanded weight sub-step against MT column blocks of staged activations on mma.sync:
 // `xb` points at this lane's chunk in activation row g of the first block (rows 8 apart per
 // block, XS apart each); FP4 words 0-1 lie `sw` elements past it and words 2-3 `sw` before
@@ -160,10 +168,7 @@ __device__ __forceinline__ void sub_mma(const Frags<F>& r, const u16* xb, int sw
             float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int i = 0; i < 4; ++i) mma<true>(t, r.a[i][0], r.a[i][1], r.a[i][2], r.a[i][3], y[2 * i], y[2 * i + 1]);
-            acc[mt][0] = fmaf(r.fl, t[0], acc[mt][0]);
-            acc[mt][1] = fmaf(r.fl, t[1], acc[mt][1]);
-            acc[mt][2] = fmaf(r.fh, t[2], acc[mt][2]);
-            acc[mt][3] = fmaf(r.fh, t[3], acc[mt][3]);
+            scale_add(acc[mt], t, r);
         }
     } else {
 #pragma unroll
@@ -395,12 +400,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
                         wg::hold(d);
                         if constexpr (F == FP8) {
 #pragma unroll
-                            for (int mt = 0; mt < MT; ++mt) {
-                                acc[mt][0] = fmaf(r.fl, t[mt][0], acc[mt][0]);
-                                acc[mt][1] = fmaf(r.fl, t[mt][1], acc[mt][1]);
-                                acc[mt][2] = fmaf(r.fh, t[mt][2], acc[mt][2]);
-                                acc[mt][3] = fmaf(r.fh, t[mt][3], acc[mt][3]);
-                            }
+                            for (int mt = 0; mt < MT; ++mt) scale_add(acc[mt], t[mt], r);
                         }
                     } else {
                         sub_mma<F, MT>(r, xb + jj * 4 * E, sw, acc);
