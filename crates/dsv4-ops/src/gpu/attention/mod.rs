@@ -571,17 +571,37 @@ pub fn attention(
     }
     let tokens = grid_tokens("attention", t)?;
     let scale = 1.0 / (d as f32).sqrt();
+    let dims = dims_u32([
+        ("window", w),
+        ("attention entries", cap),
+        ("compression ratio", ratio),
+        ("attention top-k", k),
+        ("heads", heads),
+        ("head width", d),
+        ("rope half", half),
+    ])?;
+    // The arguments both kernels take first, q through rope_half.
+    let common = |b: &mut Args| {
+        b.ptr(q)
+            .ptr(kv)
+            .ptr(window)
+            .arg(dims[0])
+            .arg(mode)
+            .arg(entries_ptr)
+            .arg(dims[1])
+            .arg(dims[2])
+            .arg(sel_ptr)
+            .arg(dims[3])
+            .ptr(sink)
+            .ptr(pos)
+            .arg(dims[4])
+            .arg(dims[5])
+            .arg(scale)
+            .ptr(inv_freq)
+            .arg(dims[6]);
+    };
     if t >= MMA_MIN_TOKENS {
         // A prompt chunk: every token's heads on tensor cores (attention_mma).
-        let dims = dims_u32([
-            ("window", w),
-            ("attention entries", cap),
-            ("compression ratio", ratio),
-            ("attention top-k", k),
-            ("heads", heads),
-            ("head width", d),
-            ("rope half", half),
-        ])?;
         let shared = 2 * (MMA_HEADS + MMA_KEYS) * (d + 8) * 2 + MMA_HEADS * (MMA_KEYS + 1) * 4;
         let limits = dev.kernel_limits("attention_mma")?;
         if limits.static_shared + shared > dev.max_block_shared() {
@@ -607,24 +627,8 @@ pub fn attention(
         // token's queries (heads < heads), keys and selection, and writes its heads' outputs.
         return unsafe {
             launch(dev, "attention_mma", cfg, |b| {
-                b.ptr(q)
-                    .ptr(kv)
-                    .ptr(window)
-                    .arg(dims[0])
-                    .arg(mode)
-                    .arg(entries_ptr)
-                    .arg(dims[1])
-                    .arg(dims[2])
-                    .arg(sel_ptr)
-                    .arg(dims[3])
-                    .ptr(sink)
-                    .ptr(pos)
-                    .arg(dims[4])
-                    .arg(dims[5])
-                    .arg(scale)
-                    .ptr(inv_freq)
-                    .arg(dims[6])
-                    .ptr(out);
+                common(b);
+                b.ptr(out);
             })
         };
     }
@@ -633,17 +637,6 @@ pub fn attention(
     // The most keys a token may see: a selection's are at most min(k, capacity).
     let max_keys = w + if mode == 1 { cap } else { k.min(cap) };
     let s = choose_splits(dev.sm_count(), t * groups, max_keys, t * heads, room);
-    let dims = dims_u32([
-        ("window", w),
-        ("attention entries", cap),
-        ("compression ratio", ratio),
-        ("attention top-k", k),
-        ("heads", heads),
-        ("head width", d),
-        ("head groups", groups),
-        ("rope half", half),
-        ("splits", s),
-    ])?;
     // Each of the 8 warps' ring of buffers of ATT_BATCH keys, later their states of ATT_HEADS
     // heads, in shared memory (the first launch opts the kernel in past 48 KiB): two buffers
     // where they fit (H100, bench4 after 1M positions: 1.895 ms/token with two, 2.085 with
@@ -669,7 +662,11 @@ pub fn attention(
         ));
     }
     let cfg = LaunchConfig {
-        grid_dim: (dims[6], tokens, dims[8]),
+        grid_dim: (
+            dim_u32("head groups", groups)?,
+            tokens,
+            dim_u32("splits", s)?,
+        ),
         block_dim: (256, 1, 1),
         shared_mem_bytes: stage_bytes as u32,
     };
@@ -682,24 +679,8 @@ pub fn attention(
     // stats [room, 2], and t·ceil(heads / 4) <= room counters.
     unsafe {
         launch(dev, "attention_heads", cfg, |b| {
-            b.ptr(q)
-                .ptr(kv)
-                .ptr(window)
-                .arg(dims[0])
-                .arg(mode)
-                .arg(entries_ptr)
-                .arg(dims[1])
-                .arg(dims[2])
-                .arg(sel_ptr)
-                .arg(dims[3])
-                .ptr(sink)
-                .ptr(pos)
-                .arg(dims[4])
-                .arg(dims[5])
-                .arg(scale)
-                .ptr(inv_freq)
-                .arg(dims[7])
-                .ptr(&splits.acc)
+            common(b);
+            b.ptr(&splits.acc)
                 .ptr(&splits.stats)
                 .ptr(&splits.counters)
                 .ptr(out)
