@@ -207,6 +207,72 @@ __device__ __forceinline__ void logits_of_row(const float* __restrict__ x, u32 n
     }
 }
 
+// As `tile<8>` for the EXPERTS rows from e0 at once (rows past `experts` computed on the last
+// and dropped): each token's x is read once for all of them. Every logit is summed in the same
+// order as `tile`'s, so it is bit-identical.
+constexpr u32 EXPERTS = 8;
+template <typename W>
+__device__ __forceinline__ void tile_experts(const float* __restrict__ x, u32 d, const W* __restrict__ w,
+                                             u32 experts, u32 e0, u32 t0, u32 nt, float* __restrict__ logits,
+                                             float (&scratch)[WARPS][EXPERTS * TILE]) {
+    const float* xr[TILE];
+#pragma unroll
+    for (u32 t = 0; t < TILE; ++t) xr[t] = x + (u64)(t0 + min(t, nt - 1u)) * d;
+    const W* wr[EXPERTS];
+#pragma unroll
+    for (u32 r = 0; r < EXPERTS; ++r) wr[r] = w + (u64)min(e0 + r, experts - 1u) * d;
+    float acc[EXPERTS][TILE];
+#pragma unroll
+    for (u32 r = 0; r < EXPERTS; ++r)
+#pragma unroll
+        for (u32 t = 0; t < TILE; ++t) acc[r][t] = 0.0f;
+    const u32 n8 = d / 8u;
+#pragma unroll 1
+    for (u32 c = threadIdx.x; c < n8; c += THREADS) {
+        float xf[TILE][8];
+#pragma unroll
+        for (u32 t = 0; t < TILE; ++t) load8(xr[t] + (u64)c * 8u, xf[t]);
+#pragma unroll
+        for (u32 r = 0; r < EXPERTS; ++r) {
+            float wf[8];
+            load8(wr[r] + (u64)c * 8u, wf);
+#pragma unroll
+            for (u32 t = 0; t < TILE; ++t)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[r][t] = fmaf(wf[i], xf[t][i], acc[r][t]);
+        }
+    }
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (u32 r = 0; r < EXPERTS; ++r)
+#pragma unroll
+        for (u32 t = 0; t < TILE; ++t) {
+            float v = acc[r][t];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+            if (lane == 0u) scratch[warp][r * TILE + t] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < EXPERTS * TILE) {
+        const u32 r = threadIdx.x / TILE, t = threadIdx.x % TILE;
+        float s = scratch[0][threadIdx.x];
+#pragma unroll
+        for (u32 q = 1; q < WARPS; ++q) s = __fadd_rn(s, scratch[q][threadIdx.x]);
+        if (t < nt && e0 + r < experts) logits[(u64)(t0 + t) * experts + e0 + r] = s;
+    }
+    __syncthreads();  // scratch is reused by the next tile
+}
+
+// A block's EXPERTS rows for its TOKENS tokens.
+template <typename W>
+__device__ __forceinline__ void logits_of_rows(const float* __restrict__ x, u32 n, u32 d, const W* __restrict__ w,
+                                               u32 experts, float* __restrict__ logits) {
+    __shared__ float scratch[WARPS][EXPERTS * TILE];
+    const u32 end = min(n, (blockIdx.y + 1u) * TOKENS);
+    for (u32 t0 = blockIdx.y * TOKENS; t0 < end; t0 += TILE)
+        tile_experts(x, d, w, experts, blockIdx.x * EXPERTS, t0, min(TILE, end - t0), logits, scratch);
+}
+
 }  // namespace gate
 
 // x [n, d] f32, w [experts, d] bf16 or f32 (d a multiple of 8), logits [n, experts] f32.
@@ -222,6 +288,22 @@ DSV4_KERNEL void __launch_bounds__(128) gate_logits_f32(const float* __restrict_
                                                         float* __restrict__ logits) {
     pdl_enter();
     gate::logits_of_row(x, n, d, w, experts, logits);
+}
+
+// The same for many tokens: a block takes gate::EXPERTS rows (the launcher's
+// GATE_EXPERTS_PER_BLOCK) instead of one.
+DSV4_KERNEL void __launch_bounds__(128) gate_logits_rows_bf16(const float* __restrict__ x, u32 n, u32 d,
+                                                              const u16* __restrict__ w, u32 experts,
+                                                              float* __restrict__ logits) {
+    pdl_enter();
+    gate::logits_of_rows(x, n, d, w, experts, logits);
+}
+
+DSV4_KERNEL void __launch_bounds__(128) gate_logits_rows_f32(const float* __restrict__ x, u32 n, u32 d,
+                                                             const float* __restrict__ w, u32 experts,
+                                                             float* __restrict__ logits) {
+    pdl_enter();
+    gate::logits_of_rows(x, n, d, w, experts, logits);
 }
 
 // The gate projection, then the routing of every token by the last block to finish (an atomic

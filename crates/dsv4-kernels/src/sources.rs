@@ -154,6 +154,8 @@ pub const FAMILIES: &[KernelFamily] = &[
             "route_topk",
             "gate_logits_bf16",
             "gate_logits_f32",
+            "gate_logits_rows_bf16",
+            "gate_logits_rows_f32",
             "gate_route_bf16",
             "gate_route_f32",
         ],

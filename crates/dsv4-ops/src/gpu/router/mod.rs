@@ -25,6 +25,10 @@ const ROUTE_THREADS: u32 = 256;
 pub const GATE_DIM_MULTIPLE: usize = 8;
 /// Tokens one gate block takes (`gate::TOKENS` in router.cu); the grid's y covers the rest.
 const GATE_TOKENS: usize = 64;
+/// Expert rows of a `gate_logits_rows_*` block (`gate::EXPERTS` in router.cu), taken for
+/// launches of more than GATE_ROWS_FROM tokens.
+const GATE_EXPERTS_PER_BLOCK: u32 = 8;
+const GATE_ROWS_FROM: usize = 16;
 
 /// How a layer picks its experts, on the device.
 #[derive(Clone, Copy, Debug)]
@@ -242,13 +246,25 @@ pub fn gate_logits(
     w: GateWeight<'_>,
     logits: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    let g = check_gate(x, w, logits)?;
+    let mut g = check_gate(x, w, logits)?;
     if g.dims[0] == 0 || g.dims[2] == 0 {
         return Ok(());
     }
+    // Past a decode step's tokens, a block takes GATE_EXPERTS_PER_BLOCK rows, so each token's
+    // x is read once for all of them (the same sums, bit for bit).
+    let kernel = if g.dims[0] as usize > GATE_ROWS_FROM {
+        g.cfg.grid_dim.0 = g.dims[2].div_ceil(GATE_EXPERTS_PER_BLOCK);
+        match w {
+            GateWeight::Bf16(_) => "gate_logits_rows_bf16",
+            GateWeight::F32(_) => "gate_logits_rows_f32",
+        }
+    } else {
+        g.kernels.0
+    };
     // SAFETY: x [t, d], w [e, d] of the kernel's element type (d a multiple of 8, so the
-    // 16-byte loads are aligned), logits [t, e], checked above.
-    unsafe { launch(dev, g.kernels.0, g.cfg, &g.args(x, logits)) }
+    // 16-byte loads are aligned), logits [t, e], checked above; the rows kernels read rows
+    // below e only and write logits of rows below e only.
+    unsafe { launch(dev, kernel, g.cfg, &g.args(x, logits)) }
 }
 
 /// [`gate_logits`] then [`route_topk`] in one launch: the last gate block to finish routes
