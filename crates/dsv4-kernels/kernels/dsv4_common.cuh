@@ -142,6 +142,18 @@ __device__ __forceinline__ float held_at(const float (&held)[NORM_HELD], u32 k) 
     return v;
 }
 
+// The norm weight of a thread's held columns c = threadIdx.x + k * threads (1 past d), loaded
+// before the kernel waits for its predecessor: a weight does not depend on it, so its DRAM
+// round trip overlaps the predecessor's end instead of following the wait.
+__device__ __forceinline__ void load_held_weight(float (&w)[NORM_HELD], const float* __restrict__ weight, u32 d,
+                                                 u32 threads) {
+#pragma unroll
+    for (u32 k = 0; k < NORM_HELD; k++) {
+        const u32 c = threadIdx.x + k * threads;
+        w[k] = c < d ? weight[c] : 1.0f;
+    }
+}
+
 // ---- rotary embedding ----
 
 // Rotates the pair at `pair` to `position` by angle position * freq (sign -1: back). The angle

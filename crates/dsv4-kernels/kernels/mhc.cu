@@ -22,20 +22,33 @@ __device__ __forceinline__ float sigmoid_rn(float x) { return __fdiv_rn(1.0f, __
 // Per (token, column block): MIX dot products and the sum of squares.
 #define PART (MIX + 1)
 
+// The block's columns [j0, j0 + len) of fn's mix rows [mix, width] into fs [mix, MIX_COLS],
+// by asynchronous copies issued before the block waits for its predecessor (fn is a weight):
+// its DRAM round trip overlaps the predecessor's end instead of following the wait. width and
+// len are multiples of 4 (width = HC * d).
+__device__ __forceinline__ void stage_fn(float* fs, const float* __restrict__ fn, u32 mix, u32 width, u32 j0,
+                                         u32 len) {
+    constexpr u32 PIECES = MIX_COLS / 4u;
+    for (u32 i = threadIdx.x; i < mix * PIECES; i += blockDim.x) {
+        const u32 k = i / PIECES, c = 4u * (i % PIECES);
+        if (c < len) cp_async16(fs + k * MIX_COLS + c, fn + (u64)k * width + j0 + c);
+    }
+    cp_async_commit();
+}
+
 // Block (c, y)'s part of the mix projection for TPB tokens t0 = y * TPB .. (those below n),
-// with columns [c * MIX_COLS, ...) of each token's streams staged in sv (MIX_COLS apart): warp
-// w takes rows w, w + 8, ...: row k < mix is fn[k, cols] . s[cols], row `mix` the sum of
-// squares. Lanes stride the columns; a fixed shuffle tree sums them (each token in the same
-// order, however many share the block; the fn values read once for all of them).
-// partials is [n, gridDim.x, PART].
+// with columns [c * MIX_COLS, ...) of each token's streams staged in sv (MIX_COLS apart) and
+// of fn's rows in fs (stage_fn, landed): warp w takes rows w, w + 8, ...: row k < mix is
+// fn[k, cols] . s[cols], row `mix` the sum of squares. Lanes stride the columns; a fixed
+// shuffle tree sums them (each token in the same order, however many share the block; the fn
+// values read once for all of them). partials is [n, gridDim.x, PART].
 template <u32 TPB>
-__device__ __forceinline__ void mix_rows(const float* sv, u32 len, u32 width, const float* __restrict__ fn, u32 mix,
+__device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* fs, u32 mix,
                                          float* __restrict__ partials, u32 n) {
     const u32 t0 = blockIdx.y * TPB, c = blockIdx.x;
-    const u32 j0 = c * MIX_COLS;
     const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
     for (u32 k = warp; k <= mix; k += warps) {
-        const float* w = fn + (u64)k * width + j0;
+        const float* w = fs + k * MIX_COLS;
         float acc[TPB];
 #pragma unroll
         for (u32 tt = 0; tt < TPB; tt++) acc[tt] = 0.0f;
@@ -60,26 +73,44 @@ __device__ __forceinline__ void mix_rows(const float* sv, u32 len, u32 width, co
 // streams and runs mix_rows.
 DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
                                  u32 mix, float* __restrict__ partials) {
-    pdl_enter();
     __shared__ float sv[MIX_COLS];
+    __shared__ __align__(16) float fs[MIX * MIX_COLS];
     const u32 j0 = blockIdx.x * MIX_COLS;
     const u32 len = min(MIX_COLS, width - j0);
+    stage_fn(fs, fn, mix, width, j0, len);
+    pdl_enter();
     const float* s = streams + (u64)blockIdx.y * width + j0;
     for (u32 i = threadIdx.x; i < len; i += blockDim.x) sv[i] = s[i];
+    cp_async_wait<0>();
     __syncthreads();
-    mix_rows<1>(sv, len, width, fn, mix, partials, gridDim.y);
+    mix_rows<1>(sv, len, fs, mix, partials, gridDim.y);
 }
 
-// The expansion's output for one flattened column e = j * d + c of token t's new streams.
-__device__ __forceinline__ float post_value(const float* __restrict__ streams, const float* __restrict__ y,
-                                            const float* __restrict__ post, const float* __restrict__ comb, u64 t,
-                                            u32 d, u32 e) {
+// What the expansion's output for one flattened column e = j * d + c of token t's new streams
+// reads besides the sub-layer output: the streams' column c, the post weight and comb column j.
+// The sub-layer's hc_pre and the previous expansion wrote them kernels ago, so they may be read
+// before the wait (which only the sub-layer output y needs).
+struct PostIn {
+    float s[HC], m[HC], post;
+};
+
+__device__ __forceinline__ PostIn post_inputs(const float* __restrict__ streams, const float* __restrict__ post,
+                                              const float* __restrict__ comb, u64 t, u32 d, u32 e) {
     const u32 j = e / d, c = e % d;
-    const float* s = streams + t * HC * d;
-    const float* m = comb + t * HC * HC;
-    float acc = __fmul_rn(post[t * HC + j], y[t * d + c]);
+    PostIn in;
 #pragma unroll
-    for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(m[i * HC + j], s[(u64)i * d + c]));
+    for (u32 i = 0; i < HC; i++) {
+        in.s[i] = streams[t * HC * d + (u64)i * d + c];
+        in.m[i] = comb[t * HC * HC + i * HC + j];
+    }
+    in.post = post[t * HC + j];
+    return in;
+}
+
+__device__ __forceinline__ float post_value(const PostIn& in, const float* __restrict__ y, u64 t, u32 d, u32 e) {
+    float acc = __fmul_rn(in.post, y[t * d + e % d]);
+#pragma unroll
+    for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(in.m[i], in.s[i]));
     return acc;
 }
 
@@ -91,22 +122,30 @@ __device__ __forceinline__ void post_mix(const float* __restrict__ streams, cons
                                          const float* __restrict__ post, const float* __restrict__ comb, u32 d,
                                          float* __restrict__ out, const float* __restrict__ fn, u32 mix,
                                          float* __restrict__ partials, u32 n) {
-    pdl_enter();
     __shared__ float sv[TPB * MIX_COLS];
+    __shared__ __align__(16) float fs[MIX * MIX_COLS];
     const u32 width = HC * d, t0 = blockIdx.y * TPB;
     const u32 j0 = blockIdx.x * MIX_COLS;
     const u32 len = min(MIX_COLS, width - j0);
+    stage_fn(fs, fn, mix, width, j0, len);
+    // The thread's first column's inputs but y, before the wait.
+    const auto live = [&](u32 i) { return i < TPB * len && t0 + i / len < n; };
+    PostIn first;
+    if (live(threadIdx.x)) first = post_inputs(streams, post, comb, t0 + threadIdx.x / len, d, j0 + threadIdx.x % len);
+    pdl_enter();
     for (u32 i = threadIdx.x; i < TPB * len; i += blockDim.x) {
         const u32 tt = i / len, col = i % len, t = t0 + tt;
         float v = 0.0f;
-        if (t < n) {
-            v = post_value(streams, y, post, comb, t, d, j0 + col);
+        if (live(i)) {
+            const PostIn in = i == threadIdx.x ? first : post_inputs(streams, post, comb, t, d, j0 + col);
+            v = post_value(in, y, t, d, j0 + col);
             out[(u64)t * width + j0 + col] = v;
         }
         sv[tt * MIX_COLS + col] = v;
     }
+    cp_async_wait<0>();
     __syncthreads();
-    mix_rows<TPB>(sv, len, width, fn, mix, partials, n);
+    mix_rows<TPB>(sv, len, fs, mix, partials, n);
 }
 
 DSV4_KERNEL void hc_post_mix(const float* __restrict__ streams, const float* __restrict__ y,
@@ -163,10 +202,12 @@ __device__ __forceinline__ float collapse_sum(float v, float* scratch, u32 threa
 // threads: thread i takes columns i, i + threads, ... of x = sum_i pre[i] * s[i * d + c]
 // (accumulated from stream 0 up), keeping its first NORM_HELD in registers (the rest go
 // through xn), then xn = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps), and its bf16 copy
-// xb. The sum of squares runs over each thread's columns in order, then collapse_sum.
+// xb; `wh` holds the weight of the held columns (load_held_weight). The sum of squares runs
+// over each thread's columns in order, then collapse_sum.
 __device__ __forceinline__ void collapse_norm(const float* __restrict__ s, u32 d, const float* pre,
-                                              const float* __restrict__ weight, float eps, float* __restrict__ xn,
-                                              u16* __restrict__ xb, float* scratch, u32 threads) {
+                                              const float* __restrict__ weight, const float (&wh)[NORM_HELD],
+                                              float eps, float* __restrict__ xn, u16* __restrict__ xb,
+                                              float* scratch, u32 threads) {
     const auto x_at = [&](u32 c) {
         float acc = 0.0f;
 #pragma unroll
@@ -189,7 +230,8 @@ __device__ __forceinline__ void collapse_norm(const float* __restrict__ s, u32 d
     sq = collapse_sum(sq, scratch, threads);
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sq, (float)d), eps)));
     for (u32 c = threadIdx.x, k = 0; c < d; c += threads, k++) {
-        const float y = __fmul_rn(weight[c], __fmul_rn(k < NORM_HELD ? held_at(held, k) : xn[c], inv));
+        const float w = k < NORM_HELD ? held_at(wh, k) : weight[c];
+        const float y = __fmul_rn(w, __fmul_rn(k < NORM_HELD ? held_at(held, k) : xn[c], inv));
         xn[c] = y;
         xb[c] = f32_to_bf16(y);
     }
@@ -230,6 +272,14 @@ __device__ __forceinline__ float sinkhorn_lane(float c, u32 lane, u32 iters, flo
     return c;
 }
 
+// A site's mix biases base [mix] and scales scale [scales] into shared memory, before the wait
+// (weights; the callers' barriers make them visible).
+__device__ __forceinline__ void load_site(float* base_s, float* scale_s, const float* __restrict__ base,
+                                          const float* __restrict__ scale, u32 mix, u32 scales) {
+    if (threadIdx.x < mix) base_s[threadIdx.x] = base[threadIdx.x];
+    else if (threadIdx.x < mix + scales) scale_s[threadIdx.x - mix] = scale[threadIdx.x - mix];
+}
+
 // After hc_mix_partials: streams [n, HC * d] -> the normalized sub-layer input xn [n, d] (and
 // its bf16 copy xb), post [n, HC], comb [n, HC * HC]. One block per token (grid-stride): its
 // last warp writes post and runs Sinkhorn while the others collapse and normalize.
@@ -238,30 +288,35 @@ DSV4_KERNEL void __launch_bounds__(1024) hc_pre(const float* __restrict__ stream
                         u32 sinkhorn_iters, float hc_eps, float norm_eps, const float* __restrict__ weight,
                         float eps, float* __restrict__ xn, u16* __restrict__ xb, float* __restrict__ post,
                         float* __restrict__ comb) {
-    pdl_enter();
     __shared__ float sums[PART];
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
     __shared__ float scratch[32];
+    __shared__ float base_s[MIX], scale_s[3];
     const u32 width = HC * d, collapse_threads = blockDim.x - 32u;
+    // The site's weights before the wait (visible to all after mix_from_partials' barriers).
+    float wh[NORM_HELD];
+    load_held_weight(wh, weight, d, collapse_threads);
+    load_site(base_s, scale_s, base, scale, MIX, 3u);
+    pdl_enter();
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
         mix_from_partials(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, mu, sums);
         if (threadIdx.x < HC)
             pre[threadIdx.x] =
-                __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[threadIdx.x]), base[threadIdx.x])), hc_eps);
+                __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale_s[0], mu[threadIdx.x]), base_s[threadIdx.x])), hc_eps);
         __syncthreads();
         if (threadIdx.x >= collapse_threads) {
             // The last warp: lanes 0..3 the post weights, lanes 0..15 one comb element each.
             const u32 lane = threadIdx.x - collapse_threads, k = lane & 15u;
             if (lane < HC)
                 post[(u64)t * HC + lane] =
-                    __fmul_rn(2.0f, sigmoid_rn(__fadd_rn(__fmul_rn(scale[1], mu[HC + lane]), base[HC + lane])));
-            const float c = __fadd_rn(__fmul_rn(scale[2], mu[2 * HC + k]), base[2 * HC + k]);
+                    __fmul_rn(2.0f, sigmoid_rn(__fadd_rn(__fmul_rn(scale_s[1], mu[HC + lane]), base_s[HC + lane])));
+            const float c = __fadd_rn(__fmul_rn(scale_s[2], mu[2 * HC + k]), base_s[2 * HC + k]);
             const float m = sinkhorn_lane(c, lane, sinkhorn_iters, hc_eps);
             if (lane < HC * HC) comb[(u64)t * HC * HC + lane] = m;
         } else {
-            collapse_norm(streams + (u64)t * width, d, pre, weight, eps, xn + (u64)t * d, xb + (u64)t * d, scratch,
-                          collapse_threads);
+            collapse_norm(streams + (u64)t * width, d, pre, weight, wh, eps, xn + (u64)t * d, xb + (u64)t * d,
+                          scratch, collapse_threads);
         }
         __syncthreads();  // pre and mu are rewritten for the next token
     }
@@ -273,21 +328,25 @@ DSV4_KERNEL void __launch_bounds__(1024) hc_head(const float* __restrict__ strea
                          u32 splits, const float* __restrict__ base, const float* __restrict__ scale, float hc_eps,
                          float norm_eps, const float* __restrict__ weight, float eps, float* __restrict__ xn,
                          u16* __restrict__ xb) {
-    pdl_enter();
     __shared__ float sums[PART];
     __shared__ float mu[MIX];
     __shared__ float pre[HC];
     __shared__ float scratch[32];
-    const u32 width = HC * d;
+    __shared__ float base_s[HC], scale_s[1];
+    const u32 width = HC * d, collapse_threads = blockDim.x - 32u;
+    float wh[NORM_HELD];
+    load_held_weight(wh, weight, d, collapse_threads);
+    load_site(base_s, scale_s, base, scale, HC, 1u);
+    pdl_enter();
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
         mix_from_partials(partials + (u64)t * splits * PART, splits, HC, width, norm_eps, mu, sums);
         if (threadIdx.x < HC)
             pre[threadIdx.x] =
-                __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale[0], mu[threadIdx.x]), base[threadIdx.x])), hc_eps);
+                __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale_s[0], mu[threadIdx.x]), base_s[threadIdx.x])), hc_eps);
         __syncthreads();
-        if (threadIdx.x < blockDim.x - 32u)
-            collapse_norm(streams + (u64)t * width, d, pre, weight, eps, xn + (u64)t * d, xb + (u64)t * d, scratch,
-                          blockDim.x - 32u);
+        if (threadIdx.x < collapse_threads)
+            collapse_norm(streams + (u64)t * width, d, pre, weight, wh, eps, xn + (u64)t * d, xb + (u64)t * d,
+                          scratch, collapse_threads);
         __syncthreads();
     }
 }

@@ -55,7 +55,6 @@ struct NormArgs {
 // 2 * rope_half channels of each row as rope_rows does, row r at position
 // pos[0] + r / rows_per_token.
 DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
-    pdl_enter();
     const NormSet &a = p.a, &b = p.b;
     const u32 width = p.width;
     const float eps = p.eps;
@@ -64,6 +63,15 @@ DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
     const u32 rope_half = p.rope_half;
     const u32* pos = p.pos;
     __shared__ float scratch[32];
+    // The weight of the block's first row and the rotation's frequencies, before the wait.
+    const float* first_weight = blockIdx.x < a.rows ? a.weight : b.weight;
+    float wh[NORM_HELD];
+    if (first_weight) load_held_weight(wh, first_weight, width, blockDim.x);
+    else
+#pragma unroll
+        for (u32 k = 0; k < NORM_HELD; k++) wh[k] = 1.0f;
+    const float freq = inv_freq && threadIdx.x < rope_half ? inv_freq[threadIdx.x] : 0.0f;
+    pdl_enter();
     for (u32 i = blockIdx.x; i < a.rows + b.rows; i += gridDim.x) {
         // Field by field (selecting a whole parameter struct would copy it to local memory).
         const bool first = i < a.rows;
@@ -92,7 +100,8 @@ DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
         u16* dst_b = first && out_b ? out_b + (u64)r * width : nullptr;
         for (u32 j = threadIdx.x, k = 0; j < width; j += blockDim.x, k++) {
             const float v = __fmul_rn(k < NORM_HELD ? held_at(held, k) : row[j], inv);
-            const float y = weight ? __fmul_rn(weight[j], v) : v;
+            const float w = weight == first_weight && k < NORM_HELD ? held_at(wh, k) : weight ? weight[j] : 1.0f;
+            const float y = weight ? __fmul_rn(w, v) : v;
             dst[j] = y;
             if (dst_b) dst_b[j] = f32_to_bf16(y);
         }
@@ -101,7 +110,7 @@ DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
             const u32 position = pos[0] + r / rows_per_token;
             float* rot = dst + width - 2u * rope_half;
             for (u32 k = threadIdx.x; k < rope_half; k += blockDim.x)
-                rope_pair(rot + 2u * k, position, inv_freq[k], 1.0f);
+                rope_pair(rot + 2u * k, position, k == threadIdx.x ? freq : inv_freq[k], 1.0f);
             __syncthreads();  // before the next row's writes
         }
     }

@@ -138,6 +138,10 @@ impl DeviceHcSite {
 
     fn check(&self, mix: usize, scales: usize, d: usize) -> Result<(), GpuError> {
         self.fn_.expect("mHC fn", DType::F32, &[mix, HC * d])?;
+        // The kernels copy fn's rows into shared memory 16 bytes at a time.
+        if !self.fn_.device_address().is_multiple_of(16) {
+            return Err(GpuError::invalid("mHC fn", "not on a 16-byte boundary"));
+        }
         self.base.expect("mHC base", DType::F32, &[mix])?;
         self.scale.expect("mHC scale", DType::F32, &[scales])
     }
