@@ -534,8 +534,7 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 // memory: 8 · ring · 4 · d floats, each warp's ring of buffers of four keys (two where the
 // GPU's shared memory holds them), later the warps' states (8 · 4 · d). Warp w takes its
 // split's keys w, w + 8, ... four at a time: the next four copy into a buffer while it scores
-// these; the first batch's keys from the ring (earlier steps wrote them) are asked for before
-// the kernel waits for its predecessor. Per batch the lanes hold d / 32 channels of each key, the 16
+// these. Per batch the lanes hold d / 32 channels of each key, the 16
 // (head, key) dot products are summed over the warp together, and each head's running max,
 // sum and weighted values are updated once (FMAs, a fixed order). The warps' states then merge
 // through shared memory, summed in warp order.
@@ -550,22 +549,24 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
     u32* __restrict__ counters, u16* __restrict__ out, u32 ring) {
+    // The heads' sinks and the rotation's frequencies (weights) before the wait.
+    __shared__ float sink_s[ATT_HEADS], freq_s[ATT_MAX_CPL * 16u];
+    {
+        const u32 h0 = blockIdx.x * ATT_HEADS;
+        if (threadIdx.x < min(ATT_HEADS, heads - h0)) sink_s[threadIdx.x] = sink[h0 + threadIdx.x];
+        for (u32 i = threadIdx.x; i < rope_half; i += blockDim.x) freq_s[i] = inv_freq[i];
+    }
+    pdl_enter();
     __shared__ __align__(16) float q_s[ATT_HEADS * ATT_MAX_CPL * 32u];
     __shared__ float acc_s[ATT_HEADS * ATT_MAX_CPL * 32u];
     __shared__ float m_s[ATT_HEADS], l_s[ATT_HEADS];
     __shared__ float wm_s[ATT_WARPS][ATT_HEADS], wl_s[ATT_WARPS][ATT_HEADS];
-    __shared__ float sink_s[ATT_HEADS], freq_s[ATT_MAX_CPL * 16u];
     extern __shared__ __align__(16) float stage[];  // [ATT_WARPS][ring][ATT_BATCH][d] keys, then [ATT_WARPS][ATT_HEADS][d]
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
     const u32 h0 = blockIdx.x * ATT_HEADS;
     const u32 hv = min(ATT_HEADS, heads - h0);  // heads this block writes
     const u32 splits = gridDim.z, split = blockIdx.z;
-    // Before the wait, what no kernel of this step writes: the position (moved on at the end of
-    // the previous step), the heads' sinks and the rotation's frequencies, and (below) the
-    // window keys of earlier steps in the ring.
-    if (threadIdx.x < hv) sink_s[threadIdx.x] = sink[h0 + threadIdx.x];
-    for (u32 i = threadIdx.x; i < rope_half; i += blockDim.x) freq_s[i] = inv_freq[i];
     const u32 pos0 = pos[0];
     const u32 p = pos0 + t;
     const u32 n_w = min(p + 1u, wsize);
@@ -575,6 +576,13 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 n = n_w + n_c;
     const u32 per = (n + splits - 1u) / splits;
     const u32 j_end = min(n, (split + 1u) * per);
+    const float* qt = q + ((u64)t * heads + h0) * d;
+    // 16-byte pieces, all in flight at once (d % 32 == 0); missing heads are zeros.
+    for (u32 i = 4u * threadIdx.x; i < ATT_HEADS * d; i += 4u * blockDim.x) {
+        if (i < hv * d) cp_async16(q_s + i, qt + i);
+        else *reinterpret_cast<float4*>(q_s + i) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    cp_async_commit();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 cpl = d / 32u;
     // The warp takes its split's keys w, w + 8, ... four at a time (a batch). With two buffers
@@ -583,23 +591,17 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
     float* keybuf = stage + warp * ring * ATT_BATCH * d;
     const u32 j_first = split * per + warp;
-    // Issues the copies of batch b's keys that `which` names (RING_KEYS: window keys of earlier
-    // steps, in the ring; OTHER_KEYS: the rest) into its buffer and returns its mask of present
-    // keys. Before the wait only the ring keys may be asked for (and the selection not read).
-    constexpr u32 RING_KEYS = 1u, OTHER_KEYS = 2u, ALL_KEYS = 3u;
-    auto load_batch = [&](u32 b, u32 which) {
+    // Issues batch b's copies into its buffer and returns its mask of present keys.
+    auto load_batch = [&](u32 b) {
         u32 mask = 0u;
         float* buf = keybuf + (ring == 2u ? b & 1u : 0u) * ATT_BATCH * d;
 #pragma unroll
         for (u32 r = 0; r < ATT_BATCH; r++) {
             const u32 jr = j_first + (b * ATT_BATCH + r) * ATT_WARPS;
-            const bool in_ring = jr < n_w && p + 1u - n_w + jr < pos0;
-            if (!(which & OTHER_KEYS) && !in_ring) continue;  // warp-uniform
             const float* key =
                 jr < j_end ? att_key(jr, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
             if (!key) continue;  // warp-uniform
             mask |= 1u << r;
-            if (!(which & (in_ring ? RING_KEYS : OTHER_KEYS))) continue;
             for (u32 i = 4u * lane; i < d; i += 128u) cp_async16(buf + r * d + i, key + i);
         }
         cp_async_commit();
@@ -607,18 +609,8 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     };
     const u32 mine = j_first < j_end ? (j_end - j_first + ATT_WARPS - 1u) / ATT_WARPS : 0u;
     const u32 batches = (mine + ATT_BATCH - 1u) / ATT_BATCH;
-    if (batches > 0u) load_batch(0, RING_KEYS);
-    pdl_enter();
-    // The queries, and the first batch's keys that were not in the ring.
-    const float* qt = q + ((u64)t * heads + h0) * d;
-    // 16-byte pieces, all in flight at once (d % 32 == 0); missing heads are zeros.
-    for (u32 i = 4u * threadIdx.x; i < ATT_HEADS * d; i += 4u * blockDim.x) {
-        if (i < hv * d) cp_async16(q_s + i, qt + i);
-        else *reinterpret_cast<float4*>(q_s + i) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    cp_async_commit();
-    u32 mask = batches > 0u ? load_batch(0, OTHER_KEYS) : 0u;
-    // The queries (the first batch's other keys may stay in flight).
+    u32 mask = batches > 0u ? load_batch(0) : 0u;
+    // The queries (the first group; the first batch may stay in flight).
     if (batches > 0u) cp_async_wait<1>();
     else cp_async_wait<0>();
     __syncthreads();
@@ -635,7 +627,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 my_h = (lane >> 3) & 3u, my_r = (lane >> 1) & 3u;
     for (u32 b = 0; b < batches; b++) {
         const bool more = b + 1u < batches;
-        u32 next_mask = ring == 2u && more ? load_batch(b + 1u, ALL_KEYS) : 0u;
+        u32 next_mask = ring == 2u && more ? load_batch(b + 1u) : 0u;
         if (ring == 2u && more) cp_async_wait<1>();
         else cp_async_wait<0>();  // batch b
         __syncwarp();
@@ -647,7 +639,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
             for (u32 x = 0; x < ATT_MAX_CPL; x++)
                 kr[r][x] = (mask >> r) & 1u && x < cpl ? buf[r * d + lane + 32u * x] : 0.0f;
         __syncwarp();  // every lane has read the buffer: a later batch may overwrite it
-        if (ring == 1u && more) next_mask = load_batch(b + 1u, ALL_KEYS);
+        if (ring == 1u && more) next_mask = load_batch(b + 1u);
         // The lane's share of the 16 dot products (head h, key r at v[4 h + r]).
         float v[ATT_HEADS * ATT_BATCH];
 #pragma unroll

@@ -86,31 +86,16 @@ DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, c
     mix_rows<1>(sv, len, fs, mix, partials, gridDim.y);
 }
 
-// What the expansion's output for one flattened column e = j * d + c of token t's new streams
-// reads besides the sub-layer output: the streams' column c, the post weight and comb column j.
-// The sub-layer's hc_pre and the previous expansion wrote them kernels ago, so they may be read
-// before the wait (which only the sub-layer output y needs).
-struct PostIn {
-    float s[HC], m[HC], post;
-};
-
-__device__ __forceinline__ PostIn post_inputs(const float* __restrict__ streams, const float* __restrict__ post,
-                                              const float* __restrict__ comb, u64 t, u32 d, u32 e) {
+// The expansion's output for one flattened column e = j * d + c of token t's new streams.
+__device__ __forceinline__ float post_value(const float* __restrict__ streams, const float* __restrict__ y,
+                                            const float* __restrict__ post, const float* __restrict__ comb, u64 t,
+                                            u32 d, u32 e) {
     const u32 j = e / d, c = e % d;
-    PostIn in;
+    const float* s = streams + t * HC * d;
+    const float* m = comb + t * HC * HC;
+    float acc = __fmul_rn(post[t * HC + j], y[t * d + c]);
 #pragma unroll
-    for (u32 i = 0; i < HC; i++) {
-        in.s[i] = streams[t * HC * d + (u64)i * d + c];
-        in.m[i] = comb[t * HC * HC + i * HC + j];
-    }
-    in.post = post[t * HC + j];
-    return in;
-}
-
-__device__ __forceinline__ float post_value(const PostIn& in, const float* __restrict__ y, u64 t, u32 d, u32 e) {
-    float acc = __fmul_rn(in.post, y[t * d + e % d]);
-#pragma unroll
-    for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(in.m[i], in.s[i]));
+    for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(m[i * HC + j], s[(u64)i * d + c]));
     return acc;
 }
 
@@ -128,17 +113,12 @@ __device__ __forceinline__ void post_mix(const float* __restrict__ streams, cons
     const u32 j0 = blockIdx.x * MIX_COLS;
     const u32 len = min(MIX_COLS, width - j0);
     stage_fn(fs, fn, mix, width, j0, len);
-    // The thread's first column's inputs but y, before the wait.
-    const auto live = [&](u32 i) { return i < TPB * len && t0 + i / len < n; };
-    PostIn first;
-    if (live(threadIdx.x)) first = post_inputs(streams, post, comb, t0 + threadIdx.x / len, d, j0 + threadIdx.x % len);
     pdl_enter();
     for (u32 i = threadIdx.x; i < TPB * len; i += blockDim.x) {
         const u32 tt = i / len, col = i % len, t = t0 + tt;
         float v = 0.0f;
-        if (live(i)) {
-            const PostIn in = i == threadIdx.x ? first : post_inputs(streams, post, comb, t, d, j0 + col);
-            v = post_value(in, y, t, d, j0 + col);
+        if (t < n) {
+            v = post_value(streams, y, post, comb, t, d, j0 + col);
             out[(u64)t * width + j0 + col] = v;
         }
         sv[tt * MIX_COLS + col] = v;
