@@ -113,11 +113,17 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Sum over the warp in a fixed order (a butterfly: every lane returns the same bits).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // Sum over the block in a fixed order (warp butterflies, then warp 0 over the warp sums).
 // Every thread returns the total. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    v = warp_sum(v);
     const u32 lane = threadIdx.x & 31u;
     const u32 warp = threadIdx.x >> 5;
     const u32 warps = (blockDim.x + 31u) >> 5;
@@ -125,9 +131,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     if (lane == 0u) scratch[warp] = v;
     __syncthreads();
     v = lane < warps ? scratch[lane] : 0.0f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
+    return warp_sum(v);
 }
 
 // Columns of a row an RMSNorm thread keeps in registers (rms_norm_rows, hc_pre, hc_head);

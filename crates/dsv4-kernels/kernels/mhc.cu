@@ -62,8 +62,7 @@ __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* 
         }
 #pragma unroll
         for (u32 tt = 0; tt < TPB; tt++) {
-#pragma unroll
-            for (u32 o = 16u; o > 0u; o >>= 1) acc[tt] = __fadd_rn(acc[tt], __shfl_xor_sync(0xffffffffu, acc[tt], o));
+            acc[tt] = warp_sum(acc[tt]);
             if (lane == 0u && t0 + tt < n) partials[((u64)(t0 + tt) * gridDim.x + c) * PART + k] = acc[tt];
         }
     }
@@ -152,8 +151,7 @@ __device__ __forceinline__ void mix_from_partials(const float* __restrict__ part
     for (u32 k = warp; k <= mix; k += warps) {
         float acc = 0.0f;
         for (u32 c = lane; c < splits; c += 32u) acc = __fadd_rn(acc, part[(u64)c * PART + k]);
-#pragma unroll
-        for (u32 o = 16u; o > 0u; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+        acc = warp_sum(acc);
         if (lane == 0u) sums[k] = acc;
     }
     __syncthreads();
@@ -167,14 +165,12 @@ __device__ __forceinline__ void mix_from_partials(const float* __restrict__ part
 // warp past them (hc_pre's Sinkhorn warp) runs on meanwhile. Once per token: the callers'
 // __syncthreads between tokens orders the reuse of scratch.
 __device__ __forceinline__ float collapse_sum(float v, float* scratch, u32 threads) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    v = warp_sum(v);
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     if (lane == 0u) scratch[warp] = v;
     asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
     v = lane < threads / 32u ? scratch[lane] : 0.0f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    v = warp_sum(v);
     return v;
 }
 

@@ -177,8 +177,7 @@ __device__ __forceinline__ void tile(const float* __restrict__ x, u32 d, const W
 #pragma unroll
     for (int t = 0; t < TT; ++t) {
         float v = acc[t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+        v = warp_sum(v);
         if (lane == 0u) scratch[warp][t] = v;
     }
     __syncthreads();
@@ -248,8 +247,7 @@ __device__ __forceinline__ void tile_experts(const float* __restrict__ x, u32 d,
 #pragma unroll
         for (u32 t = 0; t < TILE; ++t) {
             float v = acc[r][t];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+            v = warp_sum(v);
             if (lane == 0u) scratch[warp][r * TILE + t] = v;
         }
     __syncthreads();
