@@ -248,12 +248,32 @@ __device__ __forceinline__ float sinkhorn_lane(float c, u32 lane, u32 iters, flo
     return c;
 }
 
-// A site's mix biases base [mix] and scales scale [scales] into shared memory, before the wait
-// (weights; the callers' barriers make them visible).
-__device__ __forceinline__ void load_site(float* base_s, float* scale_s, const float* __restrict__ base,
+// What hc_pre and hc_head keep in shared memory: the mix sums and mix, the pre weights, the
+// norm's scratch, and the site's mix biases and scales.
+struct SiteShared {
+    float sums[PART], mu[MIX], pre[HC], scratch[32], base[MIX], scale[3];
+};
+
+// Before the wait (they are weights): the norm weight of the thread's held columns (among the
+// first `threads`) into wh, the site's `mix` biases and `scales` scales into sh (visible to all
+// after token_pre's barriers).
+__device__ __forceinline__ void load_site(SiteShared& sh, float (&wh)[NORM_HELD], const float* __restrict__ weight,
+                                          u32 d, u32 threads, const float* __restrict__ base,
                                           const float* __restrict__ scale, u32 mix, u32 scales) {
-    if (threadIdx.x < mix) base_s[threadIdx.x] = base[threadIdx.x];
-    else if (threadIdx.x < mix + scales) scale_s[threadIdx.x - mix] = scale[threadIdx.x - mix];
+    load_held_weight(wh, weight, d, threads);
+    if (threadIdx.x < mix) sh.base[threadIdx.x] = base[threadIdx.x];
+    else if (threadIdx.x < mix + scales) sh.scale[threadIdx.x - mix] = scale[threadIdx.x - mix];
+}
+
+// One token's mix from its partials (sh.mu) and its pre weights sigmoid(scale[0] * mu + base) +
+// eps (sh.pre); the whole block calls it.
+__device__ __forceinline__ void token_pre(const float* __restrict__ part, u32 splits, u32 mix, u32 width,
+                                          float norm_eps, float hc_eps, SiteShared& sh) {
+    mix_from_partials(part, splits, mix, width, norm_eps, sh.mu, sh.sums);
+    if (threadIdx.x < HC)
+        sh.pre[threadIdx.x] =
+            __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(sh.scale[0], sh.mu[threadIdx.x]), sh.base[threadIdx.x])), hc_eps);
+    __syncthreads();
 }
 
 // After hc_mix_partials: streams [n, HC * d] -> the normalized sub-layer input xn [n, d] (and
@@ -264,35 +284,25 @@ DSV4_KERNEL void __launch_bounds__(1024) hc_pre(const float* __restrict__ stream
                         u32 sinkhorn_iters, float hc_eps, float norm_eps, const float* __restrict__ weight,
                         float eps, float* __restrict__ xn, u16* __restrict__ xb, float* __restrict__ post,
                         float* __restrict__ comb) {
-    __shared__ float sums[PART];
-    __shared__ float mu[MIX];
-    __shared__ float pre[HC];
-    __shared__ float scratch[32];
-    __shared__ float base_s[MIX], scale_s[3];
+    __shared__ SiteShared sh;
     const u32 width = HC * d, collapse_threads = blockDim.x - 32u;
-    // The site's weights before the wait (visible to all after mix_from_partials' barriers).
     float wh[NORM_HELD];
-    load_held_weight(wh, weight, d, collapse_threads);
-    load_site(base_s, scale_s, base, scale, MIX, 3u);
+    load_site(sh, wh, weight, d, collapse_threads, base, scale, MIX, 3u);
     pdl_enter();
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
-        mix_from_partials(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, mu, sums);
-        if (threadIdx.x < HC)
-            pre[threadIdx.x] =
-                __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale_s[0], mu[threadIdx.x]), base_s[threadIdx.x])), hc_eps);
-        __syncthreads();
+        token_pre(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, hc_eps, sh);
         if (threadIdx.x >= collapse_threads) {
             // The last warp: lanes 0..3 the post weights, lanes 0..15 one comb element each.
             const u32 lane = threadIdx.x - collapse_threads, k = lane & 15u;
             if (lane < HC)
                 post[(u64)t * HC + lane] =
-                    __fmul_rn(2.0f, sigmoid_rn(__fadd_rn(__fmul_rn(scale_s[1], mu[HC + lane]), base_s[HC + lane])));
-            const float c = __fadd_rn(__fmul_rn(scale_s[2], mu[2 * HC + k]), base_s[2 * HC + k]);
+                    __fmul_rn(2.0f, sigmoid_rn(__fadd_rn(__fmul_rn(sh.scale[1], sh.mu[HC + lane]), sh.base[HC + lane])));
+            const float c = __fadd_rn(__fmul_rn(sh.scale[2], sh.mu[2 * HC + k]), sh.base[2 * HC + k]);
             const float m = sinkhorn_lane(c, lane, sinkhorn_iters, hc_eps);
             if (lane < HC * HC) comb[(u64)t * HC * HC + lane] = m;
         } else {
-            collapse_norm(streams + (u64)t * width, d, pre, weight, wh, eps, xn + (u64)t * d, xb + (u64)t * d,
-                          scratch, collapse_threads);
+            collapse_norm(streams + (u64)t * width, d, sh.pre, weight, wh, eps, xn + (u64)t * d, xb + (u64)t * d,
+                          sh.scratch, collapse_threads);
         }
         __syncthreads();  // pre and mu are rewritten for the next token
     }
@@ -304,25 +314,16 @@ DSV4_KERNEL void __launch_bounds__(1024) hc_head(const float* __restrict__ strea
                          u32 splits, const float* __restrict__ base, const float* __restrict__ scale, float hc_eps,
                          float norm_eps, const float* __restrict__ weight, float eps, float* __restrict__ xn,
                          u16* __restrict__ xb) {
-    __shared__ float sums[PART];
-    __shared__ float mu[MIX];
-    __shared__ float pre[HC];
-    __shared__ float scratch[32];
-    __shared__ float base_s[HC], scale_s[1];
+    __shared__ SiteShared sh;
     const u32 width = HC * d, collapse_threads = blockDim.x - 32u;
     float wh[NORM_HELD];
-    load_held_weight(wh, weight, d, collapse_threads);
-    load_site(base_s, scale_s, base, scale, HC, 1u);
+    load_site(sh, wh, weight, d, collapse_threads, base, scale, HC, 1u);
     pdl_enter();
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
-        mix_from_partials(partials + (u64)t * splits * PART, splits, HC, width, norm_eps, mu, sums);
-        if (threadIdx.x < HC)
-            pre[threadIdx.x] =
-                __fadd_rn(sigmoid_rn(__fadd_rn(__fmul_rn(scale_s[0], mu[threadIdx.x]), base_s[threadIdx.x])), hc_eps);
-        __syncthreads();
+        token_pre(partials + (u64)t * splits * PART, splits, HC, width, norm_eps, hc_eps, sh);
         if (threadIdx.x < collapse_threads)
-            collapse_norm(streams + (u64)t * width, d, pre, weight, wh, eps, xn + (u64)t * d, xb + (u64)t * d,
-                          scratch, collapse_threads);
+            collapse_norm(streams + (u64)t * width, d, sh.pre, weight, wh, eps, xn + (u64)t * d, xb + (u64)t * d,
+                          sh.scratch, collapse_threads);
         __syncthreads();
     }
 }
