@@ -204,7 +204,8 @@ DSV4_KERNEL void compressor_store(const float* __restrict__ proj, u32 tokens, co
 #define IDX_MAX_HEADS 64u
 #define IDX_MAX_C 128u
 
-// Block (x, t): entries [x * per_block, (x + 1) * per_block) ∩ [0, n_vis) for token t. q_t sits
+// Block (x, t): steps of 16 entries x, x + gridDim.x, ... below n_vis for token t, so that the
+// visible entries spread over the whole grid however few of the capacity they are. q_t sits
 // in shared memory as [c][nh + 1] (the pad keeps the transposing stores off one bank); a warp
 // stages 4 entries as [c][4] and each lane computes, for heads lane and lane + 32, the four dot
 // products sequentially over the channels (the CPU's order). The terms
@@ -214,8 +215,7 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
                                                              const float* __restrict__ weights,
                                                              const float* __restrict__ entries, u32 cap, u32 nh,
                                                              u32 c, u32 ratio, const u32* __restrict__ pos,
-                                                             u32 per_block, float scale, float wscale,
-                                                             float* __restrict__ scores) {
+                                                             float scale, float wscale, float* __restrict__ scores) {
     pdl_enter();
     __shared__ float q_s[IDX_MAX_C * (IDX_MAX_HEADS + 1u)];
     __shared__ float4 k_s[IDX_WARPS][IDX_MAX_C];
@@ -224,9 +224,9 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
     const u32 t = blockIdx.y;
     const u32 p = pos[0] + t;
     const u32 n_vis = min((p + 1u) / ratio, cap);
-    const u32 lo = blockIdx.x * per_block;
-    if (lo >= n_vis) return;
-    const u32 hi = min(lo + per_block, n_vis);
+    constexpr u32 STEP = IDX_WARPS * IDX_EPW;
+    if (blockIdx.x * STEP >= n_vis) return;
+    const u32 hi = n_vis;
     const float* qt = q + (u64)t * nh * c;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     // The token's queries, 16-byte pieces (4 channels of one head; c % 4 == 0) eight at a time
@@ -253,7 +253,7 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
     for (u32 h = threadIdx.x; h < nh; h += blockDim.x) w_s[h] = __fmul_rn(weights[(u64)t * nh + h], wscale);
     __syncthreads();
     float* out = scores + (u64)t * cap;
-    for (u32 e0 = lo + warp * IDX_EPW; e0 < hi; e0 += IDX_WARPS * IDX_EPW) {
+    for (u32 e0 = blockIdx.x * STEP + warp * IDX_EPW; e0 < hi; e0 += gridDim.x * STEP) {
         // Stage entries e0..e0+3 (missing ones as zeros; their scores are not written).
         for (u32 ch = lane; ch < c; ch += 32u) {
             float v[IDX_EPW];

@@ -232,10 +232,12 @@ fn compressor_projections(
 /// Entries an `index_scores` block scores at once (its 4 warps × 4 entries).
 const INDEX_STEP: usize = 16;
 
-/// Entries an `index_scores` block scores: one step's when that gives every SM a couple of
-/// blocks, more at long contexts (each block stages a token's queries, 32 KB, once).
-fn index_per_block(cap: usize, sms: usize) -> usize {
-    INDEX_STEP * cap.div_ceil(INDEX_STEP * 2 * sms.max(1)).max(1)
+/// `index_scores` blocks a token: one step of entries each where that gives every SM a couple
+/// of blocks, else two blocks an SM, each taking every so many steps (each block stages a
+/// token's queries, 32 KB, once). The steps are dealt out by the visible count, not the
+/// capacity, so a short context still spreads over the whole grid.
+fn index_blocks(cap: usize, sms: usize) -> usize {
+    cap.div_ceil(INDEX_STEP).min(2 * sms.max(1)).max(1)
 }
 
 /// Lightning Indexer (spec §7) for T queries: `q [T, nh·c]` (already rotated), `weights [T, nh]`
@@ -303,11 +305,9 @@ pub fn index_topk(
     let scale = 1.0 / (c as f32).sqrt();
     let wscale = 1.0 / (nh as f32).sqrt();
     if cap > 0 {
-        let per_block = index_per_block(cap, dev.sm_count());
-        let per_block32 = dim_u32("indexer entries a block", per_block)?;
         let cfg = LaunchConfig {
             grid_dim: (
-                dim_u32("indexer blocks", cap.div_ceil(per_block))?,
+                dim_u32("indexer blocks", index_blocks(cap, dev.sm_count()))?,
                 tokens,
                 1,
             ),
@@ -327,7 +327,6 @@ pub fn index_topk(
                     .arg(dims[2])
                     .arg(dims[3])
                     .ptr(pos)
-                    .arg(per_block32)
                     .arg(scale)
                     .arg(wscale)
                     .ptr(scores);
