@@ -653,6 +653,146 @@ mod gpu {
         }
     }
 
+    /// The sizes of one attention test launch; queries uniform in ±q_amp, keys in ±amp.
+    struct CaseShape {
+        h: usize,
+        d: usize,
+        w: usize,
+        t: usize,
+        pos0: usize,
+        mode: usize,
+        ratio: usize,
+        cap: usize,
+        k: usize,
+        half: usize,
+        q_amp: f32,
+        amp: f32,
+    }
+
+    /// One attention launch's random inputs, on the host and the device, and the CPU result
+    /// (rotated back as the kernels write it). `mode`: 0 no compressed keys, 1 all visible
+    /// entries, 2 a random selection of them (ascending, -1 after).
+    struct AttentionCase {
+        s: CaseShape,
+        what: String,
+        selected: Vec<i32>,
+        q: DeviceTensor<f32>,
+        kv: DeviceTensor<f32>,
+        ring: DeviceTensor<f32>,
+        sink: DeviceTensor<f32>,
+        entries_d: DeviceTensor<f32>,
+        selected_d: DeviceTensor<i32>,
+        pos: DeviceTensor<u32>,
+        freq: DeviceTensor<f32>,
+        want: Vec<f32>,
+    }
+
+    impl AttentionCase {
+        fn new(dev: &Device, rng: &mut StdRng, iter: usize, s: CaseShape) -> AttentionCase {
+            let (h, d, w, t, hd) = (s.h, s.d, s.w, s.t, s.h * s.d);
+            let q = uniform(rng, t * hd, -s.q_amp, s.q_amp);
+            let kv = uniform(rng, t * d, -s.amp, s.amp);
+            let ring = uniform(rng, w * d, -s.amp, s.amp);
+            let sink = uniform(rng, h, -2.0, 4.0);
+            let entries = uniform(rng, s.cap * d, -s.amp, s.amp);
+            let selected: Vec<i32> = (0..t)
+                .flat_map(|tt| {
+                    let n = cpu::visible_entries(s.pos0 + tt, s.ratio, s.cap);
+                    let mut ids: Vec<i32> = (0..n as i32).collect();
+                    ids.retain(|_| rng.random_bool(0.6));
+                    ids.truncate(s.k);
+                    ids.resize(s.k, -1);
+                    ids
+                })
+                .collect();
+            let f = inv_freq(s.half);
+            let hc = match s.mode {
+                0 => HostCompressed::None,
+                1 => HostCompressed::All {
+                    entries: &entries,
+                    ratio: s.ratio,
+                },
+                _ => HostCompressed::Selected {
+                    entries: &entries,
+                    selected: &selected,
+                    k: s.k,
+                },
+            };
+            let mut want = cpu::attention(&q, &kv, &ring, d, hc, &sink, s.pos0);
+            for (tt, row) in want.chunks_mut(hd).enumerate() {
+                rope_rows(row, h, d, &f, s.pos0 + tt, RopeDirection::Inverse);
+            }
+            let what = format!(
+                "iter {iter}: H {h} d {d} W {w} mode {} T {t} at {}",
+                s.mode, s.pos0
+            );
+            AttentionCase {
+                what,
+                q: dev.upload(DType::F32, &[t, hd], &q).unwrap(),
+                kv: dev.upload(DType::F32, &[t, d], &kv).unwrap(),
+                ring: dev.upload(DType::F32, &[w, d], &ring).unwrap(),
+                sink: dev.upload(DType::F32, &[h], &sink).unwrap(),
+                entries_d: dev.upload(DType::F32, &[s.cap, d], &entries).unwrap(),
+                selected_d: dev.upload(DType::I32, &[t, s.k], &selected).unwrap(),
+                pos: position(dev, s.pos0),
+                freq: dev.upload(DType::F32, &[s.half], &f).unwrap(),
+                selected,
+                want,
+                s,
+            }
+        }
+
+        /// The launch on `splits` into a poisoned output, with `selected` in place of the
+        /// case's selection when given; the output widened to f32.
+        fn run(
+            &self,
+            dev: &Device,
+            splits: &mut AttentionSplits,
+            selected: Option<&DeviceTensor<i32>>,
+        ) -> Vec<f32> {
+            let ratio = self.s.ratio;
+            let entries = &self.entries_d;
+            let compressed = match self.s.mode {
+                0 => Compressed::None,
+                1 => Compressed::All { entries, ratio },
+                _ => Compressed::Selected {
+                    entries,
+                    selected: selected.unwrap_or(&self.selected_d),
+                    ratio,
+                },
+            };
+            let shape = [self.s.t, self.s.h * self.s.d];
+            let mut out = poisoned::<bf16>(dev, DType::BF16, &shape);
+            attention(
+                dev,
+                &self.q,
+                &self.kv,
+                &self.ring,
+                compressed,
+                &self.sink,
+                &self.pos,
+                &self.freq,
+                splits,
+                &mut out,
+            )
+            .unwrap();
+            download_f32(dev, &out)
+        }
+
+        /// Every token of `got` within `rel` of the CPU result (and half a BF16 step).
+        fn check(&self, label: &str, got: &[f32], rel: f32) {
+            let hd = self.s.h * self.s.d;
+            for tt in 0..self.s.t {
+                assert_close_bf16(
+                    &format!("{} {label} token {tt}", self.what),
+                    &got[tt * hd..(tt + 1) * hd],
+                    &self.want[tt * hd..(tt + 1) * hd],
+                    rel,
+                );
+            }
+        }
+    }
+
     #[test]
     #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
     fn gpu_attention_matches_reference() {
@@ -668,7 +808,6 @@ mod gpu {
         ];
         for iter in 0..30 {
             let (h, d, w) = shapes[iter % shapes.len()];
-            let mode = iter % 3; // none, all, selected
             let t = rng.random_range(1..=16usize);
             let pos0 = match iter % 4 {
                 0 => 0,
@@ -676,12 +815,7 @@ mod gpu {
                 2 => rng.random_range(w..3 * w + 20),
                 _ => rng.random_range(0..5000),
             };
-            let hd = h * d;
-            let qscale = rng.random_range(0.5..4.0);
-            let q = uniform(&mut rng, t * hd, -qscale, qscale);
-            let kv = uniform(&mut rng, t * d, -1.0, 1.0);
-            let ring = uniform(&mut rng, w * d, -1.0, 1.0);
-            let sink = uniform(&mut rng, h, -2.0, 4.0);
+            let q_amp = rng.random_range(0.5..4.0);
             let ratio = [4, 128, 1, 3][rng.random_range(0..4)];
             let full = (pos0 + t) / ratio;
             // Capacity clipping now and then; zero visible entries at small positions.
@@ -690,96 +824,44 @@ mod gpu {
             } else {
                 full + 3
             };
-            let entries = uniform(&mut rng, cap * d, -1.0, 1.0);
             let k = [8, 512, 3][rng.random_range(0..3)];
-            let selected: Vec<i32> = (0..t)
-                .flat_map(|tt| {
-                    let n = cpu::visible_entries(pos0 + tt, ratio, cap);
-                    let mut ids: Vec<i32> = (0..n as i32).collect();
-                    // A random subset, in ascending order, -1 after it.
-                    ids.retain(|_| rng.random_bool(0.6));
-                    ids.truncate(k);
-                    ids.resize(k, -1);
-                    ids
-                })
-                .collect();
-            let qd = dev.upload(DType::F32, &[t, hd], &q).unwrap();
-            let kvd = dev.upload(DType::F32, &[t, d], &kv).unwrap();
-            let rd = dev.upload(DType::F32, &[w, d], &ring).unwrap();
-            let sd = dev.upload(DType::F32, &[h], &sink).unwrap();
-            let ed = dev.upload(DType::F32, &[cap, d], &entries).unwrap();
-            let seld = dev.upload(DType::I32, &[t, k], &selected).unwrap();
-            let pos = position(&dev, pos0);
-            let (dc, hc) = match mode {
-                0 => (Compressed::None, HostCompressed::None),
-                1 => (
-                    Compressed::All {
-                        entries: &ed,
-                        ratio,
-                    },
-                    HostCompressed::All {
-                        entries: &entries,
-                        ratio,
-                    },
-                ),
-                _ => (
-                    Compressed::Selected {
-                        entries: &ed,
-                        selected: &seld,
-                        ratio,
-                    },
-                    HostCompressed::Selected {
-                        entries: &entries,
-                        selected: &selected,
-                        k,
-                    },
-                ),
-            };
             let half = [0, 1, d / 4, d / 2][rng.random_range(0..4)];
-            let f = inv_freq(half);
-            let fd = dev.upload(DType::F32, &[half], &f).unwrap();
-            let mut want = cpu::attention(&q, &kv, &ring, d, hc, &sink, pos0);
-            for (tt, row) in want.chunks_mut(hd).enumerate() {
-                rope_rows(row, h, d, &f, pos0 + tt, RopeDirection::Inverse);
-            }
-            let what = format!("iter {iter}: H {h} d {d} W {w} mode {mode} T {t} at {pos0}");
+            let shape = CaseShape {
+                h,
+                d,
+                w,
+                t,
+                pos0,
+                mode: iter % 3,
+                ratio,
+                cap,
+                k,
+                half,
+                q_amp,
+                amp: 1.0,
+            };
+            let case = AttentionCase::new(&dev, &mut rng, iter, shape);
+            let what = &case.what;
             // Unsplit (no scratch), split as the device chooses, and split again over the
             // counters the previous launch left (they must be back at zero).
             let mut splits = scratch(&dev, 0, d);
             let mut big = scratch(&dev, SPLIT_ROWS, d);
-            let mut firsts = Vec::new();
-            for (run, sp) in [(0, &mut splits), (1, &mut big)] {
-                for again in 0..1 + run {
-                    let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
-                    attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &fd, sp, &mut out).unwrap();
-                    let got = download_f32(&dev, &out);
-                    for tt in 0..t {
-                        assert_close_bf16(
-                            &format!("{what} run {run}.{again} token {tt}"),
-                            &got[tt * hd..(tt + 1) * hd],
-                            &want[tt * hd..(tt + 1) * hd],
-                            1e-5,
-                        );
-                    }
-                    if again == 0 {
-                        firsts.push(got);
-                    } else {
-                        assert_bits_eq(&format!("{what} relaunch"), &got, &firsts[run]);
-                    }
-                }
-            }
+            let unsplit = case.run(&dev, &mut splits, None);
+            case.check("unsplit", &unsplit, 1e-5);
+            let split = case.run(&dev, &mut big, None);
+            case.check("split", &split, 1e-5);
+            let again = case.run(&dev, &mut big, None);
+            assert_bits_eq(&format!("{what} relaunch"), &again, &split);
             // One key buffer a warp (where two do not fit): the same bits.
             let single = &crate::gpu::gemv::tuning::ATTENTION_DOUBLE_BUFFER;
             single.set(false);
-            let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
-            let r = attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &fd, &mut big, &mut out);
+            let one = case.run(&dev, &mut big, None);
             single.set(true);
-            r.unwrap();
-            let got = download_f32(&dev, &out);
-            assert_bits_eq(&format!("{what} one buffer"), &got, &firsts[1]);
-            if mode == 2 {
+            assert_bits_eq(&format!("{what} one buffer"), &one, &split);
+            if case.s.mode == 2 {
                 // The slots past min(k, visible) are not read: ids there change nothing.
-                let dirty: Vec<i32> = selected
+                let dirty: Vec<i32> = case
+                    .selected
                     .chunks(k)
                     .enumerate()
                     .flat_map(|(tt, ids)| {
@@ -790,19 +872,8 @@ mod gpu {
                     })
                     .collect();
                 let dd = dev.upload(DType::I32, &[t, k], &dirty).unwrap();
-                let dc = Compressed::Selected {
-                    entries: &ed,
-                    selected: &dd,
-                    ratio,
-                };
-                let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
-                attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &fd, &mut big, &mut out).unwrap();
-                let got = download_f32(&dev, &out);
-                assert_bits_eq(
-                    &format!("{what} ids past the visible slots"),
-                    &got,
-                    &firsts[1],
-                );
+                let got = case.run(&dev, &mut big, Some(&dd));
+                assert_bits_eq(&format!("{what} ids past the visible slots"), &got, &split);
             }
             assert!(
                 dev.download(&big.counters).unwrap().iter().all(|&c| c == 0),
@@ -822,89 +893,30 @@ mod gpu {
         let shapes = [(64, 512, 128), (128, 512, 128), (4, 32, 16), (6, 64, 5)];
         for iter in 0..12 {
             let (h, d, w) = shapes[iter % shapes.len()];
-            let mode = iter % 3;
             let t = rng.random_range(17..=90usize);
             let pos0 = [0, rng.random_range(1..w + 1), rng.random_range(w..4000)][iter % 3];
-            let hd = h * d;
-            // RMS-normalised queries and keys, as the model's.
-            let q = uniform(&mut rng, t * hd, -1.7, 1.7);
-            let kv = uniform(&mut rng, t * d, -1.7, 1.7);
-            let ring = uniform(&mut rng, w * d, -1.7, 1.7);
-            let sink = uniform(&mut rng, h, -2.0, 4.0);
             let ratio = [4, 128, 3][iter % 3];
-            let cap = (pos0 + t) / ratio + 2;
-            let entries = uniform(&mut rng, cap * d, -1.7, 1.7);
-            let k = 8;
-            let selected: Vec<i32> = (0..t)
-                .flat_map(|tt| {
-                    let n = cpu::visible_entries(pos0 + tt, ratio, cap);
-                    let mut ids: Vec<i32> = (0..n as i32).collect();
-                    ids.retain(|_| rng.random_bool(0.6));
-                    ids.truncate(k);
-                    ids.resize(k, -1);
-                    ids
-                })
-                .collect();
-            let qd = dev.upload(DType::F32, &[t, hd], &q).unwrap();
-            let kvd = dev.upload(DType::F32, &[t, d], &kv).unwrap();
-            let rd = dev.upload(DType::F32, &[w, d], &ring).unwrap();
-            let sd = dev.upload(DType::F32, &[h], &sink).unwrap();
-            let ed = dev.upload(DType::F32, &[cap, d], &entries).unwrap();
-            let seld = dev.upload(DType::I32, &[t, k], &selected).unwrap();
-            let pos = position(&dev, pos0);
-            let (dc, hc) = match mode {
-                0 => (Compressed::None, HostCompressed::None),
-                1 => (
-                    Compressed::All {
-                        entries: &ed,
-                        ratio,
-                    },
-                    HostCompressed::All {
-                        entries: &entries,
-                        ratio,
-                    },
-                ),
-                _ => (
-                    Compressed::Selected {
-                        entries: &ed,
-                        selected: &seld,
-                        ratio,
-                    },
-                    HostCompressed::Selected {
-                        entries: &entries,
-                        selected: &selected,
-                        k,
-                    },
-                ),
+            // RMS-normalised queries and keys, as the model's.
+            let shape = CaseShape {
+                h,
+                d,
+                w,
+                t,
+                pos0,
+                mode: iter % 3,
+                ratio,
+                cap: (pos0 + t) / ratio + 2,
+                k: 8,
+                half: d / 4,
+                q_amp: 1.7,
+                amp: 1.7,
             };
-            let half = d / 4;
-            let f = inv_freq(half);
-            let fd = dev.upload(DType::F32, &[half], &f).unwrap();
-            let mut want = cpu::attention(&q, &kv, &ring, d, hc, &sink, pos0);
-            for (tt, row) in want.chunks_mut(hd).enumerate() {
-                rope_rows(row, h, d, &f, pos0 + tt, RopeDirection::Inverse);
-            }
-            let what = format!("iter {iter}: H {h} d {d} W {w} mode {mode} T {t} at {pos0}");
+            let case = AttentionCase::new(&dev, &mut rng, iter, shape);
             let mut sp = scratch(&dev, 0, d);
-            let mut first = Vec::new();
-            for again in 0..2 {
-                let mut out = poisoned::<bf16>(&dev, DType::BF16, &[t, hd]);
-                attention(&dev, &qd, &kvd, &rd, dc, &sd, &pos, &fd, &mut sp, &mut out).unwrap();
-                let got = download_f32(&dev, &out);
-                if again == 1 {
-                    assert_bits_eq(&format!("{what} relaunch"), &got, &first);
-                    continue;
-                }
-                for tt in 0..t {
-                    assert_close_bf16(
-                        &format!("{what} token {tt}"),
-                        &got[tt * hd..(tt + 1) * hd],
-                        &want[tt * hd..(tt + 1) * hd],
-                        1e-4,
-                    );
-                }
-                first = got;
-            }
+            let first = case.run(&dev, &mut sp, None);
+            case.check("first", &first, 1e-4);
+            let again = case.run(&dev, &mut sp, None);
+            assert_bits_eq(&format!("{} relaunch", case.what), &again, &first);
         }
     }
 
