@@ -226,7 +226,6 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
     const u32 n_vis = min((p + 1u) / ratio, cap);
     constexpr u32 STEP = IDX_WARPS * IDX_EPW;
     if (blockIdx.x * STEP >= n_vis) return;
-    const u32 hi = n_vis;
     const float* qt = q + (u64)t * nh * c;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     // The token's queries, 16-byte pieces (4 channels of one head; c % 4 == 0) eight at a time
@@ -253,12 +252,12 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
     for (u32 h = threadIdx.x; h < nh; h += blockDim.x) w_s[h] = __fmul_rn(weights[(u64)t * nh + h], wscale);
     __syncthreads();
     float* out = scores + (u64)t * cap;
-    for (u32 e0 = blockIdx.x * STEP + warp * IDX_EPW; e0 < hi; e0 += gridDim.x * STEP) {
+    for (u32 e0 = blockIdx.x * STEP + warp * IDX_EPW; e0 < n_vis; e0 += gridDim.x * STEP) {
         // Stage entries e0..e0+3 (missing ones as zeros; their scores are not written).
         for (u32 ch = lane; ch < c; ch += 32u) {
             float v[IDX_EPW];
 #pragma unroll
-            for (u32 x = 0; x < IDX_EPW; x++) v[x] = e0 + x < hi ? entries[(u64)(e0 + x) * c + ch] : 0.0f;
+            for (u32 x = 0; x < IDX_EPW; x++) v[x] = e0 + x < n_vis ? entries[(u64)(e0 + x) * c + ch] : 0.0f;
             k_s[warp][ch] = make_float4(v[0], v[1], v[2], v[3]);
         }
         __syncwarp();
@@ -282,7 +281,7 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
             terms[warp][3][h] = __fmul_rn(__fmul_rn(fmaxf(d3, 0.0f), scale), w);
         }
         __syncwarp();
-        if (lane < IDX_EPW && e0 + lane < hi) {
+        if (lane < IDX_EPW && e0 + lane < n_vis) {
             float s = NEG_ZERO;
             for (u32 h = 0; h < nh; h++) s = __fadd_rn(s, terms[warp][lane][h]);
             out[e0 + lane] = s;
@@ -549,13 +548,12 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
     u32* __restrict__ counters, u16* __restrict__ out, u32 ring) {
+    const u32 h0 = blockIdx.x * ATT_HEADS;
+    const u32 hv = min(ATT_HEADS, heads - h0);  // heads this block writes
     // The heads' sinks and the rotation's frequencies (weights) before the wait.
     __shared__ float sink_s[ATT_HEADS], freq_s[ATT_MAX_CPL * 16u];
-    {
-        const u32 h0 = blockIdx.x * ATT_HEADS;
-        if (threadIdx.x < min(ATT_HEADS, heads - h0)) sink_s[threadIdx.x] = sink[h0 + threadIdx.x];
-        for (u32 i = threadIdx.x; i < rope_half; i += blockDim.x) freq_s[i] = inv_freq[i];
-    }
+    if (threadIdx.x < hv) sink_s[threadIdx.x] = sink[h0 + threadIdx.x];
+    for (u32 i = threadIdx.x; i < rope_half; i += blockDim.x) freq_s[i] = inv_freq[i];
     pdl_enter();
     __shared__ __align__(16) float q_s[ATT_HEADS * ATT_MAX_CPL * 32u];
     __shared__ float acc_s[ATT_HEADS * ATT_MAX_CPL * 32u];
@@ -564,8 +562,6 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     extern __shared__ __align__(16) float stage[];  // [ATT_WARPS][ring][ATT_BATCH][d] keys, then [ATT_WARPS][ATT_HEADS][d]
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
-    const u32 h0 = blockIdx.x * ATT_HEADS;
-    const u32 hv = min(ATT_HEADS, heads - h0);  // heads this block writes
     const u32 splits = gridDim.z, split = blockIdx.z;
     const u32 pos0 = pos[0];
     const u32 p = pos0 + t;

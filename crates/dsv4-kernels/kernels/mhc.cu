@@ -169,9 +169,7 @@ __device__ __forceinline__ float collapse_sum(float v, float* scratch, u32 threa
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     if (lane == 0u) scratch[warp] = v;
     asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
-    v = lane < threads / 32u ? scratch[lane] : 0.0f;
-    v = warp_sum(v);
-    return v;
+    return warp_sum(lane < threads / 32u ? scratch[lane] : 0.0f);
 }
 
 // One token's sub-layer input, collapsed and RMS-normalized by the block's first `threads`

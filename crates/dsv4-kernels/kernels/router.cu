@@ -176,8 +176,7 @@ __device__ __forceinline__ void tile(const float* __restrict__ x, u32 d, const W
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int t = 0; t < TT; ++t) {
-        float v = acc[t];
-        v = warp_sum(v);
+        const float v = warp_sum(acc[t]);
         if (lane == 0u) scratch[warp][t] = v;
     }
     __syncthreads();
@@ -246,8 +245,7 @@ __device__ __forceinline__ void tile_experts(const float* __restrict__ x, u32 d,
     for (u32 r = 0; r < EXPERTS; ++r)
 #pragma unroll
         for (u32 t = 0; t < TILE; ++t) {
-            float v = acc[r][t];
-            v = warp_sum(v);
+            const float v = warp_sum(acc[r][t]);
             if (lane == 0u) scratch[warp][r * TILE + t] = v;
         }
     __syncthreads();

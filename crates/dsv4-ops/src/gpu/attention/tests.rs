@@ -764,16 +764,8 @@ mod gpu {
             let shape = [self.s.t, self.s.h * self.s.d];
             let mut out = poisoned::<bf16>(dev, DType::BF16, &shape);
             attention(
-                dev,
-                &self.q,
-                &self.kv,
-                &self.ring,
-                compressed,
-                &self.sink,
-                &self.pos,
-                &self.freq,
-                splits,
-                &mut out,
+                dev, &self.q, &self.kv, &self.ring, compressed, &self.sink, &self.pos, &self.freq,
+                splits, &mut out,
             )
             .unwrap();
             download_f32(dev, &out)
