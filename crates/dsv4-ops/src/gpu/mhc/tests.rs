@@ -294,4 +294,20 @@ fn gpu_mhc_launchers_reject_other_stream_counts_and_shapes() {
     let mut wrong = dev.alloc(DType::F32, &[2, HC * d + 1]).unwrap();
     let r = hc_post_mix(&dev, &sd, &y, &mix, &mut wrong, &site, &params(), &mut part);
     assert!(r.is_err(), "new streams of the wrong width");
+    // The kernels copy fn 16 bytes at a time: an fn one float off a 16-byte boundary is refused.
+    let mut pool = crate::gpu::BufferPool::new();
+    let room = pool
+        .reserve::<f32>("fn", DType::F32, &[MIX * HC * d + 1])
+        .unwrap();
+    pool.seal(&dev).unwrap();
+    let backing = pool.take(room).unwrap();
+    let shifted = DeviceHcSite {
+        fn_: backing.view(1, &[MIX, HC * d]).unwrap(),
+        base: dev.upload(DType::F32, &[MIX], &base).unwrap(),
+        scale: dev.upload(DType::F32, &[3], &sc).unwrap(),
+    };
+    let err = hc_mix(&dev, &sd, &shifted, &params(), &mut part)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not on a 16-byte boundary"), "{err}");
 }
