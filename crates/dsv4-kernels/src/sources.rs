@@ -171,6 +171,7 @@ pub const FAMILIES: &[KernelFamily] = &[
             "index_select",
             "attention_heads",
             "attention_mma",
+            "index_scores_mma",
             "window_write",
         ],
     },

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use dsv4_ops::gpu::attention::{self, Compressed};
+use dsv4_ops::gpu::attention::{self, Compressed, IndexScoring};
 use dsv4_ops::gpu::collective::{
     enable_peer_access, Collective, PeerTensors, RankBuffers, MAX_RANKS,
 };
@@ -1174,7 +1174,7 @@ fn attention_layer(
         dev.fork()?;
         dev.on_side(|| index_queries(dev, c, w, lw, a, n))?;
         if select_beside {
-            dev.on_side(|| select(dev, lw, ls, a, 0, n, 1))?;
+            dev.on_side(|| select(dev, lw, ls, a, 0, n, 1, n))?;
         }
     }
     // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
@@ -1214,7 +1214,7 @@ fn attention_layer(
     // the join: the indexer's queries come from the side stream).
     if !select_beside {
         for &(first, rows) in &subs {
-            select(dev, lw, ls, a, first, rows, subs.len())?;
+            select(dev, lw, ls, a, first, rows, subs.len(), n)?;
         }
     }
     let selected;
@@ -1369,7 +1369,8 @@ fn index_queries(
 
 /// In a CSA layer, the indexer's top-k of the compressed entries for the `rows` queries from
 /// row `first` of [`index_queries`]' output (sub-chunk `first / MAX_CHUNK` of `subs`), into
-/// the same rows of the layer's `selected`.
+/// the same rows of the layer's `selected`, scored as a chunk of `n` tokens is.
+#[allow(clippy::too_many_arguments)]
 fn select(
     dev: &Device,
     lw: &DevLayer,
@@ -1378,6 +1379,7 @@ fn select(
     first: usize,
     rows: usize,
     subs: usize,
+    n: usize,
 ) -> Result<(), GpuError> {
     let (Some(iw), Some(ist)) = (&lw.attn.indexer, &mut ls.index) else {
         return Ok(());
@@ -1393,6 +1395,7 @@ fn select(
         ist.comp.entries(),
         lw.kind.ratio(),
         &sub_position(a, first / MAX_CHUNK, subs)?,
+        IndexScoring::for_chunk(n),
         &mut ist.scores.rows(rows)?,
         &mut sel,
     )

@@ -240,12 +240,39 @@ fn index_blocks(cap: usize, sms: usize) -> usize {
     cap.div_ceil(INDEX_STEP).min(2 * sms.max(1)).max(1)
 }
 
+/// How [`index_topk`] computes its scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexScoring {
+    /// On CUDA cores in [`reference::index_scores`]' operation order: bit-identical scores.
+    Exact,
+    /// On f16 tensor-core MMAs with every operand split in two f16 parts (about 22 significant
+    /// bits, as `attention_mma`): within about 1e-6 of the terms' magnitude, not bit for bit.
+    /// Needs c a multiple of 16 (else the scores are taken [`IndexScoring::Exact`]ly).
+    TensorCores,
+}
+
+impl IndexScoring {
+    /// What a chunk of `tokens` scores with: tensor cores where [`attention`] takes them (a
+    /// prompt chunk), so a decode step, or a batch of them, scores exactly.
+    pub fn for_chunk(tokens: usize) -> IndexScoring {
+        if tokens >= MMA_MIN_TOKENS {
+            IndexScoring::TensorCores
+        } else {
+            IndexScoring::Exact
+        }
+    }
+}
+
+/// Tokens an `index_scores_mma` block takes (`IMMA_TOKENS`).
+const INDEX_MMA_TOKENS: usize = 4;
+
 /// Lightning Indexer (spec §7) for T queries: `q [T, nh·c]` (already rotated), `weights [T, nh]`
 /// (raw weights_proj outputs: the kernel multiplies them by 1/sqrt(nh) exactly as the CPU does
 /// before use), over the visible entries of the indexer compressor `entries [capacity, c]`:
 /// token t sees n_vis = min((p + 1) / ratio, capacity) entries. Score of entry w:
-/// Σ_h (max(q_h·K_w, 0) · (1/sqrt(c)) · w_h) (the same operation order as
-/// [`reference::index_scores`], so the scores are bit-identical). `scores` F32 `[T, capacity]` is scratch.
+/// Σ_h (max(q_h·K_w, 0) · (1/sqrt(c)) · w_h), computed as `scoring` says; an entry's score
+/// depends only on its key and its token's queries and weights either way. `scores` F32
+/// `[T, capacity]` is scratch.
 /// Writes `selected` I32 `[T, k]`: the top-k entries by score (in `f32::total_cmp` order), ties
 /// to the lowest index, in ascending index order as `router::reference::top_k` returns them;
 /// slots past n_vis are −1 (so fewer visible than k goes through the same code).
@@ -257,6 +284,7 @@ pub fn index_topk(
     entries: &DeviceTensor<f32>,
     ratio: usize,
     pos: &DeviceTensor<u32>,
+    scoring: IndexScoring,
     scores: &mut DeviceTensor<f32>,
     selected: &mut DeviceTensor<i32>,
 ) -> Result<(), GpuError> {
@@ -304,7 +332,62 @@ pub fn index_topk(
     ])?;
     let scale = 1.0 / (c as f32).sqrt();
     let wscale = 1.0 / (nh as f32).sqrt();
-    if cap > 0 {
+    let mma = scoring == IndexScoring::TensorCores && c.is_multiple_of(16);
+    if cap > 0 && mma {
+        // The keys are read as 8-byte pairs.
+        if !entries.device_address().is_multiple_of(8) {
+            return Err(GpuError::invalid(
+                "indexer",
+                "entries not on an 8-byte boundary",
+            ));
+        }
+        // Each block's tokens' queries as two f16 parts, heads rounded up to eight.
+        let shared = INDEX_MMA_TOKENS * 2 * nh.next_multiple_of(8) * (c + 8) * 2;
+        let limits = dev.kernel_limits("index_scores_mma")?;
+        if limits.static_shared + shared > dev.max_block_shared() {
+            return Err(GpuError::invalid(
+                "indexer",
+                format!(
+                    "{nh} heads of {c}: a block needs {shared} bytes of shared memory, this GPU \
+                     gives {}",
+                    dev.max_block_shared()
+                ),
+            ));
+        }
+        let groups = t.div_ceil(INDEX_MMA_TOKENS);
+        // One block an SM (the queries fill its shared memory), entry tiles of 16 dealt over
+        // the blocks' warps by the visible count.
+        let across = cap.div_ceil(16).min(dev.sm_count().div_ceil(groups)).max(1);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                dim_u32("indexer blocks", across)?,
+                dim_u32("indexer token groups", groups)?,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        // SAFETY: q [t, nh·c] (16-byte aligned), weights [t, nh], entries [cap, c] (8-byte
+        // aligned) with nh <= 64, c <= 128 and c % 16 == 0, pos [1], scores [t, cap]; the
+        // dynamic shared memory holds a block's tokens' queries; only entries below
+        // min(n_vis, cap) are read and scored.
+        unsafe {
+            launch(dev, "index_scores_mma", cfg, |b| {
+                b.ptr(q)
+                    .ptr(weights)
+                    .ptr(entries)
+                    .arg(tokens)
+                    .arg(dims[0])
+                    .arg(dims[1])
+                    .arg(dims[2])
+                    .arg(dims[3])
+                    .ptr(pos)
+                    .arg(scale)
+                    .arg(wscale)
+                    .ptr(scores);
+            })
+        }?;
+    } else if cap > 0 {
         let cfg = LaunchConfig {
             grid_dim: (
                 dim_u32("indexer blocks", index_blocks(cap, dev.sm_count()))?,

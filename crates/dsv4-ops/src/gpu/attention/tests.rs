@@ -452,6 +452,7 @@ mod gpu {
         dev: &Device,
         (q, w, entries): (&[f32], &[f32], &[f32]),
         [nh, c, ratio, pos0, k]: [usize; 5],
+        scoring: IndexScoring,
     ) -> (Vec<f32>, Vec<i32>) {
         let (t, cap) = (w.len() / nh, entries.len() / c);
         let qd = dev.upload(DType::F32, &[t, nh * c], q).unwrap();
@@ -460,7 +461,18 @@ mod gpu {
         let pos = position(dev, pos0);
         let mut scores = poisoned::<f32>(dev, DType::F32, &[t, cap]);
         let mut sel = poisoned::<i32>(dev, DType::I32, &[t, k]);
-        index_topk(dev, &qd, &wd, &ed, ratio, &pos, &mut scores, &mut sel).unwrap();
+        index_topk(
+            dev,
+            &qd,
+            &wd,
+            &ed,
+            ratio,
+            &pos,
+            scoring,
+            &mut scores,
+            &mut sel,
+        )
+        .unwrap();
         (dev.download(&scores).unwrap(), dev.download(&sel).unwrap())
     }
 
@@ -589,8 +601,12 @@ mod gpu {
                 let q = uniform(&mut rng, t * nh * c, -1.0, 1.0);
                 let w = uniform(&mut rng, t * nh, -1.0, 1.0);
                 let entries = uniform(&mut rng, cap * c, -1.0, 1.0);
-                let (got_scores, got_sel) =
-                    device_index_topk(&dev, (&q, &w, &entries), [nh, c, ratio, pos0, k]);
+                let (got_scores, got_sel) = device_index_topk(
+                    &dev,
+                    (&q, &w, &entries),
+                    [nh, c, ratio, pos0, k],
+                    IndexScoring::Exact,
+                );
                 let want = cpu::index_topk(&q, &w, &entries, nh, c, ratio, pos0, k);
                 let what = format!("config {iter} round {round}: T {t} at {pos0}");
                 // The scores of the visible entries are the CPU's, bit for bit.
@@ -647,9 +663,109 @@ mod gpu {
             .map(|i| if i % 3 == 0 { -0.5 } else { 0.25 })
             .collect();
         for &pos0 in positions {
-            let (_, got) = device_index_topk(dev, (&q, &w, &entries), [nh, c, 1, pos0, k]);
+            let (_, got) = device_index_topk(
+                dev,
+                (&q, &w, &entries),
+                [nh, c, 1, pos0, k],
+                IndexScoring::Exact,
+            );
             let want = cpu::index_topk(&q, &w, &entries, nh, c, 1, pos0, k);
             assert_eq!(got, want, "{cap} entries, position {pos0}");
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+    fn gpu_index_scores_on_tensor_cores_match_reference() {
+        let dev = device();
+        let mut rng = rng("gpu_index_scores_on_tensor_cores_match_reference");
+        // (nh, c, k, capacity, ratio, largest first position, query amplitude): the Flash
+        // shape at 128k and past a block's grid, heads not a multiple of 8, the fixtures'
+        // widths, queries past f16's range and far below 1.
+        let configs = [
+            (64, 128, 512, 32_768, 4, 131_000, 4.0),
+            (64, 128, 512, 3000, 4, 14_000, 1.0),
+            (12, 16, 8, 300, 4, 1_300, 1.0),
+            (8, 32, 8, 200, 1, 400, 1.0),
+            (33, 48, 5, 50, 3, 100, 1.0),
+            (64, 128, 64, 2000, 4, 8_000, 3.0e5),
+            (64, 128, 64, 2000, 4, 8_000, 1.0e-6),
+        ];
+        for (iter, (nh, c, k, cap, ratio, max_pos, amp)) in configs.into_iter().enumerate() {
+            for round in 0..2 {
+                let t = rng.random_range(1..=20usize);
+                let pos0 = match round {
+                    0 => rng.random_range(0..(k * ratio).min(max_pos) + 1),
+                    _ => rng.random_range(0..max_pos + 1),
+                };
+                let q = uniform(&mut rng, t * nh * c, -amp, amp);
+                let w = uniform(&mut rng, t * nh, -1.0, 1.0);
+                let entries = uniform(&mut rng, cap * c, -1.0, 1.0);
+                let dims = [nh, c, ratio, pos0, k];
+                let tc = IndexScoring::TensorCores;
+                let (got, sel) = device_index_topk(&dev, (&q, &w, &entries), dims, tc);
+                let what = format!("config {iter} round {round}: T {t} at {pos0}");
+                let wscale = 1.0 / (nh as f32).sqrt();
+                let scale = 1.0 / (c as f64).sqrt();
+                for tt in 0..t {
+                    let n = cpu::visible_entries(pos0 + tt, ratio, cap);
+                    let qt = &q[tt * nh * c..(tt + 1) * nh * c];
+                    let ws: Vec<f32> = w[tt * nh..(tt + 1) * nh]
+                        .iter()
+                        .map(|v| v * wscale)
+                        .collect();
+                    let want = cpu::index_scores(qt, &ws, &entries[..n * c], c);
+                    let row = &got[tt * cap..(tt + 1) * cap];
+                    // Every entry of short rows, about 2000 spread over long ones.
+                    for e in (0..n).step_by((n / 2000).max(1)) {
+                        let (g, s) = (row[e], want[e]);
+                        // Within 2e-5 of the size of the entry's terms, Σ_h |w_h| Σ |q k| / √c
+                        // (one f16 rounding of the operands would be about 5e-4 of it).
+                        let key = &entries[e * c..(e + 1) * c];
+                        let size: f64 = qt
+                            .chunks_exact(c)
+                            .zip(&ws)
+                            .map(|(qh, wh)| {
+                                let d: f64 =
+                                    qh.iter().zip(key).map(|(a, b)| (a * b).abs() as f64).sum();
+                                d * scale * wh.abs() as f64
+                            })
+                            .sum();
+                        let err = (g as f64 - s as f64).abs();
+                        assert!(
+                            err <= 2e-5 * size,
+                            "{what} token {tt} entry {e}: {g} against {s} (terms' size {size})"
+                        );
+                    }
+                    // Past the visible entries nothing is written.
+                    assert!(
+                        row[n..]
+                            .iter()
+                            .all(|v| v.to_bits() == u32::from_ne_bytes([POISON; 4])),
+                        "{what} token {tt}: a score past its {n} visible entries"
+                    );
+                    // The selection is the top-k of these scores.
+                    let want_sel: Vec<i32> = crate::gpu::router::reference::top_k(&row[..n], k)
+                        .into_iter()
+                        .map(|i| i as i32)
+                        .chain(std::iter::repeat(-1))
+                        .take(k)
+                        .collect();
+                    assert_eq!(
+                        &sel[tt * k..(tt + 1) * k],
+                        &want_sel[..],
+                        "{what} token {tt} selection"
+                    );
+                    // Alone, at its own position, the first and last tokens score the same
+                    // bits.
+                    if tt != 0 && tt + 1 != t {
+                        continue;
+                    }
+                    let alone = (qt, &w[tt * nh..(tt + 1) * nh], &entries[..]);
+                    let (one, _) = device_index_topk(&dev, alone, [nh, c, ratio, pos0 + tt, k], tc);
+                    assert_bits_eq(&format!("{what} token {tt} alone"), &one[..n], &row[..n]);
+                }
+            }
         }
     }
 
@@ -1034,6 +1150,7 @@ mod gpu {
                 &ist.entries,
                 ratio,
                 &pos,
+                IndexScoring::Exact,
                 &mut scores,
                 &mut sel,
             )
@@ -1241,15 +1358,47 @@ mod gpu {
         let (iq, iw, ie) = (f32s(&[2, 4 * 16]), f32s(&[2, 4]), f32s(&[10, 16]));
         let mut scores = f32s(&[2, 10]);
         let mut sel = dev.alloc::<i32>(DType::I32, &[2, 3]).unwrap();
-        index_topk(&dev, &iq, &iw, &ie, 4, &pos, &mut scores, &mut sel).unwrap();
+        let ex = IndexScoring::Exact;
+        index_topk(&dev, &iq, &iw, &ie, 4, &pos, ex, &mut scores, &mut sel).unwrap();
         let mut bad_scores = f32s(&[2, 9]);
-        assert!(index_topk(&dev, &iq, &iw, &ie, 4, &pos, &mut bad_scores, &mut sel).is_err());
-        assert!(index_topk(&dev, &iq, &iw, &ie, 0, &pos, &mut scores, &mut sel).is_err());
+        assert!(index_topk(&dev, &iq, &iw, &ie, 4, &pos, ex, &mut bad_scores, &mut sel).is_err());
+        assert!(index_topk(&dev, &iq, &iw, &ie, 0, &pos, ex, &mut scores, &mut sel).is_err());
         let (iq6, ie6) = (f32s(&[2, 4 * 6]), f32s(&[10, 6]));
-        let err = index_topk(&dev, &iq6, &iw, &ie6, 4, &pos, &mut scores, &mut sel).unwrap_err();
+        let err =
+            index_topk(&dev, &iq6, &iw, &ie6, 4, &pos, ex, &mut scores, &mut sel).unwrap_err();
         assert!(err.to_string().contains("multiple of 4"), "{err}");
+        // The tensor-core kernel reads the entries in 8-byte pairs.
+        let skewed_ie = wide.view(1, &[10, 16]).unwrap();
+        let tc = IndexScoring::TensorCores;
+        let err = index_topk(
+            &dev,
+            &iq,
+            &iw,
+            &skewed_ie,
+            4,
+            &pos,
+            tc,
+            &mut scores,
+            &mut sel,
+        );
+        assert!(
+            err.unwrap_err()
+                .to_string()
+                .contains("entries not on an 8-byte"),
+            "skewed indexer entries"
+        );
         let skewed_iq = wide.view(1, &[2, 4 * 16]).unwrap();
-        let err = index_topk(&dev, &skewed_iq, &iw, &ie, 4, &pos, &mut scores, &mut sel);
+        let err = index_topk(
+            &dev,
+            &skewed_iq,
+            &iw,
+            &ie,
+            4,
+            &pos,
+            ex,
+            &mut scores,
+            &mut sel,
+        );
         assert!(
             err.unwrap_err()
                 .to_string()
