@@ -1036,9 +1036,10 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // Block (x, y) takes tokens [IMMA_TOKENS y, + IMMA_TOKENS). Their queries go to shared memory
 // once, as f16 parts [token][hi, lo][head][c + 8], each token's scaled by the power of two
 // that brings its largest |value| just under 2^14 (inside f16's range and clear of its
-// subnormals; the head weights take the inverse, so nothing is rounded by it). Then each warp
-// takes tiles of 16 entries (tile x + gridDim.x (warp + 8 i)) below the last token's visible
-// count: the tile's keys stay in registers as the A operand, and for each token whose visible
+// subnormals; the head weights take the inverse, so nothing is rounded by it). Then the block
+// takes steps of 128 entries (x, x + gridDim.x, ...: a short context keeps most blocks idle
+// rather than every block staging queries for a few entries), warp w their w-th 16, below the
+// last token's visible count: the tile's keys stay in registers as the A operand, and for each token whose visible
 // entries reach the tile the warp takes the heads eight at a time (B, from shared memory)
 // over all c channels, then sums max(dot, 0) · scale · w_h over the heads in registers and
 // across the quad. So an entry's score depends only on its key and its token's queries and
@@ -1048,7 +1049,12 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 #define IMMA_WARPS 8u
 #define IMMA_KSTEPS (IDX_MAX_C / 16u)
 #define IMMA_NTILES (IDX_MAX_HEADS / 8u)
+#define IMMA_LD (IDX_MAX_C + 8u)                       // query row stride (f16)
+#define IMMA_PART (IDX_MAX_HEADS * IMMA_LD)            // one f16 part of one token's queries
 
+// Every shape runs the full 64 heads x 128 channels, the missing ones zero, so the MMA loops
+// unroll whole with no bounds to test (with runtime bounds the kernel took 40 us for a
+// 16-token launch over a few hundred entries).
 DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
     index_scores_mma(const float* __restrict__ q, const float* __restrict__ weights,
                      const float* __restrict__ entries, u32 tokens, u32 cap, u32 nh, u32 c, u32 ratio,
@@ -1057,17 +1063,15 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
     extern __shared__ __align__(16) u16 imma[];
     __shared__ float w_s[IMMA_TOKENS][IDX_MAX_HEADS];
     __shared__ float red[IMMA_TOKENS][IMMA_WARPS];
-    const u32 ld = c + 8u, ntiles = (nh + 7u) / 8u, ksteps = c / 16u;
-    const u32 part = ntiles * 8u * ld;  // one f16 part of one token's queries
     const u32 t0 = blockIdx.y * IMMA_TOKENS, tb_n = min(IMMA_TOKENS, tokens - t0);
     const u32 pos0 = pos[0];
     auto visible = [&](u32 t) { return min((pos0 + t + 1u) / ratio, cap); };
     const u32 n_max = visible(t0 + tb_n - 1u);
-    if (blockIdx.x * 16u >= n_max) return;
+    if (blockIdx.x * IMMA_WARPS * 16u >= n_max) return;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3u;
 
     // The tokens' queries in two passes over all of them at once: their largest |values|,
-    // then the scaled f16 parts.
+    // then the scaled f16 parts (zero past nh heads and c channels).
     const float* qg = q + (u64)t0 * nh * c;
     const u32 qn = nh * c;
     float mx[IMMA_TOKENS] = {};
@@ -1094,65 +1098,62 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
         frexpf(m, &e);
         const int sh = m > 0.0f && isfinite(m) ? max(-126, min(126, 14 - e)) : 0;
         f[tb] = ldexpf(1.0f, sh);
-        if (tb < tb_n && threadIdx.x < ntiles * 8u) {
+        if (tb < tb_n && threadIdx.x < IDX_MAX_HEADS) {
             const u32 h = threadIdx.x;
             w_s[tb][h] = h < nh ? __fmul_rn(weights[(u64)(t0 + tb) * nh + h], wscale) * scale * ldexpf(1.0f, -sh) : 0.0f;
         }
     }
-    for (u32 i = 4u * threadIdx.x; i < ntiles * 8u * c; i += 4u * blockDim.x) {
-        const u32 h = i / c, ch = i % c;
+    for (u32 i = 4u * threadIdx.x; i < IDX_MAX_HEADS * IDX_MAX_C; i += 4u * blockDim.x) {
+        const u32 h = i / IDX_MAX_C, ch = i % IDX_MAX_C;
 #pragma unroll
         for (u32 tb = 0; tb < IMMA_TOKENS; tb++) {
             if (tb >= tb_n) break;
-            float4 v = h < nh ? *reinterpret_cast<const float4*>(qg + tb * qn + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (h < nh && ch < c) v = *reinterpret_cast<const float4*>(qg + tb * qn + h * c + ch);
             v = make_float4(v.x * f[tb], v.y * f[tb], v.z * f[tb], v.w * f[tb]);
-            u16* hi = imma + tb * 2u * part;
-            store_split(v, hi + h * ld + ch, hi + part + h * ld + ch);
+            u16* hi = imma + tb * 2u * IMMA_PART;
+            store_split(v, hi + h * IMMA_LD + ch, hi + IMMA_PART + h * IMMA_LD + ch);
         }
     }
     __syncthreads();
 
     auto ld32 = [](const u16* p) { return *reinterpret_cast<const u32*>(p); };
-    for (u32 i = warp;; i += IMMA_WARPS) {
-        const u32 e0 = 16u * (blockIdx.x + gridDim.x * i);
+    for (u32 i = blockIdx.x;; i += gridDim.x) {
+        const u32 e0 = 16u * (IMMA_WARPS * i + warp);
         if (e0 >= n_max) break;
         // Keys of rows e0 + g (a0, a2) and e0 + g + 8 (a1, a3), channels 16 ks + 2 qd (+1)
-        // and + 8; rows past n_max zero.
+        // and + 8; rows past n_max and channels past c zero.
         float2 x[IMMA_KSTEPS][4];
         const bool v0 = e0 + g < n_max, v1 = e0 + g + 8u < n_max;
         const float* r0 = entries + (u64)(e0 + g) * c + 2u * qd;
         const float* r1 = r0 + 8u * c;
 #pragma unroll
         for (u32 ks = 0; ks < IMMA_KSTEPS; ks++) {
-            if (ks >= ksteps) break;
+            const bool in = 16u * ks < c;
             const float2 z = make_float2(0.0f, 0.0f);
-            x[ks][0] = v0 ? *reinterpret_cast<const float2*>(r0 + 16u * ks) : z;
-            x[ks][1] = v1 ? *reinterpret_cast<const float2*>(r1 + 16u * ks) : z;
-            x[ks][2] = v0 ? *reinterpret_cast<const float2*>(r0 + 16u * ks + 8u) : z;
-            x[ks][3] = v1 ? *reinterpret_cast<const float2*>(r1 + 16u * ks + 8u) : z;
+            x[ks][0] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks) : z;
+            x[ks][1] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks) : z;
+            x[ks][2] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks + 8u) : z;
+            x[ks][3] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks + 8u) : z;
         }
         u32 ah[IMMA_KSTEPS][4], al[IMMA_KSTEPS][4];
 #pragma unroll
-        for (u32 ks = 0; ks < IMMA_KSTEPS; ks++) {
-            if (ks >= ksteps) break;
+        for (u32 ks = 0; ks < IMMA_KSTEPS; ks++)
 #pragma unroll
             for (u32 j = 0; j < 4u; j++) f16x2_split(x[ks][j].x, x[ks][j].y, ah[ks][j], al[ks][j]);
-        }
         for (u32 tb = 0; tb < tb_n; tb++) {
             const u32 t = t0 + tb, n_vis = visible(t);
             if (e0 >= n_vis) continue;
             float acc[IMMA_NTILES][4];
 #pragma unroll
             for (u32 nt = 0; nt < IMMA_NTILES; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-            const u16* qh = imma + tb * 2u * part + g * ld + 2u * qd;
-            const u16* ql = qh + part;
+            const u16* qh = imma + tb * 2u * IMMA_PART + g * IMMA_LD + 2u * qd;
+            const u16* ql = qh + IMMA_PART;
 #pragma unroll
             for (u32 ks = 0; ks < IMMA_KSTEPS; ks++) {
-                if (ks >= ksteps) break;
 #pragma unroll
                 for (u32 nt = 0; nt < IMMA_NTILES; nt++) {
-                    if (nt >= ntiles) break;
-                    const u32 o = nt * 8u * ld + 16u * ks;
+                    const u32 o = nt * 8u * IMMA_LD + 16u * ks;
                     const u32 b0 = ld32(qh + o), b1 = ld32(qh + o + 8u);
                     const u32 c0 = ld32(ql + o), c1 = ld32(ql + o + 8u);
                     mma_f16(acc[nt], ah[ks][0], ah[ks][1], ah[ks][2], ah[ks][3], b0, b1);
@@ -1164,7 +1165,6 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
             float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
             for (u32 nt = 0; nt < IMMA_NTILES; nt++) {
-                if (nt >= ntiles) break;
                 const float w0 = w_s[tb][8u * nt + 2u * qd], w1 = w_s[tb][8u * nt + 2u * qd + 1u];
                 s0 = fmaf(fmaxf(acc[nt][0], 0.0f), w0, s0);
                 s0 = fmaf(fmaxf(acc[nt][1], 0.0f), w1, s0);

@@ -1174,7 +1174,7 @@ fn attention_layer(
         dev.fork()?;
         dev.on_side(|| index_queries(dev, c, w, lw, a, n))?;
         if select_beside {
-            dev.on_side(|| select(dev, lw, ls, a, 0, n, 1, n))?;
+            dev.on_side(|| select(dev, lw, ls, a, 0, n, 1))?;
         }
     }
     // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
@@ -1214,7 +1214,7 @@ fn attention_layer(
     // the join: the indexer's queries come from the side stream).
     if !select_beside {
         for &(first, rows) in &subs {
-            select(dev, lw, ls, a, first, rows, subs.len(), n)?;
+            select(dev, lw, ls, a, first, rows, subs.len())?;
         }
     }
     let selected;
@@ -1369,8 +1369,7 @@ fn index_queries(
 
 /// In a CSA layer, the indexer's top-k of the compressed entries for the `rows` queries from
 /// row `first` of [`index_queries`]' output (sub-chunk `first / MAX_CHUNK` of `subs`), into
-/// the same rows of the layer's `selected`, scored as a chunk of `n` tokens is.
-#[allow(clippy::too_many_arguments)]
+/// the same rows of the layer's `selected` (scored on tensor cores).
 fn select(
     dev: &Device,
     lw: &DevLayer,
@@ -1379,7 +1378,6 @@ fn select(
     first: usize,
     rows: usize,
     subs: usize,
-    n: usize,
 ) -> Result<(), GpuError> {
     let (Some(iw), Some(ist)) = (&lw.attn.indexer, &mut ls.index) else {
         return Ok(());
@@ -1395,7 +1393,7 @@ fn select(
         ist.comp.entries(),
         lw.kind.ratio(),
         &sub_position(a, first / MAX_CHUNK, subs)?,
-        IndexScoring::for_chunk(n),
+        IndexScoring::TensorCores,
         &mut ist.scores.rows(rows)?,
         &mut sel,
     )
