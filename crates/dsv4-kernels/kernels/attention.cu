@@ -1030,7 +1030,8 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // Indexer scores of a prompt chunk on tensor cores
 // ---------------------------------------------------------------------------------------------
 //
-// index_scores_mma: index_scores' scores for T tokens on the f16 MMAs, with attention_mma's
+// index_scores_mma: index_scores' scores (its arguments, then T) for T tokens on the f16 MMAs,
+// with attention_mma's
 // split (x = hi + lo, products as hi·hi + hi·lo + lo·hi with f32 sums: about 22 significant
 // bits), so they agree with the CPU's to about 1e-6 of the terms' size, not bit for bit.
 // Block (x, y) takes tokens [IMMA_TOKENS y, + IMMA_TOKENS). Their queries go to shared memory
@@ -1057,8 +1058,9 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // 16-token launch over a few hundred entries).
 DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
     index_scores_mma(const float* __restrict__ q, const float* __restrict__ weights,
-                     const float* __restrict__ entries, u32 tokens, u32 cap, u32 nh, u32 c, u32 ratio,
-                     const u32* __restrict__ pos, float scale, float wscale, float* __restrict__ scores) {
+                     const float* __restrict__ entries, u32 cap, u32 nh, u32 c, u32 ratio,
+                     const u32* __restrict__ pos, float scale, float wscale, float* __restrict__ scores,
+                     u32 tokens) {
     pdl_enter();
     extern __shared__ __align__(16) u16 imma[];
     __shared__ float w_s[IMMA_TOKENS][IDX_MAX_HEADS];

@@ -322,78 +322,67 @@ pub fn index_topk(
     let scale = 1.0 / (c as f32).sqrt();
     let wscale = 1.0 / (nh as f32).sqrt();
     let mma = scoring == IndexScoring::TensorCores && c.is_multiple_of(16);
-    if cap > 0 && mma {
-        // The keys are read as 8-byte pairs.
-        if !entries.device_address().is_multiple_of(8) {
-            return Err(GpuError::invalid(
-                "indexer",
-                "entries not on an 8-byte boundary",
-            ));
-        }
-        // Each block's tokens' queries as two f16 parts of 64 heads x (128 + 8) channels.
-        let shared = t.min(INDEX_MMA_TOKENS) * 2 * MAX_INDEX_HEADS * (MAX_INDEX_DIM + 8) * 2;
-        let limits = dev.kernel_limits("index_scores_mma")?;
-        if limits.static_shared + shared > dev.max_block_shared() {
-            return Err(GpuError::invalid(
-                "indexer",
-                format!(
-                    "{nh} heads of {c}: a block needs {shared} bytes of shared memory, this GPU \
-                     gives {}",
-                    dev.max_block_shared()
+    if cap > 0 {
+        let cfg = if mma {
+            // The keys are read as 8-byte pairs.
+            if !entries.device_address().is_multiple_of(8) {
+                return Err(GpuError::invalid(
+                    "indexer",
+                    "entries not on an 8-byte boundary",
+                ));
+            }
+            // Each block's tokens' queries as two f16 parts of 64 heads x (128 + 8) channels.
+            let shared = t.min(INDEX_MMA_TOKENS) * 2 * MAX_INDEX_HEADS * (MAX_INDEX_DIM + 8) * 2;
+            let limits = dev.kernel_limits("index_scores_mma")?;
+            if limits.static_shared + shared > dev.max_block_shared() {
+                return Err(GpuError::invalid(
+                    "indexer",
+                    format!(
+                        "{nh} heads of {c}: a block needs {shared} bytes of shared memory, this \
+                         GPU gives {}",
+                        dev.max_block_shared()
+                    ),
+                ));
+            }
+            let groups = t.div_ceil(INDEX_MMA_TOKENS);
+            // One block an SM (the queries fill its shared memory), steps of 128 entries dealt
+            // over the blocks by the visible count.
+            let across = cap
+                .div_ceil(128)
+                .min(dev.sm_count().div_ceil(groups))
+                .max(1);
+            LaunchConfig {
+                grid_dim: (
+                    dim_u32("indexer blocks", across)?,
+                    dim_u32("indexer token groups", groups)?,
+                    1,
                 ),
-            ));
-        }
-        let groups = t.div_ceil(INDEX_MMA_TOKENS);
-        // One block an SM (the queries fill its shared memory), steps of 128 entries dealt over
-        // the blocks by the visible count.
-        let across = cap
-            .div_ceil(128)
-            .min(dev.sm_count().div_ceil(groups))
-            .max(1);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                dim_u32("indexer blocks", across)?,
-                dim_u32("indexer token groups", groups)?,
-                1,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: shared as u32,
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: shared as u32,
+            }
+        } else {
+            LaunchConfig {
+                grid_dim: (
+                    dim_u32("indexer blocks", index_blocks(cap, dev.sm_count()))?,
+                    tokens,
+                    1,
+                ),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        };
+        let kernel = if mma {
+            "index_scores_mma"
+        } else {
+            "index_scores"
         };
         // SAFETY: q [t, nh·c] (16-byte aligned), weights [t, nh], entries [cap, c] (8-byte
-        // aligned) with nh <= 64, c <= 128 and c % 16 == 0, pos [1], scores [t, cap]; the
-        // dynamic shared memory holds a block's tokens' queries; only entries below
-        // min(n_vis, cap) are read and scored.
-        unsafe {
-            launch(dev, "index_scores_mma", cfg, |b| {
-                b.ptr(q)
-                    .ptr(weights)
-                    .ptr(entries)
-                    .arg(tokens)
-                    .arg(dims[0])
-                    .arg(dims[1])
-                    .arg(dims[2])
-                    .arg(dims[3])
-                    .ptr(pos)
-                    .arg(scale)
-                    .arg(wscale)
-                    .ptr(scores);
-            })
-        }?;
-    } else if cap > 0 {
-        let cfg = LaunchConfig {
-            grid_dim: (
-                dim_u32("indexer blocks", index_blocks(cap, dev.sm_count()))?,
-                tokens,
-                1,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: q [t, nh·c], weights [t, nh], entries [cap, c] with nh <= 64, c <= 128 (the
-        // kernel's shared arrays), pos [1], scores [t, cap]; only entries < min(n_vis, cap) are
+        // aligned for the MMA kernel, whose c % 16 == 0) with nh <= 64, c <= 128 (the
+        // kernels' shared arrays; the MMA kernel's dynamic shared memory holds a block's
+        // tokens' queries), pos [1], scores [t, cap]; only entries below min(n_vis, cap) are
         // read and scored.
         unsafe {
-            launch(dev, "index_scores", cfg, |b| {
+            launch(dev, kernel, cfg, |b| {
                 b.ptr(q)
                     .ptr(weights)
                     .ptr(entries)
@@ -405,6 +394,9 @@ pub fn index_topk(
                     .arg(scale)
                     .arg(wscale)
                     .ptr(scores);
+                if mma {
+                    b.arg(tokens);
+                }
             })
         }?;
     }
