@@ -401,12 +401,15 @@ pub fn index_topk(
         }?;
     }
     // Each block stages the keys of its slice of the entries in shared memory, up to `held`
-    // (as many as a block may hold past the kernel's own arrays); past that capacity a token's
-    // entries are cut into a cluster of up to 8 slices (sm_90+), each within it where 8 do.
+    // (as many as a block may hold past the kernel's own arrays). A token's entries are cut
+    // into a cluster of up to 8 slices (sm_90+) of at least SELECT_SLICE_KEYS each, so a long
+    // context's select runs on 8 multiprocessors a token instead of one; past 8 slices' worth
+    // of shared memory the slices reread their scores.
     let free = dev.max_block_shared() - dev.kernel_limits("index_select")?.static_shared;
     let most = free / 4;
     let mut parts = if dev.arch().has_clusters() {
-        cap.div_ceil(most.max(1)).clamp(1, MAX_SELECT_SLICES)
+        cap.div_ceil(SELECT_SLICE_KEYS.min(most).max(1))
+            .clamp(1, MAX_SELECT_SLICES)
     } else {
         1
     };
@@ -461,6 +464,8 @@ pub enum Compressed<'a> {
 
 /// Most blocks (one cluster, the portable size) an `index_select` of one token is cut into.
 const MAX_SELECT_SLICES: usize = 8;
+/// Fewest entries an `index_select` slice is cut for.
+const SELECT_SLICE_KEYS: usize = 4096;
 
 /// Heads an `attention_heads` block takes, keys a warp scores at once, and most splits of a
 /// token's keys (kernel constants).

@@ -582,6 +582,8 @@ mod gpu {
             (4, 16, 8, 40, 4, 200),
             (8, 32, 8, 300, 1, 400),
             (2, 8, 512, 100_000, 1, 120_000),
+            // Slices of a few thousand entries: a cluster of 5 when all are visible.
+            (16, 32, 64, 20_000, 4, 90_000),
             // Past one block's shared memory: a cluster of up to 8 slices (sm_90), each held
             // in shared memory, then slices past it read from the scores.
             (1, 4, 512, 400_000, 1, 420_000),
