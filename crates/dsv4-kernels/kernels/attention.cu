@@ -1027,25 +1027,26 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Indexer scores of a prompt chunk on tensor cores
+// Indexer scores on tensor cores
 // ---------------------------------------------------------------------------------------------
 //
 // index_scores_mma: index_scores' scores (its arguments, then T) for T tokens on the f16 MMAs,
-// with attention_mma's
-// split (x = hi + lo, products as hi·hi + hi·lo + lo·hi with f32 sums: about 22 significant
-// bits), so they agree with the CPU's to about 1e-6 of the terms' size, not bit for bit.
+// with attention_mma's split (x = hi + lo, products as hi·hi + hi·lo + lo·hi with f32 sums:
+// about 22 significant bits), so they agree with the CPU's closely, not bit for bit.
 // Block (x, y) takes tokens [IMMA_TOKENS y, + IMMA_TOKENS). Their queries go to shared memory
 // once, as f16 parts [token][hi, lo][head][c + 8], each token's scaled by the power of two
-// that brings its largest |value| just under 2^14 (inside f16's range and clear of its
-// subnormals; the head weights take the inverse, so nothing is rounded by it). Then the block
-// takes steps of 128 entries (x, x + gridDim.x, ...: a short context keeps most blocks idle
-// rather than every block staging queries for a few entries), warp w their w-th 16, below the
-// last token's visible count: the tile's keys stay in registers as the A operand, and for each token whose visible
-// entries reach the tile the warp takes the heads eight at a time (B, from shared memory)
-// over all c channels, then sums max(dot, 0) · scale · w_h over the heads in registers and
-// across the quad. So an entry's score depends only on its key and its token's queries and
-// weights, whichever tile, block or launch computes it. Keys must lie inside f16's range (the
-// model's are RMS-normalised); c % 16 == 0, nh <= 64.
+// that brings its largest |value| just under 2^14 (inside f16's range, and its large values'
+// lo parts clear of f16's subnormals; the head weights take the inverse, and a power of two
+// rounds nothing). Then the block takes steps of 128 entries (x, x + gridDim.x, ...: a short
+// context keeps most blocks idle rather than every block staging queries for a few entries),
+// warp w their w-th 16, below the last token's visible count: the tile's keys stay in
+// registers as the A operand, and for each token whose visible entries reach the tile the warp
+// takes the heads eight at a time (B, from shared memory) over all c channels, then sums
+// max(dot, 0) · scale · w_h over the heads in registers and across the quad. So an entry's
+// score depends only on its key and its token's queries and weights, whichever tile, block or
+// launch computes it. Keys are not scaled: they must lie inside f16's range, and channels
+// below about 2^-5 lose bits of their lo parts to f16's subnormals (the model's keys are
+// RMS-normalised, about 1). c % 16 == 0, nh <= 64.
 #define IMMA_TOKENS 4u
 #define IMMA_WARPS 8u
 #define IMMA_KSTEPS (IDX_MAX_C / 16u)

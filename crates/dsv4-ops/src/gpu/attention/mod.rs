@@ -246,9 +246,10 @@ pub enum IndexScoring {
     /// On CUDA cores in [`reference::index_scores`]' operation order: bit-identical scores.
     Exact,
     /// On f16 tensor-core MMAs with every operand split in two f16 parts (about 22 significant
-    /// bits, as `attention_mma`): within about 1e-6 of the terms' magnitude, not bit for bit,
-    /// and several times faster over a long context (what the model takes). Needs c a multiple
-    /// of 16; other widths are scored [`IndexScoring::Exact`]ly.
+    /// bits, as `attention_mma`): within 2e-5 of the terms' magnitude (the tests' bound), not
+    /// bit for bit, and several times faster over a long context (what the model takes).
+    /// Needs c a multiple of 16 and 136 KiB of shared memory a block for T of 4 or more; other
+    /// widths, and GPUs with less, are scored [`IndexScoring::Exact`]ly.
     TensorCores,
 }
 
@@ -321,7 +322,12 @@ pub fn index_topk(
     ])?;
     let scale = 1.0 / (c as f32).sqrt();
     let wscale = 1.0 / (nh as f32).sqrt();
-    let mma = scoring == IndexScoring::TensorCores && c.is_multiple_of(16);
+    // Each MMA block's tokens' queries as two f16 parts of 64 heads x (128 + 8) channels.
+    let mma_shared = t.min(INDEX_MMA_TOKENS) * 2 * MAX_INDEX_HEADS * (MAX_INDEX_DIM + 8) * 2;
+    let mma = scoring == IndexScoring::TensorCores
+        && c.is_multiple_of(16)
+        && dev.kernel_limits("index_scores_mma")?.static_shared + mma_shared
+            <= dev.max_block_shared();
     if cap > 0 {
         let cfg = if mma {
             // The keys are read as 8-byte pairs.
@@ -329,19 +335,6 @@ pub fn index_topk(
                 return Err(GpuError::invalid(
                     "indexer",
                     "entries not on an 8-byte boundary",
-                ));
-            }
-            // Each block's tokens' queries as two f16 parts of 64 heads x (128 + 8) channels.
-            let shared = t.min(INDEX_MMA_TOKENS) * 2 * MAX_INDEX_HEADS * (MAX_INDEX_DIM + 8) * 2;
-            let limits = dev.kernel_limits("index_scores_mma")?;
-            if limits.static_shared + shared > dev.max_block_shared() {
-                return Err(GpuError::invalid(
-                    "indexer",
-                    format!(
-                        "{nh} heads of {c}: a block needs {shared} bytes of shared memory, this \
-                         GPU gives {}",
-                        dev.max_block_shared()
-                    ),
                 ));
             }
             let groups = t.div_ceil(INDEX_MMA_TOKENS);
@@ -358,7 +351,7 @@ pub fn index_topk(
                     1,
                 ),
                 block_dim: (256, 1, 1),
-                shared_mem_bytes: shared as u32,
+                shared_mem_bytes: mma_shared as u32,
             }
         } else {
             LaunchConfig {
@@ -379,8 +372,9 @@ pub fn index_topk(
         // SAFETY: q [t, nh·c] (16-byte aligned), weights [t, nh], entries [cap, c] (8-byte
         // aligned for the MMA kernel, whose c % 16 == 0) with nh <= 64, c <= 128 (the
         // kernels' shared arrays; the MMA kernel's dynamic shared memory holds a block's
-        // tokens' queries), pos [1], scores [t, cap]; only entries below min(n_vis, cap) are
-        // read and scored.
+        // tokens' queries), pos [1], scores [t, cap]; entries are read below the largest
+        // visible count of a block's tokens (at most cap), and each token's scores are written
+        // below its own.
         unsafe {
             launch(dev, kernel, cfg, |b| {
                 b.ptr(q)
@@ -401,10 +395,10 @@ pub fn index_topk(
         }?;
     }
     // Each block stages the keys of its slice of the entries in shared memory, up to `held`
-    // (as many as a block may hold past the kernel's own arrays). A token's entries are cut
-    // into a cluster of up to 8 slices (sm_90+) of at least SELECT_SLICE_KEYS each, so a long
-    // context's select runs on 8 multiprocessors a token instead of one; past 8 slices' worth
-    // of shared memory the slices reread their scores.
+    // (as many as a block may hold past the kernel's own arrays). A token's visible entries
+    // are cut evenly into a cluster of up to 8 slices (sm_90+), one per SELECT_SLICE_KEYS of
+    // the capacity, so a long context's select runs on 8 multiprocessors a token instead of
+    // one; past 8 slices' worth of shared memory the slices reread their scores.
     let free = dev.max_block_shared() - dev.kernel_limits("index_select")?.static_shared;
     let most = free / 4;
     let mut parts = if dev.arch().has_clusters() {
@@ -464,7 +458,7 @@ pub enum Compressed<'a> {
 
 /// Most blocks (one cluster, the portable size) an `index_select` of one token is cut into.
 const MAX_SELECT_SLICES: usize = 8;
-/// Fewest entries an `index_select` slice is cut for.
+/// Entries of the capacity an `index_select` cluster takes a block for (up to 8).
 const SELECT_SLICE_KEYS: usize = 4096;
 
 /// Heads an `attention_heads` block takes, keys a warp scores at once, and most splits of a

@@ -722,7 +722,8 @@ mod gpu {
                     for e in (0..n).step_by((n / 2000).max(1)) {
                         let (g, s) = (row[e], want[e]);
                         // Within 2e-5 of the size of the entry's terms, Σ_h |w_h| Σ |q k| / √c
-                        // (one f16 rounding of the operands would be about 5e-4 of it).
+                        // (an operand rounded once to f16 is off by up to 2^-11, about 5e-4,
+                        // of itself).
                         let key = &entries[e * c..(e + 1) * c];
                         let size: f64 = qt
                             .chunks_exact(c)
