@@ -216,6 +216,31 @@ pub fn visible_entries(p: usize, ratio: usize, capacity: usize) -> usize {
     ((p + 1) / ratio).min(capacity)
 }
 
+/// Token `t`'s [`index_scores`] over its visible entries, for inputs laid out as
+/// [`index_topk`] takes them (`weights` raw: scaled by 1/sqrt(nh) here, as the device does).
+pub fn token_index_scores(
+    q: &[f32],
+    weights: &[f32],
+    entries: &[f32],
+    [nh, c, ratio, pos0]: [usize; 4],
+    t: usize,
+) -> Vec<f32> {
+    let wscale = 1.0 / (nh as f32).sqrt();
+    let n = visible_entries(pos0 + t, ratio, entries.len() / c);
+    let w: Vec<f32> = weights[t * nh..(t + 1) * nh]
+        .iter()
+        .map(|v| v * wscale)
+        .collect();
+    index_scores(&q[t * nh * c..(t + 1) * nh * c], &w, &entries[..n * c], c)
+}
+
+/// One row of `selected`: the top-k of `scores` in ascending index order, −1 past them.
+pub fn selection_row(scores: &[f32], k: usize) -> Vec<i32> {
+    let mut row: Vec<i32> = top_k(scores, k).into_iter().map(|i| i as i32).collect();
+    row.resize(k, -1);
+    row
+}
+
 /// [`super::index_topk`]: `q [T, nh·c]`, raw `weights [T, nh]`, `entries [capacity, c]` →
 /// `selected [T, k]` (ascending ids, −1 past the visible count).
 #[allow(clippy::too_many_arguments)]
@@ -229,24 +254,13 @@ pub fn index_topk(
     pos0: usize,
     k: usize,
 ) -> Vec<i32> {
-    let t_count = weights.len() / nh;
-    let wscale = 1.0 / (nh as f32).sqrt();
-    let cap = entries.len() / c;
-    let mut out = vec![-1i32; t_count * k];
-    out.par_chunks_mut(k.max(1))
-        .enumerate()
-        .for_each(|(t, sel)| {
-            let n = visible_entries(pos0 + t, ratio, cap);
-            let w: Vec<f32> = weights[t * nh..(t + 1) * nh]
-                .iter()
-                .map(|v| v * wscale)
-                .collect();
-            let scores = index_scores(&q[t * nh * c..(t + 1) * nh * c], &w, &entries[..n * c], c);
-            for (slot, id) in sel.iter_mut().zip(top_k(&scores, k)) {
-                *slot = id as i32;
-            }
-        });
-    out
+    (0..weights.len() / nh)
+        .into_par_iter()
+        .flat_map_iter(|t| {
+            let scores = token_index_scores(q, weights, entries, [nh, c, ratio, pos0], t);
+            selection_row(&scores, k)
+        })
+        .collect()
 }
 
 /// The compressed keys of [`attention`], on the host.

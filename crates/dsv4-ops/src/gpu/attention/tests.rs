@@ -612,22 +612,11 @@ mod gpu {
                 let want = cpu::index_topk(&q, &w, &entries, nh, c, ratio, pos0, k);
                 let what = format!("config {iter} round {round}: T {t} at {pos0}");
                 // The scores of the visible entries are the CPU's, bit for bit.
-                let wscale = 1.0 / (nh as f32).sqrt();
                 for tt in 0..t {
-                    let n = cpu::visible_entries(pos0 + tt, ratio, cap);
-                    let ws: Vec<f32> = w[tt * nh..(tt + 1) * nh]
-                        .iter()
-                        .map(|v| v * wscale)
-                        .collect();
-                    let s = cpu::index_scores(
-                        &q[tt * nh * c..(tt + 1) * nh * c],
-                        &ws,
-                        &entries[..n * c],
-                        c,
-                    );
+                    let s = cpu::token_index_scores(&q, &w, &entries, [nh, c, ratio, pos0], tt);
                     assert_bits_eq(
                         &format!("{what} token {tt} scores"),
-                        &got_scores[tt * cap..tt * cap + n],
+                        &got_scores[tt * cap..tt * cap + s.len()],
                         &s,
                     );
                 }
@@ -707,16 +696,13 @@ mod gpu {
                 let tc = IndexScoring::TensorCores;
                 let (got, sel) = device_index_topk(&dev, (&q, &w, &entries), dims, tc);
                 let what = format!("config {iter} round {round}: T {t} at {pos0}");
-                let wscale = 1.0 / (nh as f32).sqrt();
-                let scale = 1.0 / (c as f64).sqrt();
+                // The terms' weights: raw weights / sqrt(nh) / sqrt(c).
+                let wscale = 1.0 / ((nh * c) as f64).sqrt();
                 for tt in 0..t {
-                    let n = cpu::visible_entries(pos0 + tt, ratio, cap);
                     let qt = &q[tt * nh * c..(tt + 1) * nh * c];
-                    let ws: Vec<f32> = w[tt * nh..(tt + 1) * nh]
-                        .iter()
-                        .map(|v| v * wscale)
-                        .collect();
-                    let want = cpu::index_scores(qt, &ws, &entries[..n * c], c);
+                    let wt = &w[tt * nh..(tt + 1) * nh];
+                    let want = cpu::token_index_scores(&q, &w, &entries, [nh, c, ratio, pos0], tt);
+                    let n = want.len();
                     let row = &got[tt * cap..(tt + 1) * cap];
                     // Every entry of short rows, about 2000 spread over long ones.
                     for e in (0..n).step_by((n / 2000).max(1)) {
@@ -727,11 +713,11 @@ mod gpu {
                         let key = &entries[e * c..(e + 1) * c];
                         let size: f64 = qt
                             .chunks_exact(c)
-                            .zip(&ws)
+                            .zip(wt)
                             .map(|(qh, wh)| {
                                 let d: f64 =
                                     qh.iter().zip(key).map(|(a, b)| (a * b).abs() as f64).sum();
-                                d * scale * wh.abs() as f64
+                                d * wscale * wh.abs() as f64
                             })
                             .sum();
                         let err = (g as f64 - s as f64).abs();
@@ -748,15 +734,9 @@ mod gpu {
                         "{what} token {tt}: a score past its {n} visible entries"
                     );
                     // The selection is the top-k of these scores.
-                    let want_sel: Vec<i32> = crate::gpu::router::reference::top_k(&row[..n], k)
-                        .into_iter()
-                        .map(|i| i as i32)
-                        .chain(std::iter::repeat(-1))
-                        .take(k)
-                        .collect();
                     assert_eq!(
                         &sel[tt * k..(tt + 1) * k],
-                        &want_sel[..],
+                        &cpu::selection_row(&row[..n], k)[..],
                         "{what} token {tt} selection"
                     );
                     // Alone, at its own position, the first and last tokens score the same
