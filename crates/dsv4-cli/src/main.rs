@@ -200,6 +200,17 @@ struct BenchArgs {
     /// GPUs to split the model over: a number or `all` (default 1).
     #[arg(long, value_parser = parse_gpus)]
     gpus: Option<Gpus>,
+    /// The phase a profiler started with `--profile-from-start off` sees.
+    #[arg(long, value_enum, default_value = "decode")]
+    profile: Phase,
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum Phase {
+    /// The prompt's prefill.
+    Prefill,
+    /// The decode graph's replays.
+    Decode,
 }
 
 #[derive(clap::Args)]
@@ -758,8 +769,10 @@ fn bench(a: BenchArgs) -> Result<()> {
         );
     }
     let t = Instant::now();
+    model.device().profile(a.profile == Phase::Prefill)?;
     model.prefill(&prompt, &s)?;
     model.read_token()?;
+    model.device().profile(false)?;
     let prefill_s = t.elapsed().as_secs_f64();
     println!(
         "prefill: {} tokens in {:.3} s, {:.1} tok/s (chunks of {})",
@@ -772,8 +785,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     let t = Instant::now();
     let graph = DecodeGraph::capture(&mut model, &s)?;
     let capture_ms = t.elapsed().as_secs_f64() * 1e3;
-    // The graph's replays are what a profiler started with `--profile-from-start off` sees.
-    model.device().profile(true)?;
+    model.device().profile(a.profile == Phase::Decode)?;
     let (graph_ms, graph_host) = time_decode(&mut model, a.decode, |m| Ok(graph.replay(m)?))?;
     model.device().profile(false)?;
     let pdl = &dsv4_ops::gpu::gemv::tuning::PROGRAMMATIC_LAUNCH;

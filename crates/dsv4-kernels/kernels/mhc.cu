@@ -36,15 +36,43 @@ __device__ __forceinline__ void stage_fn(float* fs, const float* __restrict__ fn
     cp_async_commit();
 }
 
+// Warp sums of a lane's TPB values (a power of two up to 32) in warp_sum's tree, all at once:
+// while a lane holds more than one, each butterfly step halves them (a lane keeps one half and
+// adds its partner's copies of it), then plain butterflies. Every step adds the same two
+// subtrees as warp_sum's (a + b == b + a), so the bits are warp_sum's; lane L ends with the sum
+// of value L >> (5 - log2 TPB). TPB - 1 shuffles instead of 5 TPB.
+template <u32 TPB>
+__device__ __forceinline__ float warp_sums(float (&a)[TPB], u32 lane) {
+    static_assert(TPB >= 1u && TPB <= 32u && (TPB & (TPB - 1u)) == 0u, "a power of two up to 32");
+    u32 h = TPB;
+#pragma unroll
+    for (u32 o = 16u; o > 0u; o >>= 1) {
+        if (h > 1u) {
+            h >>= 1;
+            const bool up = (lane & o) != 0u;
+#pragma unroll
+            for (u32 i = 0; i < h; i++) {
+                const float send = up ? a[i] : a[h + i];
+                const float keep = up ? a[h + i] : a[i];
+                a[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, o));
+            }
+        } else {
+            a[0] = __fadd_rn(a[0], __shfl_xor_sync(0xffffffffu, a[0], o));
+        }
+    }
+    return a[0];
+}
+
 // Block (c, y)'s part of the mix projection for TPB tokens t0 = y * TPB .. (those below n),
 // with columns [c * MIX_COLS, ...) of each token's streams staged in sv (MIX_COLS apart) and
 // of fn's rows in fs (stage_fn, landed): warp w takes rows w, w + 8, ...: row k < mix is
-// fn[k, cols] . s[cols], row `mix` the sum of squares. Lanes stride the columns; a fixed
-// shuffle tree sums them (each token in the same order, however many share the block; the fn
-// values read once for all of them). partials is [n, gridDim.x, PART].
+// fn[k, cols] . s[cols], row `mix` the sum of squares. Lanes stride the columns; warp_sums
+// adds them up (each token in the same order, however many share the block; the fn values
+// read once for all of them). partials is [n, gridDim.x, PART].
 template <u32 TPB>
 __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* fs, u32 mix,
                                          float* __restrict__ partials, u32 n) {
+    constexpr u32 SHIFT = TPB == 1u ? 5u : TPB == 2u ? 4u : TPB == 4u ? 3u : TPB == 8u ? 2u : TPB == 16u ? 1u : 0u;
     const u32 t0 = blockIdx.y * TPB, c = blockIdx.x;
     const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
     for (u32 k = warp; k <= mix; k += warps) {
@@ -60,71 +88,71 @@ __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* 
                 acc[tt] = __fadd_rn(acc[tt], __fmul_rn(k < mix ? wi : v, v));
             }
         }
-#pragma unroll
-        for (u32 tt = 0; tt < TPB; tt++) {
-            acc[tt] = warp_sum(acc[tt]);
-            if (lane == 0u && t0 + tt < n) partials[((u64)(t0 + tt) * gridDim.x + c) * PART + k] = acc[tt];
-        }
+        const float sum = warp_sums<TPB>(acc, lane);
+        const u32 t = t0 + (lane >> SHIFT);
+        if ((lane & ((1u << SHIFT) - 1u)) == 0u && t < n) partials[((u64)t * gridDim.x + c) * PART + k] = sum;
     }
 }
 
-// The mix projection spread over the GPU: block (c, t) stages its columns of token t's
-// streams and runs mix_rows.
-DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
-                                 u32 mix, float* __restrict__ partials) {
-    __shared__ float sv[MIX_COLS];
+// Block (c, y) of a mix projection for TPB tokens y * TPB .. (those below n): fn's slice
+// staged before the wait, then sv[tt][col] = value(t, column) for the block's columns of
+// each token (threads take fixed columns, so a column's index arithmetic is done once), then
+// mix_rows. blockDim.x is a multiple of MIX_COLS.
+template <u32 TPB, class Value>
+__device__ __forceinline__ void mix_block(const float* __restrict__ fn, u32 mix, u32 width,
+                                          float* __restrict__ partials, u32 n, Value value) {
+    __shared__ float sv[TPB * MIX_COLS];
     __shared__ __align__(16) float fs[MIX * MIX_COLS];
-    const u32 j0 = blockIdx.x * MIX_COLS;
+    const u32 t0 = blockIdx.y * TPB, j0 = blockIdx.x * MIX_COLS;
     const u32 len = min(MIX_COLS, width - j0);
     stage_fn(fs, fn, mix, width, j0, len);
     pdl_enter();
-    const float* s = streams + (u64)blockIdx.y * width + j0;
-    for (u32 i = threadIdx.x; i < len; i += blockDim.x) sv[i] = s[i];
+    const u32 col = threadIdx.x % MIX_COLS;
+    for (u32 tt = threadIdx.x / MIX_COLS; tt < TPB; tt += blockDim.x / MIX_COLS)
+        sv[tt * MIX_COLS + col] = t0 + tt < n && col < len ? value(t0 + tt, j0 + col) : 0.0f;
     cp_async_wait<0>();
     __syncthreads();
-    mix_rows<1>(sv, len, fs, mix, partials, gridDim.y);
+    mix_rows<TPB>(sv, len, fs, mix, partials, n);
 }
 
-// The expansion's output for one flattened column e = j * d + c of token t's new streams.
-__device__ __forceinline__ float post_value(const float* __restrict__ streams, const float* __restrict__ y,
-                                            const float* __restrict__ post, const float* __restrict__ comb, u64 t,
-                                            u32 d, u32 e) {
-    const u32 j = e / d, c = e % d;
-    const float* s = streams + t * HC * d;
-    const float* m = comb + t * HC * HC;
-    float acc = __fmul_rn(post[t * HC + j], y[t * d + c]);
-#pragma unroll
-    for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(m[i * HC + j], s[(u64)i * d + c]));
-    return acc;
+// The mix projection spread over the GPU: block (c, y) stages its columns of TPB tokens'
+// streams and runs mix_rows.
+template <u32 TPB>
+__device__ __forceinline__ void mix_partials(const float* __restrict__ streams, u32 width,
+                                             const float* __restrict__ fn, u32 mix, float* __restrict__ partials,
+                                             u32 n) {
+    mix_block<TPB>(fn, mix, width, partials, n, [&](u32 t, u32 e) { return streams[(u64)t * width + e]; });
 }
 
-// The expansion into out, then the next site's mix projection (fn [mix, HC * d]) of out, with
-// hc_mix_partials' column blocks and partials: block (c, y) expands its columns of tokens
-// y * TPB .. (those below n), keeps them in shared memory and runs mix_rows on them.
+DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
+                                 u32 mix, float* __restrict__ partials) {
+    mix_partials<1>(streams, width, fn, mix, partials, gridDim.y);
+}
+
+// Eight tokens a block (launches of more than eight): each fn value read once for the eight.
+DSV4_KERNEL void hc_mix_partials_t8(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
+                                    u32 mix, float* __restrict__ partials, u32 n) {
+    mix_partials<8>(streams, width, fn, mix, partials, n);
+}
+
+// The expansion into out, then the next site's mix projection (fn [mix, HC * d]) of out:
+// out[t, e] for flattened column e = j * d + c, written as mix_block stages it.
 template <u32 TPB>
 __device__ __forceinline__ void post_mix(const float* __restrict__ streams, const float* __restrict__ y,
                                          const float* __restrict__ post, const float* __restrict__ comb, u32 d,
                                          float* __restrict__ out, const float* __restrict__ fn, u32 mix,
                                          float* __restrict__ partials, u32 n) {
-    __shared__ float sv[TPB * MIX_COLS];
-    __shared__ __align__(16) float fs[MIX * MIX_COLS];
-    const u32 width = HC * d, t0 = blockIdx.y * TPB;
-    const u32 j0 = blockIdx.x * MIX_COLS;
-    const u32 len = min(MIX_COLS, width - j0);
-    stage_fn(fs, fn, mix, width, j0, len);
-    pdl_enter();
-    for (u32 i = threadIdx.x; i < TPB * len; i += blockDim.x) {
-        const u32 tt = i / len, col = i % len, t = t0 + tt;
-        float v = 0.0f;
-        if (t < n) {
-            v = post_value(streams, y, post, comb, t, d, j0 + col);
-            out[(u64)t * width + j0 + col] = v;
-        }
-        sv[tt * MIX_COLS + col] = v;
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-    mix_rows<TPB>(sv, len, fs, mix, partials, n);
+    const u32 width = HC * d;
+    mix_block<TPB>(fn, mix, width, partials, n, [&](u32 t, u32 e) {
+        const u32 j = e / d, c = e % d;
+        const float* s = streams + (u64)t * width;
+        const float* m = comb + (u64)t * HC * HC;
+        float acc = __fmul_rn(post[(u64)t * HC + j], y[(u64)t * d + c]);
+#pragma unroll
+        for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(m[i * HC + j], s[(u64)i * d + c]));
+        out[(u64)t * width + e] = acc;
+        return acc;
+    });
 }
 
 DSV4_KERNEL void hc_post_mix(const float* __restrict__ streams, const float* __restrict__ y,

@@ -140,6 +140,7 @@ pub const FAMILIES: &[KernelFamily] = &[
         source: include_str!("../kernels/mhc.cu"),
         functions: &[
             "hc_mix_partials",
+            "hc_mix_partials_t8",
             "hc_post_mix",
             "hc_post_mix_t8",
             "hc_pre",

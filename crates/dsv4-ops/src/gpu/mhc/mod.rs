@@ -71,21 +71,36 @@ pub fn hc_mix(
         return Ok(());
     }
     let (width, mix32) = (dim_u32("mHC width", HC * d)?, dim_u32("mHC mix", mix)?);
+    let mut args = Args::new();
+    args.ptr(streams)
+        .arg(width)
+        .ptr(&site.fn_)
+        .arg(mix32)
+        .ptr(partials);
+    let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_mix_partials", "hc_mix_partials_t8")?;
     // SAFETY: streams [n, HC·d], fn [mix, HC·d], partials [n, splits, MIX + 1] with
-    // mix <= MIX, checked above.
-    unsafe {
-        launch(
-            dev,
-            "hc_mix_partials",
-            cfg,
-            Args::new()
-                .ptr(streams)
-                .arg(width)
-                .ptr(&site.fn_)
-                .arg(mix32)
-                .ptr(partials),
-        )
+    // mix <= MIX, checked above; the eight-token kernel skips tokens past n.
+    unsafe { launch(dev, kernel, cfg, &args) }
+}
+
+/// The one-token kernel `one` on `cfg`, or for more than [`POST_MIX_TOKENS`] tokens (a prompt
+/// chunk, or a chunk of 9 to 16) `many`, eight tokens a block (each fn value read once for
+/// them; H100, a 1024-token chunk of 4 Flash layers: 3.5 -> 2.5 ms), with `n` appended to
+/// `args`.
+fn by_tokens(
+    n: usize,
+    cfg: LaunchConfig,
+    args: &mut Args,
+    one: &'static str,
+    many: &'static str,
+) -> Result<(&'static str, LaunchConfig), GpuError> {
+    if n <= POST_MIX_TOKENS {
+        return Ok((one, cfg));
     }
+    let n32 = dim_u32("tokens", n)?;
+    args.arg(n32);
+    let grid_dim = (cfg.grid_dim.0, n32.div_ceil(POST_MIX_TOKENS as u32), 1);
+    Ok((many, LaunchConfig { grid_dim, ..cfg }))
 }
 
 /// `(tokens, D)` of `streams [n, HC·D]`, once the model's stream count is the kernels'.
@@ -327,27 +342,12 @@ pub fn hc_post_mix(
         .ptr(&next.fn_)
         .arg(mix32)
         .ptr(partials);
-    // More than eight tokens (a prompt chunk, or a chunk of 9 to 16): eight a block, each fn
-    // value read once for them (H100, a 1024-token chunk of 4 Flash layers: 3.5 -> 2.5 ms).
-    let (kernel, cfg) = if n > POST_MIX_TOKENS {
-        let n32 = dim_u32("tokens", n)?;
-        args.arg(n32);
-        let grid = (cfg.grid_dim.0, n32.div_ceil(POST_MIX_TOKENS as u32), 1);
-        (
-            "hc_post_mix_t8",
-            LaunchConfig {
-                grid_dim: grid,
-                ..cfg
-            },
-        )
-    } else {
-        ("hc_post_mix", cfg)
-    };
+    let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_post_mix", "hc_post_mix_t8")?;
     // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16],
     // fn [mix, 4d], partials [n, splits, MIX + 1], checked above; the eight-token kernel
     // skips tokens past n.
     unsafe { launch(dev, kernel, cfg, &args) }
 }
 
-/// Tokens an `hc_post_mix_t8` block takes.
+/// Tokens an `hc_mix_partials_t8` or `hc_post_mix_t8` block takes.
 const POST_MIX_TOKENS: usize = 8;
