@@ -223,14 +223,22 @@ fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
             let per_token = want_p.len() / n;
             for t in (0..n).filter(|_| n > 8) {
                 let one = dev
-                    .upload(DType::F32, &[1, HC * d], &want[t * HC * d..(t + 1) * HC * d])
+                    .upload(
+                        DType::F32,
+                        &[1, HC * d],
+                        &want[t * HC * d..(t + 1) * HC * d],
+                    )
                     .unwrap();
                 let mut alone = poisoned(&dev, &mix_partials_shape(1, d));
                 hc_mix(&dev, &one, &next, &p, &mut alone).unwrap();
                 let alone = dev.download(&alone).unwrap();
                 let batch = &got_p[t * per_token..(t + 1) * per_token];
                 for (g, w) in batch.chunks(MIX + 1).zip(alone.chunks(MIX + 1)) {
-                    assert_bits_eq(&format!("{what}, token {t} alone"), &g[..=rows], &w[..=rows]);
+                    assert_bits_eq(
+                        &format!("{what}, token {t} alone"),
+                        &g[..=rows],
+                        &w[..=rows],
+                    );
                 }
             }
         }
