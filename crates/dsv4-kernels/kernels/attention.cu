@@ -879,6 +879,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     u16* q_s = amma;                          // hi, then lo at + AMMA_HEADS * ld
     u16* k_s = q_s + 2u * AMMA_HEADS * ld;    // hi, then lo at + AMMA_KEYS * ld
     float* s_s = reinterpret_cast<float*>(k_s + 2u * AMMA_KEYS * ld);
+    __shared__ bool present_s[AMMA_KEYS];
     const u32 q_lo = AMMA_HEADS * ld, k_lo = AMMA_KEYS * ld;
     const u32 t = blockIdx.y, h0 = blockIdx.x * AMMA_HEADS;
     const u32 hv = min(AMMA_HEADS, heads - h0);
@@ -891,12 +892,25 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const u32 hg = warp & 3u, kq = warp >> 2;  // head group (16 heads), key quarter / dim quarter
     const u32 dq = d / 4u, ntiles = dq / 8u;   // this warp's output columns
 
+    // Staging: thread i takes channels 4 (i % tpr) .. + 4 of rows i / tpr, i / tpr + rpp, ...
+    // (tpr = d / 4 <= 128 threads a row, so rpp >= 4 rows a pass and eight passes cover 32
+    // rows), its loads issued together before their stores.
+    const u32 tpr = d / 4u, rpp = blockDim.x / tpr, c4 = 4u * (threadIdx.x % tpr), r0 = threadIdx.x / tpr;
+    const bool stager = r0 < rpp;
     // Queries as f16 (missing heads zero).
     const float* qt = q + ((u64)t * heads + h0) * d;
-    for (u32 i = 4u * threadIdx.x; i < AMMA_HEADS * d; i += 4u * blockDim.x) {
-        const u32 h = i / d, c = i % d;
-        const float4 v = h < hv ? *reinterpret_cast<const float4*>(qt + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        store_split(v, q_s + h * ld + c, q_s + q_lo + h * ld + c);
+    for (u32 hb = 0; stager && hb < AMMA_HEADS; hb += 8u * rpp) {
+        float4 v[8];
+#pragma unroll
+        for (u32 b = 0; b < 8u; b++) {
+            const u32 h = hb + r0 + b * rpp;
+            v[b] = h < hv ? *reinterpret_cast<const float4*>(qt + (u64)h * d + c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (u32 b = 0; b < 8u; b++) {
+            const u32 h = hb + r0 + b * rpp;
+            if (h < AMMA_HEADS) store_split(v[b], q_s + h * ld + c4, q_s + q_lo + h * ld + c4);
+        }
     }
     float o[16][4];
 #pragma unroll
@@ -905,39 +919,57 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     for (u32 j0 = 0; j0 < n; j0 += AMMA_KEYS) {
         __syncthreads();  // the previous tile's keys and scores are read
-        // Keys j0 .. j0 + 31 as f16 rows (absent ones zero).
-        for (u32 i = 4u * threadIdx.x; i < AMMA_KEYS * d; i += 4u * blockDim.x) {
-            const u32 r = i / d, c = i % d, j = j0 + r;
-            const float* key = j < n ? att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
-            const float4 v = key ? *reinterpret_cast<const float4*>(key + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            store_split(v, k_s + r * ld + c, k_s + k_lo + r * ld + c);
+        // Keys j0 .. j0 + 31 as f16 rows (absent ones zero), and which are present.
+        if (stager) {
+            float4 v[8];
+            u32 present = 0u;
+#pragma unroll
+            for (u32 b = 0; b < 8u; b++) {
+                const u32 r = r0 + b * rpp, j = j0 + r;
+                const float* key = r < AMMA_KEYS && j < n
+                                       ? att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap)
+                                       : nullptr;
+                v[b] = key ? *reinterpret_cast<const float4*>(key + c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                present |= key ? 1u << b : 0u;
+            }
+#pragma unroll
+            for (u32 b = 0; b < 8u; b++) {
+                const u32 r = r0 + b * rpp;
+                if (r >= AMMA_KEYS) continue;
+                store_split(v[b], k_s + r * ld + c4, k_s + k_lo + r * ld + c4);
+                if (c4 == 0u) present_s[r] = (present >> b) & 1u;
+            }
         }
         __syncthreads();
-        // Scores of heads 16 hg + (g, g + 8) and keys 8 kq + 2 qd + (0, 1).
+        // Scores of heads 16 hg + (g, g + 8) and keys 8 kq + 2 qd + (0, 1): even and odd
+        // 16-channel steps in two chains of MMAs, added at the end.
         {
-            float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
             const u16* qa = q_s + (16u * hg + g) * ld + 2u * qd;
             const u16* kb = k_s + (8u * kq + g) * ld + 2u * qd;
             auto ld32 = [](const u16* p) { return *reinterpret_cast<const u32*>(p); };
-            for (u32 c = 0; c < d; c += 16u) {
-                // hi·hi + hi·lo + lo·hi.
+            // hi·hi + hi·lo + lo·hi of channels c .. c + 15 into acc.
+            auto step = [&](float(&acc)[4], u32 c) {
                 const u32 a0 = ld32(qa + c), a1 = ld32(qa + 8u * ld + c);
                 const u32 a2 = ld32(qa + c + 8u), a3 = ld32(qa + 8u * ld + c + 8u);
                 const u32 b0 = ld32(kb + c), b1 = ld32(kb + c + 8u);
                 const u32 l0 = ld32(kb + k_lo + c), l1 = ld32(kb + k_lo + c + 8u);
-                mma_f16(sc, a0, a1, a2, a3, b0, b1);
-                mma_f16(sc, a0, a1, a2, a3, l0, l1);
+                mma_f16(acc, a0, a1, a2, a3, b0, b1);
+                mma_f16(acc, a0, a1, a2, a3, l0, l1);
                 const u16* ql = qa + q_lo;
-                mma_f16(sc, ld32(ql + c), ld32(ql + 8u * ld + c), ld32(ql + c + 8u), ld32(ql + 8u * ld + c + 8u), b0, b1);
+                mma_f16(acc, ld32(ql + c), ld32(ql + 8u * ld + c), ld32(ql + c + 8u), ld32(ql + 8u * ld + c + 8u), b0, b1);
+            };
+            // d is a multiple of 32 (the launcher's check).
+            for (u32 c = 0; c < d; c += 32u) {
+                step(sc[0], c);
+                step(sc[1], c + 16u);
             }
             // Absent keys (past n, or a selection slot holding none) score -inf.
 #pragma unroll
             for (u32 i = 0; i < 4u; i++) {
-                const u32 j = j0 + 8u * kq + 2u * qd + (i & 1u);
-                const bool present =
-                    j < n && att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) != nullptr;
-                s_s[(16u * hg + g + 8u * (i >> 1)) * (AMMA_KEYS + 1u) + 8u * kq + 2u * qd + (i & 1u)] =
-                    present ? sc[i] * scale : NEG_INF;
+                const u32 col = 8u * kq + 2u * qd + (i & 1u);
+                s_s[(16u * hg + g + 8u * (i >> 1)) * (AMMA_KEYS + 1u) + col] =
+                    present_s[col] ? (sc[0][i] + sc[1][i]) * scale : NEG_INF;
             }
         }
         __syncthreads();
