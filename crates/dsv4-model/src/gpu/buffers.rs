@@ -19,6 +19,24 @@ use crate::config::{Config, LayerKind};
 /// decode kernels' limit): a longer chunk runs them once per sub-chunk of this many.
 pub const MAX_CHUNK: usize = 16;
 
+/// Queries a chunk's indexer scores and selects at once (a multiple of [`MAX_CHUNK`]): fewer,
+/// wider launches than a sub-chunk each, for a scratch of this many rows of a CSA layer's
+/// entries (134 MB at 1M positions).
+pub const SELECT_ROWS: usize = 128;
+
+/// The indexer's score scratch: `[min(chunk, SELECT_ROWS), entries]` for the CSA layer with the
+/// most entries.
+fn index_scores_shape(c: &Config, capacity: usize, chunk: usize) -> [usize; 2] {
+    let cap = c.layers.iter().filter_map(|k| match k {
+        LayerKind::Csa { ratio } => Some((capacity / ratio).max(1)),
+        _ => None,
+    });
+    match cap.max() {
+        Some(cap) => [chunk.min(SELECT_ROWS), cap],
+        None => [1, 1],
+    }
+}
+
 /// Splits of one decode token's attention keys the scratch has room for, per head (a decode
 /// step's heads / 4 blocks need a few splits to give every SM a block).
 const ATTENTION_SPLITS: usize = 16;
@@ -171,10 +189,9 @@ fn whole<E: DeviceElem>(t: &DeviceTensor<E>) -> Result<DeviceTensor<E>, GpuError
     t.view(0, t.shape())
 }
 
-/// The Lightning Indexer's compressor, score scratch and choice.
+/// The Lightning Indexer's compressor and choice.
 pub struct IndexState<S: Stage> {
     pub comp: CompState<S>,
-    pub scores: S::Buf<f32>,
     pub selected: S::Buf<i32>,
 }
 
@@ -214,6 +231,9 @@ pub struct Acts<S: Stage> {
     pub icomp: S::Buf<f32>,
     pub iq: S::Buf<f32>,
     pub iw: S::Buf<f32>,
+    /// The indexer's scores of up to [`SELECT_ROWS`] queries over a CSA layer's entries, the
+    /// scratch of every CSA layer's selection in turn (`[1, 1]` without CSA layers).
+    pub index_scores: S::Buf<f32>,
     /// The attention's split states (see [`AttentionSplits`]).
     pub att_acc: S::Buf<f32>,
     pub att_stats: S::Buf<f32>,
@@ -301,6 +321,7 @@ impl<S: Stage> Buffers<S> {
             icomp: s.buf("icomp", &[m, 4 * ic])?,
             iq: s.buf("iq", &[m, ni * ic])?,
             iw: s.buf("iw", &[m, ni])?,
+            index_scores: s.buf("indexer.scores", &index_scores_shape(c, capacity, m))?,
             att_acc: s.buf("attention.split_sums", &split_shapes[0])?,
             att_stats: s.buf("attention.split_stats", &split_shapes[1])?,
             route_counter: s.buf("router.ticket", &[1])?,
@@ -350,7 +371,6 @@ impl<S: Stage> Buffers<S> {
                         let cap = (capacity / ratio).max(1);
                         Some(IndexState {
                             comp: CompState::build(s, &name("indexer"), ratio, ic, true, cap)?,
-                            scores: s.buf(&name("indexer.scores"), &[sub, cap])?,
                             selected: s.buf(&name("indexer.selected"), &[m, c.index_topk])?,
                         })
                     }

@@ -48,7 +48,7 @@ use crate::shard::{local_config, rank_weight_bytes, shard_head, shard_layer, Sha
 use crate::synth::SynthFormat;
 use crate::weights::{ModelWeights, Routing};
 pub use buffers::MAX_CHUNK;
-use buffers::{Buffers, Sizing, Taking};
+use buffers::{Buffers, Sizing, Taking, SELECT_ROWS};
 use upload::RoutedExperts;
 
 #[derive(Debug, thiserror::Error)]
@@ -369,6 +369,14 @@ fn sub_chunks(n: usize) -> Vec<(usize, usize)> {
     (0..n)
         .step_by(MAX_CHUNK)
         .map(|first| (first, MAX_CHUNK.min(n - first)))
+        .collect()
+}
+
+/// A chunk of `n` tokens as the indexer's groups of at most [`SELECT_ROWS`]: (first row, rows).
+fn select_groups(n: usize) -> Vec<(usize, usize)> {
+    (0..n)
+        .step_by(SELECT_ROWS)
+        .map(|first| (first, SELECT_ROWS.min(n - first)))
         .collect()
 }
 
@@ -1166,15 +1174,16 @@ fn attention_layer(
     };
     let (mut qa_n, mut qab) = (a.qa_n.rows(n)?, a.qab.rows(n)?);
     rms_norm_rows(dev, qa, Some(&at.q_norm), eps, &mut qa_n, Some(&mut qab))?;
-    // A chunk of one sub-chunk selects beside the queries; a longer one per sub-chunk below
-    // (the scores' scratch holds one sub-chunk).
-    let subs = sub_chunks(n);
-    let select_beside = subs.len() == 1;
+    // A chunk of at most SELECT_ROWS tokens selects beside the queries; a longer one below,
+    // SELECT_ROWS queries at a time (the scores' scratch holds that many).
+    let subs = sub_chunks(n).len();
+    let groups = select_groups(n);
+    let select_beside = groups.len() == 1;
     if at.indexer.is_some() {
         dev.fork()?;
         dev.on_side(|| index_queries(dev, c, w, lw, a, n))?;
         if select_beside {
-            dev.on_side(|| select(dev, lw, ls, a, 0, n, 1))?;
+            dev.on_side(|| select(dev, lw, ls, a, 0, n, subs))?;
         }
     }
     // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
@@ -1213,8 +1222,8 @@ fn attention_layer(
     // A longer chunk's selections, a sub-chunk at a time, into its rows of `selected` (after
     // the join: the indexer's queries come from the side stream).
     if !select_beside {
-        for &(first, rows) in &subs {
-            select(dev, lw, ls, a, first, rows, subs.len())?;
+        for &(first, rows) in &groups {
+            select(dev, lw, ls, a, first, rows, subs)?;
         }
     }
     let selected;
@@ -1368,8 +1377,9 @@ fn index_queries(
 }
 
 /// In a CSA layer, the indexer's top-k of the compressed entries for the `rows` queries from
-/// row `first` of [`index_queries`]' output (sub-chunk `first / MAX_CHUNK` of `subs`), into
-/// the same rows of the layer's `selected` (scored on tensor cores).
+/// row `first` (a multiple of [`MAX_CHUNK`]: sub-chunk `first / MAX_CHUNK` of `subs` gives
+/// its position) of [`index_queries`]' output, into the same rows of the layer's `selected`
+/// (scored on tensor cores, into the first rows of the shared scratch).
 fn select(
     dev: &Device,
     lw: &DevLayer,
@@ -1394,7 +1404,9 @@ fn select(
         lw.kind.ratio(),
         &sub_position(a, first / MAX_CHUNK, subs)?,
         IndexScoring::TensorCores,
-        &mut ist.scores.rows(rows)?,
+        &mut a
+            .index_scores
+            .view(0, &[rows, ist.comp.entries().shape()[0]])?,
         &mut sel,
     )
 }
