@@ -339,10 +339,12 @@ pub fn index_topk(
             }
             let groups = t.div_ceil(INDEX_MMA_TOKENS);
             // One block an SM (the queries fill its shared memory), steps of 128 entries dealt
-            // over the blocks by the visible count.
+            // over the blocks by the visible count: at most one wave while there are fewer
+            // token groups than SMs (rounding up gave 160 blocks to 132 SMs for 128 tokens, a
+            // second wave a fifth full).
             let across = cap
                 .div_ceil(128)
-                .min(dev.sm_count().div_ceil(groups))
+                .min(dev.sm_count() / groups)
                 .max(1);
             LaunchConfig {
                 grid_dim: (
