@@ -94,22 +94,33 @@ __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* 
     }
 }
 
+// Threads of a mix block (the launchers' THREADS): MIX_THREADS / MIX_COLS tokens staged at once.
+#define MIX_THREADS 256u
+
 // Block (c, y) of a mix projection for TPB tokens y * TPB .. (those below n): fn's slice
 // staged before the wait, then sv[tt][col] = value(t, column) for the block's columns of
-// each token (threads take fixed columns, so a column's index arithmetic is done once), then
-// mix_rows. blockDim.x is a multiple of MIX_COLS.
+// each token (threads take fixed columns, so a column's index arithmetic is done once, and
+// all of a thread's tokens at once, so their loads are in flight together), then mix_rows.
 template <u32 TPB, class Value>
 __device__ __forceinline__ void mix_block(const float* __restrict__ fn, u32 mix, u32 width,
                                           float* __restrict__ partials, u32 n, Value value) {
+    constexpr u32 LANES = MIX_THREADS / MIX_COLS, PER = (TPB + LANES - 1u) / LANES;
     __shared__ float sv[TPB * MIX_COLS];
     __shared__ __align__(16) float fs[MIX * MIX_COLS];
     const u32 t0 = blockIdx.y * TPB, j0 = blockIdx.x * MIX_COLS;
     const u32 len = min(MIX_COLS, width - j0);
     stage_fn(fs, fn, mix, width, j0, len);
     pdl_enter();
-    const u32 col = threadIdx.x % MIX_COLS;
-    for (u32 tt = threadIdx.x / MIX_COLS; tt < TPB; tt += blockDim.x / MIX_COLS)
-        sv[tt * MIX_COLS + col] = t0 + tt < n && col < len ? value(t0 + tt, j0 + col) : 0.0f;
+    const u32 col = threadIdx.x % MIX_COLS, lane0 = threadIdx.x / MIX_COLS;
+    float v[PER];
+#pragma unroll
+    for (u32 i = 0; i < PER; i++) {
+        const u32 tt = lane0 + i * LANES;
+        v[i] = tt < TPB && t0 + tt < n && col < len ? value(t0 + tt, j0 + col) : 0.0f;
+    }
+#pragma unroll
+    for (u32 i = 0; i < PER; i++)
+        if (lane0 + i * LANES < TPB) sv[(lane0 + i * LANES) * MIX_COLS + col] = v[i];
     cp_async_wait<0>();
     __syncthreads();
     mix_rows<TPB>(sv, len, fs, mix, partials, n);
@@ -124,13 +135,13 @@ __device__ __forceinline__ void mix_partials(const float* __restrict__ streams, 
     mix_block<TPB>(fn, mix, width, partials, n, [&](u32 t, u32 e) { return streams[(u64)t * width + e]; });
 }
 
-DSV4_KERNEL void hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
+DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
                                  u32 mix, float* __restrict__ partials) {
     mix_partials<1>(streams, width, fn, mix, partials, gridDim.y);
 }
 
 // Eight tokens a block (launches of more than eight): each fn value read once for the eight.
-DSV4_KERNEL void hc_mix_partials_t8(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
+DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_mix_partials_t8(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
                                     u32 mix, float* __restrict__ partials, u32 n) {
     mix_partials<8>(streams, width, fn, mix, partials, n);
 }
@@ -155,7 +166,7 @@ __device__ __forceinline__ void post_mix(const float* __restrict__ streams, cons
     });
 }
 
-DSV4_KERNEL void hc_post_mix(const float* __restrict__ streams, const float* __restrict__ y,
+DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_post_mix(const float* __restrict__ streams, const float* __restrict__ y,
                              const float* __restrict__ post, const float* __restrict__ comb, u32 d,
                              float* __restrict__ out, const float* __restrict__ fn, u32 mix,
                              float* __restrict__ partials) {
@@ -163,7 +174,7 @@ DSV4_KERNEL void hc_post_mix(const float* __restrict__ streams, const float* __r
 }
 
 // Eight tokens a block (launches of more than eight): each fn value read once for the eight.
-DSV4_KERNEL void hc_post_mix_t8(const float* __restrict__ streams, const float* __restrict__ y,
+DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_post_mix_t8(const float* __restrict__ streams, const float* __restrict__ y,
                                 const float* __restrict__ post, const float* __restrict__ comb, u32 d,
                                 float* __restrict__ out, const float* __restrict__ fn, u32 mix,
                                 float* __restrict__ partials, u32 n) {
