@@ -65,43 +65,32 @@ __device__ __forceinline__ float warp_sums(float (&a)[TPB], u32 lane) {
 
 // Block (c, y)'s part of the mix projection for TPB tokens t0 = y * TPB .. (those below n),
 // with columns [c * MIX_COLS, ...) of each token's streams staged in sv (MIX_COLS apart) and
-// of fn's rows in fs (stage_fn, landed): warp w takes rows w, w + W (W warps), then w + 2W,
-// w + 3W, ..., two rows at a time so that each staged value is read once for both: row
-// k < mix is fn[k, cols] . s[cols], row `mix` the sum of squares. Lanes stride the columns;
-// warp_sums adds them up (each token in the same order, however many share the block; the fn
-// values read once for all of them). partials is [n, gridDim.x, PART].
+// of fn's rows in fs (stage_fn, landed): warp w takes rows w, w + 8, ...: row k < mix is
+// fn[k, cols] . s[cols], row `mix` the sum of squares. Lanes stride the columns; warp_sums
+// adds them up (each token in the same order, however many share the block; the fn values
+// read once for all of them). partials is [n, gridDim.x, PART].
 template <u32 TPB>
 __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* fs, u32 mix,
                                          float* __restrict__ partials, u32 n) {
     constexpr u32 SHIFT = TPB == 1u ? 5u : TPB == 2u ? 4u : TPB == 4u ? 3u : TPB == 8u ? 2u : TPB == 16u ? 1u : 0u;
     const u32 t0 = blockIdx.y * TPB, c = blockIdx.x;
     const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
-    const u32 t = t0 + (lane >> SHIFT);
-    const bool writer = (lane & ((1u << SHIFT) - 1u)) == 0u && t < n;
-    for (u32 k = warp; k <= mix; k += 2u * warps) {
-        const u32 k2 = k + warps;
-        const bool two = k2 <= mix;  // warp-uniform
+    for (u32 k = warp; k <= mix; k += warps) {
         const float* w = fs + k * MIX_COLS;
-        const float* w2 = fs + (two ? k2 : k) * MIX_COLS;
-        float acc[TPB], acc2[TPB];
+        float acc[TPB];
 #pragma unroll
-        for (u32 tt = 0; tt < TPB; tt++) acc[tt] = acc2[tt] = 0.0f;
+        for (u32 tt = 0; tt < TPB; tt++) acc[tt] = 0.0f;
         for (u32 i = lane; i < len; i += 32u) {
             const float wi = k < mix ? w[i] : 0.0f;
-            const float wi2 = k2 < mix ? w2[i] : 0.0f;
 #pragma unroll
             for (u32 tt = 0; tt < TPB; tt++) {
                 const float v = sv[tt * MIX_COLS + i];
                 acc[tt] = __fadd_rn(acc[tt], __fmul_rn(k < mix ? wi : v, v));
-                if (two) acc2[tt] = __fadd_rn(acc2[tt], __fmul_rn(k2 < mix ? wi2 : v, v));
             }
         }
         const float sum = warp_sums<TPB>(acc, lane);
-        if (writer) partials[((u64)t * gridDim.x + c) * PART + k] = sum;
-        if (two) {
-            const float sum2 = warp_sums<TPB>(acc2, lane);
-            if (writer) partials[((u64)t * gridDim.x + c) * PART + k2] = sum2;
-        }
+        const u32 t = t0 + (lane >> SHIFT);
+        if ((lane & ((1u << SHIFT) - 1u)) == 0u && t < n) partials[((u64)t * gridDim.x + c) * PART + k] = sum;
     }
 }
 
