@@ -36,6 +36,19 @@ __device__ __forceinline__ void stage_fn(float* fs, const float* __restrict__ fn
     cp_async_commit();
 }
 
+// One halving step of warp_sums at butterfly offset O: of a lane's 2N values the lower half
+// stays (or the upper, where bit O of the lane is set, moved down), plus the partner's copies.
+template <u32 N, u32 O>
+__device__ __forceinline__ void halve(float* a, u32 lane) {
+    const bool up = (lane & O) != 0u;
+#pragma unroll
+    for (u32 i = 0; i < N; i++) {
+        const float send = up ? a[i] : a[N + i];
+        const float keep = up ? a[N + i] : a[i];
+        a[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, O));
+    }
+}
+
 // Warp sums of a lane's TPB values (a power of two up to 32) in warp_sum's tree, all at once:
 // while a lane holds more than one, each butterfly step halves them (a lane keeps one half and
 // adds its partner's copies of it), then plain butterflies. Every step adds the same two
@@ -44,22 +57,13 @@ __device__ __forceinline__ void stage_fn(float* fs, const float* __restrict__ fn
 template <u32 TPB>
 __device__ __forceinline__ float warp_sums(float (&a)[TPB], u32 lane) {
     static_assert(TPB >= 1u && TPB <= 32u && (TPB & (TPB - 1u)) == 0u, "a power of two up to 32");
-    u32 h = TPB;
+    if constexpr (TPB >= 2u) halve<TPB / 2u, 16u>(a, lane);
+    if constexpr (TPB >= 4u) halve<TPB / 4u, 8u>(a, lane);
+    if constexpr (TPB >= 8u) halve<TPB / 8u, 4u>(a, lane);
+    if constexpr (TPB >= 16u) halve<TPB / 16u, 2u>(a, lane);
+    if constexpr (TPB >= 32u) halve<1u, 1u>(a, lane);
 #pragma unroll
-    for (u32 o = 16u; o > 0u; o >>= 1) {
-        if (h > 1u) {
-            h >>= 1;
-            const bool up = (lane & o) != 0u;
-#pragma unroll
-            for (u32 i = 0; i < h; i++) {
-                const float send = up ? a[i] : a[h + i];
-                const float keep = up ? a[h + i] : a[i];
-                a[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, o));
-            }
-        } else {
-            a[0] = __fadd_rn(a[0], __shfl_xor_sync(0xffffffffu, a[0], o));
-        }
-    }
+    for (u32 o = 16u / TPB; o > 0u; o >>= 1) a[0] = __fadd_rn(a[0], __shfl_xor_sync(0xffffffffu, a[0], o));
     return a[0];
 }
 
