@@ -144,10 +144,10 @@ DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_mix_partials(const float* __r
     mix_partials<1>(streams, width, fn, mix, partials, gridDim.y);
 }
 
-// Eight tokens a block (launches of more than eight): each fn value read once for the eight.
-DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_mix_partials_t8(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
+// Sixteen tokens a block (launches of more than sixteen): each fn value read once for them.
+DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_mix_partials_t16(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
                                     u32 mix, float* __restrict__ partials, u32 n) {
-    mix_partials<8>(streams, width, fn, mix, partials, n);
+    mix_partials<16>(streams, width, fn, mix, partials, n);
 }
 
 // The expansion into out, then the next site's mix projection (fn [mix, HC * d]) of out:
@@ -177,12 +177,12 @@ DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_post_mix(const float* __restr
     post_mix<1>(streams, y, post, comb, d, out, fn, mix, partials, gridDim.y);
 }
 
-// Eight tokens a block (launches of more than eight): each fn value read once for the eight.
-DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_post_mix_t8(const float* __restrict__ streams, const float* __restrict__ y,
+// Sixteen tokens a block (launches of more than sixteen): each fn value read once for them.
+DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_post_mix_t16(const float* __restrict__ streams, const float* __restrict__ y,
                                 const float* __restrict__ post, const float* __restrict__ comb, u32 d,
                                 float* __restrict__ out, const float* __restrict__ fn, u32 mix,
                                 float* __restrict__ partials, u32 n) {
-    post_mix<8>(streams, y, post, comb, d, out, fn, mix, partials, n);
+    post_mix<16>(streams, y, post, comb, d, out, fn, mix, partials, n);
 }
 
 // mu[k] = rsqrt(mean(s^2) + eps) * (fn[k, :] . s) for k < mix, from one token's `splits`

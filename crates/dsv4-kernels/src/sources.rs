@@ -140,9 +140,9 @@ pub const FAMILIES: &[KernelFamily] = &[
         source: include_str!("../kernels/mhc.cu"),
         functions: &[
             "hc_mix_partials",
-            "hc_mix_partials_t8",
+            "hc_mix_partials_t16",
             "hc_post_mix",
-            "hc_post_mix_t8",
+            "hc_post_mix_t16",
             "hc_pre",
             "hc_head",
         ],

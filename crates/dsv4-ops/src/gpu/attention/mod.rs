@@ -342,10 +342,7 @@ pub fn index_topk(
             // over the blocks by the visible count: at most one wave while there are fewer
             // token groups than SMs (rounding up gave 160 blocks to 132 SMs for 128 tokens, a
             // second wave a fifth full).
-            let across = cap
-                .div_ceil(128)
-                .min(dev.sm_count() / groups)
-                .max(1);
+            let across = cap.div_ceil(128).min(dev.sm_count() / groups).max(1);
             LaunchConfig {
                 grid_dim: (
                     dim_u32("indexer blocks", across)?,

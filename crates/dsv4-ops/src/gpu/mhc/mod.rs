@@ -77,16 +77,16 @@ pub fn hc_mix(
         .ptr(&site.fn_)
         .arg(mix32)
         .ptr(partials);
-    let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_mix_partials", "hc_mix_partials_t8")?;
+    let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_mix_partials", "hc_mix_partials_t16")?;
     // SAFETY: streams [n, HC·d], fn [mix, HC·d], partials [n, splits, MIX + 1] with
     // mix <= MIX, checked above; the eight-token kernel skips tokens past n.
     unsafe { launch(dev, kernel, cfg, &args) }
 }
 
 /// The one-token kernel `one` on `cfg`, or for more than [`POST_MIX_TOKENS`] tokens (a prompt
-/// chunk, or a chunk of 9 to 16) `many`, eight tokens a block (each fn value read once for
-/// them; H100, a 1024-token chunk of 4 Flash layers: 3.5 -> 2.5 ms), with `n` appended to
-/// `args`.
+/// chunk) `many`, sixteen tokens a block (each fn value read once for them; H100, the
+/// expansions of a 2048-token chunk of bench4: 3.3 ms at eight a block, 2.7 at sixteen), with
+/// `n` appended to `args`.
 fn by_tokens(
     n: usize,
     cfg: LaunchConfig,
@@ -342,12 +342,12 @@ pub fn hc_post_mix(
         .ptr(&next.fn_)
         .arg(mix32)
         .ptr(partials);
-    let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_post_mix", "hc_post_mix_t8")?;
+    let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_post_mix", "hc_post_mix_t16")?;
     // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16],
     // fn [mix, 4d], partials [n, splits, MIX + 1], checked above; the eight-token kernel
     // skips tokens past n.
     unsafe { launch(dev, kernel, cfg, &args) }
 }
 
-/// Tokens an `hc_mix_partials_t8` or `hc_post_mix_t8` block takes.
-const POST_MIX_TOKENS: usize = 8;
+/// Tokens an `hc_mix_partials_t16` or `hc_post_mix_t16` block takes.
+const POST_MIX_TOKENS: usize = 16;

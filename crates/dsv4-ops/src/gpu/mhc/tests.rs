@@ -162,11 +162,11 @@ fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
     let mut rng = rng("gpu_hc_post_mix_matches_reference_bit_for_bit");
     for iter in 0..8 {
         let d = [64, 4096, 7168, rng.random_range(1..700)][iter % 4];
-        // Odd iterations: more than 8 tokens, eight a block (a prompt chunk's kernel).
+        // Odd iterations: more than 16 tokens, sixteen a block (a prompt chunk's kernel).
         let n = if iter % 2 == 0 {
-            rng.random_range(1..9)
+            rng.random_range(1..17)
         } else {
-            rng.random_range(9..70)
+            rng.random_range(17..90)
         };
         let streams = uniform(&mut rng, n * HC * d, -3.0, 3.0);
         let y = uniform(&mut rng, n * d, -3.0, 3.0);
@@ -218,10 +218,10 @@ fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
             for (g, w) in got_p.chunks(MIX + 1).zip(want_p.chunks(MIX + 1)) {
                 assert_bits_eq(&what, &g[..=rows], &w[..=rows]);
             }
-            // Past eight tokens both launches take eight a block: each token's partials are
+            // Past sixteen tokens both launches take sixteen a block: each token's partials are
             // those of the one-token kernels, the decode step's, bit for bit.
             let per_token = want_p.len() / n;
-            for t in (0..n).filter(|_| n > 8) {
+            for t in (0..n).filter(|_| n > 16) {
                 let one = dev
                     .upload(
                         DType::F32,
