@@ -349,5 +349,8 @@ pub fn hc_post_mix(
     unsafe { launch(dev, kernel, cfg, &args) }
 }
 
+// The mix kernels are built for blocks of `MIX_THREADS` = 256 threads (kernels/mhc.cu).
+const _: () = assert!(THREADS == 256, "mhc.cu's MIX_THREADS");
+
 /// Tokens an `hc_mix_partials_t16` or `hc_post_mix_t16` block takes.
 const POST_MIX_TOKENS: usize = 16;
