@@ -364,20 +364,17 @@ fn row_range<T: dsv4_ops::gpu::DeviceElem>(
     t.view(first * row, &shape)
 }
 
-/// A chunk of `n` tokens as sub-chunks of at most [`MAX_CHUNK`]: (first row, rows).
-fn sub_chunks(n: usize) -> Vec<(usize, usize)> {
+/// A chunk of `n` tokens as pieces of at most `size`: (first row, rows).
+fn pieces(n: usize, size: usize) -> Vec<(usize, usize)> {
     (0..n)
-        .step_by(MAX_CHUNK)
-        .map(|first| (first, MAX_CHUNK.min(n - first)))
+        .step_by(size)
+        .map(|first| (first, size.min(n - first)))
         .collect()
 }
 
-/// A chunk of `n` tokens as the indexer's groups of at most [`SELECT_ROWS`]: (first row, rows).
-fn select_groups(n: usize) -> Vec<(usize, usize)> {
-    (0..n)
-        .step_by(SELECT_ROWS)
-        .map(|first| (first, SELECT_ROWS.min(n - first)))
-        .collect()
+/// A chunk of `n` tokens as sub-chunks of at most [`MAX_CHUNK`].
+fn sub_chunks(n: usize) -> Vec<(usize, usize)> {
+    pieces(n, MAX_CHUNK)
 }
 
 /// The position buffer of sub-chunk `j` of `subs`: the chunk's own when it is one sub-chunk,
@@ -1177,7 +1174,7 @@ fn attention_layer(
     // A chunk of at most SELECT_ROWS tokens selects beside the queries; a longer one below,
     // SELECT_ROWS queries at a time (the scores' scratch holds that many).
     let subs = sub_chunks(n).len();
-    let groups = select_groups(n);
+    let groups = pieces(n, SELECT_ROWS);
     let select_beside = groups.len() == 1;
     if at.indexer.is_some() {
         dev.fork()?;
@@ -1219,8 +1216,8 @@ fn attention_layer(
         layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, &a.pos, &mut a.ws)?;
     }
     dev.join()?;
-    // A longer chunk's selections, a sub-chunk at a time, into its rows of `selected` (after
-    // the join: the indexer's queries come from the side stream).
+    // A longer chunk's selections, SELECT_ROWS queries at a time, into its rows of `selected`
+    // (after the join: the indexer's queries come from the side stream).
     if !select_beside {
         for &(first, rows) in &groups {
             select(dev, lw, ls, a, first, rows, subs)?;

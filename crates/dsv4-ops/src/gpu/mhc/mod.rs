@@ -79,11 +79,11 @@ pub fn hc_mix(
         .ptr(partials);
     let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_mix_partials", "hc_mix_partials_t16")?;
     // SAFETY: streams [n, HC·d], fn [mix, HC·d], partials [n, splits, MIX + 1] with
-    // mix <= MIX, checked above; the eight-token kernel skips tokens past n.
+    // mix <= MIX, checked above; the sixteen-token kernel skips tokens past n.
     unsafe { launch(dev, kernel, cfg, &args) }
 }
 
-/// The one-token kernel `one` on `cfg`, or for more than [`POST_MIX_TOKENS`] tokens (a prompt
+/// The one-token kernel `one` on `cfg`, or for more than [`MIX_BLOCK_TOKENS`] tokens (a prompt
 /// chunk) `many`, sixteen tokens a block (each fn value read once for them; H100, the
 /// expansions of a 2048-token chunk of bench4: 3.3 ms at eight a block, 2.7 at sixteen), with
 /// `n` appended to `args`.
@@ -94,12 +94,12 @@ fn by_tokens(
     one: &'static str,
     many: &'static str,
 ) -> Result<(&'static str, LaunchConfig), GpuError> {
-    if n <= POST_MIX_TOKENS {
+    if n <= MIX_BLOCK_TOKENS {
         return Ok((one, cfg));
     }
     let n32 = dim_u32("tokens", n)?;
     args.arg(n32);
-    let grid_dim = (cfg.grid_dim.0, n32.div_ceil(POST_MIX_TOKENS as u32), 1);
+    let grid_dim = (cfg.grid_dim.0, n32.div_ceil(MIX_BLOCK_TOKENS as u32), 1);
     Ok((many, LaunchConfig { grid_dim, ..cfg }))
 }
 
@@ -344,7 +344,7 @@ pub fn hc_post_mix(
         .ptr(partials);
     let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_post_mix", "hc_post_mix_t16")?;
     // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16],
-    // fn [mix, 4d], partials [n, splits, MIX + 1], checked above; the eight-token kernel
+    // fn [mix, 4d], partials [n, splits, MIX + 1], checked above; the sixteen-token kernel
     // skips tokens past n.
     unsafe { launch(dev, kernel, cfg, &args) }
 }
@@ -353,4 +353,4 @@ pub fn hc_post_mix(
 const _: () = assert!(THREADS == 256, "mhc.cu's MIX_THREADS");
 
 /// Tokens an `hc_mix_partials_t16` or `hc_post_mix_t16` block takes.
-const POST_MIX_TOKENS: usize = 16;
+const MIX_BLOCK_TOKENS: usize = 16;
