@@ -3,6 +3,9 @@
 // p = pos[0] + t. Shapes and capacities are launch constants; counts that depend on the
 // position (visible window keys, visible compressed entries, closing compressor windows) are
 // worked out inside the kernels, so a captured graph replays at any position.
+// Every kernel but attention_mma also runs a batch (`batch` != 0, see token_pos): token t is
+// its own sequence's one token at pos[t], that sequence's state (window ring, compressor rows,
+// entries) slice t of each state buffer, as if each token were launched alone as a chunk.
 //
 // - compressor_emit / compressor_store: the token compressors (spec §6). emit writes the entry
 //   of every window that closes inside the chunk (one block per closing window), reading each
@@ -77,7 +80,8 @@ __device__ __forceinline__ void comp_slot(u32 i, u32 j, u32 ws, u32 ratio, u32 c
 // Window rows compressor_emit reads at once per channel.
 #define EMIT_BATCH 8u
 
-// One block per window that closes inside the chunk (block b: the b-th closing position).
+// One block per window that closes inside the chunk (block b: the b-th closing position; in a
+// batch, block b per sequence b).
 // Entry e = (p + 1) / ratio - 1 pools, per channel j, the softmax of the gate logits over the
 // window's rows (with overlap: the previous window's A-half rows first, then this window's
 // B-half rows; no previous half for e = 0) weighting the values, with the CPU's order of
@@ -92,19 +96,32 @@ DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict_
                                                         const float* __restrict__ st_gate,
                                                         const float* __restrict__ prev_kv,
                                                         const float* __restrict__ prev_gate, u32 cap,
-                                                        float* __restrict__ entries) {
+                                                        float* __restrict__ entries, u32 batch) {
     pdl_enter();
     extern __shared__ float pooled[];
     __shared__ float scratch[32];
+    const u32 kc = overlap ? 2u * c : c;
+    // A batch's block b takes sequence b's token, a chunk of one.
+    u32 block = blockIdx.x;
+    if (batch) {
+        pos += block;
+        proj += (u64)block * 2u * kc;
+        st_kv += (u64)block * ratio * kc;
+        st_gate += (u64)block * ratio * kc;
+        prev_kv += (u64)block * ratio * c;
+        prev_gate += (u64)block * ratio * c;
+        entries += (u64)block * cap * c;
+        tokens = 1u;
+        block = 0u;
+    }
     const u32 pos0 = pos[0];
     const u32 first = (ratio - 1u - pos0 % ratio);  // chunk offset of the first closing token
-    const u32 off = first + blockIdx.x * ratio;
+    const u32 off = first + block * ratio;
     if (off >= tokens) return;
     const u32 p = pos0 + off;
     const u32 e = (p + 1u) / ratio - 1u;
     if (e >= cap) return;
     const u32 ws = e * ratio;  // first position of window e
-    const u32 kc = overlap ? 2u * c : c;
     const u32 b_off = overlap ? c : 0u;
     const bool has_prev = overlap && e > 0u;
     // Window e - 1 closed before this chunk (its A-halves moved to prev_*) unless it closes
@@ -165,10 +182,21 @@ DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict_
 DSV4_KERNEL void compressor_store(const float* __restrict__ proj, u32 tokens, const float* __restrict__ ape, u32 ratio, u32 c, u32 overlap,
                                   const u32* __restrict__ pos, float* __restrict__ st_kv,
                                   float* __restrict__ st_gate, float* __restrict__ prev_kv,
-                                  float* __restrict__ prev_gate) {
+                                  float* __restrict__ prev_gate, u32 batch) {
     pdl_enter();
     const u32 kc = overlap ? 2u * c : c;
     const u64 total = (u64)ratio * kc;
+    // A batch's block row y takes sequence y's token, a chunk of one.
+    if (batch) {
+        const u32 b = blockIdx.y;
+        pos += b;
+        proj += (u64)b * 2u * kc;
+        st_kv += (u64)b * total;
+        st_gate += (u64)b * total;
+        prev_kv += (u64)b * ratio * c;
+        prev_gate += (u64)b * ratio * c;
+        tokens = 1u;
+    }
     const u32 pos0 = pos[0];
     const u32 first = ratio - 1u - pos0 % ratio;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
@@ -215,14 +243,16 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
                                                              const float* __restrict__ weights,
                                                              const float* __restrict__ entries, u32 cap, u32 nh,
                                                              u32 c, u32 ratio, const u32* __restrict__ pos,
-                                                             float scale, float wscale, float* __restrict__ scores) {
+                                                             float scale, float wscale, float* __restrict__ scores,
+                                                             u32 batch) {
     pdl_enter();
     __shared__ float q_s[IDX_MAX_C * (IDX_MAX_HEADS + 1u)];
     __shared__ float4 k_s[IDX_WARPS][IDX_MAX_C];
     __shared__ float terms[IDX_WARPS][IDX_EPW][IDX_MAX_HEADS];
     __shared__ float w_s[IDX_MAX_HEADS];
     const u32 t = blockIdx.y;
-    const u32 p = pos[0] + t;
+    const u32 p = token_pos(pos, t, batch);
+    if (batch) entries += (u64)t * cap * c;
     const u32 n_vis = min((p + 1u) / ratio, cap);
     constexpr u32 STEP = IDX_WARPS * IDX_EPW;
     if (blockIdx.x * STEP >= n_vis) return;
@@ -333,7 +363,7 @@ __device__ __forceinline__ u32 sel_peer(const u32* p, u32 rank) {
 // are taken in index order until the count still needed is reached.
 DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __restrict__ scores, u32 cap, u32 ratio,
                                                              const u32* __restrict__ pos, u32 k,
-                                                             int* __restrict__ selected, u32 held_cap) {
+                                                             int* __restrict__ selected, u32 held_cap, u32 batch) {
     pdl_enter();
     __shared__ u32 hist[256];
     __shared__ u32 gt_s[SEL_THREADS];
@@ -341,7 +371,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     __shared__ u32 sh_prefix, sh_krem;
     __shared__ u32 total_gt, total_eq;  // the block's counts, read by the later blocks
     const u32 t = blockIdx.x, rank = blockIdx.y, parts = gridDim.y;
-    const u32 p = pos[0] + t;
+    const u32 p = token_pos(pos, t, batch);
     const u32 n = min((p + 1u) / ratio, cap);
     int* out = selected + (u64)t * k;
     if (n <= k) {  // the same for every block of the cluster
@@ -522,7 +552,8 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
     return id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
 }
 
-// Block (x, t, s): heads [4x, 4x + 4) ∩ [0, heads) of token t at p = pos[0] + t, over split s
+// Block (x, t, s): heads [4x, 4x + 4) ∩ [0, heads) of token t at p = pos[0] + t (a batch's: at
+// pos[t], over its own sequence's keys), over split s
 // of the token's keys (always four heads' arithmetic, so their chains interleave; missing
 // heads get zero queries and write nothing). Keys j in order: the window positions
 // max(0, p - W + 1) ..= p (from this chunk's kv when >= pos[0], else from the ring slot
@@ -547,7 +578,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    u32* __restrict__ counters, u16* __restrict__ out, u32 ring) {
+    u32* __restrict__ counters, u16* __restrict__ out, u32 ring, u32 batch) {
     const u32 h0 = blockIdx.x * ATT_HEADS;
     const u32 hv = min(ATT_HEADS, heads - h0);  // heads this block writes
     // The heads' sinks and the rotation's frequencies (weights) before the wait.
@@ -563,8 +594,14 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
     const u32 splits = gridDim.z, split = blockIdx.z;
-    const u32 pos0 = pos[0];
-    const u32 p = pos0 + t;
+    // A batch's token t is a chunk of one: its key is row t of kv, its ring and entries slice t.
+    const u32 pos0 = batch ? pos[t] : pos[0];
+    const u32 p = batch ? pos0 : pos0 + t;
+    if (batch) {
+        kv += (u64)t * d;
+        window += (u64)t * wsize * d;
+        entries += (u64)t * cap * d;
+    }
     const u32 n_w = min(p + 1u, wsize);
     // Visible entries; a selection holds its ids in its first min(k, visible) slots.
     const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
@@ -1093,13 +1130,17 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
     index_scores_mma(const float* __restrict__ q, const float* __restrict__ weights,
                      const float* __restrict__ entries, u32 cap, u32 nh, u32 c, u32 ratio,
                      const u32* __restrict__ pos, float scale, float wscale, float* __restrict__ scores,
-                     u32 tokens) {
+                     u32 tokens, u32 batch) {
     pdl_enter();
     extern __shared__ __align__(16) u16 imma[];
     __shared__ float w_s[IMMA_TOKENS][IDX_MAX_HEADS];
     __shared__ float red[IMMA_TOKENS][IMMA_WARPS];
-    const u32 t0 = blockIdx.y * IMMA_TOKENS, tb_n = min(IMMA_TOKENS, tokens - t0);
-    const u32 pos0 = pos[0];
+    // A batch's block row takes one token, over its own sequence's entries (slice t0); pos0 is
+    // then the position a chunk would start at for token t0 to sit at pos[t0].
+    const u32 t0 = batch ? blockIdx.y : blockIdx.y * IMMA_TOKENS;
+    const u32 tb_n = batch ? 1u : min(IMMA_TOKENS, tokens - t0);
+    const u32 pos0 = batch ? pos[t0] - t0 : pos[0];
+    if (batch) entries += (u64)t0 * cap * c;
     auto visible = [&](u32 t) { return min((pos0 + t + 1u) / ratio, cap); };
     const u32 n_max = visible(t0 + tb_n - 1u);
     if (blockIdx.x * IMMA_WARPS * 16u >= n_max) return;
@@ -1217,17 +1258,18 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
     }
 }
 
-// ring[(pos0 + t) % W] = kv[t] for the last min(T, W) rows t of the chunk.
+// ring[(pos0 + t) % W] = kv[t] for the last min(T, W) rows t of the chunk; in a batch, each
+// token into its own sequence's ring (slice t) at pos[t] % W.
 DSV4_KERNEL void window_write(const float* __restrict__ kv, u32 tokens, u32 d, const u32* __restrict__ pos, u32 wsize,
-                              float* __restrict__ window) {
+                              float* __restrict__ window, u32 batch) {
     pdl_enter();
-    const u32 rows = min(tokens, wsize);
+    const u32 rows = batch ? tokens : min(tokens, wsize);
     const u32 skip = tokens - rows;
     const u64 total = (u64)rows * d;
-    const u32 pos0 = pos[0];
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         const u32 t = skip + (u32)(i / d);
         const u32 ch = (u32)(i % d);
-        window[(u64)((pos0 + t) % wsize) * d + ch] = kv[(u64)t * d + ch];
+        const u64 ring = batch ? (u64)t * wsize * d : 0u;
+        window[ring + (u64)(token_pos(pos, t, batch) % wsize) * d + ch] = kv[(u64)t * d + ch];
     }
 }

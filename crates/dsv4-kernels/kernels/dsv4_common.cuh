@@ -175,6 +175,15 @@ __device__ __forceinline__ void rope_pair(float* pair, u32 position, float freq,
     pair[1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
 
+// ---- positions of a launch's tokens ----
+//
+// A launch either runs a chunk of one sequence (batch == 0: token t at pos[0] + t, the
+// sequence's state as given) or a batch of sequences (batch != 0: token t is sequence t's
+// next token, at pos[t], with its state in slice t of each state buffer).
+__device__ __forceinline__ u32 token_pos(const u32* __restrict__ pos, u32 t, u32 batch) {
+    return batch ? pos[t] : pos[0] + t;
+}
+
 // ---- programmatic dependent launch ----
 //
 // Every kernel of a decode step launches with the programmatic-serialization attribute, so it

@@ -46,14 +46,15 @@ struct NormArgs {
     const float* inv_freq;
     u32 rope_half;
     const u32* pos;
+    u32 batch;  // token_pos: rows of a batch's token t sit at pos[t]
 };
 
 // One block per row (grid-stride over rows) of set a, then of set b (b.rows may be 0):
 // out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps). Rows may be some columns of a wider
 // projection output; out is dense. In place when out == x and x_stride == width. A non-null
 // `out_b` gets set a's values rounded to bf16. A non-null `inv_freq` then rotates the last
-// 2 * rope_half channels of each row as rope_rows does, row r at position
-// pos[0] + r / rows_per_token.
+// 2 * rope_half channels of each row as rope_rows does, row r at the position of token
+// r / rows_per_token (token_pos).
 DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
     const NormSet &a = p.a, &b = p.b;
     const u32 width = p.width;
@@ -107,7 +108,7 @@ DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
         }
         if (inv_freq) {
             __syncthreads();  // the row's normalized values are all written
-            const u32 position = pos[0] + r / rows_per_token;
+            const u32 position = token_pos(pos, r / rows_per_token, p.batch);
             float* rot = dst + width - 2u * rope_half;
             for (u32 k = threadIdx.x; k < rope_half; k += blockDim.x)
                 rope_pair(rot + 2u * k, position, k == threadIdx.x ? freq : inv_freq[k], 1.0f);
@@ -118,18 +119,17 @@ DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
 
 // Rotates the last rope_dim channels of every width-sized vector of x in place, interleaved
 // pairs (2i, 2i+1) by angle p * inv_freq[i]; `sign` -1 rotates back. x is
-// [tokens, heads, width]; token t sits at position pos[0] + t.
+// [tokens, heads, width]; token t sits at token_pos(pos, t, batch).
 DSV4_KERNEL void rope_rows(float* __restrict__ x, u32 tokens, u32 heads, u32 width, u32 rope_dim,
-                           const float* __restrict__ inv_freq, const u32* __restrict__ pos, float sign) {
+                           const float* __restrict__ inv_freq, const u32* __restrict__ pos, float sign, u32 batch) {
     pdl_enter();
     const u32 half = rope_dim / 2u;
     const u64 total = (u64)tokens * heads * half;
-    const u32 p0 = pos[0];
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         const u32 k = (u32)(i % half);
         const u64 v = i / half;
         const u32 t = (u32)(v / heads);
-        rope_pair(x + v * width + (width - rope_dim) + 2u * k, p0 + t, inv_freq[k], sign);
+        rope_pair(x + v * width + (width - rope_dim) + 2u * k, token_pos(pos, t, batch), inv_freq[k], sign);
     }
 }
 

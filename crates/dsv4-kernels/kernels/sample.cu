@@ -1,12 +1,13 @@
 // Next-token sampling on the device, so a decode graph needs no host decision: greedy
 // (argmax, ties to the lowest id, NaN never wins) or temperature + top-p with a counter-based
-// draw from (seed, position). The position is read from the device buffer, and sample_pick
-// then advances it (the step's last write), so every replay draws afresh.
+// draw from (seed, position). Each logits row has its own settings and position in device
+// memory (a batch's rows are different sequences'), and sample_pick then advances the position
+// (the step's last write), so every replay draws afresh.
 //
-// Greedy: argmax_spans takes the argmax of each span of ids in its own block, sample_pick the
-// argmax of those. Otherwise two kernels, one block each: sample_weights writes
-// w = exp((z - max) / T); sample_pick finds the top-p threshold on w by bisection over float
-// bits, draws u in [0, 1) and walks the kept weights in id order. Every sum has a fixed order (per-thread id ranges, a pairwise tree over
+// Two kernels, a block row per logits row. Greedy: sample_prepare takes the argmax of each
+// span of ids in its own block, sample_pick the argmax of those. Otherwise sample_prepare's
+// first block writes w = exp((z - max) / T); sample_pick finds the top-p threshold on w by
+// bisection over float bits, draws u in [0, 1) and walks the kept weights in id order. Every sum has a fixed order (per-thread id ranges, a pairwise tree over
 // the threads, a sequential scan by thread 0) that the CPU reference reproduces exactly.
 #include "dsv4_common.cuh"
 
@@ -31,9 +32,15 @@ __device__ float block_max(const float* __restrict__ z, u32 vocab, float* scratc
     return warp_max(m);  // lanes of warp 0 hold it; broadcast below
 }
 
-DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_weights(const float* __restrict__ z, u32 vocab, float inv_t,
-                                                                  float* __restrict__ w) {
-    pdl_enter();
+// One row's sampling settings (the U32 [4] rows of `sample` in sample/mod.rs).
+struct SampleParams {
+    float inv_t;  // 0: greedy
+    float top_p;
+    u64 seed;
+};
+
+// w = exp((z - max) * inv_t), NaN logits weigh 0.
+__device__ void sample_weights(const float* __restrict__ z, u32 vocab, float inv_t, float* __restrict__ w) {
     __shared__ float scratch[32];
     __shared__ float max_all;
     const float m = block_max(z, vocab, scratch);
@@ -100,27 +107,42 @@ __device__ u32 block_argmax(const float* __restrict__ z, u32 lo, u32 hi, float* 
     return block_best(best, best_i, vals, ids);
 }
 
-// Greedy, first half: block b writes the argmax id of its span of z to span_ids[b] (the
-// weights scratch, as float bits).
-DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) argmax_spans(const float* __restrict__ z, u32 vocab,
-                                                                float* __restrict__ span_ids) {
+// First half, block (x, r) for logits row r (of z [rows, vocab]): a greedy row's blocks write
+// the argmax id of their span of ids to w[r, x] (as float bits); another row's first block
+// writes its weights to w[r] (sample_weights), the others have nothing to do.
+DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_prepare(const float* __restrict__ z, u32 vocab,
+                                                                  const SampleParams* __restrict__ params,
+                                                                  float* __restrict__ w) {
     pdl_enter();
     __shared__ float vals[SAMPLE_THREADS];
     __shared__ u32 ids[SAMPLE_THREADS];
+    const u32 row = blockIdx.y;
+    z += (u64)row * vocab;
+    w += (u64)row * vocab;
+    const float inv_t = params[row].inv_t;
+    if (inv_t != 0.0f) {
+        if (blockIdx.x == 0u) sample_weights(z, vocab, inv_t, w);
+        return;
+    }
     const u32 spans = argmax_spans_of(vocab), span = (vocab + spans - 1u) / spans;
     const u32 lo = min(blockIdx.x * span, vocab), hi = min(lo + span, vocab);
     const u32 best = block_argmax(z, lo, hi, vals, ids);
-    if (threadIdx.x == 0u) span_ids[blockIdx.x] = __uint_as_float(best);
+    if (threadIdx.x == 0u) w[blockIdx.x] = __uint_as_float(best);
 }
 
-// Writes token[0]. greedy != 0 (temperature 0) takes the argmax of the span winners in w
-// (argmax_spans, spans in id order, so ties still go to the lowest id); a row whose weights
-// sum to zero or overflow takes the argmax of z.
+// Block r writes token[r] from logits row r, keyed by (and then advancing by `advance`) the
+// position of token_pos(pos, r, batch). A greedy row (inv_t 0) takes the argmax of the span
+// winners in w (spans in id order, so ties still go to the lowest id); a row whose weights sum
+// to zero or overflow takes the argmax of z.
 DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __restrict__ z, const float* __restrict__ w,
-                                                               u32 vocab, u32 greedy, float top_p, u64 seed,
+                                                               u32 vocab, const SampleParams* __restrict__ params,
                                                                u32* __restrict__ pos, u32 advance,
-                                                               u32* __restrict__ token) {
+                                                               u32* __restrict__ token, u32 batch) {
     pdl_enter();
+    // The row (blockIdx.x), its settings, token and position are addressed where used: held
+    // in registers through the kernel, they spill.
+    w += (u64)blockIdx.x * vocab;
+    const bool greedy = params[blockIdx.x].inv_t == 0.0f;
     __shared__ float part[SAMPLE_THREADS];
     __shared__ u32 ids[SAMPLE_THREADS];
     const u32 chunk = (vocab + SAMPLE_THREADS - 1u) / SAMPLE_THREADS;
@@ -128,24 +150,26 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
     const u32 hi = min(lo + chunk, vocab);
     if (greedy) {
         const u32 i = threadIdx.x < argmax_spans_of(vocab) ? __float_as_uint(w[threadIdx.x]) : 0xffffffffu;
-        const u32 t = block_best(i != 0xffffffffu ? z[i] : __uint_as_float(0xff800000u), i, part, ids);
+        const float zi = i != 0xffffffffu ? z[(u64)blockIdx.x * vocab + i] : __uint_as_float(0xff800000u);
+        const u32 t = block_best(zi, i, part, ids);
         if (threadIdx.x == 0u) {
-            token[0] = t == 0xffffffffu ? 0u : t;
-            pos[0] += advance;
+            token[blockIdx.x] = t == 0xffffffffu ? 0u : t;
+            pos[batch ? blockIdx.x : 0u] += advance;
         }
         return;
     }
     const float total = kept_mass(w, lo, hi, 0.0f, part);
     if (!(total > 0.0f && isfinite(total))) {
-        const u32 t = block_argmax(z, 0u, vocab, part, ids);
+        const u32 t = block_argmax(z + (u64)blockIdx.x * vocab, 0u, vocab, part, ids);
         if (threadIdx.x == 0u) {
-            token[0] = t == 0xffffffffu ? 0u : t;
-            pos[0] += advance;
+            token[blockIdx.x] = t == 0xffffffffu ? 0u : t;
+            pos[batch ? blockIdx.x : 0u] += advance;
         }
         return;
     }
     // The largest tau (as float bits, monotonic for w >= 0) whose kept mass reaches top_p * total.
     u32 tau_bits = 0u;
+    const float top_p = params[blockIdx.x].top_p;
     if (top_p < 1.0f) {
         const float need = __fmul_rn(top_p, total);
         u32 a = 0u, b = 0x3f800001u;  // mass(bits a) >= need holds; w <= 1 < bits b
@@ -161,11 +185,13 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
     thread_kept_sum(w, lo, hi, tau, part);
     if (threadIdx.x == 0u) {
         float kept = 0.0f;
+#pragma unroll 4
         for (u32 t = 0; t < SAMPLE_THREADS; t++) kept = __fadd_rn(kept, part[t]);
-        const u64 r = splitmix64(seed ^ splitmix64((u64)pos[0]));
+        const u64 r = splitmix64(params[blockIdx.x].seed ^ splitmix64((u64)pos[batch ? blockIdx.x : 0u]));
         const float target = __fmul_rn((float)(r >> 40) * (1.0f / 16777216.0f), kept);
         float acc = 0.0f;
         u32 chosen = 0xffffffffu;
+#pragma unroll 1
         for (u32 t = 0; t < SAMPLE_THREADS && chosen == 0xffffffffu; t++) {
             const float next = __fadd_rn(acc, part[t]);
             if (!(target < next)) {
@@ -192,7 +218,7 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
                     break;
                 }
         }
-        token[0] = chosen;
-        pos[0] += advance;
+        token[blockIdx.x] = chosen;
+        pos[batch ? blockIdx.x : 0u] += advance;
     }
 }

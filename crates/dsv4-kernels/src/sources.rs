@@ -180,7 +180,7 @@ pub const FAMILIES: &[KernelFamily] = &[
         name: "sample",
         file: "sample.cu",
         source: include_str!("../kernels/sample.cu"),
-        functions: &["sample_weights", "argmax_spans", "sample_pick"],
+        functions: &["sample_prepare", "sample_pick"],
     },
     KernelFamily {
         name: "collective",

@@ -245,6 +245,7 @@ enum StepOp {
     /// Temperature 0.7 + top-p 0.9 over the vocabulary.
     Sample {
         logits: DeviceTensor<f32>,
+        params: DeviceTensor<u32>,
         pos: DeviceTensor<u32>,
         weights: DeviceTensor<f32>,
         token: DeviceTensor<u32>,
@@ -327,15 +328,26 @@ impl StepOp {
             _ => StepOp::Sample {
                 logits: dev.upload(
                     DType::F32,
-                    &[129_280],
+                    &[1, 129_280],
                     &bits
                         .f32s(129_280)
                         .iter()
                         .map(|v| 8.0 * v)
                         .collect::<Vec<_>>(),
                 )?,
+                params: dev.upload(
+                    DType::U32,
+                    &[1, 4],
+                    &sample::Sampling {
+                        temperature: 0.7,
+                        top_p: 0.9,
+                        seed: 1,
+                    }
+                    .device_words()
+                    .expect("valid settings"),
+                )?,
                 pos: dev.upload(DType::U32, &[1], &[99u32])?,
-                weights: dev.alloc(DType::F32, &[129_280])?,
+                weights: dev.alloc(DType::F32, &[1, 129_280])?,
                 token: dev.alloc(DType::U32, &[1])?,
             },
         })
@@ -441,17 +453,11 @@ impl FormatLaunch for StepOp {
             )?,
             StepOp::Sample {
                 logits,
+                params,
                 pos,
                 weights,
                 token,
-            } => {
-                let s = sample::Sampling {
-                    temperature: 0.7,
-                    top_p: 0.9,
-                    seed: 1,
-                };
-                sample::sample(dev, logits, &s, pos, 0, weights, token)?
-            }
+            } => sample::sample(dev, logits, params, pos, 0, weights, token)?,
         }
         Ok(())
     }

@@ -213,6 +213,22 @@ pub(crate) fn launch_err(kernel: &str) -> impl FnOnce(DriverError) -> GpuError +
     }
 }
 
+/// A launch of `tokens` tokens reads their positions from `pos` (U32): one position, the first
+/// of one sequence's chunk (the kernels' `batch` 0), or one for each token, a batch of
+/// sequences a token each (1: token t at `pos[t]`, its state slice t of each state buffer).
+pub(crate) fn batch_flag(pos: &DeviceTensor<u32>, tokens: usize, what: &str) -> Result<u32, GpuError> {
+    let n = pos.len();
+    pos.expect(what, super::DType::U32, &[n])?;
+    match n {
+        1 => Ok(0),
+        n if n == tokens => Ok(1),
+        n => Err(GpuError::invalid(
+            what,
+            format!("{n} positions for {tokens} tokens (one for a chunk, one a token for a batch)"),
+        )),
+    }
+}
+
 /// Kernel dimensions are 32-bit.
 pub(crate) fn dim_u32(what: &str, v: usize) -> Result<u32, GpuError> {
     u32::try_from(v).map_err(|_| GpuError::invalid(what, format!("dimension {v} exceeds u32")))

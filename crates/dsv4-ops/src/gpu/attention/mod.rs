@@ -1,7 +1,10 @@
 //! Launchers of the attention kernels (`kernels/attention.cu`, spec §5–§7): the token
 //! compressors' device state, the Lightning Indexer's scores and top-k, the sink attention over
 //! the sliding window and the compressed keys, and the window ring write. Positions are read
-//! from the device (`pos` U32 `[1]`, the chunk's first position); every count that depends on
+//! from the device (`pos` U32 `[1]`, the chunk's first position); a launch of T decode tokens
+//! of T sequences (a batch) passes `pos` U32 `[T]` instead, one position each, and every state
+//! tensor with a leading dimension of T (sequence t's state slice t), as if each token were
+//! launched alone with its own state. Every count that depends on
 //! the position (visible keys and entries, closing windows) is worked out inside the kernels,
 //! so the launches capture into a graph that replays at any position. Nothing is read back or
 //! waited for. CPU references: [`reference`].
@@ -15,7 +18,7 @@ use cudarc::driver::LaunchConfig;
 use half::bf16;
 
 use super::gemv::tuning;
-use super::launch::{self, dim_u32, elementwise, Args};
+use super::launch::{self, batch_flag, dim_u32, elementwise, Args};
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
 /// Launches `kernel` with `cfg` and the arguments `args` pushes, in order.
@@ -55,6 +58,37 @@ fn dims_u32<const N: usize>(dims: [(&str, usize); N]) -> Result<[u32; N], GpuErr
         *o = dim_u32(what, v)?;
     }
     Ok(out)
+}
+
+/// `(rows, cols)` of one sequence's state `x` (F32): `[rows, cols]` for a chunk, `[T, rows,
+/// cols]` for a batch of T sequences (`batch`: `Some(T)`), slice t sequence t's.
+fn state_dims(
+    x: &DeviceTensor<f32>,
+    what: &str,
+    batch: Option<usize>,
+) -> Result<(usize, usize), GpuError> {
+    match (batch, x.shape()) {
+        (None, _) => x.dims2(what, DType::F32),
+        (Some(b), &[n, r, c]) if n == b => {
+            x.expect(what, DType::F32, &[n, r, c])?;
+            Ok((r, c))
+        }
+        (Some(b), shape) => Err(GpuError::invalid(
+            what,
+            format!("a batch of {b} sequences needs [{b}, rows, cols], got {shape:?}"),
+        )),
+    }
+}
+
+/// The shape of one sequence's state of `dims` (see [`state_dims`]).
+fn state_shape(batch: Option<usize>, dims: &[usize]) -> Vec<usize> {
+    batch.into_iter().chain(dims.iter().copied()).collect()
+}
+
+/// The batch [`batch_flag`] reads from `pos`: `Some(T)` for T sequences a token each.
+fn batch_of(pos: &DeviceTensor<u32>, t: usize, what: &str) -> Result<(u32, Option<usize>), GpuError> {
+    let flag = batch_flag(pos, t, what)?;
+    Ok((flag, (flag == 1).then_some(t)))
 }
 
 /// The grid's y dimension holds one block row per token: at most 65535 tokens a launch.
@@ -134,32 +168,34 @@ pub fn compressor_update(
             format!("{} rotated channels of {c}", 2 * half),
         ));
     }
-    pos.expect("compressor position", DType::U32, &[1])?;
+    let (batch, seqs) = batch_of(pos, t, "compressor position")?;
     state
         .kv
-        .expect("compressor state kv", DType::F32, &[ratio, kc])?;
-    state
-        .gate
-        .expect("compressor state gate", DType::F32, &[ratio, kc])?;
+        .expect("compressor state kv", DType::F32, &state_shape(seqs, &[ratio, kc]))?;
+    state.gate.expect(
+        "compressor state gate",
+        DType::F32,
+        &state_shape(seqs, &[ratio, kc]),
+    )?;
     for (prev, what) in [
         (&state.prev_kv, "compressor previous kv"),
         (&state.prev_gate, "compressor previous gate"),
     ] {
         // Not read without overlap; any shape will do.
         let shape = if overlap {
-            &[ratio, c][..]
+            state_shape(seqs, &[ratio, c])
         } else {
-            prev.shape()
+            prev.shape().to_vec()
         };
-        prev.expect(what, DType::F32, shape)?;
+        prev.expect(what, DType::F32, &shape)?;
     }
-    let (cap, _) = matrix(
-        &state.entries,
-        "compressor entries",
-        DType::F32,
-        None,
-        Some(c),
-    )?;
+    let (cap, width) = state_dims(&state.entries, "compressor entries", seqs)?;
+    if width != c {
+        return Err(GpuError::invalid(
+            "compressor entries",
+            format!("entries of {width} for a norm of {c}"),
+        ));
+    }
     if t == 0 {
         return Ok(());
     }
@@ -172,15 +208,24 @@ pub fn compressor_update(
     ])?;
     let ov = u32::from(overlap);
     let cfg = LaunchConfig {
-        // At most ceil(T / ratio) windows close inside T consecutive positions.
-        grid_dim: (dims[0].div_ceil(dims[1]), 1, 1),
+        // At most ceil(T / ratio) windows close inside T consecutive positions; one a batch's
+        // sequence.
+        grid_dim: (
+            if batch == 1 {
+                dims[0]
+            } else {
+                dims[0].div_ceil(dims[1])
+            },
+            1,
+            1,
+        ),
         block_dim: (256, 1, 1),
         shared_mem_bytes: dims[2] * 4,
     };
     // SAFETY: proj [t, 2·kc], ape [ratio, kc], norm [c], inv_freq [half] with
-    // 2·half <= c, pos [1], state kv and gate [ratio, kc], prev [ratio, c] (read only with
-    // overlap), entries [cap, c] (entries >= cap are skipped), checked above; c floats of
-    // dynamic shared memory (c <= 8192).
+    // 2·half <= c, pos [1] (a batch: [t]), state kv and gate [ratio, kc], prev [ratio, c] (read
+    // only with overlap), entries [cap, c] (entries >= cap are skipped), each [t, ...] in a
+    // batch, checked above; c floats of dynamic shared memory (c <= 8192).
     unsafe {
         launch(dev, "compressor_emit", cfg, |b| {
             compressor_projections(b, proj, ape, &dims, ov);
@@ -194,10 +239,15 @@ pub fn compressor_update(
                 .ptr(&state.prev_kv)
                 .ptr(&state.prev_gate)
                 .arg(dims[4])
-                .ptr(&state.entries);
+                .ptr(&state.entries)
+                .arg(batch);
         })
     }?;
-    let cfg = elementwise((ratio * kc) as u64);
+    // A batch's block rows are its sequences.
+    let mut cfg = elementwise((ratio * kc) as u64);
+    if batch == 1 {
+        cfg.grid_dim.1 = dims[0];
+    }
     // SAFETY: as above; each thread reads and writes only its own state element (and, with
     // overlap, the prev element of the same row and channel).
     unsafe {
@@ -207,7 +257,8 @@ pub fn compressor_update(
                 .ptr(&state.kv)
                 .ptr(&state.gate)
                 .ptr(&state.prev_kv)
-                .ptr(&state.prev_gate);
+                .ptr(&state.prev_gate)
+                .arg(batch);
         })
     }
 }
@@ -280,7 +331,8 @@ pub fn index_topk(
 ) -> Result<(), GpuError> {
     let (t, nhc) = q.dims2("indexer queries", DType::F32)?;
     let (_, nh) = matrix(weights, "indexer weights", DType::F32, Some(t), None)?;
-    let (cap, c) = entries.dims2("indexer entries", DType::F32)?;
+    let (batch, seqs) = batch_of(pos, t, "indexer position")?;
+    let (cap, c) = state_dims(entries, "indexer entries", seqs)?;
     if nh == 0
         || nh > MAX_INDEX_HEADS
         || c == 0
@@ -306,7 +358,6 @@ pub fn index_topk(
     if ratio == 0 {
         return Err(GpuError::invalid("indexer", "ratio 0"));
     }
-    pos.expect("indexer position", DType::U32, &[1])?;
     scores.expect("indexer scores", DType::F32, &[t, cap])?;
     let (_, k) = matrix(selected, "indexer selection", DType::I32, Some(t), None)?;
     if t == 0 || k == 0 {
@@ -322,8 +373,10 @@ pub fn index_topk(
     ])?;
     let scale = 1.0 / (c as f32).sqrt();
     let wscale = 1.0 / (nh as f32).sqrt();
-    // Each MMA block's tokens' queries as two f16 parts of 64 heads x (128 + 8) channels.
-    let mma_shared = t.min(INDEX_MMA_TOKENS) * 2 * MAX_INDEX_HEADS * (MAX_INDEX_DIM + 8) * 2;
+    // Each MMA block's tokens' queries as two f16 parts of 64 heads x (128 + 8) channels (a
+    // batch's blocks take one token each: their keys differ).
+    let per_block = if seqs.is_some() { 1 } else { INDEX_MMA_TOKENS };
+    let mma_shared = t.min(per_block) * 2 * MAX_INDEX_HEADS * (MAX_INDEX_DIM + 8) * 2;
     let mma = scoring == IndexScoring::TensorCores
         && c.is_multiple_of(16)
         && dev.kernel_limits("index_scores_mma")?.static_shared + mma_shared
@@ -337,7 +390,7 @@ pub fn index_topk(
                     "entries not on an 8-byte boundary",
                 ));
             }
-            let groups = t.div_ceil(INDEX_MMA_TOKENS);
+            let groups = t.div_ceil(per_block);
             // One block an SM (the queries fill its shared memory), steps of 128 entries dealt
             // over the blocks by the visible count: at most one wave while there are fewer
             // token groups than SMs (rounding up gave 160 blocks to 132 SMs for 128 tokens, a
@@ -371,7 +424,8 @@ pub fn index_topk(
         // SAFETY: q [t, nh·c] (16-byte aligned), weights [t, nh], entries [cap, c] (8-byte
         // aligned for the MMA kernel, whose c % 16 == 0) with nh <= 64, c <= 128 (the
         // kernels' shared arrays; the MMA kernel's dynamic shared memory holds a block's
-        // tokens' queries), pos [1], scores [t, cap]; entries are read below the largest
+        // tokens' queries), pos [1] (a batch: [t], entries [t, cap, c], its blocks one token
+        // each), scores [t, cap]; entries are read below the largest
         // visible count of a block's tokens (at most cap), and each token's scores are written
         // below its own.
         unsafe {
@@ -390,6 +444,7 @@ pub fn index_topk(
                 if mma {
                     b.arg(tokens);
                 }
+                b.arg(batch);
             })
         }?;
     }
@@ -427,8 +482,9 @@ pub fn index_topk(
         .ptr(pos)
         .arg(dims[4])
         .ptr(selected)
-        .arg(held);
-    // SAFETY: scores [t, cap] (only [0, n_vis) of each row read, n_vis <= cap), pos [1],
+        .arg(held)
+        .arg(batch);
+    // SAFETY: scores [t, cap] (only [0, n_vis) of each row read, n_vis <= cap), pos [1] or [t],
     // selected [t, k], `held` keys of dynamic shared memory; clusters of `parts` <= 8 blocks
     // only where the device has them.
     unsafe { launch::launch_clustered(dev, "index_select", cfg, &args, parts as u32) }
@@ -553,12 +609,25 @@ pub fn attention(
         ));
     }
     let heads = hd / d;
-    let (w, _) = matrix(window, "attention window", DType::F32, None, Some(d))?;
+    let (batch, seqs) = batch_of(pos, t, "attention position")?;
+    if seqs.is_some() && t >= MMA_MIN_TOKENS {
+        return Err(GpuError::invalid(
+            "attention",
+            format!("a batch of {t} sequences (at most {})", MMA_MIN_TOKENS - 1),
+        ));
+    }
+    let state = |x: &DeviceTensor<f32>, what: &str| match state_dims(x, what, seqs)? {
+        (rows, width) if width == d => Ok(rows),
+        (_, width) => Err(GpuError::invalid(
+            what,
+            format!("rows of {width} for heads of {d}"),
+        )),
+    };
+    let w = state(window, "attention window")?;
     if w == 0 {
         return Err(GpuError::invalid("attention", "an empty window ring"));
     }
     sink.expect("attention sink", DType::F32, &[heads])?;
-    pos.expect("attention position", DType::U32, &[1])?;
     let half = inv_freq.len();
     inv_freq.expect("attention rope inverse frequencies", DType::F32, &[half])?;
     if 2 * half > d {
@@ -590,7 +659,7 @@ pub fn attention(
     let (mode, entries_ptr, cap, ratio, sel_ptr, k) = match compressed {
         Compressed::None => (0u32, 0u64, 0usize, 1usize, 0u64, 0usize),
         Compressed::All { entries, ratio } => {
-            let (cap, _) = matrix(entries, "attention entries", DType::F32, None, Some(d))?;
+            let cap = state(entries, "attention entries")?;
             if ratio == 0 {
                 return Err(GpuError::invalid("attention", "compression ratio 0"));
             }
@@ -601,7 +670,7 @@ pub fn attention(
             selected,
             ratio,
         } => {
-            let (cap, _) = matrix(entries, "attention entries", DType::F32, None, Some(d))?;
+            let cap = state(entries, "attention entries")?;
             let (_, k) = matrix(selected, "attention selection", DType::I32, Some(t), None)?;
             if ratio == 0 {
                 return Err(GpuError::invalid("attention", "compression ratio 0"));
@@ -737,6 +806,7 @@ pub fn attention(
     // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1
     // (q, kv, window and entries on 16-byte boundaries),
     // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),
+    // window and entries [t, ...] in a batch (pos [t], its token t reading slice t),
     // selected [t, k], sink [heads], pos [1], inv_freq [half] with 2·half <= d, out
     // [t, heads·d] BF16; a block reads and writes only its heads < heads; with s > 1,
     // t·heads·s <= room rows of the split sums [room, d] (16-byte aligned; d % 4 == 0) and
@@ -748,13 +818,15 @@ pub fn attention(
                 .ptr(&splits.stats)
                 .ptr(&splits.counters)
                 .ptr(out)
-                .arg(ring as u32);
+                .arg(ring as u32)
+                .arg(batch);
         })
     }
 }
 
 /// After attention: writes this chunk's keys `kv [T, d]` into the ring `window [W, d]` at slots
-/// (pos[0] + t) % W, only the last min(T, W) rows (so no two rows of a launch share a slot).
+/// (pos[0] + t) % W, only the last min(T, W) rows (so no two rows of a launch share a slot); a
+/// batch's (`pos [T]`, `window [T, W, d]`) each into its own ring at pos[t] % W.
 pub fn window_write(
     dev: &Device,
     kv: &DeviceTensor<f32>,
@@ -762,14 +834,21 @@ pub fn window_write(
     window: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
     let (t, d) = kv.dims2("window keys", DType::F32)?;
-    let (w, _) = matrix(window, "window ring", DType::F32, None, Some(d))?;
-    pos.expect("window position", DType::U32, &[1])?;
-    let total = (t.min(w) * d) as u64;
+    let (batch, seqs) = batch_of(pos, t, "window position")?;
+    let (w, width) = state_dims(window, "window ring", seqs)?;
+    if width != d || w == 0 {
+        return Err(GpuError::invalid(
+            "window ring",
+            format!("a ring of {w} rows of {width} for keys of {d}"),
+        ));
+    }
+    let total = (if batch == 1 { t } else { t.min(w) } * d) as u64;
     if total == 0 {
         return Ok(());
     }
     let dims = dims_u32([("tokens", t), ("head width", d), ("window", w)])?;
-    // SAFETY: kv [t, d], window [w, d] with w >= 1, pos [1].
+    // SAFETY: kv [t, d], window [w, d] with w >= 1, pos [1] (a batch: window [t, w, d], pos
+    // [t]).
     unsafe {
         launch(dev, "window_write", elementwise(total), |b| {
             b.ptr(kv)
@@ -777,7 +856,8 @@ pub fn window_write(
                 .arg(dims[1])
                 .ptr(pos)
                 .arg(dims[2])
-                .ptr(window);
+                .ptr(window)
+                .arg(batch);
         })
     }
 }

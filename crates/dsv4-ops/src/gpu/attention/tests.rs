@@ -1201,6 +1201,227 @@ mod gpu {
         assert!(compared > 0, "every chunk's selection differed");
     }
 
+    /// One sequence's state of a CSA layer (main compressor, indexer compressor, window
+    /// ring), `n` sequences' worth: each buffer `[n, ...]`.
+    struct SeqStates {
+        comp: CompressorBuffers,
+        icomp: CompressorBuffers,
+        ring: DeviceTensor<f32>,
+    }
+
+    impl SeqStates {
+        /// Every buffer filled from `host` (one vector a buffer, in field order).
+        fn upload(dev: &Device, shapes: &[Vec<usize>; 11], host: &[Vec<f32>]) -> SeqStates {
+            let up = |i: usize| dev.upload(DType::F32, &shapes[i], &host[i]).unwrap();
+            let comp = |i: usize| CompressorBuffers {
+                kv: up(i),
+                gate: up(i + 1),
+                prev_kv: up(i + 2),
+                prev_gate: up(i + 3),
+                entries: up(i + 4),
+            };
+            SeqStates {
+                comp: comp(0),
+                icomp: comp(5),
+                ring: up(10),
+            }
+        }
+
+        /// Every buffer, downloaded in field order.
+        fn download(&self, dev: &Device) -> Vec<Vec<f32>> {
+            let c = |b: &CompressorBuffers| {
+                [&b.kv, &b.gate, &b.prev_kv, &b.prev_gate, &b.entries]
+                    .map(|t| dev.download(t).unwrap())
+            };
+            let mut out: Vec<Vec<f32>> = c(&self.comp).into();
+            out.extend(c(&self.icomp));
+            out.push(dev.download(&self.ring).unwrap());
+            out
+        }
+    }
+
+    /// Slice `i` of a `[n, ...]` buffer, as one sequence's `[...]`.
+    fn slot(t: &DeviceTensor<f32>, i: usize) -> DeviceTensor<f32> {
+        let one = &t.shape()[1..];
+        t.view(i * one.iter().product::<usize>(), one).unwrap()
+    }
+
+    fn slot_bufs(b: &CompressorBuffers, i: usize) -> CompressorBuffers {
+        CompressorBuffers {
+            kv: slot(&b.kv, i),
+            gate: slot(&b.gate, i),
+            prev_kv: slot(&b.prev_kv, i),
+            prev_gate: slot(&b.prev_gate, i),
+            entries: slot(&b.entries, i),
+        }
+    }
+
+    /// A batch of sequences (one token each, at its own position, over its own state) through
+    /// the compressors, the rotation of the indexer's queries, the indexer (both scorings),
+    /// the attention and the window write gives what each sequence's token gives launched
+    /// alone: bit for bit, except the attention (its key splits depend on the launch's size),
+    /// within the bounds of the reference tests.
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+    fn gpu_batch_of_sequences_runs_each_as_alone() {
+        let dev = device();
+        let mut rng = rng("gpu_batch_of_sequences_runs_each_as_alone");
+        let (h, d, w, ratio, ic, nh, k, half, eps) = (8, 64, 16, 4, 32, 4, 8, 4, 1e-6f32);
+        let cap = 64;
+        let hd = h * d;
+        let f = inv_freq(half);
+        let up = |v: &[f32], s: &[usize]| dev.upload(DType::F32, s, v).unwrap();
+        let fd = up(&f, &[half]);
+        let sd = up(&uniform(&mut rng, h, -1.0, 1.0), &[h]);
+        let (aped, normd) = (
+            up(&uniform(&mut rng, ratio * 2 * d, -1.0, 1.0), &[ratio, 2 * d]),
+            up(&uniform(&mut rng, d, 0.5, 1.5), &[d]),
+        );
+        let (iaped, inormd) = (
+            up(&uniform(&mut rng, ratio * 2 * ic, -1.0, 1.0), &[ratio, 2 * ic]),
+            up(&uniform(&mut rng, ic, 0.5, 1.5), &[ic]),
+        );
+        for n in [2usize, 5, 16] {
+            // Positions around window and compression boundaries and past the capacity.
+            let positions: Vec<u32> = (0..n)
+                .map(|i| match i % 4 {
+                    0 => rng.random_range(0..8),
+                    1 => 4 * rng.random_range(1..40) - 1,
+                    2 => rng.random_range(0..4 * cap as u32),
+                    _ => rng.random_range(4 * cap as u32..8 * cap as u32),
+                })
+                .collect();
+            let comp_shapes = |c: usize| {
+                [
+                    vec![n, ratio, 2 * c],
+                    vec![n, ratio, 2 * c],
+                    vec![n, ratio, c],
+                    vec![n, ratio, c],
+                    vec![n, cap, c],
+                ]
+            };
+            let mut shapes: Vec<Vec<usize>> = comp_shapes(d).into();
+            shapes.extend(comp_shapes(ic));
+            shapes.push(vec![n, w, d]);
+            let shapes: [Vec<usize>; 11] = shapes.try_into().unwrap();
+            let host: Vec<Vec<f32>> = shapes
+                .iter()
+                .map(|s| uniform(&mut rng, s.iter().product(), -1.0, 1.0))
+                .collect();
+            let mut batch = SeqStates::upload(&dev, &shapes, &host);
+            let alone = SeqStates::upload(&dev, &shapes, &host);
+            let proj = up(&uniform(&mut rng, n * 4 * d, -1.5, 1.5), &[n, 4 * d]);
+            let iproj = up(&uniform(&mut rng, n * 4 * ic, -1.5, 1.5), &[n, 4 * ic]);
+            let q = up(&uniform(&mut rng, n * hd, -2.0, 2.0), &[n, hd]);
+            let kv = up(&uniform(&mut rng, n * d, -1.0, 1.0), &[n, d]);
+            let iq_host = uniform(&mut rng, n * nh * ic, -1.0, 1.0);
+            let iw = up(&uniform(&mut rng, n * nh, -1.0, 1.0), &[n, nh]);
+            let pos = dev.upload(DType::U32, &[n], &positions).unwrap();
+
+            // The batch: one launch of each.
+            let mut iq = up(&iq_host, &[n, nh * ic]);
+            crate::gpu::rows::rope_rows(&dev, &mut iq, ic, &fd, &pos, RopeDirection::Forward).unwrap();
+            compressor_update(&dev, &proj, &aped, &normd, &fd, eps, true, &pos, &mut batch.comp)
+                .unwrap();
+            let st = &mut batch.icomp;
+            compressor_update(&dev, &iproj, &iaped, &inormd, &fd, eps, true, &pos, st).unwrap();
+            let mut sels = Vec::new();
+            let mut scores_all = Vec::new();
+            for scoring in [IndexScoring::Exact, IndexScoring::TensorCores] {
+                let mut scores = poisoned::<f32>(&dev, DType::F32, &[n, cap]);
+                let mut sel = poisoned::<i32>(&dev, DType::I32, &[n, k]);
+                let e = &batch.icomp.entries;
+                index_topk(&dev, &iq, &iw, e, ratio, &pos, scoring, &mut scores, &mut sel)
+                    .unwrap();
+                scores_all.push(dev.download(&scores).unwrap());
+                sels.push(sel);
+            }
+            let mut splits = scratch(&dev, SPLIT_ROWS, d);
+            let mut out = poisoned::<bf16>(&dev, DType::BF16, &[n, hd]);
+            let comp = Compressed::Selected {
+                entries: &batch.comp.entries,
+                selected: &sels[1],
+                ratio,
+            };
+            attention(&dev, &q, &kv, &batch.ring, comp, &sd, &pos, &fd, &mut splits, &mut out)
+                .unwrap();
+            window_write(&dev, &kv, &pos, &mut batch.ring).unwrap();
+            let got_out = download_f32(&dev, &out);
+            let got_iq = dev.download(&iq).unwrap();
+            let got_sel: Vec<Vec<i32>> = sels.iter().map(|s| dev.download(s).unwrap()).collect();
+
+            // Each token alone, over its slice of the same states.
+            for i in 0..n {
+                let what = format!("{n} sequences, sequence {i} at {}", positions[i]);
+                let p1 = position(&dev, positions[i] as usize);
+                let row = |t: &DeviceTensor<f32>| {
+                    let width = t.shape()[1];
+                    t.view(i * width, &[1, width]).unwrap()
+                };
+                let mut iq1 = up(&iq_host[i * nh * ic..(i + 1) * nh * ic], &[1, nh * ic]);
+                crate::gpu::rows::rope_rows(&dev, &mut iq1, ic, &fd, &p1, RopeDirection::Forward).unwrap();
+                assert_bits_eq(
+                    &format!("{what}: rotated indexer queries"),
+                    &got_iq[i * nh * ic..(i + 1) * nh * ic],
+                    &dev.download(&iq1).unwrap(),
+                );
+                let mut st = slot_bufs(&alone.comp, i);
+                compressor_update(&dev, &row(&proj), &aped, &normd, &fd, eps, true, &p1, &mut st)
+                    .unwrap();
+                let mut ist = slot_bufs(&alone.icomp, i);
+                let ip = row(&iproj);
+                compressor_update(&dev, &ip, &iaped, &inormd, &fd, eps, true, &p1, &mut ist)
+                    .unwrap();
+                let mut sel1 = poisoned::<i32>(&dev, DType::I32, &[1, k]);
+                for (j, scoring) in [IndexScoring::Exact, IndexScoring::TensorCores]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let mut scores = poisoned::<f32>(&dev, DType::F32, &[1, cap]);
+                    let (e, iw1) = (&ist.entries, row(&iw));
+                    index_topk(&dev, &iq1, &iw1, e, ratio, &p1, scoring, &mut scores, &mut sel1)
+                        .unwrap();
+                    let vis = ((positions[i] as usize + 1) / ratio).min(cap);
+                    assert_bits_eq(
+                        &format!("{what}: {scoring:?} scores"),
+                        &scores_all[j][i * cap..i * cap + vis],
+                        &dev.download(&scores).unwrap()[..vis],
+                    );
+                    assert_eq!(
+                        got_sel[j][i * k..(i + 1) * k],
+                        dev.download(&sel1).unwrap(),
+                        "{what}: {scoring:?} selection"
+                    );
+                }
+                let mut ring = slot(&alone.ring, i);
+                let mut out1 = poisoned::<bf16>(&dev, DType::BF16, &[1, hd]);
+                let comp = Compressed::Selected {
+                    entries: &st.entries,
+                    selected: &sel1,
+                    ratio,
+                };
+                let (q1, kv1) = (row(&q), row(&kv));
+                attention(&dev, &q1, &kv1, &ring, comp, &sd, &p1, &fd, &mut splits, &mut out1)
+                    .unwrap();
+                window_write(&dev, &kv1, &p1, &mut ring).unwrap();
+                assert_close_bf16(
+                    &format!("{what}: attention"),
+                    &got_out[i * hd..(i + 1) * hd],
+                    &download_f32(&dev, &out1),
+                    1e-5,
+                );
+            }
+            for (j, (b, a)) in batch
+                .download(&dev)
+                .iter()
+                .zip(alone.download(&dev))
+                .enumerate()
+            {
+                assert_bits_eq(&format!("{n} sequences: state buffer {j}"), b, &a);
+            }
+        }
+    }
+
     #[test]
     #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
     fn gpu_attention_launchers_reject_bad_shapes() {

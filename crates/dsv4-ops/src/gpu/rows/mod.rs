@@ -12,7 +12,7 @@ use half::bf16;
 use cudarc::driver::DeviceRepr;
 
 use super::gemv::tuning::PROGRAMMATIC_LAUNCH;
-use super::launch::{dim_u32, elementwise, launch, launch_struct, Args};
+use super::launch::{batch_flag, dim_u32, elementwise, launch, launch_struct, Args};
 use super::{DType, Device, DeviceElem, DeviceTensor, GpuError};
 
 /// `out [n, hc·D]` (F32) = `hc` copies of row `tokens[t]` of the BF16 `table [vocab, D]`, for
@@ -99,9 +99,10 @@ pub fn rms_norm_rows<'a>(
 pub struct RowRope<'a> {
     /// `[half]`: the last `2·half` channels of each row rotate.
     pub inv_freq: &'a DeviceTensor<f32>,
-    /// U32 `[1]`, the first row's position.
+    /// U32 `[1]`, the first token's position, or `[T]`, each token's (a batch of sequences).
     pub pos: &'a DeviceTensor<u32>,
-    /// Rows of one token (heads); row `r` sits at position `pos[0] + r / rows_per_token`.
+    /// Rows of one token (heads); row `r` sits at position `pos[0] + r / rows_per_token` (a
+    /// batch's at `pos[r / rows_per_token]`).
     pub rows_per_token: usize,
 }
 
@@ -169,6 +170,7 @@ struct NormArgs {
     inv_freq: u64,
     rope_half: u32,
     pos: u64,
+    batch: u32,
 }
 
 // SAFETY: plain #[repr(C)] data with the exact layout of the CUDA structs.
@@ -249,12 +251,20 @@ fn norm_rows(
             &[first.rows as usize, width],
         )?;
     }
-    let (inv_freq, rope_half, pos) = match rope {
+    let (inv_freq, rope_half, pos, batch) = match rope {
         Some(r) => {
             let half = r.inv_freq.len();
             r.inv_freq
                 .expect("rope inverse frequencies", DType::F32, &[half])?;
-            r.pos.expect("rope position", DType::U32, &[1])?;
+            // Every set's rows are the same tokens'.
+            let tokens = |s: &NormSet| (s.rows / s.rows_per_token) as usize;
+            let batch = batch_flag(r.pos, tokens(&first), "rope position")?;
+            if batch == 1 && b.is_some() && tokens(&second) != tokens(&first) {
+                return Err(GpuError::invalid(
+                    "rms_norm_rope pair",
+                    "both sets' rows must be the same batch's tokens",
+                ));
+            }
             if 2 * half > width {
                 return Err(GpuError::invalid(
                     "rms_norm_rope",
@@ -265,9 +275,10 @@ fn norm_rows(
                 r.inv_freq.device_address(),
                 dim_u32("rope half", half)?,
                 r.pos.device_address(),
+                batch,
             )
         }
-        None => (0, 0, 0),
+        None => (0, 0, 0, 0),
     };
     let rows = first.rows as usize + second.rows as usize;
     if rows == 0 || width == 0 {
@@ -284,11 +295,12 @@ fn norm_rows(
         inv_freq,
         rope_half,
         pos,
+        batch,
     };
     // SAFETY: NormArgs mirrors the kernel's argument; each set's x holds its rows of `stride`
     // read from column `first` on (first + width <= stride), out [rows, width], weight (when
     // not null) [width]; out_b (when not null) set a's [rows, width]; inv_freq (when not null)
-    // [half] with 2·half <= width and pos [1], checked above.
+    // [half] with 2·half <= width and pos [1] or one a token, checked above.
     unsafe {
         launch_struct(
             dev,
@@ -312,7 +324,8 @@ pub enum RopeDirection {
 
 /// Rotates the last `2 · inv_freq.len()` channels of every `width`-sized vector of
 /// `x [tokens, heads · width]` (F32, in place) to its position: token `t` is at `pos[0] + t`
-/// (`pos`: U32 `[1]` on the device). Pairs `(2i, 2i+1)` turn by `position · inv_freq[i]`.
+/// (`pos`: U32 `[1]` on the device), or at `pos[t]` (`pos` U32 `[tokens]`: a batch of
+/// sequences). Pairs `(2i, 2i+1)` turn by `position · inv_freq[i]`.
 pub fn rope_rows(
     dev: &Device,
     x: &mut DeviceTensor<f32>,
@@ -324,7 +337,7 @@ pub fn rope_rows(
     let (tokens, cols) = x.dims2("rope input", DType::F32)?;
     let half = inv_freq.len();
     inv_freq.expect("rope inverse frequencies", DType::F32, &[half])?;
-    pos.expect("rope position", DType::U32, &[1])?;
+    let batch = batch_flag(pos, tokens, "rope position")?;
     if width == 0 || cols % width != 0 || 2 * half > width {
         return Err(GpuError::invalid(
             "rope",
@@ -349,7 +362,8 @@ pub fn rope_rows(
         RopeDirection::Forward => 1.0,
         RopeDirection::Inverse => -1.0,
     };
-    // SAFETY: x [tokens, heads * width] with 2 * half <= width, inv_freq [half], pos [1].
+    // SAFETY: x [tokens, heads * width] with 2 * half <= width, inv_freq [half], pos [1] or
+    // [tokens].
     unsafe {
         launch(
             dev,
@@ -363,7 +377,8 @@ pub fn rope_rows(
                 .arg(dims[3])
                 .ptr(inv_freq)
                 .ptr(pos)
-                .arg(sign),
+                .arg(sign)
+                .arg(batch),
         )
     }?;
     Ok(())

@@ -225,6 +225,70 @@ fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
     assert!(err.to_string().contains("2 rows a token"), "{err}");
 }
 
+/// A batch's tokens (each at its own position, `pos [T]`) through the pair come out as each
+/// token launched alone at its position.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_rms_norm_rope_pair_of_a_batch_is_each_token_alone() {
+    let dev = device();
+    let mut rng = rng("gpu_rms_norm_rope_pair_of_a_batch_is_each_token_alone");
+    let (tokens, heads, width) = (5, 4, 96);
+    let q = random_f32(&mut rng, tokens * heads * width);
+    let kv = random_f32(&mut rng, tokens * width);
+    let freq: Vec<f32> = (0..16).map(|i| 0.8f32.powi(i)).collect();
+    let fd = dev.upload(DType::F32, &[16], &freq).unwrap();
+    let positions: Vec<u32> = (0..tokens)
+        .map(|_| rng.random_range(0..100_000u32))
+        .collect();
+    let run = |q: &[f32], kv: &[f32], pos: &[u32]| {
+        let n = kv.len() / width;
+        let qd = dev.upload(DType::F32, &[n * heads, width], q).unwrap();
+        let kvd = dev.upload(DType::F32, &[n, width], kv).unwrap();
+        let pd = dev.upload(DType::U32, &[pos.len()], pos).unwrap();
+        let (mut qo, mut ko) = (
+            poisoned_f32(&dev, &[n * heads, width]),
+            poisoned_f32(&dev, &[n, width]),
+        );
+        let a = NormRows {
+            x: (&qd).into(),
+            weight: None,
+            rows_per_token: heads,
+            out: &mut qo,
+        };
+        let b = NormRows {
+            x: (&kvd).into(),
+            weight: None,
+            rows_per_token: 1,
+            out: &mut ko,
+        };
+        let rope = RowRope {
+            inv_freq: &fd,
+            pos: &pd,
+            rows_per_token: heads,
+        };
+        rms_norm_rope_pair(&dev, a, b, 1e-6, &rope).unwrap();
+        let mut out = dev.download(&qo).unwrap();
+        out.extend(dev.download(&ko).unwrap());
+        out
+    };
+    let batch = run(&q, &kv, &positions);
+    let (qn, kn) = batch.split_at(tokens * heads * width);
+    for t in 0..tokens {
+        let hw = heads * width;
+        let alone = run(
+            &q[t * hw..(t + 1) * hw],
+            &kv[t * width..(t + 1) * width],
+            &positions[t..t + 1],
+        );
+        assert_bits_eq(&format!("token {t}: heads"), &qn[t * hw..(t + 1) * hw], &alone[..hw]);
+        assert_bits_eq(
+            &format!("token {t}: key"),
+            &kn[t * width..(t + 1) * width],
+            &alone[hw..],
+        );
+    }
+}
+
 /// Two row sets in one launch (a token's query heads, unscaled, and its shared key, a column
 /// range with a weight) give the bits of the two launches apart; sets of other widths are
 /// refused.

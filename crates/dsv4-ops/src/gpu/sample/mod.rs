@@ -8,7 +8,7 @@ mod tests;
 
 use cudarc::driver::LaunchConfig;
 
-use super::launch::{dim_u32, launch, Args};
+use super::launch::{batch_flag, dim_u32, launch, Args};
 use super::{DType, Device, DeviceTensor, GpuError};
 use reference::THREADS;
 
@@ -54,6 +54,20 @@ impl Sampling {
         let inv_t = 1.0 / self.temperature;
         inv_t.is_finite().then_some(inv_t)
     }
+
+    /// The settings as one row of [`sample`]'s parameters: the inverse temperature's bits (0:
+    /// greedy), top-p's bits, the seed's low and high words. Checks them first.
+    pub fn device_words(&self) -> Result<[u32; 4], SamplingError> {
+        check_temperature(self.temperature)?;
+        check_top_p(self.top_p)?;
+        let inv_t = self.inverse_temperature().unwrap_or(0.0);
+        Ok([
+            inv_t.to_bits(),
+            self.top_p.to_bits(),
+            self.seed as u32,
+            (self.seed >> 32) as u32,
+        ])
+    }
 }
 
 /// Ids a greedy span covers at least, and most spans (kernel constants).
@@ -65,82 +79,74 @@ fn argmax_spans(vocab: u32) -> u32 {
     vocab.div_ceil(ARGMAX_SPAN).min(MAX_SPANS)
 }
 
-fn one_block() -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Picks the next token from `logits [vocab]` (F32) into `token` (U32 `[1]`); the draw is
-/// keyed by `seed` and the device position `pos` (U32 `[1]`), which is then advanced by
-/// `advance` (a decode step's last write). `weights [vocab]` (F32) is scratch.
-#[allow(clippy::too_many_arguments)]
+/// Picks the next token of each row of `logits [rows, vocab]` (F32) into `tokens` (U32
+/// `[rows]`), with row r's settings `params[r]` (U32 `[rows, 4]`, each row
+/// [`Sampling::device_words`]): the draw is keyed by the seed and the row's device position,
+/// which is then advanced by `advance` (a decode step's last write). `pos` (U32) is `[1]` for a
+/// single row, or `[rows]`, one position a row (a batch of sequences). `weights [rows, vocab]`
+/// (F32) is scratch.
 pub fn sample(
     dev: &Device,
     logits: &DeviceTensor<f32>,
-    s: &Sampling,
+    params: &DeviceTensor<u32>,
     pos: &mut DeviceTensor<u32>,
     advance: u32,
     weights: &mut DeviceTensor<f32>,
-    token: &mut DeviceTensor<u32>,
+    tokens: &mut DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
-    check_temperature(s.temperature)
-        .and(check_top_p(s.top_p))
-        .map_err(|e| GpuError::invalid("sampling", e.to_string()))?;
-    let vocab = logits.len();
-    logits.expect("sampling logits", DType::F32, &[vocab])?;
-    weights.expect("sampling weights", DType::F32, &[vocab])?;
-    pos.expect("sampling position", DType::U32, &[1])?;
-    token.expect("sampled token", DType::U32, &[1])?;
+    let (rows, vocab) = logits.dims2("sampling logits", DType::F32)?;
+    params.expect("sampling settings", DType::U32, &[rows, 4])?;
+    weights.expect("sampling weights", DType::F32, &[rows, vocab])?;
+    tokens.expect("sampled tokens", DType::U32, &[rows])?;
+    let batch = batch_flag(pos, rows, "sampling position")?;
+    if rows > 1 && batch == 0 {
+        return Err(GpuError::invalid(
+            "sampling position",
+            format!("one position for {rows} rows (one a row)"),
+        ));
+    }
     if vocab == 0 {
         return Err(GpuError::invalid("sampling", "no logits to sample from"));
     }
-    let v32 = dim_u32("vocab", vocab)?;
-    let inv_t = s.inverse_temperature();
-    if let Some(inv_t) = inv_t {
-        // SAFETY: logits and weights hold vocab values.
-        unsafe {
-            launch(
-                dev,
-                "sample_weights",
-                one_block(),
-                Args::new().ptr(logits).arg(v32).arg(inv_t).ptr(weights),
-            )
-        }?;
-    } else {
-        let cfg = LaunchConfig {
-            grid_dim: (argmax_spans(v32), 1, 1),
-            ..one_block()
-        };
-        // SAFETY: logits hold vocab values, weights at least one per span (spans <= vocab).
-        unsafe {
-            launch(
-                dev,
-                "argmax_spans",
-                cfg,
-                Args::new().ptr(logits).arg(v32).ptr(weights),
-            )
-        }?;
+    if rows == 0 {
+        return Ok(());
     }
-    let greedy = u32::from(inv_t.is_none());
-    // SAFETY: logits and weights hold vocab values, pos and token one u32 each.
+    let v32 = dim_u32("vocab", vocab)?;
+    let r32 = dim_u32("sampled rows", rows)?;
+    let cfg = LaunchConfig {
+        grid_dim: (argmax_spans(v32), r32, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: logits and weights [rows, vocab] (a row's spans <= vocab weights), params
+    // [rows, 4] (16-byte rows of the kernel's SampleParams).
+    unsafe {
+        launch(
+            dev,
+            "sample_prepare",
+            cfg,
+            Args::new().ptr(logits).arg(v32).ptr(params).ptr(weights),
+        )
+    }?;
+    let cfg = LaunchConfig {
+        grid_dim: (r32, 1, 1),
+        ..cfg
+    };
+    // SAFETY: as above; pos one u32 (or one a row), tokens one a row.
     unsafe {
         launch(
             dev,
             "sample_pick",
-            one_block(),
+            cfg,
             Args::new()
                 .ptr(logits)
                 .ptr(weights)
                 .arg(v32)
-                .arg(greedy)
-                .arg(s.top_p)
-                .arg(s.seed)
+                .ptr(params)
                 .ptr(pos)
                 .arg(advance)
-                .ptr(token),
+                .ptr(tokens)
+                .arg(batch),
         )
     }?;
     Ok(())
