@@ -194,9 +194,13 @@ struct BenchArgs {
     decode: usize,
     /// Positions the GPU sequence state holds; default: context + prompt + 3 · decode + 1 (the
     /// eager decode, the graph and the graph without programmatic launch run one after the
-    /// other).
+    /// other), and with --batch one more decode run (and a step) per batch size.
     #[arg(long)]
     max_context: Option<usize>,
+    /// Also decode batches of 2, 4, ... up to this many sequences (each a copy of the prompt
+    /// in its own slot), one graph replay a step: the step's time and the tokens per second.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// GPUs to split the model over: a number or `all` (default 1).
     #[arg(long, value_parser = parse_gpus)]
     gpus: Option<Gpus>,
@@ -371,11 +375,12 @@ fn backend(asked: Option<Backend>) -> Result<Backend> {
 }
 
 /// Loads a checkpoint onto `gpus` GPUs, or onto the fewest visible ones that hold it with
-/// `max_context` positions; the memory plan is printed first, and a model that does not fit
-/// is refused before anything is uploaded. `first` is GPU 0 when the caller has opened it.
+/// `opts`' sequences and positions; the memory plan is printed first, and a model that does
+/// not fit is refused before anything is uploaded. `first` is GPU 0 when the caller has
+/// opened it.
 fn load_gpu_model(
     dir: &Path,
-    max_context: Option<usize>,
+    opts: GpuOptions,
     gpus: Option<Gpus>,
     first: Option<Arc<Device>>,
 ) -> Result<GpuModel> {
@@ -398,14 +403,15 @@ fn load_gpu_model(
         Some(g) => gpu_count(g, visible)?,
         // The fewest that hold it; past the visible count, the plan's error says how many.
         None => (1..=visible)
-            .find(|&n| plan_memory(&config, &weights, n, free, max_context).is_ok())
+            .find(|&n| plan_memory(&config, &weights, n, free, opts).is_ok())
             .unwrap_or(visible.max(1)),
     };
-    let plan = plan_memory(&config, &weights, world, free, max_context)?;
+    let plan = plan_memory(&config, &weights, world, free, opts)?;
     eprintln!("memory plan: {plan}");
     let devs = open_devices(world, Some(first))?;
     let opts = GpuOptions {
         max_context: Some(plan.capacity),
+        ..opts
     };
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template(
@@ -437,13 +443,13 @@ fn load_gpu_model(
 fn random_gpu_model(
     config: Config,
     format: SynthFormat,
-    max_context: Option<usize>,
+    opts: GpuOptions,
     gpus: Gpus,
     first: Arc<Device>,
 ) -> Result<GpuModel> {
     let visible = Device::count().context("counting CUDA devices")?;
     let world = gpu_count(gpus, visible)?;
-    let plan = plan_random_memory(&config, format, world, first.memory_info()?.0, max_context)?;
+    let plan = plan_random_memory(&config, format, world, first.memory_info()?.0, opts)?;
     eprintln!("memory plan: {plan}");
     let devs = open_devices(world, Some(first))?;
     let t = Instant::now();
@@ -453,7 +459,7 @@ fn random_gpu_model(
             format,
             0,
             &devs,
-            GpuOptions { max_context },
+            opts,
             progress,
         )
         .context("drawing a random model on the GPU")
@@ -586,12 +592,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
             (prefill_s, t1, generated)
         }
         Backend::Cuda => {
-            let mut model = load_gpu_model(
-                &a.model,
-                a.gpu.max_context.or(Some(needed)),
-                a.gpu.gpus,
-                None,
-            )?;
+            let opts = GpuOptions {
+                max_context: a.gpu.max_context.or(Some(needed)),
+                sequences: 1,
+            };
+            let mut model = load_gpu_model(&a.model, opts, a.gpu.gpus, None)?;
             let s = Sampling {
                 temperature: a.temperature,
                 top_p: a.top_p,
@@ -599,7 +604,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             };
             let t0 = Instant::now();
             let bar = prompt_bar(prompt_ids.len());
-            model.prefill_reporting(&prompt_ids, &s, PROMPT_PART, &mut |done| {
+            model.prefill_reporting(0, &prompt_ids, Some(&s), PROMPT_PART, &mut |done| {
                 bar.set_position(done as u64)
             })?;
             let first = model.read_token()?;
@@ -608,14 +613,14 @@ fn generate(a: GenerateArgs) -> Result<()> {
             let graph = if a.no_graph {
                 None
             } else {
-                Some(DecodeGraph::capture(&mut model, &s)?)
+                Some(DecodeGraph::capture(&mut model, 1)?)
             };
             let t1 = Instant::now();
             let generated = stream_tokens(&tokenizer, &cfg.eos_token_ids, a.max_new_tokens, |i| {
                 Ok(match (i, &graph) {
                     (0, _) => first,
                     (_, Some(g)) => g.step(&mut model)?,
-                    (_, None) => eager_step(&mut model, &s)?,
+                    (_, None) => eager_step(&mut model)?,
                 })
             })?;
             (prefill_s, t1, generated)
@@ -665,9 +670,14 @@ fn bench(a: BenchArgs) -> Result<()> {
     if a.prompt == 0 || a.decode == 0 {
         bail!("--prompt and --decode must be positive");
     }
+    let batches: Vec<usize> = (1..)
+        .map(|i| 1usize << i)
+        .take_while(|&n| n <= a.batch.max(1))
+        .collect();
     let needed = a
         .decode
         .checked_mul(DECODE_RUNS)
+        .and_then(|d| d.checked_add(batches.len() * (a.decode + 1)))
         .and_then(|d| d.checked_add(a.prompt))
         .and_then(|d| d.checked_add(a.context))
         .context("--context + --prompt + 3 · --decode overflows")?;
@@ -686,8 +696,12 @@ fn bench(a: BenchArgs) -> Result<()> {
     // The buffers' stream-ordered frees return their memory at a synchronization.
     first.synchronize()?;
     let gpus = a.gpus.unwrap_or(Gpus::Count(1));
+    let opts = GpuOptions {
+        max_context: Some(context),
+        sequences: a.batch.max(1),
+    };
     let mut model = match &a.model {
-        Some(dir) => load_gpu_model(dir, Some(context), Some(gpus), Some(first))?,
+        Some(dir) => load_gpu_model(dir, opts, Some(gpus), Some(first))?,
         None => {
             let mut config = a.synth.config();
             match &a.schedule {
@@ -714,7 +728,7 @@ fn bench(a: BenchArgs) -> Result<()> {
             }
             // Learned routing in every layer (hash layers read one fixed table).
             config.num_hash_layers = 0;
-            random_gpu_model(config, a.format.into(), Some(context), gpus, first)?
+            random_gpu_model(config, a.format.into(), opts, gpus, first)?
         }
     };
     let cfg = model.config().clone();
@@ -781,16 +795,16 @@ fn bench(a: BenchArgs) -> Result<()> {
         a.prompt as f64 / prefill_s,
         model.chunk()
     );
-    let (eager_ms, eager_host) = time_decode(&mut model, a.decode, |m| Ok(eager_launch(m, &s)?))?;
+    let (eager_ms, eager_host) = time_decode(&mut model, a.decode, |m| Ok(eager_launch(m, 1)?))?;
     let t = Instant::now();
-    let graph = DecodeGraph::capture(&mut model, &s)?;
+    let graph = DecodeGraph::capture(&mut model, 1)?;
     let capture_ms = t.elapsed().as_secs_f64() * 1e3;
     model.device().profile(a.profile == Phase::Decode)?;
     let (graph_ms, graph_host) = time_decode(&mut model, a.decode, |m| Ok(graph.replay(m)?))?;
     model.device().profile(false)?;
     let pdl = &dsv4_ops::gpu::gemv::tuning::PROGRAMMATIC_LAUNCH;
     pdl.set(false);
-    let plain = DecodeGraph::capture(&mut model, &s);
+    let plain = DecodeGraph::capture(&mut model, 1);
     pdl.set(true);
     let plain = plain?;
     let (plain_ms, _) = time_decode(&mut model, a.decode, |m| Ok(plain.replay(m)?))?;
@@ -809,6 +823,23 @@ fn bench(a: BenchArgs) -> Result<()> {
         "decode graph without programmatic launch: {plain_ms:.3} ms/token ({:.1}% of roofline)",
         pct(plain_ms)
     );
+    // Batches: every slot past 0 reads the prompt too; each size's first step runs eagerly.
+    for &n in &batches {
+        for slot in n / 2..n {
+            model.reset_slot(slot)?;
+            model.prefill_slot(slot, &prompt, Some(&s))?;
+        }
+        eager_launch(&mut model, n)?;
+        let g = DecodeGraph::capture(&mut model, n)?;
+        let (ms, host) = time_decode(&mut model, a.decode, |m| Ok(g.replay(m)?))?;
+        println!(
+            "decode graph, {n} sequences: {ms:.3} ms/step, {:.1} tok/s ({:.2}× one sequence's), \
+             host {host:.1} µs/step, {} nodes per step",
+            n as f64 * 1e3 / ms,
+            n as f64 * graph_ms / ms,
+            g.nodes()
+        );
+    }
     if let Some(us) = time_all_reduce(&mut model, 100)? {
         println!(
             "all-reduce of one token's hidden row ({} KB) over {} GPUs in a graph: {us:.2} µs; \
@@ -868,12 +899,11 @@ fn logits(a: LogitsArgs) -> Result<()> {
             (all, model.config().vocab_size)
         }
         Backend::Cuda => {
-            let mut model = load_gpu_model(
-                &a.model,
-                a.gpu.max_context.or(Some(ids.len())),
-                a.gpu.gpus,
-                None,
-            )?;
+            let opts = GpuOptions {
+                max_context: a.gpu.max_context.or(Some(ids.len())),
+                sequences: 1,
+            };
+            let mut model = load_gpu_model(&a.model, opts, a.gpu.gpus, None)?;
             let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
             let mut start = 0;
             for len in lengths {

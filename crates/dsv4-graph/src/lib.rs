@@ -6,7 +6,6 @@
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, DriverError};
 use dsv4_model::gpu::{GpuModel, GpuModelError};
-use dsv4_ops::gpu::sample::Sampling;
 use dsv4_ops::gpu::{Device, GpuError};
 
 #[derive(Debug, thiserror::Error)]
@@ -86,15 +85,18 @@ impl StepGraph {
     }
 }
 
-/// A [`GpuModel`]'s decode step captured once, one graph per GPU of the model: each
-/// [`DecodeGraph::step`] replays them (the token in each rank's device buffer through every
-/// layer, the head and the sampler, which writes the next token where the following replay
-/// reads it) and reads the sampled token back.
+/// A [`GpuModel`]'s decode step of its first `rows` slots captured once, one graph per GPU of
+/// the model: each [`DecodeGraph::step`] replays them (each slot's token in each rank's device
+/// buffer through every layer, the head and the sampler, which writes the slot's next token
+/// where the following replay reads it, with the slot's settings on the device) and reads the
+/// sampled tokens back. One graph serves every batch of `rows` sequences: which sequences
+/// fill the slots, and their settings, change between replays without a new capture.
 pub struct DecodeGraph {
     /// By rank.
     graphs: Vec<StepGraph>,
     /// The captured model's state, by the address of its token buffer.
     model: u64,
+    rows: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -110,42 +112,60 @@ pub enum DecodeError {
 }
 
 impl DecodeGraph {
-    /// Captures `model`'s decode step with `sampling`, each rank's on its own device. Run a
-    /// prefill first, so every kernel of the step is loaded.
-    pub fn capture(model: &mut GpuModel, sampling: &Sampling) -> Result<DecodeGraph, GraphError> {
+    /// Captures `model`'s decode step of its first `rows` slots, each rank's on its own
+    /// device. Run the same step eagerly first ([`eager_launch`]), so every kernel of it is
+    /// loaded.
+    pub fn capture(model: &mut GpuModel, rows: usize) -> Result<DecodeGraph, GraphError> {
         let graphs = model
             .devices()
             .iter()
             .enumerate()
-            .map(|(rank, dev)| {
-                StepGraph::capture(dev, || model.launch_rank_decode_step(rank, sampling))
-            })
+            .map(|(rank, dev)| StepGraph::capture(dev, || model.launch_rank_decode_step(rank, rows)))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(DecodeGraph {
             graphs,
             model: model.state_address(),
+            rows,
         })
     }
 
-    /// One replay on every GPU, enqueued without waiting: decodes the token in the device
-    /// buffer and leaves the sampled next one there (replays back to back stream several
-    /// tokens).
+    /// Slots the step decodes (the first `rows`).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// One replay on every GPU, enqueued without waiting: decodes each slot's token in the
+    /// device buffer and leaves the sampled next one there (replays back to back stream
+    /// several tokens).
     pub fn replay(&self, model: &mut GpuModel) -> Result<(), DecodeError> {
+        self.replay_slots(model, &(0..self.rows).collect::<Vec<_>>())
+    }
+
+    /// [`Self::replay`] where only `slots` (each below [`Self::rows`]) hold running sequences:
+    /// the other rows are computed and not used.
+    pub fn replay_slots(&self, model: &mut GpuModel, slots: &[usize]) -> Result<(), DecodeError> {
         if model.state_address() != self.model {
             return Err(DecodeError::OtherModel);
         }
-        model.check_decode(1)?;
+        model.check_slots(self.rows, slots, 1)?;
         for g in &self.graphs {
             g.replay()?;
         }
-        model.note_decoded(1);
+        model.note_decoded(self.rows, 1);
         Ok(())
     }
 
-    /// One replay, then the sampled token read back.
+    /// One replay, then slot 0's sampled token read back.
     pub fn step(&self, model: &mut GpuModel) -> Result<u32, DecodeError> {
-        self.replay(model)?;
-        Ok(model.read_token()?)
+        Ok(self.step_slots(model, &[0])?[0])
+    }
+
+    /// One replay ([`Self::replay_slots`]), then the sampled tokens of `slots` read back, in
+    /// that order.
+    pub fn step_slots(&self, model: &mut GpuModel, slots: &[usize]) -> Result<Vec<u32>, DecodeError> {
+        self.replay_slots(model, slots)?;
+        let all = model.read_tokens(self.rows)?;
+        Ok(slots.iter().map(|&s| all[s]).collect())
     }
 
     /// Kernel launches (and other nodes) per step, on each GPU.
@@ -192,17 +212,17 @@ pub fn time_all_reduce(model: &mut GpuModel, reps: usize) -> Result<Option<f64>,
     Ok(Some(run(times)? * 1e6 / (times * reps) as f64))
 }
 
-/// The same step without a graph: the launches issued one by one (comparison, debugging),
-/// enqueued without waiting.
-pub fn eager_launch(model: &mut GpuModel, sampling: &Sampling) -> Result<(), DecodeError> {
-    model.check_decode(1)?;
-    model.launch_decode_step(sampling)?;
-    model.note_decoded(1);
+/// The same step of the first `rows` slots without a graph: the launches issued one by one
+/// (comparison, debugging), enqueued without waiting.
+pub fn eager_launch(model: &mut GpuModel, rows: usize) -> Result<(), DecodeError> {
+    model.check_decode(rows, 1)?;
+    model.launch_decode_step(rows)?;
+    model.note_decoded(rows, 1);
     Ok(())
 }
 
-/// [`eager_launch`], then the sampled token read back.
-pub fn eager_step(model: &mut GpuModel, sampling: &Sampling) -> Result<u32, DecodeError> {
-    eager_launch(model, sampling)?;
+/// [`eager_launch`] of slot 0, then its sampled token read back.
+pub fn eager_step(model: &mut GpuModel) -> Result<u32, DecodeError> {
+    eager_launch(model, 1)?;
     Ok(model.read_token()?)
 }

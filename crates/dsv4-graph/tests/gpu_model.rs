@@ -13,11 +13,12 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use dsv4_graph::{eager_step, DecodeGraph};
+use dsv4_graph::{eager_launch, eager_step, DecodeGraph};
 use dsv4_model::checkpoint::Checkpoint;
 use dsv4_model::cpu::{CpuModel, Logits};
 use dsv4_model::gpu::{GpuModel, GpuOptions};
 use dsv4_model::weights::ModelWeights;
+use dsv4_ops::gpu::sample::Sampling;
 use dsv4_ops::gpu::Device;
 use dsv4_tests::{bf16_copy, fixtures, load_oracle, sanitizer_length};
 
@@ -39,6 +40,7 @@ fn gpu_model(dir: &Path, dev: &Arc<Device>, context: usize) -> GpuModel {
         std::slice::from_ref(dev),
         GpuOptions {
             max_context: Some(context),
+            sequences: 1,
         },
         |_, _| {},
     )
@@ -237,6 +239,7 @@ fn gpu_model_matches_cpu_with_every_entry_selected() {
             .unwrap();
         let opts = GpuOptions {
             max_context: Some(ids.len()),
+            sequences: 1,
         };
         let mut gpu = GpuModel::new(
             config,
@@ -290,6 +293,126 @@ fn gpu_graph_replay_is_bit_identical_to_eager_launches() {
         "{steps} graph replays bit-identical to eager launches; tokens {:?}",
         &graph_tokens[..12]
     );
+}
+
+/// Each sequence's sampled tokens and the logits they were drawn from (the prompt's last
+/// row first), `steps` decode steps after its prompt. `together`: all in one batch, sequence i
+/// in slot i, a step decoding every slot; else one at a time in slot 0. `graph`: the steps
+/// as graph replays (captured after the prefills), else eager launches.
+fn decode_sequences(
+    model: &mut GpuModel,
+    seqs: &[(Vec<u32>, Sampling)],
+    steps: usize,
+    together: bool,
+    graph: bool,
+) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let mut out = vec![(Vec::new(), Vec::new()); seqs.len()];
+    let groups: Vec<Vec<usize>> = if together {
+        vec![(0..seqs.len()).collect()]
+    } else {
+        (0..seqs.len()).map(|i| vec![i]).collect()
+    };
+    for group in groups {
+        model.reset().unwrap();
+        let n = group.len();
+        for (slot, &i) in group.iter().enumerate() {
+            let (prompt, s) = &seqs[i];
+            model.prefill_slot(slot, prompt, Some(s)).unwrap();
+            out[i].0.push(model.read_tokens(slot + 1).unwrap()[slot]);
+            out[i].1.extend(model.read_logits(0).unwrap());
+        }
+        let g = graph.then(|| DecodeGraph::capture(model, n).unwrap());
+        for _ in 0..steps {
+            let tokens = match &g {
+                Some(g) => g.step_slots(model, &(0..n).collect::<Vec<_>>()).unwrap(),
+                None => {
+                    eager_launch(model, n).unwrap();
+                    model.read_tokens(n).unwrap()
+                }
+            };
+            for (slot, &i) in group.iter().enumerate() {
+                out[i].0.push(tokens[slot]);
+                out[i].1.extend(model.read_logits(slot).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Eight sequences of different lengths and settings (greedy, and temperature with top-p),
+/// decoded together, each in its own slot (one step a token for all), give what each gives
+/// alone: the same logits within the bounds of the CPU comparisons and the same tokens, up to
+/// a step whose logits alone hold a near-tie or whose draw lands by a boundary (then their
+/// histories part); the batch's graph
+/// replays are bit-identical to its eager launches.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_batched_sequences_decode_as_each_alone() {
+    let dev = device();
+    let dir = dsv4_tests::fixtures_dir().join("long");
+    let ids = load_oracle(&dir).input_ids;
+    let n = 8;
+    let steps = sanitizer_length(40, 8);
+    let mut model = GpuModel::load(
+        &dir,
+        std::slice::from_ref(&dev),
+        GpuOptions {
+            max_context: Some(160),
+            sequences: n,
+        },
+        |_, _| {},
+    )
+    .unwrap();
+    let vocab = model.config().vocab_size;
+    let seqs: Vec<(Vec<u32>, Sampling)> = (0..n)
+        .map(|i| {
+            let s = Sampling {
+                temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
+                top_p: if i % 4 == 1 { 0.9 } else { 1.0 },
+                seed: 1000 + i as u64,
+            };
+            (ids[i..i + 3 + 11 * i].to_vec(), s)
+        })
+        .collect();
+    let alone = decode_sequences(&mut model, &seqs, steps, false, true);
+    let eager = decode_sequences(&mut model, &seqs, steps, true, false);
+    let batch = decode_sequences(&mut model, &seqs, steps, true, true);
+    for (i, (g, e)) in batch.iter().zip(&eager).enumerate() {
+        assert_eq!(g.0, e.0, "sequence {i}: graph and eager tokens");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&g.1) == bits(&e.1), "sequence {i}: graph and eager logits' bits");
+    }
+    let mut whole = 0;
+    for (i, ((bt, bl), (at, al))) in batch.iter().zip(&alone).enumerate() {
+        let mut matched = 0;
+        for k in 0..at.len() {
+            let (b, a) = (&bl[k * vocab..(k + 1) * vocab], &al[k * vocab..(k + 1) * vocab]);
+            let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = b.iter().zip(a).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            let cos = cosine(b, a);
+            assert!(
+                cos >= 0.999 && diff <= 2e-2 * scale,
+                "sequence {i}, step {k}: cosine {cos}, max |Δ| {diff} of {scale}"
+            );
+            if bt[k] != at[k] {
+                // A greedy choice only where the alone logits cannot tell the two tokens
+                // apart (a draw may land either side of a boundary it is near).
+                let gap = (a[at[k] as usize] - a[bt[k] as usize]).abs();
+                assert!(
+                    seqs[i].1.temperature > 0.0 || gap <= 2e-2 * scale,
+                    "sequence {i}, step {k}: token {} in the batch, {} alone, {gap} apart",
+                    bt[k],
+                    at[k]
+                );
+                println!("sequence {i}: parted at step {k} ({gap} apart), compared to there");
+                break;
+            }
+            matched += 1;
+        }
+        whole += usize::from(matched == at.len());
+    }
+    println!("{whole} of {n} sequences token for token alone and in the batch over {steps} steps");
+    assert!(whole * 2 >= n, "most sequences should match token for token: {whole} of {n}");
 }
 
 #[test]
@@ -349,16 +472,16 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
     // A forward leaves no sampled token to decode from; nor does a reset.
     let s = greedy();
     model.forward(&[1, 2], Logits::Last).unwrap();
-    let err = eager_step(&mut model, &s).unwrap_err().to_string();
+    let err = eager_step(&mut model).unwrap_err().to_string();
     assert!(err.contains("no sampled token"), "{err}");
     model.prefill(&[1, 2], &s).unwrap();
     model.reset().unwrap();
-    let err = eager_step(&mut model, &s).unwrap_err().to_string();
+    let err = eager_step(&mut model).unwrap_err().to_string();
     assert!(err.contains("no sampled token"), "{err}");
 
     // A graph replays only the model it was captured from.
     model.prefill(&[1, 2], &s).unwrap();
-    let graph = DecodeGraph::capture(&mut model, &s).unwrap();
+    let graph = DecodeGraph::capture(&mut model, 1).unwrap();
     let mut other = gpu_model(&dir, &dev, 8);
     other.prefill(&[1, 2], &s).unwrap();
     let err = graph.step(&mut other).unwrap_err().to_string();
@@ -374,6 +497,7 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
         config.max_position_embeddings = limit;
         let opts = GpuOptions {
             max_context: Some(max_context),
+            sequences: 1,
         };
         GpuModel::new(
             config,
@@ -390,10 +514,10 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
         "the asked context is clamped to the model's"
     );
     short.prefill(&[1, 2, 3], &s).unwrap();
-    let err = short.check_decode(2).unwrap_err().to_string();
+    let err = short.check_decode(1, 2).unwrap_err().to_string();
     assert!(err.contains("context limit of 4"), "{err}");
-    eager_step(&mut short, &s).expect("the step that fills the context");
-    let err = eager_step(&mut short, &s).unwrap_err().to_string();
+    eager_step(&mut short).expect("the step that fills the context");
+    let err = eager_step(&mut short).unwrap_err().to_string();
     assert!(err.contains("context limit of 4"), "{err}");
     drop(short);
     let huge = 1 << 40;
@@ -423,6 +547,7 @@ fn gpu_random_model_reads_what_its_checkpoint_reads_and_decodes() {
         let written = gpu_model(dir.path(), &dev, 80).step_weight_bytes();
         let opts = GpuOptions {
             max_context: Some(80),
+            sequences: 1,
         };
         let mut model = GpuModel::random(
             config.clone(),
@@ -471,6 +596,7 @@ fn gpu_flash_width_prefill_is_independent_of_chunking() {
     let n = sanitizer_length(2200, 300);
     let opts = GpuOptions {
         max_context: Some(n),
+        sequences: 1,
     };
     let mut model = GpuModel::random(
         config.clone(),
@@ -526,6 +652,7 @@ fn gpu_filled_context_is_attended_to_and_bounded() {
     let config = Config::tiny();
     let opts = GpuOptions {
         max_context: Some(600),
+        sequences: 1,
     };
     let mut model = GpuModel::random(
         config,
@@ -564,6 +691,6 @@ fn gpu_filled_context_is_attended_to_and_bounded() {
     model.fill_context(500, 7).unwrap();
     let s = greedy();
     model.prefill(&tokens, &s).unwrap();
-    eager_step(&mut model, &s).unwrap();
+    eager_step(&mut model).unwrap();
     assert_eq!(model.len(), 505);
 }

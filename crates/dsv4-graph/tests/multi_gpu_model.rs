@@ -28,6 +28,7 @@ fn worlds(devs: &[Arc<Device>]) -> Vec<usize> {
 fn load(dir: &Path, devs: &[Arc<Device>], context: usize) -> GpuModel {
     let opts = GpuOptions {
         max_context: Some(context),
+        sequences: 1,
     };
     GpuModel::load(dir, devs, opts, |_, _| {})
         .unwrap_or_else(|e| panic!("loading {} onto {} GPU(s): {e}", dir.display(), devs.len()))
@@ -63,6 +64,7 @@ fn multi_gpu_model_matches_one_gpu_on_every_fixture_that_splits() {
         let weights = dsv4_model::weights::ModelWeights::load(&ck, |_, _| {}).unwrap();
         let opts = GpuOptions {
             max_context: Some(ids.len()),
+            sequences: 1,
         };
         let vocab = config.vocab_size;
         let mut one = GpuModel::new(config.clone(), &weights, &devs[..1], opts, |_, _| {}).unwrap();
@@ -228,6 +230,7 @@ fn multi_gpu_shapes_that_do_not_split_are_refused() {
     let weights = dsv4_model::weights::ModelWeights::load(&ck, |_, _| {}).unwrap();
     let opts = GpuOptions {
         max_context: Some(16),
+        sequences: 1,
     };
     let err = GpuModel::new(config, &weights, &devs[..2], opts, |_, _| {})
         .err()

@@ -140,11 +140,29 @@ impl Backend for Cpu {
     }
 }
 
-/// The GPU model: one slot, each decode step one graph replay (captured per request, with its
-/// sampling).
+/// The GPU model: a slot per sequence in the device state; a step decodes the first `n`
+/// slots as one graph replay, `n` the smallest bucket (1, 2, 4, ...) that covers the highest
+/// running slot (rows of idle slots below it are computed and dropped). Each bucket's graph is
+/// captured after its first step, which runs eagerly; a prompt is read a chunk at a time.
 pub struct Gpu {
     pub model: GpuModel,
-    pub graph: Option<DecodeGraph>,
+    /// By bucket: index i holds the graph of 2^i rows.
+    pub graphs: Vec<Option<DecodeGraph>>,
+}
+
+impl Gpu {
+    pub fn new(model: GpuModel) -> Gpu {
+        Gpu {
+            model,
+            graphs: Vec::new(),
+        }
+    }
+}
+
+/// The rows a step of `slots` decodes: a power of two past the highest slot, at most `most`.
+fn bucket(slots: &[usize], most: usize) -> usize {
+    let high = slots.iter().max().map_or(1, |s| s + 1);
+    high.next_power_of_two().min(most)
 }
 
 impl Backend for Gpu {
@@ -153,36 +171,47 @@ impl Backend for Gpu {
     }
 
     fn slots(&self) -> usize {
-        1
+        self.model.sequences()
     }
 
-    /// The whole prompt at once: no other sequence runs beside it.
     fn prefill_chunk(&self) -> usize {
-        usize::MAX
+        self.model.chunk()
     }
 
     fn prefill(
         &mut self,
-        _slot: usize,
+        slot: usize,
         tokens: &[u32],
         s: &Sampling,
-        _first: bool,
-        _last: bool,
+        first: bool,
+        last: bool,
     ) -> Result<Option<u32>> {
-        self.graph = None;
-        self.model.reset()?;
-        self.model.prefill(tokens, s)?;
-        let first = self.model.read_token()?;
-        self.graph = Some(DecodeGraph::capture(&mut self.model, s)?);
-        Ok(Some(first))
+        if first {
+            self.model.reset_slot(slot)?;
+        }
+        self.model.prefill_slot(slot, tokens, last.then_some(s))?;
+        if !last {
+            return Ok(None);
+        }
+        Ok(Some(self.model.read_tokens(slot + 1)?[slot]))
     }
 
     fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>> {
-        let graph = self.graph.as_ref().expect("a sequence was started");
-        slots
-            .iter()
-            .map(|_| Ok(graph.step(&mut self.model)?))
-            .collect()
+        let rows = bucket(slots, self.model.sequences());
+        let i = rows.trailing_zeros() as usize;
+        if self.graphs.len() <= i {
+            self.graphs.resize_with(i + 1, || None);
+        }
+        if let Some(graph) = &self.graphs[i] {
+            return Ok(graph.step_slots(&mut self.model, slots)?);
+        }
+        // The bucket's first step runs eagerly (loading its kernels), then is captured.
+        self.model.check_slots(rows, slots, 1)?;
+        self.model.launch_decode_step(rows)?;
+        self.model.note_decoded(rows, 1);
+        let all = self.model.read_tokens(rows)?;
+        self.graphs[i] = Some(DecodeGraph::capture(&mut self.model, rows)?);
+        Ok(slots.iter().map(|&s| all[s]).collect())
     }
 }
 
@@ -329,7 +358,9 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
     let mut free: Vec<usize> = (0..backend.slots()).rev().collect();
     let chunk = backend.prefill_chunk().max(1);
     loop {
-        // Admit waiting requests into free slots; wait for one only when nothing runs.
+        // Admit waiting requests into free slots, the lowest first (the GPU's steps cover the
+        // slots up to the highest running one); wait for one only when nothing runs.
+        free.sort_unstable_by(|a, b| b.cmp(a));
         while let Some(&slot) = free.last() {
             let idle = running.is_empty() && prefilling.is_empty();
             let job = if idle {

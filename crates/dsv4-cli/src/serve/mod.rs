@@ -31,6 +31,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use dsv4_model::chat::{encode_chat, THINK_END, THINK_START};
 use dsv4_model::config::Config;
+use dsv4_model::gpu::{GpuOptions, MAX_CHUNK};
 use dsv4_model::tokenizer::Tokenizer;
 use dsv4_ops::gpu::sample::Sampling;
 
@@ -53,8 +54,8 @@ pub struct ServeArgs {
     port: u16,
     #[command(flatten)]
     gpu: GpuArgs,
-    /// Sequences generated at once, each advancing a token a step (the CPU backend; the GPU
-    /// backend runs one at a time).
+    /// Sequences generated at once, each advancing a token a step (on the GPU, at most 16:
+    /// one step decodes them all in one graph replay).
     #[arg(long, default_value_t = 1)]
     max_batch: usize,
     /// Requests that may wait for the engine; past that the server answers 429.
@@ -89,10 +90,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| "dsv4".to_string())
     });
     let chosen = backend(a.gpu.backend)?;
-    if a.max_batch == 0 || (chosen == Backend::Cuda && a.max_batch != 1) {
+    if a.max_batch == 0 || (chosen == Backend::Cuda && a.max_batch > MAX_CHUNK) {
         bail!(
-            "--max-batch {}: at least 1, and the GPU backend generates one sequence at a time \
-             (--max-batch 1)",
+            "--max-batch {}: at least 1, and at most {MAX_CHUNK} sequences at once on the GPU",
             a.max_batch
         );
     }
@@ -125,9 +125,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                     }) as Box<dyn engine::Backend>
                 }),
                 Backend::Cuda => {
-                    let context = gpu.max_context.or(Some(max_positions.min(1 << 16)));
-                    load_gpu_model(&dir, context, gpu.gpus, None).map(|model| {
-                        Box::new(engine::Gpu { model, graph: None }) as Box<dyn engine::Backend>
+                    let opts = GpuOptions {
+                        max_context: gpu.max_context.or(Some(max_positions.min(1 << 16))),
+                        sequences: max_batch,
+                    };
+                    load_gpu_model(&dir, opts, gpu.gpus, None).map(|model| {
+                        Box::new(engine::Gpu::new(model)) as Box<dyn engine::Backend>
                     })
                 }
             };

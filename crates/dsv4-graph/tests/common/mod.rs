@@ -1,7 +1,7 @@
 //! Pieces shared by the model GPU tests.
 
 use dsv4_graph::{eager_step, DecodeGraph};
-use dsv4_model::gpu::{GpuModel, MAX_CHUNK};
+use dsv4_model::gpu::GpuModel;
 use dsv4_ops::gpu::sample::Sampling;
 
 pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
@@ -31,13 +31,13 @@ pub fn decode(
     model.reset().unwrap();
     model.prefill(prompt, &s).unwrap();
     let mut tokens = vec![model.read_token().unwrap()];
-    // The last prompt token's row of the last prefill chunk.
-    let mut logits = model.read_logits((prompt.len() - 1) % MAX_CHUNK).unwrap();
-    let g = graph.then(|| DecodeGraph::capture(model, &s).unwrap());
+    // The prefill's head runs the last prompt token alone, into row 0.
+    let mut logits = model.read_logits(0).unwrap();
+    let g = graph.then(|| DecodeGraph::capture(model, 1).unwrap());
     for _ in 0..steps {
         let t = match &g {
             Some(g) => g.step(model).unwrap(),
-            None => eager_step(model, &s).unwrap(),
+            None => eager_step(model).unwrap(),
         };
         tokens.push(t);
         logits.extend(model.read_logits(0).unwrap());

@@ -1,5 +1,6 @@
-//! Everything the GPU forward writes, in one buffer pool: the sequence state (token ids,
-//! position, window rings, compressor windows and entries, indexer keys) and the activations of
+//! Everything the GPU forward writes, in one buffer pool: the state of each sequence slot
+//! (next token, position, sampling settings, window rings, compressor windows and entries,
+//! indexer keys; each state buffer `[slots, ...]`) and the activations of
 //! a chunk of tokens (the plan's chunk length; the launches that take at most [`MAX_CHUNK`]
 //! tokens run over its sub-chunks, and the head over at most [`MAX_CHUNK`] rows). Sizes depend only on the config and the context
 //! capacity, so the same code runs twice: a sizing pass reserves every buffer by name in the
@@ -100,33 +101,32 @@ impl<S: Stage> CompState<S> {
         ratio: usize,
         width: usize,
         overlap: bool,
-        capacity: usize,
+        [slots, capacity]: [usize; 2],
     ) -> Result<Self, GpuError> {
         let row = if overlap { 2 * width } else { width };
         Ok(CompState {
-            kv: s.buf(&format!("{name}.kv"), &[ratio, row])?,
-            gate: s.buf(&format!("{name}.gate"), &[ratio, row])?,
-            prev_kv: s.buf(&format!("{name}.prev_kv"), &[ratio, width])?,
-            prev_gate: s.buf(&format!("{name}.prev_gate"), &[ratio, width])?,
-            entries: s.buf(&format!("{name}.entries"), &[capacity.max(1), width])?,
+            kv: s.buf(&format!("{name}.kv"), &[slots, ratio, row])?,
+            gate: s.buf(&format!("{name}.gate"), &[slots, ratio, row])?,
+            prev_kv: s.buf(&format!("{name}.prev_kv"), &[slots, ratio, width])?,
+            prev_gate: s.buf(&format!("{name}.prev_gate"), &[slots, ratio, width])?,
+            entries: s.buf(
+                &format!("{name}.entries"),
+                &[slots, capacity.max(1), width],
+            )?,
         })
     }
 }
 
 impl CompState<Taking> {
-    /// The launchers' view of the state (the same memory).
-    pub fn buffers(&self) -> Result<CompressorBuffers, GpuError> {
+    /// The launchers' view of the sequences' state (the same memory).
+    pub fn buffers(&self, seqs: Seqs) -> Result<CompressorBuffers, GpuError> {
         Ok(CompressorBuffers {
-            kv: whole(&self.kv)?,
-            gate: whole(&self.gate)?,
-            prev_kv: whole(&self.prev_kv)?,
-            prev_gate: whole(&self.prev_gate)?,
-            entries: whole(&self.entries)?,
+            kv: seqs.view(&self.kv)?,
+            gate: seqs.view(&self.gate)?,
+            prev_kv: seqs.view(&self.prev_kv)?,
+            prev_gate: seqs.view(&self.prev_gate)?,
+            entries: seqs.view(&self.entries)?,
         })
-    }
-
-    pub fn entries(&self) -> &DeviceTensor<f32> {
-        &self.entries
     }
 
     /// Every state row, for [`LayerState::fill_random`].
@@ -189,6 +189,78 @@ fn whole<E: DeviceElem>(t: &DeviceTensor<E>) -> Result<DeviceTensor<E>, GpuError
     t.view(0, t.shape())
 }
 
+/// A second handle on each of a compressor's state buffers (the same memory).
+pub fn handles(b: &CompressorBuffers) -> Result<CompressorBuffers, GpuError> {
+    Ok(CompressorBuffers {
+        kv: whole(&b.kv)?,
+        gate: whole(&b.gate)?,
+        prev_kv: whole(&b.prev_kv)?,
+        prev_gate: whole(&b.prev_gate)?,
+        entries: whole(&b.entries)?,
+    })
+}
+
+/// The sequences a forward pass runs: a chunk of one slot's tokens, or the next token of each
+/// of the first `n` slots (a batch; the kernels' batch form for more than one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Seqs {
+    Chunk { slot: usize },
+    Batch { n: usize },
+}
+
+impl Seqs {
+    /// The passes's view of a `[slots, ...]` state buffer: slot `slot`'s `[...]`, or a batch's
+    /// `[n, ...]` (one sequence's `[...]` when n is 1, as a chunk of one).
+    pub fn view<E: DeviceElem>(self, t: &DeviceTensor<E>) -> Result<DeviceTensor<E>, GpuError> {
+        let one = &t.shape()[1..];
+        let size: usize = one.iter().product();
+        match self {
+            Seqs::Chunk { slot } => t.view(slot * size, one),
+            Seqs::Batch { n: 1 } => t.view(0, one),
+            Seqs::Batch { n } => {
+                let shape: Vec<usize> = std::iter::once(n).chain(one.iter().copied()).collect();
+                t.view(0, &shape)
+            }
+        }
+    }
+
+    /// The pass's positions (U32): the slot's `[1]`, or the batch's `[n]`.
+    pub fn positions(self, a: &Acts<Taking>) -> Result<DeviceTensor<u32>, GpuError> {
+        match self {
+            Seqs::Chunk { slot } => a.positions.view(slot, &[1]),
+            Seqs::Batch { n } => a.positions.view(0, &[n]),
+        }
+    }
+
+    /// The pass's token ids: a chunk's `n` in `acts.tokens`, a batch's slots' next tokens.
+    pub fn tokens(self, a: &Acts<Taking>, n: usize) -> Result<DeviceTensor<u32>, GpuError> {
+        match self {
+            Seqs::Chunk { .. } => a.tokens.rows(n),
+            Seqs::Batch { n } => a.next.view(0, &[n]),
+        }
+    }
+}
+
+/// One layer's state as a pass sees it (views of [`LayerState`]'s buffers, see [`Seqs::view`]).
+pub struct LayerView {
+    pub window: DeviceTensor<f32>,
+    pub comp: Option<CompressorBuffers>,
+    pub index: Option<(CompressorBuffers, DeviceTensor<i32>)>,
+}
+
+impl LayerState<Taking> {
+    pub fn view(&self, seqs: Seqs) -> Result<LayerView, GpuError> {
+        Ok(LayerView {
+            window: seqs.view(&self.window)?,
+            comp: self.comp.as_ref().map(|c| c.buffers(seqs)).transpose()?,
+            index: match &self.index {
+                Some(i) => Some((i.comp.buffers(seqs)?, whole(&i.selected)?)),
+                None => None,
+            },
+        })
+    }
+}
+
 /// The Lightning Indexer's compressor and choice.
 pub struct IndexState<S: Stage> {
     pub comp: CompState<S>,
@@ -204,10 +276,13 @@ pub struct LayerState<S: Stage> {
 /// Activations of one chunk, `[chunk, width]` each, or `[MAX_CHUNK, width]` for what runs per
 /// sub-chunk (views of the first rows serve shorter chunks).
 pub struct Acts<S: Stage> {
-    /// The chunk's token ids; a decode step reads and the sampler writes element 0.
+    /// A chunk's token ids.
     pub tokens: S::Buf<u32>,
-    /// Position of the chunk's first token.
-    pub pos: S::Buf<u32>,
+    /// Each slot's next token (the sampler writes it, a decode step reads it), position (of
+    /// the next token) and sampling settings (`[slots, 4]`, [`dsv4_ops::gpu::sample::Sampling::device_words`]).
+    pub next: S::Buf<u32>,
+    pub positions: S::Buf<u32>,
+    pub sample_params: S::Buf<u32>,
     /// Positions of the chunk's sub-chunks of [`MAX_CHUNK`] tokens.
     pub sub_pos: S::Buf<u32>,
     /// The mHC streams, ping-ponged by each site's expansion.
@@ -277,18 +352,27 @@ pub struct Buffers<S: Stage> {
     pub layers: Vec<LayerState<S>>,
 }
 
+/// What the pool is sized for, besides the config: `slots` sequences of `capacity` positions,
+/// chunks of `chunk` tokens, one rank of `world`, whose shared expert is `shared_inter` wide.
+#[derive(Clone, Copy, Debug)]
+pub struct Plan {
+    pub slots: usize,
+    pub capacity: usize,
+    pub chunk: usize,
+    pub shared_inter: usize,
+    pub world: usize,
+}
+
 impl<S: Stage> Buffers<S> {
-    /// Every buffer for one rank of `world` (`c` at the rank's widths) with room for
-    /// `capacity` positions and chunks of `chunk` tokens; `shared_inter` is the shared
-    /// expert's intermediate width (the rank's slice).
-    pub fn build(
-        s: &mut S,
-        c: &Config,
-        capacity: usize,
-        chunk: usize,
-        shared_inter: usize,
-        world: usize,
-    ) -> Result<Self, GpuError> {
+    /// Every buffer for one rank (`c` at the rank's widths) as `plan` says.
+    pub fn build(s: &mut S, c: &Config, plan: Plan) -> Result<Self, GpuError> {
+        let Plan {
+            slots,
+            capacity,
+            chunk,
+            shared_inter,
+            world,
+        } = plan;
         let (m, sub) = (chunk, MAX_CHUNK);
         let (d, hd, q_all) = (c.hidden_size, c.head_dim, c.num_heads * c.head_dim);
         let (ni, ic) = (c.index_n_heads, c.index_head_dim);
@@ -300,7 +384,9 @@ impl<S: Stage> Buffers<S> {
         let tp_shape = |shape: Vec<usize>| if tp { shape } else { vec![1] };
         let acts = Acts {
             tokens: s.buf("tokens", &[m])?,
-            pos: s.buf("pos", &[1])?,
+            next: s.buf("next", &[slots])?,
+            positions: s.buf("positions", &[slots])?,
+            sample_params: s.buf("sample_params", &[slots, 4])?,
             sub_pos: s.buf("sub_pos", &[m.div_ceil(sub)])?,
             streams: [
                 s.buf("streams.0", &[m, c.hc_dim()])?,
@@ -344,7 +430,7 @@ impl<S: Stage> Buffers<S> {
             coll_recv: s.buf(recv.0, &tp_shape(recv.2))?,
             coll_flags: s.buf(flags.0, &tp_shape(flags.2))?,
             coll_state: s.buf(state.0, &tp_shape(state.2))?,
-            sample_weights: s.buf("sample_weights", &[c.vocab_size])?,
+            sample_weights: s.buf("sample_weights", &[slots, c.vocab_size])?,
             ws: s.workspace("gemv")?,
             ws_side: s.workspace("gemv.side")?,
         };
@@ -354,7 +440,7 @@ impl<S: Stage> Buffers<S> {
             .enumerate()
             .map(|(l, &kind)| {
                 let name = |part: &str| format!("layers.{l}.{part}");
-                let window = s.buf(&name("window"), &[c.sliding_window, hd])?;
+                let window = s.buf(&name("window"), &[slots, c.sliding_window, hd])?;
                 let comp = match kind {
                     LayerKind::Sliding => None,
                     LayerKind::Csa { ratio } | LayerKind::Hca { ratio } => Some(CompState::build(
@@ -363,14 +449,21 @@ impl<S: Stage> Buffers<S> {
                         ratio,
                         hd,
                         matches!(kind, LayerKind::Csa { .. }),
-                        capacity / ratio,
+                        [slots, capacity / ratio],
                     )?),
                 };
                 let index = match kind {
                     LayerKind::Csa { ratio } => {
                         let cap = (capacity / ratio).max(1);
                         Some(IndexState {
-                            comp: CompState::build(s, &name("indexer"), ratio, ic, true, cap)?,
+                            comp: CompState::build(
+                                s,
+                                &name("indexer"),
+                                ratio,
+                                ic,
+                                true,
+                                [slots, cap],
+                            )?,
                             selected: s.buf(&name("indexer.selected"), &[m, c.index_topk])?,
                         })
                     }
@@ -387,15 +480,9 @@ impl<S: Stage> Buffers<S> {
     }
 }
 
-/// Bytes the pool takes for `capacity` positions and chunks of `chunk` tokens.
-pub fn pool_bytes(
-    c: &Config,
-    capacity: usize,
-    chunk: usize,
-    shared_inter: usize,
-    world: usize,
-) -> Result<usize, GpuError> {
+/// Bytes the pool takes for `plan`.
+pub fn pool_bytes(c: &Config, plan: Plan) -> Result<usize, GpuError> {
     let mut s = Sizing(BufferPool::new());
-    Buffers::build(&mut s, c, capacity, chunk, shared_inter, world)?;
+    Buffers::build(&mut s, c, plan)?;
     Ok(s.0.total_bytes())
 }

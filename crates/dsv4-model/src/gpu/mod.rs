@@ -48,7 +48,8 @@ use crate::shard::{local_config, rank_weight_bytes, shard_head, shard_layer, Sha
 use crate::synth::SynthFormat;
 use crate::weights::{ModelWeights, Routing};
 pub use buffers::MAX_CHUNK;
-use buffers::{Buffers, Sizing, Taking, SELECT_ROWS};
+pub use buffers::Seqs;
+use buffers::{Buffers, LayerView, Plan, Sizing, Taking, SELECT_ROWS};
 use upload::RoutedExperts;
 
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +91,8 @@ pub enum GpuModelError {
     },
     #[error("no sampled token to decode from: run a prefill first (forward and reset leave none)")]
     NoToken,
+    #[error("{asked} sequences at once: the GPU state holds 1 to {most}")]
+    Sequences { asked: usize, most: usize },
 }
 
 /// Config values the GPU kernels cannot take, named before anything is uploaded.
@@ -159,8 +162,12 @@ fn check_gpu_config(c: &Config) -> Result<(), GpuModelError> {
 /// Load-time choices.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GpuOptions {
-    /// Positions the sequence state holds; `None` takes what fits (up to the model's limit).
+    /// Positions each sequence's state holds; `None` takes what fits (up to the model's
+    /// limit).
     pub max_context: Option<usize>,
+    /// Sequences the state holds at once, each in its own slot (batched decode): 1 to
+    /// [`MAX_CHUNK`]; 0 means 1.
+    pub sequences: usize,
 }
 
 /// A BF16 or F32 matrix for the F32 kernels (MoE gate, indexer head weights).
@@ -377,15 +384,23 @@ fn sub_chunks(n: usize) -> Vec<(usize, usize)> {
     pieces(n, MAX_CHUNK)
 }
 
-/// The position buffer of sub-chunk `j` of `subs`: the chunk's own when it is one sub-chunk,
-/// else its entry of `acts.sub_pos` (written at the chunk's start).
+/// Rows of one sequence's `[rows, width]` state in `t` (`[rows, width]` or a batch's `[n, rows,
+/// width]`).
+fn per_sequence_rows(t: &DeviceTensor<f32>) -> usize {
+    let shape = t.shape();
+    shape[shape.len() - 2]
+}
+
+/// The position buffer of sub-chunk `j` of `subs`: the pass's own (`pos`) when it is one
+/// sub-chunk, else its entry of `acts.sub_pos` (written at the chunk's start).
 fn sub_position(
     a: &buffers::Acts<Taking>,
+    pos: &DeviceTensor<u32>,
     j: usize,
     subs: usize,
 ) -> Result<DeviceTensor<u32>, GpuError> {
     if subs == 1 {
-        a.pos.view(0, &[1])
+        pos.view(0, pos.shape())
     } else {
         a.sub_pos.view(j, &[1])
     }
@@ -417,11 +432,11 @@ pub struct GpuModel {
     capacity: usize,
     /// Most tokens one forward pass takes (prefill chunks).
     chunk: usize,
-    /// Tokens processed (mirrors the device position, which the device advances).
-    len: usize,
-    /// Whether the token buffer holds a sampled token for the next decode step.
-    token_ready: bool,
-    /// Where [`Self::read_token`] copies the sampled token (rank 0's).
+    /// By slot: tokens processed (mirrors the device position, which the device advances),
+    /// and whether the slot's next token is a sampled one, ready for a decode step.
+    lens: Vec<usize>,
+    ready: Vec<bool>,
+    /// Where [`Self::read_tokens`] copies the sampled tokens (rank 0's).
     token_readback: Readback<u32>,
     hc: HcParams,
     weight_bytes: usize,
@@ -574,19 +589,37 @@ impl GpuModel {
         for dev in devs {
             free = free.min(dev.memory_info()?.0);
         }
-        let Layout { capacity, chunk } =
-            choose_layout(c, opts.max_context, shared_inter, world, free)?;
+        let slots = opts.sequences.max(1);
+        if slots > MAX_CHUNK {
+            return Err(GpuModelError::Sequences {
+                asked: slots,
+                most: MAX_CHUNK,
+            });
+        }
+        let sizing = Plan {
+            slots,
+            capacity: 0,
+            chunk: 0,
+            shared_inter,
+            world,
+        };
+        let Layout { capacity, chunk } = choose_layout(c, opts.max_context, sizing, free)?;
+        let plan = Plan {
+            capacity,
+            chunk,
+            ..sizing
+        };
         if world > 1 {
             enable_peer_access(devs)?;
         }
         let mut ranks = Vec::with_capacity(world);
         for (dev, w) in devs.iter().zip(weights) {
             let mut sizing = Sizing(BufferPool::new());
-            Buffers::build(&mut sizing, c, capacity, chunk, shared_inter, world)?;
+            Buffers::build(&mut sizing, c, plan)?;
             let mut pool = sizing.0;
             pool.seal(dev)?;
             let mut taking = Taking(pool);
-            let bufs = Buffers::build(&mut taking, c, capacity, chunk, shared_inter, world)?;
+            let bufs = Buffers::build(&mut taking, c, plan)?;
             ranks.push(Rank {
                 dev: dev.clone(),
                 w,
@@ -610,7 +643,7 @@ impl GpuModel {
                 rank.tp = Some((link, peer));
             }
         }
-        let token_readback = ranks[0].dev.readback(1)?;
+        let token_readback = ranks[0].dev.readback(slots)?;
         Ok(GpuModel {
             hc: HcParams {
                 n: c.hc_mult,
@@ -623,8 +656,8 @@ impl GpuModel {
             ranks,
             capacity,
             chunk,
-            len: 0,
-            token_ready: false,
+            lens: vec![0; slots],
+            ready: vec![false; slots],
             token_readback,
             weight_bytes,
         })
@@ -649,15 +682,20 @@ impl GpuModel {
         self.ranks.len()
     }
 
-    /// Identifies this model's sequence state (the device address of rank 0's token buffer):
-    /// what a captured step reads and writes.
+    /// Identifies this model's sequence state (the device address of rank 0's next-token
+    /// buffer): what a captured step reads and writes.
     pub fn state_address(&self) -> u64 {
-        self.ranks[0].bufs.acts.tokens.device_address()
+        self.ranks[0].bufs.acts.next.device_address()
     }
 
-    /// Positions the sequence state holds.
+    /// Positions each sequence's state holds.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Sequences the state holds at once (slots `0..sequences()`).
+    pub fn sequences(&self) -> usize {
+        self.lens.len()
     }
 
     /// Most tokens one forward pass takes: prompts run in chunks of this many.
@@ -665,13 +703,18 @@ impl GpuModel {
         self.chunk
     }
 
-    /// Tokens processed so far.
+    /// Tokens slot 0's sequence has processed so far (see [`Self::slot_len`]).
     pub fn len(&self) -> usize {
-        self.len
+        self.lens[0]
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.lens[0] == 0
+    }
+
+    /// Tokens slot `slot`'s sequence has processed so far.
+    pub fn slot_len(&self, slot: usize) -> usize {
+        self.lens[slot]
     }
 
     /// Weight bytes one decode step reads on each GPU (every dense weight or its slice, the
@@ -680,38 +723,50 @@ impl GpuModel {
         self.weight_bytes
     }
 
-    /// Forgets the sequence: position 0 (state buffers are overwritten before they are read).
+    /// Forgets every slot's sequence: position 0 (state buffers are overwritten before they
+    /// are read).
     pub fn reset(&mut self) -> Result<(), GpuError> {
-        for r in &mut self.ranks {
-            r.dev.write(&mut r.bufs.acts.pos, &[0])?;
+        for slot in 0..self.sequences() {
+            self.reset_slot(slot)?;
         }
-        self.len = 0;
-        self.token_ready = false;
         Ok(())
     }
 
-    /// Starts the sequence at position `n` with every layer's state filled with random values
-    /// (see [`buffers::LayerState::fill_random`]; every rank alike) instead of `n` tokens'
-    /// worth: what a benchmark of decoding after a long context needs, in seconds instead of
-    /// a prefill of `n` tokens. The next [`Self::prefill`] continues from there.
+    /// Forgets slot `slot`'s sequence (the others run on).
+    pub fn reset_slot(&mut self, slot: usize) -> Result<(), GpuError> {
+        for r in &mut self.ranks {
+            r.dev
+                .write(&mut r.bufs.acts.positions.view(slot, &[1])?, &[0])?;
+        }
+        self.lens[slot] = 0;
+        self.ready[slot] = false;
+        Ok(())
+    }
+
+    /// Starts every slot's sequence at position `n` with every layer's state filled with
+    /// random values (see [`buffers::LayerState::fill_random`]; every rank alike) instead of
+    /// `n` tokens' worth: what a benchmark of decoding after a long context needs, in seconds
+    /// instead of a prefill of `n` tokens. The next [`Self::prefill`] continues from there.
     pub fn fill_context(&mut self, n: usize, seed: u64) -> Result<(), GpuModelError> {
         self.check_length(n)?;
         let pos = u32::try_from(n).map_err(|_| GpuModelError::Capacity {
             needed: n,
             capacity: u32::MAX as usize,
         })?;
+        let slots = self.sequences();
         for r in &mut self.ranks {
             for (l, layer) in r.bufs.layers.iter_mut().enumerate() {
                 layer.fill_random(&r.dev, seed ^ ((l as u64) << 32))?;
             }
-            r.dev.write(&mut r.bufs.acts.pos, &[pos])?;
+            r.dev.write(&mut r.bufs.acts.positions, &vec![pos; slots])?;
         }
-        self.len = n;
-        self.token_ready = false;
+        self.lens.fill(n);
+        self.ready.fill(false);
         Ok(())
     }
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<(), GpuModelError> {
+    /// `tokens` may follow slot `slot`'s sequence.
+    fn check_tokens(&self, slot: usize, tokens: &[u32]) -> Result<(), GpuModelError> {
         let c = &self.config;
         if tokens.is_empty() {
             return Err(ForwardError::Empty.into());
@@ -723,7 +778,7 @@ impl GpuModel {
             }
             .into());
         }
-        self.check_length(self.len + tokens.len())
+        self.check_length(self.lens[slot] + tokens.len())
     }
 
     /// A sequence of `needed` positions fits the model's context limit and the state's capacity.
@@ -743,9 +798,11 @@ impl GpuModel {
 
     /// Runs `tokens` (in chunks of at most [`Self::chunk`]) and returns the requested logits
     /// (`[n, vocab]` or the last token's `[vocab]`), as the CPU forward does.
+    /// Slot 0's sequence.
     pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>, GpuModelError> {
-        self.check_tokens(tokens)?;
-        self.token_ready = false;
+        let seqs = Seqs::Chunk { slot: 0 };
+        self.check_tokens(0, tokens)?;
+        self.ready[0] = false;
         let mut out = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(self.chunk).collect();
         for (i, chunk) in chunks.iter().enumerate() {
@@ -753,7 +810,7 @@ impl GpuModel {
             for r in 0..self.ranks.len() {
                 self.write_tokens(r, chunk)?;
             }
-            self.launch_layers_all(n)?;
+            self.launch_layers_all(n, seqs)?;
             // The head at most MAX_CHUNK rows at a time, each read back before the next.
             let heads = match which {
                 Logits::All => sub_chunks(n),
@@ -768,29 +825,60 @@ impl GpuModel {
                 out.extend(r0.dev.download(&r0.bufs.acts.logits.rows(rows)?)?);
             }
             for r in 0..self.ranks.len() {
-                self.launch_advance(r, n)?;
+                self.launch_advance(r, 0, n)?;
             }
-            self.len += n;
+            self.lens[0] += n;
         }
         Ok(out)
     }
 
-    /// Runs `prompt` and samples the first new token into the device token buffer (read it
-    /// with [`Self::read_token`]); then [`Self::launch_decode_step`] continues from it.
+    /// Runs `prompt` in slot 0 (see [`Self::prefill_slot`]).
     pub fn prefill(&mut self, prompt: &[u32], s: &Sampling) -> Result<(), GpuModelError> {
-        self.prefill_reporting(prompt, s, usize::MAX, &mut |_| {})
+        self.prefill_reporting(0, prompt, Some(s), usize::MAX, &mut |_| {})
     }
 
-    /// [`Self::prefill`], waiting for the GPUs about every `every` tokens to report the prompt
-    /// tokens done to `on_progress` (for progress on long prompts).
+    /// Runs `prompt` after what slot `slot`'s sequence holds (start a new sequence with
+    /// [`Self::reset_slot`]) and samples its first new token into the slot's next-token
+    /// buffer (read it with [`Self::read_tokens`]); `s` stays the slot's sampling settings, on
+    /// the device, for its decode steps ([`Self::launch_decode_step`]). Without `s` the tokens
+    /// are only read (a prompt's earlier part) and nothing is sampled.
+    pub fn prefill_slot(
+        &mut self,
+        slot: usize,
+        prompt: &[u32],
+        s: Option<&Sampling>,
+    ) -> Result<(), GpuModelError> {
+        self.prefill_reporting(slot, prompt, s, usize::MAX, &mut |_| {})
+    }
+
+    /// [`Self::prefill_slot`], waiting for the GPUs about every `every` tokens to report the
+    /// prompt tokens done to `on_progress` (for progress on long prompts).
     pub fn prefill_reporting(
         &mut self,
+        slot: usize,
         prompt: &[u32],
-        s: &Sampling,
+        s: Option<&Sampling>,
         every: usize,
         on_progress: &mut dyn FnMut(usize),
     ) -> Result<(), GpuModelError> {
-        self.check_tokens(prompt)?;
+        if slot >= self.sequences() {
+            return Err(GpuModelError::Sequences {
+                asked: slot + 1,
+                most: self.sequences(),
+            });
+        }
+        self.check_tokens(slot, prompt)?;
+        if let Some(s) = s {
+            let words = s
+                .device_words()
+                .map_err(|e| GpuError::invalid("sampling", e.to_string()))?;
+            for r in &mut self.ranks {
+                let mut row = r.bufs.acts.sample_params.view(4 * slot, &[1, 4])?;
+                r.dev.write(&mut row, &words)?;
+            }
+        }
+        let seqs = Seqs::Chunk { slot };
+        self.ready[slot] = false;
         let chunks: Vec<&[u32]> = prompt.chunks(self.chunk).collect();
         let mut reported = 0;
         for (i, chunk) in chunks.iter().enumerate() {
@@ -798,21 +886,21 @@ impl GpuModel {
             for r in 0..self.ranks.len() {
                 self.write_tokens(r, chunk)?;
             }
-            self.launch_layers_all(n)?;
+            self.launch_layers_all(n, seqs)?;
             for r in 0..self.ranks.len() {
-                if i + 1 == chunks.len() {
+                if i + 1 == chunks.len() && s.is_some() {
                     // Only the last prompt token's logits, sampled with its position as the
                     // key, as a decode step samples with its own token's.
                     self.launch_head(r, n - 1, 1)?;
                     if n > 1 {
-                        self.launch_advance(r, n - 1)?;
+                        self.launch_advance(r, slot, n - 1)?;
                     }
-                    self.launch_sample(r, 0, s)?;
+                    self.launch_sample(r, seqs)?;
                 } else {
-                    self.launch_advance(r, n)?;
+                    self.launch_advance(r, slot, n)?;
                 }
             }
-            self.len += n;
+            self.lens[slot] += n;
             let done = (i + 1) * self.chunk;
             if done - reported >= every && i + 1 < chunks.len() {
                 for r in &self.ranks {
@@ -822,41 +910,75 @@ impl GpuModel {
                 on_progress(done);
             }
         }
-        self.token_ready = true;
+        self.ready[slot] = s.is_some();
         Ok(())
     }
 
-    /// Whether `steps` more decode steps may run: a sampled token waits in the device buffer
-    /// (after a prefill or a decode step) and the context has room.
-    pub fn check_decode(&self, steps: usize) -> Result<(), GpuModelError> {
-        if !self.token_ready {
-            return Err(GpuModelError::NoToken);
-        }
-        self.check_length(self.len + steps)
+    /// Whether `steps` more decode steps of the first `n` slots may run: each has a sampled
+    /// token waiting in the device buffer (after a prefill or a decode step) and room in its
+    /// context.
+    pub fn check_decode(&self, n: usize, steps: usize) -> Result<(), GpuModelError> {
+        self.check_slots(n, &(0..n).collect::<Vec<_>>(), steps)
     }
 
-    /// One decode step's launches on every rank (see [`Self::launch_rank_decode_step`]).
-    pub fn launch_decode_step(&mut self, s: &Sampling) -> Result<(), GpuError> {
+    /// [`Self::check_decode`] of a step of the first `n` slots where only `slots` (each below
+    /// `n`) hold running sequences: the other rows' tokens are computed and not used.
+    pub fn check_slots(
+        &self,
+        n: usize,
+        slots: &[usize],
+        steps: usize,
+    ) -> Result<(), GpuModelError> {
+        if n == 0 || n > self.sequences() {
+            return Err(GpuModelError::Sequences {
+                asked: n,
+                most: self.sequences(),
+            });
+        }
+        for &slot in slots {
+            if slot >= n {
+                return Err(GpuModelError::Sequences {
+                    asked: slot + 1,
+                    most: n,
+                });
+            }
+            if !self.ready[slot] {
+                return Err(GpuModelError::NoToken);
+            }
+            self.check_length(self.lens[slot] + steps)?;
+        }
+        Ok(())
+    }
+
+    /// One decode step of the first `n` slots on every rank (see
+    /// [`Self::launch_rank_decode_step`]).
+    pub fn launch_decode_step(&mut self, n: usize) -> Result<(), GpuError> {
         for r in 0..self.ranks.len() {
-            self.launch_rank_decode_step(r, s)?;
+            self.launch_rank_decode_step(r, n)?;
         }
         Ok(())
     }
 
-    /// Rank `rank`'s launches of one decode step, on its device: the token in its device
-    /// buffer through every layer and the head, the next token sampled into the same buffer,
-    /// the position advanced. Identical at every position, so it is what a graph captures;
-    /// the caller accounts for the step with [`Self::note_decoded`] (checked first with
-    /// [`Self::check_decode`]) and launches every rank's step before waiting for any.
-    pub fn launch_rank_decode_step(&mut self, rank: usize, s: &Sampling) -> Result<(), GpuError> {
-        self.launch_layers(rank, 1)?;
-        self.launch_head(rank, 0, 1)?;
-        self.launch_sample(rank, 0, s)
+    /// Rank `rank`'s launches of one decode step of the first `n` slots, on its device: each
+    /// slot's next token through every layer (one row each, over the slot's own state) and the
+    /// head, the following token sampled with the slot's settings into the same buffer, the
+    /// slot's position advanced. Identical at every position, so it is what a graph captures
+    /// (one for each `n`); the caller accounts for the step with [`Self::note_decoded`]
+    /// (checked first with [`Self::check_decode`]) and launches every rank's step before
+    /// waiting for any.
+    pub fn launch_rank_decode_step(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
+        let seqs = Seqs::Batch { n };
+        self.launch_layers(rank, n, seqs)?;
+        self.launch_head(rank, 0, n)?;
+        self.launch_sample(rank, seqs)
     }
 
-    /// Records that `steps` decode steps ran (eagerly or as graph replays).
-    pub fn note_decoded(&mut self, steps: usize) {
-        self.len += steps;
+    /// Records that `steps` decode steps of the first `n` slots ran (eagerly or as graph
+    /// replays).
+    pub fn note_decoded(&mut self, n: usize, steps: usize) {
+        for len in &mut self.lens[..n] {
+            *len += steps;
+        }
     }
 
     /// Rank `rank`'s all-reduce of one token's hidden row, on its device (the per-layer sum of
@@ -874,12 +996,18 @@ impl GpuModel {
         )
     }
 
-    /// The token the last step sampled: one copy into page-locked memory after the work
-    /// already enqueued, waited for (every rank samples the same token; rank 0's is read).
+    /// The token slot 0's last step sampled (see [`Self::read_tokens`]).
     pub fn read_token(&mut self) -> Result<u32, GpuError> {
+        Ok(self.read_tokens(1)?[0])
+    }
+
+    /// The tokens the last steps sampled for the first `n` slots: one copy into page-locked
+    /// memory after the work already enqueued, waited for (every rank samples the same tokens;
+    /// rank 0's are read).
+    pub fn read_tokens(&mut self, n: usize) -> Result<Vec<u32>, GpuError> {
         let r0 = &self.ranks[0];
-        let token = r0.bufs.acts.tokens.rows(1)?;
-        Ok(r0.dev.read(&token, &mut self.token_readback)?[0])
+        let tokens = r0.bufs.acts.next.view(0, &[n])?;
+        Ok(r0.dev.read(&tokens, &mut self.token_readback)?.to_vec())
     }
 
     /// The logits of the last step's row `row` (waits for the device).
@@ -896,37 +1024,47 @@ impl GpuModel {
         r.dev.write(&mut ids, chunk)
     }
 
-    fn launch_advance(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
+    /// Moves slot `slot`'s device position `n` tokens on.
+    fn launch_advance(&mut self, rank: usize, slot: usize, n: usize) -> Result<(), GpuError> {
         let r = &mut self.ranks[rank];
-        advance_position(&r.dev, &mut r.bufs.acts.pos, n as u32)
+        let mut pos = Seqs::Chunk { slot }.positions(&r.bufs.acts)?;
+        advance_position(&r.dev, &mut pos, n as u32)
     }
 
-    /// Samples from the logits of `row` into rank `rank`'s token buffer, keyed by the device
-    /// position, which it then advances past that token.
-    fn launch_sample(&mut self, rank: usize, row: usize, s: &Sampling) -> Result<(), GpuError> {
+    /// Samples the next token of each of `seqs`' sequences (a chunk's from the first row of the
+    /// logits, a batch's each from its row) with its slot's settings into its slot's next-token
+    /// buffer, keyed by the slot's device position, which it then advances past that token.
+    fn launch_sample(&mut self, rank: usize, seqs: Seqs) -> Result<(), GpuError> {
         let r = &mut self.ranks[rank];
         let a = &mut r.bufs.acts;
+        let (first, n) = match seqs {
+            Seqs::Chunk { slot } => (slot, 1),
+            Seqs::Batch { n } => (0, n),
+        };
         let v = self.config.vocab_size;
-        let logits = a.logits.view(row * v, &[v])?;
-        let mut token = a.tokens.rows(1)?;
+        let logits = a.logits.view(0, &[n, v])?;
+        let params = a.sample_params.view(4 * first, &[n, 4])?;
+        let mut pos = seqs.positions(a)?;
+        let mut next = a.next.view(first, &[n])?;
+        let mut weights = a.sample_weights.view(0, &[n, v])?;
         sample(
             &r.dev,
             &logits,
-            s,
-            &mut a.pos,
+            &params,
+            &mut pos,
             1,
-            &mut a.sample_weights,
-            &mut token,
+            &mut weights,
+            &mut next,
         )
     }
 
     /// Rank `rank`'s embedding and every layer for the `n` tokens (at most [`Self::chunk`]) in
     /// its token buffer at its device position, into `acts.streams[0]` (each layer's two
     /// sub-layers end in the buffer they started from).
-    fn launch_layers(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
-        self.launch_embed(rank, n)?;
+    fn launch_layers(&mut self, rank: usize, n: usize, seqs: Seqs) -> Result<(), GpuError> {
+        self.launch_embed(rank, n, seqs)?;
         for l in 0..self.local.num_layers {
-            self.launch_layer(rank, l, n)?;
+            self.launch_layer(rank, l, n, seqs)?;
         }
         Ok(())
     }
@@ -935,13 +1073,13 @@ impl GpuModel {
     /// spins until every rank's has started, so no rank's launches may wait behind another
     /// rank's later layers (a long chunk's layer is a hundred launches or more, and a stream
     /// holds only so many pending ones).
-    fn launch_layers_all(&mut self, n: usize) -> Result<(), GpuError> {
+    fn launch_layers_all(&mut self, n: usize, seqs: Seqs) -> Result<(), GpuError> {
         for r in 0..self.ranks.len() {
-            self.launch_embed(r, n)?;
+            self.launch_embed(r, n, seqs)?;
         }
         for l in 0..self.local.num_layers {
             for r in 0..self.ranks.len() {
-                self.launch_layer(r, l, n)?;
+                self.launch_layer(r, l, n, seqs)?;
             }
         }
         Ok(())
@@ -949,14 +1087,14 @@ impl GpuModel {
 
     /// Rank `rank`'s embedding of its `n` tokens into `acts.streams[0]` with the first site's
     /// mix projection (and, for a chunk past [`MAX_CHUNK`], its sub-chunks' positions).
-    fn launch_embed(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
+    fn launch_embed(&mut self, rank: usize, n: usize, seqs: Seqs) -> Result<(), GpuError> {
         let Rank { dev, w, bufs, .. } = &mut self.ranks[rank];
         let dev = &**dev;
         let a = &mut bufs.acts;
-        let tokens = a.tokens.rows(n)?;
+        let tokens = seqs.tokens(a, n)?;
         if n > MAX_CHUNK {
             let mut subs = a.sub_pos.rows(n.div_ceil(MAX_CHUNK))?;
-            chunk_positions(dev, &a.pos, &mut subs, MAX_CHUNK as u32)?;
+            chunk_positions(dev, &seqs.positions(a)?, &mut subs, MAX_CHUNK as u32)?;
         }
         let mut s0 = a.streams[0].rows(n)?;
         embed_hc_gather(dev, &w.embed, &tokens, self.local.hc_mult, &mut s0)?;
@@ -971,7 +1109,13 @@ impl GpuModel {
     }
 
     /// Rank `rank`'s layer `l` for its `n` tokens, from and back into `acts.streams[0]`.
-    fn launch_layer(&mut self, rank: usize, l: usize, n: usize) -> Result<(), GpuError> {
+    fn launch_layer(
+        &mut self,
+        rank: usize,
+        l: usize,
+        n: usize,
+        seqs: Seqs,
+    ) -> Result<(), GpuError> {
         let Rank {
             dev, w, bufs, tp, ..
         } = &mut self.ranks[rank];
@@ -987,12 +1131,13 @@ impl GpuModel {
                 None => Ok(()),
             }
         };
-        let tokens = a.tokens.rows(n)?;
+        let tokens = seqs.tokens(a, n)?;
+        let pos = seqs.positions(a)?;
         let mut cur = 0;
         let eps = c.rms_norm_eps;
-        let (lw, ls) = (&w.layers[l], &mut bufs.layers[l]);
+        let (lw, mut ls) = (&w.layers[l], bufs.layers[l].view(seqs)?);
         let attn = |a: &mut _| {
-            attention_layer(dev, c, w, lw, ls, a, n)?;
+            attention_layer(dev, c, w, lw, &mut ls, a, n, &pos)?;
             reduce(a, |a| &a.y)
         };
         let site = Site {
@@ -1131,15 +1276,18 @@ fn linear_f32(
     Ok(o)
 }
 
-/// Attention sub-layer of `n` tokens: `acts.xn`/`acts.xb` in, `acts.y` out.
+/// Attention sub-layer of `n` tokens at `pos` over the state `ls`: `acts.xn`/`acts.xb` in,
+/// `acts.y` out.
+#[allow(clippy::too_many_arguments)]
 fn attention_layer(
     dev: &Device,
     c: &Config,
     w: &DevWeights,
     lw: &DevLayer,
-    ls: &mut buffers::LayerState<Taking>,
+    ls: &mut LayerView,
     a: &mut buffers::Acts<Taking>,
     n: usize,
+    pos: &DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
     let at = &lw.attn;
     let eps = c.rms_norm_eps;
@@ -1158,9 +1306,9 @@ fn attention_layer(
     dev.fork()?;
     dev.on_side(|| {
         if compressor_on_side {
-            layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, &a.pos, &mut a.ws_side)?;
+            layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, pos, &mut a.ws_side)?;
         }
-        indexer_inputs(dev, c, w, lw, ls, a, n)
+        indexer_inputs(dev, c, w, lw, ls, a, n, pos)
     })?;
     // Query latent and shared key/value: one GEMV of wq_a and wkv stacked; q_norm.
     let qa_kv = linear_f32(dev, &xb, &at.wq_a_kv, &a.qa_kv, &mut a.ws)?;
@@ -1178,9 +1326,9 @@ fn attention_layer(
     let select_beside = groups.len() == 1;
     if at.indexer.is_some() {
         dev.fork()?;
-        dev.on_side(|| index_queries(dev, c, w, lw, a, n))?;
+        dev.on_side(|| index_queries(dev, c, w, lw, a, n, pos))?;
         if select_beside {
-            dev.on_side(|| select(dev, lw, ls, a, 0, n, subs))?;
+            dev.on_side(|| select(dev, lw, ls, a, pos, 0, n, subs))?;
         }
     }
     // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
@@ -1189,7 +1337,7 @@ fn attention_layer(
     let mut q_n = a.q_n.view(0, &[n * c.num_heads, hd])?;
     let heads_rope = RowRope {
         inv_freq: rope,
-        pos: &a.pos,
+        pos,
         rows_per_token: c.num_heads,
     };
     let q_rows = q.reshape(&[n * c.num_heads, hd])?;
@@ -1213,28 +1361,28 @@ fn attention_layer(
     rms_norm_rope_pair(dev, heads, kv, eps, &heads_rope)?;
     let q_n = q_n.reshape(&[n, q_all])?;
     if !compressor_on_side {
-        layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, &a.pos, &mut a.ws)?;
+        layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, pos, &mut a.ws)?;
     }
     dev.join()?;
     // A longer chunk's selections, SELECT_ROWS queries at a time, into its rows of `selected`
     // (after the join: the indexer's queries come from the side stream).
     if !select_beside {
         for &(first, rows) in &groups {
-            select(dev, lw, ls, a, first, rows, subs)?;
+            select(dev, lw, ls, a, pos, first, rows, subs)?;
         }
     }
     let selected;
     let compressed = match (&ls.comp, &ls.index) {
-        (Some(st), Some(ist)) => {
-            selected = ist.selected.rows(n)?;
+        (Some(st), Some((_, sel))) => {
+            selected = sel.rows(n)?;
             Compressed::Selected {
-                entries: st.entries(),
+                entries: &st.entries,
                 selected: &selected,
                 ratio: lw.kind.ratio(),
             }
         }
         (Some(st), None) => Compressed::All {
-            entries: st.entries(),
+            entries: &st.entries,
             ratio: lw.kind.ratio(),
         },
         _ => Compressed::None,
@@ -1249,7 +1397,7 @@ fn attention_layer(
         &ls.window,
         compressed,
         &at.sink,
-        &a.pos,
+        pos,
         rope,
         &mut splits,
         &mut ob,
@@ -1258,7 +1406,7 @@ fn attention_layer(
     // this layer's next chunk reads it, and the join below comes before the next layer
     // rewrites kv_n (or the position moves on).
     dev.fork()?;
-    dev.on_side(|| attention::window_write(dev, &kv_n, &a.pos, &mut ls.window))?;
+    dev.on_side(|| attention::window_write(dev, &kv_n, pos, &mut ls.window))?;
     // Grouped output projection: group g's heads (columns) through its rows of wo_a, in one
     // launch, then wo_b.
     let mut z = a.z.rows(n)?;
@@ -1302,7 +1450,7 @@ fn layer_compressor(
     c: &Config,
     w: &DevWeights,
     lw: &DevLayer,
-    ls: &buffers::LayerState<Taking>,
+    ls: &LayerView,
     xb: &DeviceTensor<bf16>,
     proj: &DeviceTensor<f32>,
     pos: &DeviceTensor<u32>,
@@ -1311,21 +1459,23 @@ fn layer_compressor(
     let (Some(cw), Some(st)) = (&lw.attn.compressor, &ls.comp) else {
         return Ok(());
     };
-    compressor_step(dev, c, w, cw, st.buffers()?, xb, proj, pos, ws)
+    compressor_step(dev, c, w, cw, buffers::handles(st)?, xb, proj, pos, ws)
 }
 
 /// In a CSA layer, the indexer's work before the selection, on the side stream (GEMVs on
 /// `acts.ws_side`): its compressor (projections in `acts.icomp`) and head weights.
+#[allow(clippy::too_many_arguments)]
 fn indexer_inputs(
     dev: &Device,
     c: &Config,
     w: &DevWeights,
     lw: &DevLayer,
-    ls: &mut buffers::LayerState<Taking>,
+    ls: &LayerView,
     a: &mut buffers::Acts<Taking>,
     n: usize,
+    pos: &DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
-    let (Some(iw), Some(ist)) = (&lw.attn.indexer, &ls.index) else {
+    let (Some(iw), Some((ist, _))) = (&lw.attn.indexer, &ls.index) else {
         return Ok(());
     };
     let xb = a.xb.rows(n)?;
@@ -1334,10 +1484,10 @@ fn indexer_inputs(
         c,
         w,
         &iw.compressor,
-        ist.comp.buffers()?,
+        buffers::handles(ist)?,
         &xb,
         &a.icomp,
-        &a.pos,
+        pos,
         &mut a.ws_side,
     )?;
     gate_logits(
@@ -1357,6 +1507,7 @@ fn index_queries(
     lw: &DevLayer,
     a: &mut buffers::Acts<Taking>,
     n: usize,
+    pos: &DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
     let Some(iw) = &lw.attn.indexer else {
         return Ok(());
@@ -1368,7 +1519,7 @@ fn index_queries(
         &mut iq,
         c.index_head_dim,
         &w.rope_compress,
-        &a.pos,
+        pos,
         RopeDirection::Forward,
     )
 }
@@ -1377,33 +1528,35 @@ fn index_queries(
 /// row `first` (a multiple of [`MAX_CHUNK`]: sub-chunk `first / MAX_CHUNK` of `subs` gives
 /// its position) of [`index_queries`]' output, into the same rows of the layer's `selected`
 /// (scored on tensor cores, into the first rows of the shared scratch).
+#[allow(clippy::too_many_arguments)]
 fn select(
     dev: &Device,
     lw: &DevLayer,
-    ls: &mut buffers::LayerState<Taking>,
+    ls: &mut LayerView,
     a: &buffers::Acts<Taking>,
+    pos: &DeviceTensor<u32>,
     first: usize,
     rows: usize,
     subs: usize,
 ) -> Result<(), GpuError> {
-    let (Some(iw), Some(ist)) = (&lw.attn.indexer, &mut ls.index) else {
+    let (Some(iw), Some((ist, selected))) = (&lw.attn.indexer, &mut ls.index) else {
         return Ok(());
     };
     let width = iw.wq_b.n();
     let iq = row_range(&cols(&a.iq, first + rows, width)?, first, rows)?;
     let iw_rows = row_range(&a.iw, first, rows)?;
-    let mut sel = row_range(&ist.selected, first, rows)?;
+    let mut sel = row_range(selected, first, rows)?;
     attention::index_topk(
         dev,
         &iq,
         &iw_rows,
-        ist.comp.entries(),
+        &ist.entries,
         lw.kind.ratio(),
-        &sub_position(a, first / MAX_CHUNK, subs)?,
+        &sub_position(a, pos, first / MAX_CHUNK, subs)?,
         IndexScoring::TensorCores,
         &mut a
             .index_scores
-            .view(0, &[rows, ist.comp.entries().shape()[0]])?,
+            .view(0, &[rows, per_sequence_rows(&ist.entries)])?,
         &mut sel,
     )
 }
@@ -1556,11 +1709,11 @@ pub fn plan_memory(
     weights: &ModelWeights,
     world: usize,
     free: usize,
-    max_context: Option<usize>,
+    opts: GpuOptions,
 ) -> Result<MemoryPlan, GpuModelError> {
     let shared_inter = weights.layers.first().map_or(0, |l| l.moe.shared.w1.rows());
     let rank_bytes = |n: usize| crate::shard::rank_weight_bytes(weights, n);
-    plan(config, &rank_bytes, shared_inter, world, free, max_context)
+    plan(config, &rank_bytes, shared_inter, world, free, opts)
 }
 
 /// [`plan_memory`] for the model [`GpuModel::random`] draws in `format`.
@@ -1569,11 +1722,11 @@ pub fn plan_random_memory(
     format: SynthFormat,
     world: usize,
     free: usize,
-    max_context: Option<usize>,
+    opts: GpuOptions,
 ) -> Result<MemoryPlan, GpuModelError> {
     let shared_inter = random::shared_inter(config);
     let rank_bytes = |n: usize| random::rank_weight_bytes(config, format, n);
-    plan(config, &rank_bytes, shared_inter, world, free, max_context)
+    plan(config, &rank_bytes, shared_inter, world, free, opts)
 }
 
 /// The plan for a model whose ranks of `n` GPUs hold `rank_bytes(n)` weight bytes each, with
@@ -1584,20 +1737,27 @@ fn plan(
     shared_inter: usize,
     world: usize,
     free: usize,
-    max_context: Option<usize>,
+    opts: GpuOptions,
 ) -> Result<MemoryPlan, GpuModelError> {
     let local = local_config(config, world)?;
     let w = rank_bytes(world);
+    let max_context = opts.max_context;
+    let over = |n: usize| Plan {
+        slots: opts.sequences.max(1),
+        capacity: 0,
+        chunk: 0,
+        shared_inter: shared_inter / n,
+        world: n,
+    };
     let fits = |n: usize| -> bool {
         let Ok(lc) = local_config(config, n) else {
             return false;
         };
         free.checked_sub(rank_bytes(n))
-            .is_some_and(|rest| choose_layout(&lc, max_context, shared_inter / n, n, rest).is_ok())
+            .is_some_and(|rest| choose_layout(&lc, max_context, over(n), rest).is_ok())
     };
-    let shared_inter = shared_inter / world;
     let layout = free.checked_sub(w).ok_or(()).and_then(|rest| {
-        choose_layout(&local, max_context, shared_inter, world, rest).map_err(|_| ())
+        choose_layout(&local, max_context, over(world), rest).map_err(|_| ())
     });
     let Ok(Layout { capacity, chunk }) = layout else {
         let hint = [1, 2, 4, 8]
@@ -1611,11 +1771,10 @@ fn plan(
             hint,
         });
     };
-    let fixed = buffers::pool_bytes(&local, 0, chunk, shared_inter, world)?;
+    let fixed = pool_bytes_at(&local, over(world), 0, chunk)?;
     let probe = 1 << 14;
-    let per_token = (buffers::pool_bytes(&local, probe, chunk, shared_inter, world)? - fixed)
-        as f64
-        / probe as f64;
+    let per_token =
+        (pool_bytes_at(&local, over(world), probe, chunk)? - fixed) as f64 / probe as f64;
     Ok(MemoryPlan {
         world,
         free,
@@ -1675,47 +1834,68 @@ struct Layout {
 fn choose_layout(
     c: &Config,
     asked: Option<usize>,
-    shared_inter: usize,
-    world: usize,
+    plan: Plan,
     free: usize,
 ) -> Result<Layout, GpuModelError> {
     let longest = asked.map_or(PREFILL_CHUNK, |n| {
         n.next_power_of_two().clamp(MAX_CHUNK, PREFILL_CHUNK)
     });
-    let base = buffers::pool_bytes(c, 0, MAX_CHUNK, shared_inter, world)?;
+    let bytes = |chunk| pool_bytes_at(c, plan, 0, chunk);
+    let base = bytes(MAX_CHUNK)?;
     let mut chunk = longest;
     while chunk > MAX_CHUNK {
-        let extra = buffers::pool_bytes(c, 0, chunk, shared_inter, world)? - base;
+        let extra = bytes(chunk)? - base;
         if extra <= free / 8 {
-            if let Ok(capacity) = choose_capacity(c, asked, chunk, shared_inter, world, free) {
+            let at = Plan { chunk, ..plan };
+            if let Ok(capacity) = choose_capacity(c, asked, at, free) {
                 return Ok(Layout { capacity, chunk });
             }
         }
         chunk /= 2;
     }
-    let capacity = choose_capacity(c, asked, MAX_CHUNK, shared_inter, world, free)?;
+    let at = Plan {
+        chunk: MAX_CHUNK,
+        ..plan
+    };
+    let capacity = choose_capacity(c, asked, at, free)?;
     Ok(Layout {
         capacity,
         chunk: MAX_CHUNK,
     })
 }
 
-/// The context capacity with chunks of `chunk` tokens: the one asked for, up to the model's
+/// The pool's bytes for `plan` at `capacity` positions and chunks of `chunk`.
+fn pool_bytes_at(
+    c: &Config,
+    plan: Plan,
+    capacity: usize,
+    chunk: usize,
+) -> Result<usize, GpuError> {
+    buffers::pool_bytes(
+        c,
+        Plan {
+            capacity,
+            chunk,
+            ..plan
+        },
+    )
+}
+
+/// The context capacity with `plan`'s chunks and slots: the one asked for, up to the model's
 /// limit (an error if it does not fit in 90% of the free memory), else the most that fits
 /// there, up to the model's limit, in whole 128-token units.
 fn choose_capacity(
     c: &Config,
     asked: Option<usize>,
-    chunk: usize,
-    shared_inter: usize,
-    world: usize,
+    plan: Plan,
     free: usize,
 ) -> Result<usize, GpuModelError> {
     let budget = free / 10 * 9;
+    let bytes = |capacity| pool_bytes_at(c, plan, capacity, plan.chunk);
     if let Some(ctx) = asked {
         // Positions past the model's limit are never run.
         let ctx = ctx.min(c.max_position_embeddings);
-        let need = buffers::pool_bytes(c, ctx, chunk, shared_inter, world).unwrap_or(usize::MAX);
+        let need = bytes(ctx).unwrap_or(usize::MAX);
         if need > budget {
             return Err(GpuModelError::OutOfMemory {
                 context: ctx,
@@ -1726,10 +1906,9 @@ fn choose_capacity(
         return Ok(ctx);
     }
     let unit = 128;
-    let fixed = buffers::pool_bytes(c, 0, chunk, shared_inter, world)?;
+    let fixed = bytes(0)?;
     let probe = 1 << 16;
-    let per_unit =
-        (buffers::pool_bytes(c, probe, chunk, shared_inter, world)? - fixed).div_ceil(probe / unit);
+    let per_unit = (bytes(probe)? - fixed).div_ceil(probe / unit);
     if fixed + per_unit > budget {
         return Err(GpuModelError::OutOfMemory {
             context: unit,
@@ -1779,27 +1958,44 @@ mod tests {
         assert!(err.contains("moe_intermediate_size = 4"), "{err}");
     }
 
+    /// One sequence of `n` positions.
+    fn context(n: usize) -> GpuOptions {
+        GpuOptions {
+            max_context: Some(n),
+            sequences: 1,
+        }
+    }
+
+    /// One sequence on one GPU, shared experts `inter` wide, chunks of `chunk`.
+    fn one_gpu(inter: usize, chunk: usize) -> Plan {
+        Plan {
+            slots: 1,
+            capacity: 0,
+            chunk,
+            shared_inter: inter,
+            world: 1,
+        }
+    }
+
     #[test]
     fn capacity_is_what_was_asked_or_what_fits_and_a_misfit_names_the_bytes() {
         let c = Config::tiny();
         let inter = c.moe_intermediate_size;
         let gib = 1usize << 30;
         let m = MAX_CHUNK;
-        assert_eq!(
-            choose_capacity(&c, Some(100), m, inter, 1, gib).unwrap(),
-            100
-        );
+        let plan = one_gpu(inter, m);
+        assert_eq!(choose_capacity(&c, Some(100), plan, gib).unwrap(), 100);
         let limit = c.max_position_embeddings;
         assert_eq!(
-            choose_capacity(&c, Some(limit + 9), m, inter, 1, gib).unwrap(),
+            choose_capacity(&c, Some(limit + 9), plan, gib).unwrap(),
             limit
         );
-        let fits = choose_capacity(&c, None, m, inter, 1, gib).unwrap();
+        let fits = choose_capacity(&c, None, plan, gib).unwrap();
         assert!(fits.is_multiple_of(128) || fits == limit, "{fits}");
-        assert!(buffers::pool_bytes(&c, fits, m, inter, 1).unwrap() <= gib / 10 * 9);
-        let small = buffers::pool_bytes(&c, 0, m, inter, 1).unwrap();
+        assert!(pool_bytes_at(&c, plan, fits, m).unwrap() <= gib / 10 * 9);
+        let small = pool_bytes_at(&c, plan, 0, m).unwrap();
         for asked in [Some(1000), None] {
-            let err = choose_capacity(&c, asked, m, inter, 1, small)
+            let err = choose_capacity(&c, asked, plan, small)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("too little GPU memory"), "{err}");
@@ -1812,15 +2008,16 @@ mod tests {
         let c = Config::flash();
         let inter = c.moe_intermediate_size;
         let gib = 1usize << 30;
-        let layout = |asked, free| choose_layout(&c, asked, inter, 1, free).unwrap();
+        let plan = one_gpu(inter, 0);
+        let layout = |asked, free| choose_layout(&c, asked, plan, free).unwrap();
         assert_eq!(layout(Some(4096), 40 * gib).chunk, PREFILL_CHUNK);
         // No longer than the asked context needs.
         assert_eq!(layout(Some(40), 40 * gib).chunk, 64);
         assert_eq!(layout(Some(5), 40 * gib).chunk, MAX_CHUNK);
         // Activations of at most an eighth of the memory: shorter chunks where it is short.
         let extra = |chunk| {
-            buffers::pool_bytes(&c, 0, chunk, inter, 1).unwrap()
-                - buffers::pool_bytes(&c, 0, MAX_CHUNK, inter, 1).unwrap()
+            pool_bytes_at(&c, plan, 0, chunk).unwrap()
+                - pool_bytes_at(&c, plan, 0, MAX_CHUNK).unwrap()
         };
         for free in [gib, 2 * gib, 4 * gib] {
             let l = layout(Some(4096), free);
@@ -1830,7 +2027,7 @@ mod tests {
             assert_eq!(l.capacity, 4096);
         }
         // Where only the shortest chunk leaves room for the context, that one.
-        let tight = buffers::pool_bytes(&c, 4096, MAX_CHUNK, inter, 1).unwrap() / 9 * 10 + 1000;
+        let tight = pool_bytes_at(&c, plan, 4096, MAX_CHUNK).unwrap() / 9 * 10 + 1000;
         assert_eq!(layout(Some(4096), tight).chunk, MAX_CHUNK);
     }
 
@@ -1856,9 +2053,9 @@ mod tests {
                 );
             }
             let bytes = random::rank_weight_bytes(&c, format, 1);
-            let plan = plan_random_memory(&c, format, 1, bytes + (1 << 30), Some(64)).unwrap();
+            let plan = plan_random_memory(&c, format, 1, bytes + (1 << 30), context(64)).unwrap();
             assert_eq!((plan.capacity, plan.weights), (64, bytes));
-            let err = plan_random_memory(&c, format, 1, bytes / 2, Some(64)).unwrap_err();
+            let err = plan_random_memory(&c, format, 1, bytes / 2, context(64)).unwrap_err();
             assert!(
                 err.to_string().contains("bytes of weights per GPU"),
                 "{err}"
@@ -1881,7 +2078,11 @@ mod tests {
         let inter = c.moe_intermediate_size;
         let pool = |n: usize| {
             let lc = local_config(&c, n).unwrap();
-            buffers::pool_bytes(&lc, 64, MAX_CHUNK, inter / n, n).unwrap()
+            let plan = Plan {
+                world: n,
+                ..one_gpu(inter / n, MAX_CHUNK)
+            };
+            pool_bytes_at(&lc, plan, 64, MAX_CHUNK).unwrap()
         };
         // Room for a half of the split weights and the pool on each of two GPUs (the pool may
         // take 90% of what the weights leave), not for the whole on one.
@@ -1890,7 +2091,7 @@ mod tests {
             w1 + pool(1) > free,
             "the case needs the weights to outgrow one GPU"
         );
-        let err = plan_memory(&c, &w, 1, free, Some(64))
+        let err = plan_memory(&c, &w, 1, free, context(64))
             .unwrap_err()
             .to_string();
         assert!(
@@ -1898,7 +2099,7 @@ mod tests {
                 && err.contains("it needs 2 GPUs of this size"),
             "{err}"
         );
-        let plan = plan_memory(&c, &w, 2, free, Some(64)).unwrap();
+        let plan = plan_memory(&c, &w, 2, free, context(64)).unwrap();
         assert_eq!((plan.world, plan.weights, plan.capacity), (2, w2, 64));
         assert!(plan.to_string().starts_with("2 GPU(s): "), "{plan}");
     }

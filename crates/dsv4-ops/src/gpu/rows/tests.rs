@@ -504,12 +504,13 @@ fn gpu_row_launchers_reject_bad_shapes_and_positions_advance() {
 #[test]
 fn norm_args_layout_matches_the_cuda_struct() {
     // NormSet: 3 pointers and 3 u32 in rows.cu's order, padded to 40 bytes; NormArgs: two
-    // sets, then width, eps, out_b, inv_freq, rope_half and pos.
+    // sets, then width, eps, out_b, inv_freq, rope_half, pos and batch (padded to 8 bytes).
     assert_eq!(std::mem::size_of::<NormSet>(), 40);
     assert_eq!(std::mem::offset_of!(NormSet, weight), 16);
     assert_eq!(std::mem::offset_of!(NormSet, rows_per_token), 32);
-    assert_eq!(std::mem::size_of::<NormArgs>(), 120);
+    assert_eq!(std::mem::size_of::<NormArgs>(), 128);
     assert_eq!(std::mem::offset_of!(NormArgs, b), 40);
     assert_eq!(std::mem::offset_of!(NormArgs, out_b), 88);
     assert_eq!(std::mem::offset_of!(NormArgs, pos), 112);
+    assert_eq!(std::mem::offset_of!(NormArgs, batch), 120);
 }
