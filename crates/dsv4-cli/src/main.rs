@@ -454,15 +454,8 @@ fn random_gpu_model(
     let devs = open_devices(world, Some(first))?;
     let t = Instant::now();
     let model = with_layer_bar("drawing", |progress| {
-        GpuModel::random(
-            config,
-            format,
-            0,
-            &devs,
-            opts,
-            progress,
-        )
-        .context("drawing a random model on the GPU")
+        GpuModel::random(config, format, 0, &devs, opts, progress)
+            .context("drawing a random model on the GPU")
     })?;
     eprintln!(
         "random {format:?} weights drawn on {} GPU(s) in {:.1} s",

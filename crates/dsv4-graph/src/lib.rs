@@ -120,7 +120,9 @@ impl DecodeGraph {
             .devices()
             .iter()
             .enumerate()
-            .map(|(rank, dev)| StepGraph::capture(dev, || model.launch_rank_decode_step(rank, rows)))
+            .map(|(rank, dev)| {
+                StepGraph::capture(dev, || model.launch_rank_decode_step(rank, rows))
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(DecodeGraph {
             graphs,
@@ -162,7 +164,11 @@ impl DecodeGraph {
 
     /// One replay ([`Self::replay_slots`]), then the sampled tokens of `slots` read back, in
     /// that order.
-    pub fn step_slots(&self, model: &mut GpuModel, slots: &[usize]) -> Result<Vec<u32>, DecodeError> {
+    pub fn step_slots(
+        &self,
+        model: &mut GpuModel,
+        slots: &[usize],
+    ) -> Result<Vec<u32>, DecodeError> {
         self.replay_slots(model, slots)?;
         let all = model.read_tokens(self.rows)?;
         Ok(slots.iter().map(|&s| all[s]).collect())

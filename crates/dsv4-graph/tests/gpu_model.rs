@@ -380,13 +380,19 @@ fn gpu_batched_sequences_decode_as_each_alone() {
     for (i, (g, e)) in batch.iter().zip(&eager).enumerate() {
         assert_eq!(g.0, e.0, "sequence {i}: graph and eager tokens");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert!(bits(&g.1) == bits(&e.1), "sequence {i}: graph and eager logits' bits");
+        assert!(
+            bits(&g.1) == bits(&e.1),
+            "sequence {i}: graph and eager logits' bits"
+        );
     }
     let mut whole = 0;
     for (i, ((bt, bl), (at, al))) in batch.iter().zip(&alone).enumerate() {
         let mut matched = 0;
         for k in 0..at.len() {
-            let (b, a) = (&bl[k * vocab..(k + 1) * vocab], &al[k * vocab..(k + 1) * vocab]);
+            let (b, a) = (
+                &bl[k * vocab..(k + 1) * vocab],
+                &al[k * vocab..(k + 1) * vocab],
+            );
             let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
             let diff = b.iter().zip(a).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
             let cos = cosine(b, a);
@@ -412,7 +418,10 @@ fn gpu_batched_sequences_decode_as_each_alone() {
         whole += usize::from(matched == at.len());
     }
     println!("{whole} of {n} sequences token for token alone and in the batch over {steps} steps");
-    assert!(whole * 2 >= n, "most sequences should match token for token: {whole} of {n}");
+    assert!(
+        whole * 2 >= n,
+        "most sequences should match token for token: {whole} of {n}"
+    );
 }
 
 #[test]

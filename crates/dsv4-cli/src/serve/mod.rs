@@ -129,9 +129,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                         max_context: gpu.max_context.or(Some(max_positions.min(1 << 16))),
                         sequences: max_batch,
                     };
-                    load_gpu_model(&dir, opts, gpu.gpus, None).map(|model| {
-                        Box::new(engine::Gpu::new(model)) as Box<dyn engine::Backend>
-                    })
+                    load_gpu_model(&dir, opts, gpu.gpus, None)
+                        .map(|model| Box::new(engine::Gpu::new(model)) as Box<dyn engine::Backend>)
                 }
             };
             match loaded {

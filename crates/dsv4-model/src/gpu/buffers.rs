@@ -109,10 +109,7 @@ impl<S: Stage> CompState<S> {
             gate: s.buf(&format!("{name}.gate"), &[slots, ratio, row])?,
             prev_kv: s.buf(&format!("{name}.prev_kv"), &[slots, ratio, width])?,
             prev_gate: s.buf(&format!("{name}.prev_gate"), &[slots, ratio, width])?,
-            entries: s.buf(
-                &format!("{name}.entries"),
-                &[slots, capacity.max(1), width],
-            )?,
+            entries: s.buf(&format!("{name}.entries"), &[slots, capacity.max(1), width])?,
         })
     }
 }

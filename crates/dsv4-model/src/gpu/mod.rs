@@ -47,8 +47,8 @@ use crate::rope::Rope;
 use crate::shard::{local_config, rank_weight_bytes, shard_head, shard_layer, Shard, ShardError};
 use crate::synth::SynthFormat;
 use crate::weights::{ModelWeights, Routing};
-pub use buffers::MAX_CHUNK;
 pub use buffers::Seqs;
+pub use buffers::MAX_CHUNK;
 use buffers::{Buffers, LayerView, Plan, Sizing, Taking, SELECT_ROWS};
 use upload::RoutedExperts;
 
@@ -1006,8 +1006,8 @@ impl GpuModel {
     /// rank 0's are read).
     pub fn read_tokens(&mut self, n: usize) -> Result<Vec<u32>, GpuError> {
         let r0 = &self.ranks[0];
-        let tokens = r0.bufs.acts.next.view(0, &[n])?;
-        Ok(r0.dev.read(&tokens, &mut self.token_readback)?.to_vec())
+        let all = r0.dev.read(&r0.bufs.acts.next, &mut self.token_readback)?;
+        Ok(all[..n].to_vec())
     }
 
     /// The logits of the last step's row `row` (waits for the device).
@@ -1756,9 +1756,10 @@ fn plan(
         free.checked_sub(rank_bytes(n))
             .is_some_and(|rest| choose_layout(&lc, max_context, over(n), rest).is_ok())
     };
-    let layout = free.checked_sub(w).ok_or(()).and_then(|rest| {
-        choose_layout(&local, max_context, over(world), rest).map_err(|_| ())
-    });
+    let layout = free
+        .checked_sub(w)
+        .ok_or(())
+        .and_then(|rest| choose_layout(&local, max_context, over(world), rest).map_err(|_| ()));
     let Ok(Layout { capacity, chunk }) = layout else {
         let hint = [1, 2, 4, 8]
             .into_iter()
@@ -1865,12 +1866,7 @@ fn choose_layout(
 }
 
 /// The pool's bytes for `plan` at `capacity` positions and chunks of `chunk`.
-fn pool_bytes_at(
-    c: &Config,
-    plan: Plan,
-    capacity: usize,
-    chunk: usize,
-) -> Result<usize, GpuError> {
+fn pool_bytes_at(c: &Config, plan: Plan, capacity: usize, chunk: usize) -> Result<usize, GpuError> {
     buffers::pool_bytes(
         c,
         Plan {

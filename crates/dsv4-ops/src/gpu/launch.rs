@@ -216,7 +216,11 @@ pub(crate) fn launch_err(kernel: &str) -> impl FnOnce(DriverError) -> GpuError +
 /// A launch of `tokens` tokens reads their positions from `pos` (U32): one position, the first
 /// of one sequence's chunk (the kernels' `batch` 0), or one for each token, a batch of
 /// sequences a token each (1: token t at `pos[t]`, its state slice t of each state buffer).
-pub(crate) fn batch_flag(pos: &DeviceTensor<u32>, tokens: usize, what: &str) -> Result<u32, GpuError> {
+pub(crate) fn batch_flag(
+    pos: &DeviceTensor<u32>,
+    tokens: usize,
+    what: &str,
+) -> Result<u32, GpuError> {
     let n = pos.len();
     pos.expect(what, super::DType::U32, &[n])?;
     match n {

@@ -86,7 +86,11 @@ fn state_shape(batch: Option<usize>, dims: &[usize]) -> Vec<usize> {
 }
 
 /// The batch [`batch_flag`] reads from `pos`: `Some(T)` for T sequences a token each.
-fn batch_of(pos: &DeviceTensor<u32>, t: usize, what: &str) -> Result<(u32, Option<usize>), GpuError> {
+fn batch_of(
+    pos: &DeviceTensor<u32>,
+    t: usize,
+    what: &str,
+) -> Result<(u32, Option<usize>), GpuError> {
     let flag = batch_flag(pos, t, what)?;
     Ok((flag, (flag == 1).then_some(t)))
 }
@@ -169,9 +173,11 @@ pub fn compressor_update(
         ));
     }
     let (batch, seqs) = batch_of(pos, t, "compressor position")?;
-    state
-        .kv
-        .expect("compressor state kv", DType::F32, &state_shape(seqs, &[ratio, kc]))?;
+    state.kv.expect(
+        "compressor state kv",
+        DType::F32,
+        &state_shape(seqs, &[ratio, kc]),
+    )?;
     state.gate.expect(
         "compressor state gate",
         DType::F32,

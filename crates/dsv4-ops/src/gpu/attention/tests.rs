@@ -1202,28 +1202,48 @@ mod gpu {
     }
 
     /// One sequence's state of a CSA layer (main compressor, indexer compressor, window
-    /// ring), `n` sequences' worth: each buffer `[n, ...]`.
+    /// ring), `n` sequences' worth: each buffer `[n, ...]`, in a pool (so that each
+    /// sequence's slice can be viewed alone).
     struct SeqStates {
         comp: CompressorBuffers,
         icomp: CompressorBuffers,
         ring: DeviceTensor<f32>,
+        _pool: crate::gpu::BufferPool,
     }
 
     impl SeqStates {
         /// Every buffer filled from `host` (one vector a buffer, in field order).
         fn upload(dev: &Device, shapes: &[Vec<usize>; 11], host: &[Vec<f32>]) -> SeqStates {
-            let up = |i: usize| dev.upload(DType::F32, &shapes[i], &host[i]).unwrap();
-            let comp = |i: usize| CompressorBuffers {
-                kv: up(i),
-                gate: up(i + 1),
-                prev_kv: up(i + 2),
-                prev_gate: up(i + 3),
-                entries: up(i + 4),
+            let mut pool = crate::gpu::BufferPool::new();
+            let held: Vec<_> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    pool.reserve::<f32>(&format!("state.{i}"), DType::F32, s)
+                        .unwrap()
+                })
+                .collect();
+            pool.seal(dev).unwrap();
+            let mut bufs = held.into_iter().zip(host).map(|(r, h)| {
+                let mut t = pool.take(r).unwrap();
+                dev.write(&mut t, h).unwrap();
+                t
+            });
+            let mut comp = || CompressorBuffers {
+                kv: bufs.next().unwrap(),
+                gate: bufs.next().unwrap(),
+                prev_kv: bufs.next().unwrap(),
+                prev_gate: bufs.next().unwrap(),
+                entries: bufs.next().unwrap(),
             };
+            let (comp, icomp) = (comp(), comp());
+            let ring = bufs.next().unwrap();
+            drop(bufs);
             SeqStates {
-                comp: comp(0),
-                icomp: comp(5),
-                ring: up(10),
+                comp,
+                icomp,
+                ring,
+                _pool: pool,
             }
         }
 
@@ -1274,11 +1294,17 @@ mod gpu {
         let fd = up(&f, &[half]);
         let sd = up(&uniform(&mut rng, h, -1.0, 1.0), &[h]);
         let (aped, normd) = (
-            up(&uniform(&mut rng, ratio * 2 * d, -1.0, 1.0), &[ratio, 2 * d]),
+            up(
+                &uniform(&mut rng, ratio * 2 * d, -1.0, 1.0),
+                &[ratio, 2 * d],
+            ),
             up(&uniform(&mut rng, d, 0.5, 1.5), &[d]),
         );
         let (iaped, inormd) = (
-            up(&uniform(&mut rng, ratio * 2 * ic, -1.0, 1.0), &[ratio, 2 * ic]),
+            up(
+                &uniform(&mut rng, ratio * 2 * ic, -1.0, 1.0),
+                &[ratio, 2 * ic],
+            ),
             up(&uniform(&mut rng, ic, 0.5, 1.5), &[ic]),
         );
         for n in [2usize, 5, 16] {
@@ -1320,9 +1346,20 @@ mod gpu {
 
             // The batch: one launch of each.
             let mut iq = up(&iq_host, &[n, nh * ic]);
-            crate::gpu::rows::rope_rows(&dev, &mut iq, ic, &fd, &pos, RopeDirection::Forward).unwrap();
-            compressor_update(&dev, &proj, &aped, &normd, &fd, eps, true, &pos, &mut batch.comp)
+            crate::gpu::rows::rope_rows(&dev, &mut iq, ic, &fd, &pos, RopeDirection::Forward)
                 .unwrap();
+            compressor_update(
+                &dev,
+                &proj,
+                &aped,
+                &normd,
+                &fd,
+                eps,
+                true,
+                &pos,
+                &mut batch.comp,
+            )
+            .unwrap();
             let st = &mut batch.icomp;
             compressor_update(&dev, &iproj, &iaped, &inormd, &fd, eps, true, &pos, st).unwrap();
             let mut sels = Vec::new();
@@ -1331,8 +1368,18 @@ mod gpu {
                 let mut scores = poisoned::<f32>(&dev, DType::F32, &[n, cap]);
                 let mut sel = poisoned::<i32>(&dev, DType::I32, &[n, k]);
                 let e = &batch.icomp.entries;
-                index_topk(&dev, &iq, &iw, e, ratio, &pos, scoring, &mut scores, &mut sel)
-                    .unwrap();
+                index_topk(
+                    &dev,
+                    &iq,
+                    &iw,
+                    e,
+                    ratio,
+                    &pos,
+                    scoring,
+                    &mut scores,
+                    &mut sel,
+                )
+                .unwrap();
                 scores_all.push(dev.download(&scores).unwrap());
                 sels.push(sel);
             }
@@ -1343,8 +1390,19 @@ mod gpu {
                 selected: &sels[1],
                 ratio,
             };
-            attention(&dev, &q, &kv, &batch.ring, comp, &sd, &pos, &fd, &mut splits, &mut out)
-                .unwrap();
+            attention(
+                &dev,
+                &q,
+                &kv,
+                &batch.ring,
+                comp,
+                &sd,
+                &pos,
+                &fd,
+                &mut splits,
+                &mut out,
+            )
+            .unwrap();
             window_write(&dev, &kv, &pos, &mut batch.ring).unwrap();
             let got_out = download_f32(&dev, &out);
             let got_iq = dev.download(&iq).unwrap();
@@ -1354,20 +1412,33 @@ mod gpu {
             for i in 0..n {
                 let what = format!("{n} sequences, sequence {i} at {}", positions[i]);
                 let p1 = position(&dev, positions[i] as usize);
+                // Row i of a batch input, as a one-token input of its own.
                 let row = |t: &DeviceTensor<f32>| {
                     let width = t.shape()[1];
-                    t.view(i * width, &[1, width]).unwrap()
+                    let all = dev.download(t).unwrap();
+                    up(&all[i * width..(i + 1) * width], &[1, width])
                 };
                 let mut iq1 = up(&iq_host[i * nh * ic..(i + 1) * nh * ic], &[1, nh * ic]);
-                crate::gpu::rows::rope_rows(&dev, &mut iq1, ic, &fd, &p1, RopeDirection::Forward).unwrap();
+                crate::gpu::rows::rope_rows(&dev, &mut iq1, ic, &fd, &p1, RopeDirection::Forward)
+                    .unwrap();
                 assert_bits_eq(
                     &format!("{what}: rotated indexer queries"),
                     &got_iq[i * nh * ic..(i + 1) * nh * ic],
                     &dev.download(&iq1).unwrap(),
                 );
                 let mut st = slot_bufs(&alone.comp, i);
-                compressor_update(&dev, &row(&proj), &aped, &normd, &fd, eps, true, &p1, &mut st)
-                    .unwrap();
+                compressor_update(
+                    &dev,
+                    &row(&proj),
+                    &aped,
+                    &normd,
+                    &fd,
+                    eps,
+                    true,
+                    &p1,
+                    &mut st,
+                )
+                .unwrap();
                 let mut ist = slot_bufs(&alone.icomp, i);
                 let ip = row(&iproj);
                 compressor_update(&dev, &ip, &iaped, &inormd, &fd, eps, true, &p1, &mut ist)
@@ -1379,8 +1450,18 @@ mod gpu {
                 {
                     let mut scores = poisoned::<f32>(&dev, DType::F32, &[1, cap]);
                     let (e, iw1) = (&ist.entries, row(&iw));
-                    index_topk(&dev, &iq1, &iw1, e, ratio, &p1, scoring, &mut scores, &mut sel1)
-                        .unwrap();
+                    index_topk(
+                        &dev,
+                        &iq1,
+                        &iw1,
+                        e,
+                        ratio,
+                        &p1,
+                        scoring,
+                        &mut scores,
+                        &mut sel1,
+                    )
+                    .unwrap();
                     let vis = ((positions[i] as usize + 1) / ratio).min(cap);
                     assert_bits_eq(
                         &format!("{what}: {scoring:?} scores"),
@@ -1401,8 +1482,19 @@ mod gpu {
                     ratio,
                 };
                 let (q1, kv1) = (row(&q), row(&kv));
-                attention(&dev, &q1, &kv1, &ring, comp, &sd, &p1, &fd, &mut splits, &mut out1)
-                    .unwrap();
+                attention(
+                    &dev,
+                    &q1,
+                    &kv1,
+                    &ring,
+                    comp,
+                    &sd,
+                    &p1,
+                    &fd,
+                    &mut splits,
+                    &mut out1,
+                )
+                .unwrap();
                 window_write(&dev, &kv1, &p1, &mut ring).unwrap();
                 assert_close_bf16(
                     &format!("{what}: attention"),

@@ -280,7 +280,11 @@ fn gpu_rms_norm_rope_pair_of_a_batch_is_each_token_alone() {
             &kv[t * width..(t + 1) * width],
             &positions[t..t + 1],
         );
-        assert_bits_eq(&format!("token {t}: heads"), &qn[t * hw..(t + 1) * hw], &alone[..hw]);
+        assert_bits_eq(
+            &format!("token {t}: heads"),
+            &qn[t * hw..(t + 1) * hw],
+            &alone[..hw],
+        );
         assert_bits_eq(
             &format!("token {t}: key"),
             &kn[t * width..(t + 1) * width],

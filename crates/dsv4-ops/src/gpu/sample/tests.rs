@@ -16,7 +16,8 @@ fn settings_on(dev: &Device, settings: &[Sampling]) -> DeviceTensor<u32> {
         .iter()
         .flat_map(|s| s.device_words().unwrap())
         .collect();
-    dev.upload(DType::U32, &[settings.len(), 4], &words).unwrap()
+    dev.upload(DType::U32, &[settings.len(), 4], &words)
+        .unwrap()
 }
 
 #[test]
