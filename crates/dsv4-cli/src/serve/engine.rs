@@ -4,6 +4,7 @@
 //! channel. A request whose channel is closed (its client went away) is cancelled at its next
 //! token and frees its slot.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
@@ -146,15 +147,15 @@ impl Backend for Cpu {
 /// captured after its first step, which runs eagerly; a prompt is read a chunk at a time.
 pub struct Gpu {
     pub model: GpuModel,
-    /// By bucket: index i holds the graph of 2^i rows.
-    pub graphs: Vec<Option<DecodeGraph>>,
+    /// By rows.
+    pub graphs: BTreeMap<usize, DecodeGraph>,
 }
 
 impl Gpu {
     pub fn new(model: GpuModel) -> Gpu {
         Gpu {
             model,
-            graphs: Vec::new(),
+            graphs: BTreeMap::new(),
         }
     }
 }
@@ -198,11 +199,7 @@ impl Backend for Gpu {
 
     fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>> {
         let rows = bucket(slots, self.model.sequences());
-        let i = rows.trailing_zeros() as usize;
-        if self.graphs.len() <= i {
-            self.graphs.resize_with(i + 1, || None);
-        }
-        if let Some(graph) = &self.graphs[i] {
+        if let Some(graph) = self.graphs.get(&rows) {
             return Ok(graph.step_slots(&mut self.model, slots)?);
         }
         // The bucket's first step runs eagerly (loading its kernels), then is captured.
@@ -210,7 +207,8 @@ impl Backend for Gpu {
         self.model.launch_decode_step(rows)?;
         self.model.note_decoded(rows, 1);
         let all = self.model.read_tokens(rows)?;
-        self.graphs[i] = Some(DecodeGraph::capture(&mut self.model, rows)?);
+        let graph = DecodeGraph::capture(&mut self.model, rows)?;
+        self.graphs.insert(rows, graph);
         Ok(slots.iter().map(|&s| all[s]).collect())
     }
 }
@@ -506,4 +504,21 @@ fn settle<'t>(
     metrics.running.fetch_sub(1, Ordering::Relaxed);
     free.push(seq.slot);
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket;
+
+    #[test]
+    fn a_step_covers_the_highest_running_slot_in_a_power_of_two_of_rows() {
+        assert_eq!(bucket(&[0], 16), 1);
+        assert_eq!(bucket(&[1, 0], 16), 2);
+        assert_eq!(bucket(&[2], 16), 4);
+        assert_eq!(bucket(&[0, 4, 1], 16), 8);
+        assert_eq!(bucket(&[9], 16), 16);
+        // Never past the slots the model has.
+        assert_eq!(bucket(&[4], 6), 6);
+        assert_eq!(bucket(&[2], 6), 4);
+    }
 }
