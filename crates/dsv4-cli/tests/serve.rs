@@ -1,6 +1,7 @@
 //! `dsv4 serve` on the CPU backend with a tiny synthetic checkpoint, driven over HTTP (and by
 //! the official `openai` Python client when it is installed: `.ci/run` installs it and sets
-//! DSV4_REQUIRE_OPENAI=1).
+//! DSV4_REQUIRE_OPENAI=1). The `gpu_` test runs the same batch on the GPU backend
+//! (`#[ignore]`d: it needs a CUDA GPU and the `dsv4` binary this test was built beside).
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -52,12 +53,17 @@ impl std::ops::Deref for Server {
 }
 
 impl Server {
+    /// On the CPU backend.
     fn start(extra: &[&str]) -> Server {
+        Server::start_on("cpu", extra)
+    }
+
+    fn start_on(backend: &str, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_dsv4"))
             .args([
                 "serve",
                 "--backend",
-                "cpu",
+                backend,
                 "--port",
                 "0",
                 "--served-model-name",
@@ -434,7 +440,19 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_frees_its_slot() {
 
 #[test]
 fn a_batch_runs_sequences_together_each_with_the_tokens_it_gives_alone() {
-    let s = Server::start(&["--max-batch", "4"]);
+    batch_gives_what_each_gives_alone(&Server::start(&["--max-batch", "4"]), 4.0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and the release dsv4 binary"]
+fn gpu_a_batch_runs_sequences_together_each_with_the_tokens_it_gives_alone() {
+    let s = Server::start_on("cuda", &["--max-batch", "8", "--max-context", "256"]);
+    batch_gives_what_each_gives_alone(&s, 8.0);
+}
+
+/// Eight greedy streams at once give the texts each gives alone, at least two and at most
+/// `slots` running together.
+fn batch_gives_what_each_gives_alone(s: &Server, slots: f64) {
     let body = |i: usize| {
         completion(
             &format!("Prompt number {i}"),
@@ -466,7 +484,7 @@ fn a_batch_runs_sequences_together_each_with_the_tokens_it_gives_alone() {
         assert_eq!(c.join().unwrap(), alone[i], "prompt {i}");
     }
     assert!(
-        (2.0..=4.0).contains(&most),
+        (2.0..=slots).contains(&most),
         "at most {most} sequences ran at once"
     );
 }
@@ -595,7 +613,7 @@ fn the_openai_python_client_talks_to_the_server() {
 
 #[test]
 fn batch_sizes_the_backend_cannot_run_are_refused_before_loading() {
-    for (backend, batch) in [("cpu", "0"), ("cuda", "2")] {
+    for (backend, batch) in [("cpu", "0"), ("cuda", "17")] {
         let out = Command::new(env!("CARGO_BIN_EXE_dsv4"))
             .args([
                 "serve",
