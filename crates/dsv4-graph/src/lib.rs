@@ -153,7 +153,7 @@ impl DecodeGraph {
         for g in &self.graphs {
             g.replay()?;
         }
-        model.note_decoded(self.rows, 1);
+        model.note_decoded(slots, 1);
         Ok(())
     }
 
@@ -223,7 +223,7 @@ pub fn time_all_reduce(model: &mut GpuModel, reps: usize) -> Result<Option<f64>,
 pub fn eager_launch(model: &mut GpuModel, rows: usize) -> Result<(), DecodeError> {
     model.check_decode(rows, 1)?;
     model.launch_decode_step(rows)?;
-    model.note_decoded(rows, 1);
+    model.note_decoded(&(0..rows).collect::<Vec<_>>(), 1);
     Ok(())
 }
 

@@ -424,6 +424,61 @@ fn gpu_batched_sequences_decode_as_each_alone() {
     );
 }
 
+/// A prompt read in parts while another slot decodes, every decode step between the parts
+/// computing the reading slot's row too (parked: it writes none of that slot's state), then
+/// decoded beside it, gives the same bits as the prompt read at once.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_a_prompt_read_in_parts_beside_a_decoding_sequence_is_undisturbed() {
+    let dev = device();
+    let dir = dsv4_tests::fixtures_dir().join("long");
+    let ids = load_oracle(&dir).input_ids;
+    let mut model = GpuModel::load(
+        &dir,
+        std::slice::from_ref(&dev),
+        GpuOptions {
+            max_context: Some(128),
+            sequences: 2,
+        },
+        |_, _| {},
+    )
+    .unwrap();
+    let s = greedy();
+    // Parts of more than 16 tokens run the same kernels as the whole prompt.
+    let (prompt, other) = (&ids[..60], &ids[100..110]);
+    let mut run = |parts: &[usize]| {
+        model.reset().unwrap();
+        model.prefill_slot(1, other, Some(&s)).unwrap();
+        let mut start = 0;
+        for (i, &len) in parts.iter().enumerate() {
+            let last = i + 1 == parts.len();
+            let part = &prompt[start..start + len];
+            model.prefill_slot(0, part, last.then_some(&s)).unwrap();
+            start += len;
+            if !last {
+                // Slot 1 decodes; slot 0's row is computed and parked.
+                model.check_slots(2, &[1], 1).unwrap();
+                model.launch_decode_step(2).unwrap();
+                model.note_decoded(&[1], 1);
+            }
+        }
+        assert_eq!(model.slot_len(0), prompt.len());
+        let mut tokens = vec![model.read_tokens(1).unwrap()[0]];
+        let mut logits = model.read_logits(0).unwrap();
+        for _ in 0..20 {
+            eager_launch(&mut model, 2).unwrap();
+            tokens.push(model.read_tokens(2).unwrap()[0]);
+            logits.extend(model.read_logits(0).unwrap());
+        }
+        (tokens, logits)
+    };
+    let whole = run(&[60]);
+    let parts = run(&[20, 20, 20]);
+    assert_eq!(parts.0, whole.0, "slot 0's tokens");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&parts.1) == bits(&whole.1), "slot 0's logits' bits");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_teacher_forced_decode_does_not_drift() {

@@ -5,7 +5,8 @@
 // worked out inside the kernels, so a captured graph replays at any position.
 // Every kernel but attention_mma also runs a batch (`batch` != 0, see token_pos): token t is
 // its own sequence's one token at pos[t], that sequence's state (window ring, compressor rows,
-// entries) slice t of each state buffer, as if each token were launched alone as a chunk.
+// entries) slice t of each state buffer, as if each token were launched alone as a chunk; a
+// PARKED token's state is left as it is.
 //
 // - compressor_emit / compressor_store: the token compressors (spec §6). emit writes the entry
 //   of every window that closes inside the chunk (one block per closing window), reading each
@@ -115,6 +116,7 @@ DSV4_KERNEL void __launch_bounds__(256) compressor_emit(const float* __restrict_
         block = 0u;
     }
     const u32 pos0 = pos[0];
+    if (batch && pos0 == PARKED) return;
     const u32 first = (ratio - 1u - pos0 % ratio);  // chunk offset of the first closing token
     const u32 off = first + block * ratio;
     if (off >= tokens) return;
@@ -196,6 +198,7 @@ DSV4_KERNEL void compressor_store(const float* __restrict__ proj, u32 tokens, co
         prev_kv += (u64)b * ratio * c;
         prev_gate += (u64)b * ratio * c;
         tokens = 1u;
+        if (pos[0] == PARKED) return;
     }
     const u32 pos0 = pos[0];
     const u32 first = ratio - 1u - pos0 % ratio;
@@ -1269,7 +1272,9 @@ DSV4_KERNEL void window_write(const float* __restrict__ kv, u32 tokens, u32 d, c
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         const u32 t = skip + (u32)(i / d);
         const u32 ch = (u32)(i % d);
+        const u32 p = token_pos(pos, t, batch);
+        if (batch && p == PARKED) continue;
         const u64 ring = batch ? (u64)t * wsize * d : 0u;
-        window[ring + (u64)(token_pos(pos, t, batch) % wsize) * d + ch] = kv[(u64)t * d + ch];
+        window[ring + (u64)(p % wsize) * d + ch] = kv[(u64)t * d + ch];
     }
 }

@@ -184,6 +184,11 @@ __device__ __forceinline__ u32 token_pos(const u32* __restrict__ pos, u32 t, u32
     return batch ? pos[t] : pos[0] + t;
 }
 
+// A batch's token at this position belongs to a sequence that is not decoding (one whose
+// prompt is read in parts between decode steps): kernels write none of its state (window,
+// compressor rows and entries, position), and it sees no keys.
+#define PARKED 0xffffffffu
+
 // ---- programmatic dependent launch ----
 //
 // Every kernel of a decode step launches with the programmatic-serialization attribute, so it

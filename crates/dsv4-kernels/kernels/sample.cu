@@ -130,6 +130,15 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_prepare(const float* _
     if (threadIdx.x == 0u) w[blockIdx.x] = __uint_as_float(best);
 }
 
+// Thread 0's last writes for row blockIdx.x: its token, and its position moved on, unless
+// the row is parked (a sequence that is not decoding keeps both).
+__device__ __noinline__ void pick(u32* token, u32* pos, u32 batch, u32 advance, u32 t) {
+    u32* p = pos + (batch ? blockIdx.x : 0u);
+    if (batch && *p == PARKED) return;
+    token[blockIdx.x] = t;
+    *p += advance;
+}
+
 // Block r writes token[r] from logits row r, keyed by (and then advancing by `advance`) the
 // position of token_pos(pos, r, batch). A greedy row (inv_t 0) takes the argmax of the span
 // winners in w (spans in id order, so ties still go to the lowest id); a row whose weights sum
@@ -153,8 +162,7 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
         const float zi = i != 0xffffffffu ? z[(u64)blockIdx.x * vocab + i] : __uint_as_float(0xff800000u);
         const u32 t = block_best(zi, i, part, ids);
         if (threadIdx.x == 0u) {
-            token[blockIdx.x] = t == 0xffffffffu ? 0u : t;
-            pos[batch ? blockIdx.x : 0u] += advance;
+            pick(token, pos, batch, advance, t == 0xffffffffu ? 0u : t);
         }
         return;
     }
@@ -162,8 +170,7 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
     if (!(total > 0.0f && isfinite(total))) {
         const u32 t = block_argmax(z + (u64)blockIdx.x * vocab, 0u, vocab, part, ids);
         if (threadIdx.x == 0u) {
-            token[blockIdx.x] = t == 0xffffffffu ? 0u : t;
-            pos[batch ? blockIdx.x : 0u] += advance;
+            pick(token, pos, batch, advance, t == 0xffffffffu ? 0u : t);
         }
         return;
     }
@@ -218,7 +225,6 @@ DSV4_KERNEL void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float* __re
                     break;
                 }
         }
-        token[blockIdx.x] = chosen;
-        pos[batch ? blockIdx.x : 0u] += advance;
+        pick(token, pos, batch, advance, chosen);
     }
 }

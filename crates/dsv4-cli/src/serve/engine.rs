@@ -205,7 +205,7 @@ impl Backend for Gpu {
         // The bucket's first step runs eagerly (loading its kernels), then is captured.
         self.model.check_slots(rows, slots, 1)?;
         self.model.launch_decode_step(rows)?;
-        self.model.note_decoded(rows, 1);
+        self.model.note_decoded(slots, 1);
         let all = self.model.read_tokens(rows)?;
         let graph = DecodeGraph::capture(&mut self.model, rows)?;
         self.graphs.insert(rows, graph);

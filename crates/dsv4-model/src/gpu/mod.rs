@@ -159,6 +159,10 @@ fn check_gpu_config(c: &Config) -> Result<(), GpuModelError> {
     }
 }
 
+/// The device position of a slot whose rows of a decode step write none of its state (the
+/// kernels' `PARKED`).
+const PARKED: u32 = u32::MAX;
+
 /// Load-time choices.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GpuOptions {
@@ -433,9 +437,11 @@ pub struct GpuModel {
     /// Most tokens one forward pass takes (prefill chunks).
     chunk: usize,
     /// By slot: tokens processed (mirrors the device position, which the device advances),
-    /// and whether the slot's next token is a sampled one, ready for a decode step.
+    /// whether the slot's next token is a sampled one, ready for a decode step, and whether
+    /// its device position is [`PARKED`] (between the parts of a prompt).
     lens: Vec<usize>,
     ready: Vec<bool>,
+    parked: Vec<bool>,
     /// Where [`Self::read_tokens`] copies the sampled tokens (rank 0's).
     token_readback: Readback<u32>,
     hc: HcParams,
@@ -658,6 +664,7 @@ impl GpuModel {
             chunk,
             lens: vec![0; slots],
             ready: vec![false; slots],
+            parked: vec![false; slots],
             token_readback,
             weight_bytes,
         })
@@ -734,12 +741,10 @@ impl GpuModel {
 
     /// Forgets slot `slot`'s sequence (the others run on).
     pub fn reset_slot(&mut self, slot: usize) -> Result<(), GpuError> {
-        for r in &mut self.ranks {
-            r.dev
-                .write(&mut r.bufs.acts.positions.view(slot, &[1])?, &[0])?;
-        }
+        self.write_position(slot, 0)?;
         self.lens[slot] = 0;
         self.ready[slot] = false;
+        self.parked[slot] = false;
         Ok(())
     }
 
@@ -762,6 +767,7 @@ impl GpuModel {
         }
         self.lens.fill(n);
         self.ready.fill(false);
+        self.parked.fill(false);
         Ok(())
     }
 
@@ -877,6 +883,9 @@ impl GpuModel {
                 r.dev.write(&mut row, &words)?;
             }
         }
+        if self.parked[slot] {
+            self.write_position(slot, self.lens[slot] as u32)?;
+        }
         let seqs = Seqs::Chunk { slot };
         self.ready[slot] = false;
         let chunks: Vec<&[u32]> = prompt.chunks(self.chunk).collect();
@@ -910,7 +919,22 @@ impl GpuModel {
                 on_progress(done);
             }
         }
+        // A prompt's earlier part: the slot's rows of decode steps until its next part write
+        // none of its state.
+        self.parked[slot] = s.is_none();
+        if s.is_none() {
+            self.write_position(slot, PARKED)?;
+        }
         self.ready[slot] = s.is_some();
+        Ok(())
+    }
+
+    /// Slot `slot`'s device position on every rank.
+    fn write_position(&mut self, slot: usize, pos: u32) -> Result<(), GpuError> {
+        for r in &mut self.ranks {
+            r.dev
+                .write(&mut r.bufs.acts.positions.view(slot, &[1])?, &[pos])?;
+        }
         Ok(())
     }
 
@@ -973,11 +997,11 @@ impl GpuModel {
         self.launch_sample(rank, seqs)
     }
 
-    /// Records that `steps` decode steps of the first `n` slots ran (eagerly or as graph
-    /// replays).
-    pub fn note_decoded(&mut self, n: usize, steps: usize) {
-        for len in &mut self.lens[..n] {
-            *len += steps;
+    /// Records that `steps` decode steps ran (eagerly or as graph replays) for the sequences
+    /// of `slots` (the step's other rows belong to no sequence or a parked one).
+    pub fn note_decoded(&mut self, slots: &[usize], steps: usize) {
+        for &slot in slots {
+            self.lens[slot] += steps;
         }
     }
 
