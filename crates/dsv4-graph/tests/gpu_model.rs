@@ -456,6 +456,9 @@ fn gpu_a_prompt_read_in_parts_beside_a_decoding_sequence_is_undisturbed() {
             model.prefill_slot(0, part, last.then_some(&s)).unwrap();
             start += len;
             if !last {
+                // A one-row step would run slot 0's row unparked: refused.
+                let err = model.check_slots(1, &[], 1).unwrap_err().to_string();
+                assert!(err.contains("between the parts of a prompt"), "{err}");
                 // Slot 1 decodes; slot 0's row is computed and parked.
                 model.check_slots(2, &[1], 1).unwrap();
                 model.launch_decode_step(2).unwrap();

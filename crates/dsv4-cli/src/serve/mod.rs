@@ -125,8 +125,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                     }) as Box<dyn engine::Backend>
                 }),
                 Backend::Cuda => {
+                    // By default 64k positions in all, shared by the slots.
+                    let shared = max_positions.min(1 << 16) / max_batch;
                     let opts = GpuOptions {
-                        max_context: gpu.max_context.or(Some(max_positions.min(1 << 16))),
+                        max_context: gpu.max_context.or(Some(shared)),
                         sequences: max_batch,
                     };
                     load_gpu_model(&dir, opts, gpu.gpus, None)

@@ -93,6 +93,11 @@ pub enum GpuModelError {
     NoToken,
     #[error("{asked} sequences at once: the GPU state holds 1 to {most}")]
     Sequences { asked: usize, most: usize },
+    #[error(
+        "slot 0 is between the parts of a prompt: a one-row step would write its state (read \
+         the prompt's last part first)"
+    )]
+    Parked,
 }
 
 /// Config values the GPU kernels cannot take, named before anything is uploaded.
@@ -808,6 +813,10 @@ impl GpuModel {
     pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>, GpuModelError> {
         let seqs = Seqs::Chunk { slot: 0 };
         self.check_tokens(0, tokens)?;
+        if self.parked[0] {
+            self.write_position(0, self.lens[0] as u32)?;
+            self.parked[0] = false;
+        }
         self.ready[0] = false;
         let mut out = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(self.chunk).collect();
@@ -958,6 +967,10 @@ impl GpuModel {
                 asked: n,
                 most: self.sequences(),
             });
+        }
+        // A one-row step runs the kernels' chunk form, which knows no parked row.
+        if n == 1 && self.parked[0] {
+            return Err(GpuModelError::Parked);
         }
         for &slot in slots {
             if slot >= n {
@@ -1699,7 +1712,8 @@ pub struct MemoryPlan {
     pub weights: usize,
     /// Activations, workspaces and collectives: the pool's bytes at no context.
     pub fixed: usize,
-    /// Sequence-state bytes a context token adds.
+    /// Sequences the state holds, and the state bytes a context position adds (for all of them).
+    pub sequences: usize,
     pub per_token: f64,
     pub capacity: usize,
     /// Most tokens one forward pass takes (see [`choose_layout`]).
@@ -1712,12 +1726,13 @@ impl std::fmt::Display for MemoryPlan {
         write!(
             f,
             "{} GPU(s): {:.2} GiB of weights and {:.2} GiB of activations each, {:.1} KiB of \
-             state per context token; {:.2} GiB free on each: context capacity {} tokens, \
-             prompts in chunks of {}",
+             state per context token ({} sequence(s)); {:.2} GiB free on each: context capacity \
+             {} tokens a sequence, prompts in chunks of {}",
             self.world,
             gib(self.weights),
             gib(self.fixed),
             self.per_token / 1024.0,
+            self.sequences,
             gib(self.free),
             self.capacity,
             self.chunk
@@ -1805,6 +1820,7 @@ fn plan(
         free,
         weights: w,
         fixed,
+        sequences: opts.sequences.max(1),
         per_token,
         capacity,
         chunk,
