@@ -81,8 +81,12 @@ pub trait Backend {
         first: bool,
         last: bool,
     ) -> Result<Option<u32>>;
-    /// The next token of every slot in `slots` (each started), in that order.
-    fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>>;
+    /// Starts the next token of every slot in `slots` (each started); [`Backend::collect`]
+    /// returns them, in that order. The device may run it while the host handles the tokens
+    /// of the step before.
+    fn launch(&mut self, slots: &[usize]) -> Result<()>;
+    /// The tokens of the last launch.
+    fn collect(&mut self) -> Result<Vec<u32>>;
 }
 
 /// Prompt tokens a CPU sequence reads per engine step.
@@ -93,6 +97,8 @@ pub struct Cpu {
     pub model: CpuModel,
     pub capacity: usize,
     pub runs: Vec<Option<(SequenceState, Sampler, u32)>>,
+    /// The last launch's tokens.
+    pub launched: Vec<u32>,
 }
 
 impl Backend for Cpu {
@@ -128,8 +134,8 @@ impl Backend for Cpu {
         }))
     }
 
-    fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>> {
-        slots
+    fn launch(&mut self, slots: &[usize]) -> Result<()> {
+        self.launched = slots
             .iter()
             .map(|&slot| {
                 let (state, sampler, last) = self.runs[slot].as_mut().expect("a started slot");
@@ -137,7 +143,12 @@ impl Backend for Cpu {
                 *last = sampler.sample(&logits);
                 Ok(*last)
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<u32>> {
+        Ok(std::mem::take(&mut self.launched))
     }
 }
 
@@ -149,6 +160,13 @@ pub struct Gpu {
     pub model: GpuModel,
     /// By rows.
     pub graphs: BTreeMap<usize, DecodeGraph>,
+    /// The last launch: its rows and slots, or its tokens when it was read already.
+    launched: Launched,
+}
+
+enum Launched {
+    Running { rows: usize, slots: Vec<usize> },
+    Read(Vec<u32>),
 }
 
 impl Gpu {
@@ -156,6 +174,7 @@ impl Gpu {
         Gpu {
             model,
             graphs: BTreeMap::new(),
+            launched: Launched::Read(Vec::new()),
         }
     }
 }
@@ -197,19 +216,35 @@ impl Backend for Gpu {
         Ok(Some(self.model.read_tokens(slot + 1)?[slot]))
     }
 
-    fn step(&mut self, slots: &[usize]) -> Result<Vec<u32>> {
+    fn launch(&mut self, slots: &[usize]) -> Result<()> {
         let rows = bucket(slots, self.model.sequences());
         if let Some(graph) = self.graphs.get(&rows) {
-            return Ok(graph.step_slots(&mut self.model, slots)?);
+            graph.replay_slots(&mut self.model, slots)?;
+            self.launched = Launched::Running {
+                rows,
+                slots: slots.to_vec(),
+            };
+            return Ok(());
         }
         // The bucket's first step runs eagerly (loading its kernels), then is captured.
         self.model.check_slots(rows, slots, 1)?;
         self.model.launch_decode_step(rows)?;
         self.model.note_decoded(slots, 1);
         let all = self.model.read_tokens(rows)?;
+        self.launched = Launched::Read(slots.iter().map(|&s| all[s]).collect());
         let graph = DecodeGraph::capture(&mut self.model, rows)?;
         self.graphs.insert(rows, graph);
-        Ok(slots.iter().map(|&s| all[s]).collect())
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<u32>> {
+        match std::mem::replace(&mut self.launched, Launched::Read(Vec::new())) {
+            Launched::Running { rows, slots } => {
+                let all = self.model.read_tokens(rows)?;
+                Ok(slots.iter().map(|&s| all[s]).collect())
+            }
+            Launched::Read(tokens) => Ok(tokens),
+        }
     }
 }
 
@@ -225,6 +260,8 @@ pub struct Text {
 struct Running<'t> {
     job: Job,
     slot: usize,
+    /// Tells this sequence from a later one in the same slot.
+    id: u64,
     answer: TextStream<'t>,
     reasoning: TextStream<'t>,
     stop: StopMatcher,
@@ -242,8 +279,9 @@ enum After {
 }
 
 impl<'t> Running<'t> {
-    fn new(job: Job, slot: usize, text: &'t Text) -> Running<'t> {
+    fn new(job: Job, slot: usize, id: u64, text: &'t Text) -> Running<'t> {
         Running {
+            id,
             stop: StopMatcher::new(job.stops.clone()),
             in_reasoning: job.thinking,
             job,
@@ -354,6 +392,9 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
     let mut prefilling: Vec<Prefilling> = Vec::new();
     let mut running: Vec<Running<'_>> = Vec::new();
     let mut free: Vec<usize> = (0..backend.slots()).rev().collect();
+    // The step in flight: the ids of the sequences it decodes, in its order.
+    let mut inflight: Vec<u64> = Vec::new();
+    let mut next_id = 0u64;
     let chunk = backend.prefill_chunk().max(1);
     loop {
         // Admit waiting requests into free slots, the lowest first (the GPU's steps cover the
@@ -418,7 +459,8 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
                 Ok(Some(t)) => {
                     let p = prefilling.remove(0);
                     metrics.observe_ttft(p.start.elapsed().as_secs_f64());
-                    let mut seq = Running::new(p.job, p.slot, &text);
+                    next_id += 1;
+                    let mut seq = Running::new(p.job, p.slot, next_id, &text);
                     let after = seq.accept(t, &text, metrics.stopping.load(Ordering::Relaxed));
                     if let Some(seq) = settle(seq, after, &metrics, &mut free) {
                         running.push(seq);
@@ -437,29 +479,87 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
                 }
             }
         }
-        if running.is_empty() {
+        if running.is_empty() && inflight.is_empty() {
             continue;
         }
-        let slots: Vec<usize> = running.iter().map(|r| r.slot).collect();
-        let tokens = backend.step(&slots);
+        // The step in flight (launched before the last tokens were handled), or one now.
+        if inflight.is_empty() {
+            if let Err(e) = launch(&mut *backend, &running, &mut inflight, |_| true) {
+                let all: Vec<u64> = running.iter().map(|r| r.id).collect();
+                fail(&mut running, &all, &e, &metrics, &mut free);
+                continue;
+            }
+        }
         let stopping = metrics.stopping.load(Ordering::Relaxed);
-        let now = std::mem::take(&mut running);
-        match tokens {
-            Ok(tokens) => {
-                for (mut seq, t) in now.into_iter().zip(tokens) {
-                    let after = seq.accept(t, &text, stopping);
-                    if let Some(seq) = settle(seq, after, &metrics, &mut free) {
-                        running.push(seq);
-                    }
-                }
-            }
-            // A failed step fails every sequence in it.
+        let decoded: Vec<(u64, u32)> = match backend.collect() {
+            Ok(t) => std::mem::take(&mut inflight).into_iter().zip(t).collect(),
             Err(e) => {
-                for seq in now {
-                    let failed = Err(anyhow::anyhow!("{e:#}"));
-                    settle(seq, failed, &metrics, &mut free);
-                }
+                // A failed step fails every sequence in it.
+                let failed: Vec<u64> = std::mem::take(&mut inflight);
+                fail(&mut running, &failed, &e, &metrics, &mut free);
+                continue;
             }
+        };
+        let token_of = |id: u64| decoded.iter().find(|d| d.0 == id).map(|d| d.1);
+        // The next step starts now, while these tokens are handled: every running sequence
+        // that this step's token does not end by length (one that ends otherwise has its
+        // extra token dropped).
+        if !stopping {
+            let goes_on = |r: &Running| {
+                r.generated + usize::from(token_of(r.id).is_some()) < r.job.max_tokens
+            };
+            if let Err(e) = launch(&mut *backend, &running, &mut inflight, goes_on) {
+                let all: Vec<u64> = running.iter().map(|r| r.id).collect();
+                fail(&mut running, &all, &e, &metrics, &mut free);
+                continue;
+            }
+        }
+        let now = std::mem::take(&mut running);
+        for mut seq in now {
+            // A sequence that joined after the step was launched waits for the next.
+            let Some(t) = token_of(seq.id) else {
+                running.push(seq);
+                continue;
+            };
+            let after = seq.accept(t, &text, stopping);
+            if let Some(seq) = settle(seq, after, &metrics, &mut free) {
+                running.push(seq);
+            }
+        }
+    }
+}
+
+/// Launches a step of the running sequences that `pick` takes (none: no launch), recording
+/// them, by id, as the step in flight.
+fn launch(
+    backend: &mut dyn Backend,
+    running: &[Running<'_>],
+    inflight: &mut Vec<u64>,
+    pick: impl Fn(&Running) -> bool,
+) -> Result<()> {
+    let picked: Vec<&Running> = running.iter().filter(|r| pick(r)).collect();
+    if picked.is_empty() {
+        return Ok(());
+    }
+    let slots: Vec<usize> = picked.iter().map(|r| r.slot).collect();
+    backend.launch(&slots)?;
+    *inflight = picked.iter().map(|r| r.id).collect();
+    Ok(())
+}
+
+/// Fails the running sequences among `ids` with `e`.
+fn fail(
+    running: &mut Vec<Running<'_>>,
+    ids: &[u64],
+    e: &anyhow::Error,
+    metrics: &Metrics,
+    free: &mut Vec<usize>,
+) {
+    for seq in std::mem::take(running) {
+        if ids.contains(&seq.id) {
+            settle(seq, Err(anyhow::anyhow!("{e:#}")), metrics, free);
+        } else {
+            running.push(seq);
         }
     }
 }

@@ -122,6 +122,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                         model,
                         capacity: max_positions,
                         runs: (0..max_batch).map(|_| None).collect(),
+                        launched: Vec::new(),
                     }) as Box<dyn engine::Backend>
                 }),
                 Backend::Cuda => {
