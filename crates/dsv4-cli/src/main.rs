@@ -197,7 +197,7 @@ struct BenchArgs {
     /// other), and with --batch one more decode run (and a step) per batch size.
     #[arg(long)]
     max_context: Option<usize>,
-    /// Also decode batches of 2, 4, ... up to this many sequences (each a copy of the prompt
+    /// Also decode batches of 2, 4, ... up to this many sequences (each a prompt of its own
     /// in its own slot), one graph replay a step: the step's time and the tokens per second.
     #[arg(long, default_value_t = 1)]
     batch: usize,
@@ -757,9 +757,13 @@ fn bench(a: BenchArgs) -> Result<()> {
         bytes / 1e9,
         roofline_ms
     );
-    let prompt: Vec<u32> = (0..a.prompt)
-        .map(|i| ((i as u64 * 7919 + 13) % cfg.vocab_size as u64) as u32)
-        .collect();
+    // Slot k's prompt: its own tokens, so that a batch's sequences route as different ones do.
+    let prompt_of = |k: u64| -> Vec<u32> {
+        (0..a.prompt as u64)
+            .map(|i| ((i * 7919 + 13 + k * 104_729) % cfg.vocab_size as u64) as u32)
+            .collect()
+    };
+    let prompt = prompt_of(0);
     let s = Sampling {
         temperature: 0.0,
         top_p: 1.0,
@@ -816,11 +820,12 @@ fn bench(a: BenchArgs) -> Result<()> {
         "decode graph without programmatic launch: {plain_ms:.3} ms/token ({:.1}% of roofline)",
         pct(plain_ms)
     );
-    // Batches: every slot past 0 reads the prompt too; each size's first step runs eagerly.
+    // Batches: every slot past 0 reads a prompt of its own; each size's first step runs
+    // eagerly.
     for &n in &batches {
         for slot in n / 2..n {
             model.reset_slot(slot)?;
-            model.prefill_slot(slot, &prompt, Some(&s))?;
+            model.prefill_slot(slot, &prompt_of(slot as u64), Some(&s))?;
         }
         eager_launch(&mut model, n)?;
         let g = DecodeGraph::capture(&mut model, n)?;
