@@ -186,17 +186,6 @@ fn whole<E: DeviceElem>(t: &DeviceTensor<E>) -> Result<DeviceTensor<E>, GpuError
     t.view(0, t.shape())
 }
 
-/// A second handle on each of a compressor's state buffers (the same memory).
-pub fn handles(b: &CompressorBuffers) -> Result<CompressorBuffers, GpuError> {
-    Ok(CompressorBuffers {
-        kv: whole(&b.kv)?,
-        gate: whole(&b.gate)?,
-        prev_kv: whole(&b.prev_kv)?,
-        prev_gate: whole(&b.prev_gate)?,
-        entries: whole(&b.entries)?,
-    })
-}
-
 /// The sequences a forward pass runs: a chunk of one slot's tokens, or the next token of each
 /// of the first `n` slots (a batch; the kernels' batch form for more than one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -179,6 +179,13 @@ pub struct GpuOptions {
     pub sequences: usize,
 }
 
+impl GpuOptions {
+    /// The slots the state holds: `sequences`, at least 1.
+    fn slots(&self) -> usize {
+        self.sequences.max(1)
+    }
+}
+
 /// A BF16 or F32 matrix for the F32 kernels (MoE gate, indexer head weights).
 enum Dense {
     Bf16(DeviceTensor<bf16>),
@@ -600,7 +607,7 @@ impl GpuModel {
         for dev in devs {
             free = free.min(dev.memory_info()?.0);
         }
-        let slots = opts.sequences.max(1);
+        let slots = opts.slots();
         if slots > MAX_CHUNK {
             return Err(GpuModelError::Sequences {
                 asked: slots,
@@ -813,10 +820,7 @@ impl GpuModel {
     pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>, GpuModelError> {
         let seqs = Seqs::Chunk { slot: 0 };
         self.check_tokens(0, tokens)?;
-        if self.parked[0] {
-            self.write_position(0, self.lens[0] as u32)?;
-            self.parked[0] = false;
-        }
+        self.unpark(0)?;
         self.ready[0] = false;
         let mut out = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(self.chunk).collect();
@@ -892,9 +896,7 @@ impl GpuModel {
                 r.dev.write(&mut row, &words)?;
             }
         }
-        if self.parked[slot] {
-            self.write_position(slot, self.lens[slot] as u32)?;
-        }
+        self.unpark(slot)?;
         let seqs = Seqs::Chunk { slot };
         self.ready[slot] = false;
         let chunks: Vec<&[u32]> = prompt.chunks(self.chunk).collect();
@@ -930,11 +932,20 @@ impl GpuModel {
         }
         // A prompt's earlier part: the slot's rows of decode steps until its next part write
         // none of its state.
-        self.parked[slot] = s.is_none();
         if s.is_none() {
             self.write_position(slot, PARKED)?;
+            self.parked[slot] = true;
         }
         self.ready[slot] = s.is_some();
+        Ok(())
+    }
+
+    /// Gives a parked slot its position back (the tokens its sequence holds).
+    fn unpark(&mut self, slot: usize) -> Result<(), GpuError> {
+        if self.parked[slot] {
+            self.write_position(slot, self.lens[slot] as u32)?;
+            self.parked[slot] = false;
+        }
         Ok(())
     }
 
@@ -1460,7 +1471,7 @@ fn compressor_step(
     c: &Config,
     w: &DevWeights,
     cw: &DevCompressor,
-    mut st: attention::CompressorBuffers,
+    st: &mut attention::CompressorBuffers,
     xb: &DeviceTensor<bf16>,
     proj: &DeviceTensor<f32>,
     pos: &DeviceTensor<u32>,
@@ -1476,7 +1487,7 @@ fn compressor_step(
         c.rms_norm_eps,
         cw.overlap,
         pos,
-        &mut st,
+        st,
     )
 }
 
@@ -1487,16 +1498,16 @@ fn layer_compressor(
     c: &Config,
     w: &DevWeights,
     lw: &DevLayer,
-    ls: &LayerView,
+    ls: &mut LayerView,
     xb: &DeviceTensor<bf16>,
     proj: &DeviceTensor<f32>,
     pos: &DeviceTensor<u32>,
     ws: &mut dsv4_ops::gpu::gemv::GemvWorkspace,
 ) -> Result<(), GpuError> {
-    let (Some(cw), Some(st)) = (&lw.attn.compressor, &ls.comp) else {
+    let (Some(cw), Some(st)) = (&lw.attn.compressor, &mut ls.comp) else {
         return Ok(());
     };
-    compressor_step(dev, c, w, cw, buffers::handles(st)?, xb, proj, pos, ws)
+    compressor_step(dev, c, w, cw, st, xb, proj, pos, ws)
 }
 
 /// In a CSA layer, the indexer's work before the selection, on the side stream (GEMVs on
@@ -1507,12 +1518,12 @@ fn indexer_inputs(
     c: &Config,
     w: &DevWeights,
     lw: &DevLayer,
-    ls: &LayerView,
+    ls: &mut LayerView,
     a: &mut buffers::Acts<Taking>,
     n: usize,
     pos: &DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
-    let (Some(iw), Some((ist, _))) = (&lw.attn.indexer, &ls.index) else {
+    let (Some(iw), Some((ist, _))) = (&lw.attn.indexer, &mut ls.index) else {
         return Ok(());
     };
     let xb = a.xb.rows(n)?;
@@ -1521,7 +1532,7 @@ fn indexer_inputs(
         c,
         w,
         &iw.compressor,
-        buffers::handles(ist)?,
+        ist,
         &xb,
         &a.icomp,
         pos,
@@ -1782,7 +1793,7 @@ fn plan(
     let w = rank_bytes(world);
     let max_context = opts.max_context;
     let over = |n: usize| Plan {
-        slots: opts.sequences.max(1),
+        slots: opts.slots(),
         capacity: 0,
         chunk: 0,
         shared_inter: shared_inter / n,
@@ -1820,7 +1831,7 @@ fn plan(
         free,
         weights: w,
         fixed,
-        sequences: opts.sequences.max(1),
+        sequences: opts.slots(),
         per_token,
         capacity,
         chunk,
