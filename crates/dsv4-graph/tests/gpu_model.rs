@@ -35,16 +35,22 @@ fn device() -> Arc<Device> {
 }
 
 fn gpu_model(dir: &Path, dev: &Arc<Device>, context: usize) -> GpuModel {
-    GpuModel::load(
-        dir,
-        std::slice::from_ref(dev),
-        GpuOptions {
-            max_context: Some(context),
-            sequences: 1,
-        },
-        |_, _| {},
-    )
-    .unwrap_or_else(|e| panic!("loading {} onto the GPU: {e}", dir.display()))
+    gpu_model_of(dir, dev, context, 1).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The checkpoint at `dir` on `dev` with `sequences` slots of `context` positions.
+fn gpu_model_of(
+    dir: &Path,
+    dev: &Arc<Device>,
+    context: usize,
+    sequences: usize,
+) -> Result<GpuModel, String> {
+    let opts = GpuOptions {
+        max_context: Some(context),
+        sequences,
+    };
+    GpuModel::load(dir, std::slice::from_ref(dev), opts, |_, _| {})
+        .map_err(|e| format!("loading {} onto the GPU: {e}", dir.display()))
 }
 
 /// Positions of `got` outside the bounds around `want` (`[T, vocab]`), with their cosine
@@ -353,16 +359,7 @@ fn gpu_batched_sequences_decode_as_each_alone() {
     let ids = load_oracle(&dir).input_ids;
     let n = 8;
     let steps = sanitizer_length(40, 8);
-    let mut model = GpuModel::load(
-        &dir,
-        std::slice::from_ref(&dev),
-        GpuOptions {
-            max_context: Some(160),
-            sequences: n,
-        },
-        |_, _| {},
-    )
-    .unwrap();
+    let mut model = gpu_model_of(&dir, &dev, 160, n).unwrap();
     let vocab = model.config().vocab_size;
     let seqs: Vec<(Vec<u32>, Sampling)> = (0..n)
         .map(|i| {
@@ -433,16 +430,7 @@ fn gpu_a_prompt_read_in_parts_beside_a_decoding_sequence_is_undisturbed() {
     let dev = device();
     let dir = dsv4_tests::fixtures_dir().join("long");
     let ids = load_oracle(&dir).input_ids;
-    let mut model = GpuModel::load(
-        &dir,
-        std::slice::from_ref(&dev),
-        GpuOptions {
-            max_context: Some(128),
-            sequences: 2,
-        },
-        |_, _| {},
-    )
-    .unwrap();
+    let mut model = gpu_model_of(&dir, &dev, 128, 2).unwrap();
     let s = greedy();
     // Parts of more than 16 tokens run the same kernels as the whole prompt.
     let (prompt, other) = (&ids[..60], &ids[100..110]);
@@ -545,6 +533,24 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
     model.reset().unwrap();
     let err = eager_step(&mut model).unwrap_err().to_string();
     assert!(err.contains("no sampled token"), "{err}");
+
+    // Slots past those the model holds, and a step's rows past its slots, are refused.
+    let err = gpu_model_of(&dir, &dev, 8, 17).err().unwrap();
+    assert!(err.contains("17 sequences at once"), "{err}");
+    let err = model
+        .prefill_slot(1, &[1, 2], Some(&s))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("2 sequences at once: the GPU state holds 1 to 1"),
+        "{err}"
+    );
+    let mut two = gpu_model_of(&dir, &dev, 8, 2).unwrap();
+    two.prefill_slot(1, &[1, 2], Some(&s)).unwrap();
+    let err = two.check_slots(1, &[1], 1).unwrap_err().to_string();
+    assert!(err.contains("2 sequences at once"), "{err}");
+    two.check_slots(2, &[1], 1).unwrap();
+    drop(two);
 
     // A graph replays only the model it was captured from.
     model.prefill(&[1, 2], &s).unwrap();

@@ -1550,6 +1550,22 @@ mod gpu {
                 &dev, c.q, c.kv, &ring, c.comp, c.sink, &pos, c.rope, sp, out,
             )
         };
+        // The good call at other positions.
+        let run_pos =
+            |p: &DeviceTensor<u32>, sp: &mut AttentionSplits, out: &mut DeviceTensor<bf16>| {
+                attention(
+                    &dev,
+                    &q,
+                    &kv,
+                    &ring,
+                    Compressed::None,
+                    &sink,
+                    p,
+                    &fr,
+                    sp,
+                    out,
+                )
+            };
         run(good, &mut sp, &mut out).unwrap();
         let (bad_q, bad_d) = (f32s(&[2, 96]), f32s(&[2, 48]));
         let heads_48 = Call {
@@ -1725,6 +1741,41 @@ mod gpu {
         assert!(
             compressor_update(&dev, &proj, &ape, &norm, &big_rope, 1e-6, true, &pos, &mut st)
                 .is_err()
+        );
+
+        // Batches: one position a token, each state buffer [T, ...], at most 16 sequences.
+        let pos3 = dev.alloc::<u32>(DType::U32, &[3]).unwrap();
+        let err = run_pos(&pos3, &mut sp, &mut out).unwrap_err().to_string();
+        assert!(err.contains("3 positions for 2 tokens"), "{err}");
+        let pos2 = dev.alloc::<u32>(DType::U32, &[2]).unwrap();
+        let err = run_pos(&pos2, &mut sp, &mut out).unwrap_err().to_string();
+        assert!(
+            err.contains("a batch of 2 sequences needs [2, rows, cols]"),
+            "{err}"
+        );
+        let err = compressor_update(&dev, &proj, &ape, &norm, &fr, 1e-6, true, &pos3, &mut st)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("compressor state kv: shape [4, 32] where [3, 4, 32] is needed"),
+            "{err}"
+        );
+        let (q17, kv17, pos17) = (
+            f32s(&[17, 4 * 32]),
+            f32s(&[17, 32]),
+            dev.alloc::<u32>(DType::U32, &[17]).unwrap(),
+        );
+        let rings = f32s(&[17, 16, 32]);
+        let mut out17 = dev.alloc::<bf16>(DType::BF16, &[17, 4 * 32]).unwrap();
+        let comp = Compressed::None;
+        let err = attention(
+            &dev, &q17, &kv17, &rings, comp, &sink, &pos17, &fr, &mut sp, &mut out17,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("a batch of 17 sequences (at most 16)"),
+            "{err}"
         );
         dev.synchronize().unwrap();
     }

@@ -384,6 +384,31 @@ fn gpu_rms_norm_rope_pair_is_the_two_launches() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("rows of 64 wanted"), "{err}");
+    // A batch's sets must be the same tokens', with one position a token.
+    let pos2 = dev.alloc::<u32>(DType::U32, &[2]).unwrap();
+    let x4 = dev.alloc::<f32>(DType::F32, &[4, 64]).unwrap();
+    let mut o4 = dev.alloc::<f32>(DType::F32, &[4, 64]).unwrap();
+    let x2 = dev.alloc::<f32>(DType::F32, &[2, 64]).unwrap();
+    let mut o2 = dev.alloc::<f32>(DType::F32, &[2, 64]).unwrap();
+    let batch_rope = RowRope {
+        inv_freq: &fd,
+        pos: &pos2,
+        rows_per_token: 1,
+    };
+    let err = rms_norm_rope_pair(
+        &dev,
+        set((&x2).into(), &mut o2),
+        set((&x4).into(), &mut o4),
+        1e-6,
+        &batch_rope,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("same batch's tokens"), "{err}");
+    let err = rms_norm_rope_rows(&dev, &x4, None, 1e-6, &batch_rope, &mut o4)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("2 positions for 4 tokens"), "{err}");
 }
 
 /// A norm over a column range of a wider tensor (a stacked GEMV's output) gives the bits of the
