@@ -1,27 +1,33 @@
-// Grouped routed-expert MoE for decode, in two launches and without a host round trip:
+// Grouped routed-expert MoE for decode, in two launches and without a host round trip. Both
+// kernels compute, for each selected expert, only the tokens that chose it, eight at a time (an
+// MMA's columns); a batch of sequences mostly chooses different experts, so most experts serve
+// one or two tokens.
 //
 //   moe_gate_up_*: `up_wpt` warps per (8-row tile of the intermediate, selected (token, slot)
 //     pair), each a fixed part of K (summed in shared memory in warp order), four warps a
-//     block. The first pair that selected an expert does the work for every token that
-//     selected it (later duplicates exit), so each selected expert's w1/w3 are read once.
-//     Fused gate+up with the clamped SwiGLU epilogue into h[m, topk, inter] (bf16).
-//   moe_down_*: one block per 16-row tile of the output. Every block walks the distinct
-//     selected experts in ascending id order, a group at a time: its warps take the group's
-//     (expert, K step) items in turn and park each item's partial in shared memory, then each
-//     thread takes an output (row, token) and adds, for each expert the token chose, the
-//     expert's steps in order times the token's routing weight. Each token's output is
-//     therefore a fixed-order sum over its own experts, independent of timing and of the other
-//     tokens' choices, with no atomics. At decode sizes all selected experts form one group.
+//     block. The pairs of every eighth token that selected an expert (the first, the ninth)
+//     do its work, each for eight of its tokens (the other pairs exit), so each selected
+//     expert's w1/w3 are read once per eight of its tokens. Fused gate+up with the clamped
+//     SwiGLU epilogue into h[m, topk, inter] (bf16).
+//   moe_down_*: one block per 16-row tile of the output. The block lists the distinct selected
+//     experts in ascending id order and splits each into units of up to eight of its tokens.
+//     It walks the units a group at a time: its warps take the group's (unit, K step) items in
+//     turn and park each item's partial in shared memory, then each thread takes an output
+//     (row, token) and adds, for each expert the token chose, the expert's steps in order times
+//     the token's routing weight. Each token's output is therefore a fixed-order sum over its
+//     own experts, independent of timing and of the other tokens' choices, with no atomics.
 //
-// The K split of both kernels depends only on the shapes, never on the routing, so a token's
-// output is the same alone and in a batch. Both stream weights with the ring of gemv_tile.cu
-// and, when the launcher reserved the shared memory (`stage`), read their activations (x for
-// gate_up, all of h for down) from a copy staged there once per block.
+// An MMA column's sum does not depend on the other columns, and the K split of both kernels
+// depends only on the shapes, never on the routing, so a token's output is the same alone and
+// in a batch. Both stream weights with the ring of gemv_tile.cu and, when the launcher reserved
+// the shared memory (`stage`), read their activations (gate_up: the x rows of its tokens, down:
+// all of h) from a copy staged there once per block.
 // Down launches with programmatic dependent launch: it reads the expert ids and routing weights
-// (written before gate_up started), sorts the ids and loads its first weights before it waits
-// for gate_up's h. Gate_up launches plainly (moe.rs says why); its wait is immediate then, and
-// keeps it correct if it is launched early.
+// (written before gate_up started), builds its tables and loads its first weights before it
+// waits for gate_up's h. Gate_up launches plainly (moe.rs says why); its wait is immediate then,
+// and keeps it correct if it is launched early.
 // Expert ids outside [0, experts) select nothing. NVFP4 or MXFP4 weights stacked over experts.
+
 #include "gemv_tile.cu"
 
 // Kernel arguments (layout mirrored by `MoeArgs` in dsv4_ops::gpu::moe).
@@ -50,6 +56,11 @@ namespace moe {
 // kernel's shared routing tables, so both sides change together.
 constexpr u32 MAX_PAIRS = 256;
 constexpr u32 MAX_M = 16;
+// Most experts of a layer (`MAX_EXPERTS` in dsv4_ops::gpu::moe): the down kernel's tables over
+// them share its partials' shared memory.
+constexpr u32 MAX_EXPERTS = 4096;
+// Tokens of one expert computed together: the MMA's columns.
+constexpr u32 COLS = 8;
 // Shared-memory floats for the down kernel's item partials (32 KiB).
 constexpr u32 PART_FLOATS = 8192;
 
@@ -60,48 +71,73 @@ __device__ __forceinline__ float post_scale(const float* g, int e) {
     return F == gemv::NVFP4 ? __fmul_rn(__ldg(g + e), 65536.0f) : 65536.0f;
 }
 
-template <int F, int MT>
+// Bit position of the n-th (from 0) set bit of mask; mask has more than n set bits.
+__device__ __forceinline__ u32 nth_set_bit(u32 mask, u32 n) {
+    for (u32 k = 0; k < n; ++k) mask &= mask - 1u;
+    return __ffs(mask) - 1;
+}
+
+template <int F>
 __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     using namespace gemv;
     extern __shared__ __align__(16) u16 xs[];
     // Expert ids and x come from the previous kernel: nothing to prefetch before the wait.
     pdl_wait();
     pdl_launch_dependents();
-    const u32 pair = blockIdx.y;
+    const u32 pair = blockIdx.y, token = pair / a.topk;
     const int e = a.ids[pair];
     if (!valid_expert(e, a.experts)) return;
-    for (u32 p = 0; p < pair; ++p)
-        if (a.ids[p] == e) return;
+    // A token's first slot of e computes e for columns c0 .. c0 + 7 of e's tokens (ascending)
+    // when the token is column c0, a multiple of eight; every other pair exits. Each warp finds
+    // the same (lane t holds token t), without a barrier before the weights' first loads.
+    const u32 lane = threadIdx.x & 31u;
+    bool dup = false, chose = false;
+    for (u32 p = token * a.topk + lane; p < pair; p += 32) dup |= a.ids[p] == e;
+    if (lane < a.m)
+        for (u32 j = 0; j < a.topk; ++j) chose |= a.ids[lane * a.topk + j] == e;
+    if (__any_sync(0xffffffffu, dup)) return;
+    const u32 mask = __ballot_sync(0xffffffffu, chose);
+    const u32 c0 = __popc(mask & ((1u << token) - 1u));
+    if (c0 % COLS != 0) return;
+    // Columns past the last token repeat it and are dropped.
+    const u32 cols = min(COLS, (u32)__popc(mask) - c0);
 
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, G = a.up_wpt;
+    const u32 warp = threadIdx.x >> 5, G = a.up_wpt;
     const u32 tile = blockIdx.x * ((blockDim.x >> 5) / G) + warp / G, kpart = warp % G;
     const u32 chunks = a.d / 32u, tiles = (a.inter + 7) / 8;
     // Warps past the last tile only take part in the staging and the block's reduction.
     const bool live = tile < tiles;
-    const u32 g = lane >> 2;
+    const u32 g = lane >> 2, col = min(g, cols - 1);
     const u32 r = tile * 8 + g;
     const u64 t = (u64)e * tiles + (live ? tile : 0);
     const bool staged = a.stage & 1u;
-    const u16* x = staged ? xs : a.x;
-    // Rows of tokens that did not choose e are computed and dropped.
+    const u16* x = staged ? xs + (u64)col * a.d : a.x + (u64)nth_set_bit(mask, c0 + col) * a.d;
     Lane L;
-    lane_init<F>(L, a.w13 + t * tile_bytes(chunks), a.s13 + t * tile_scale_bytes<F>(chunks), chunks,
-                 x + (u64)min(g, a.m - 1) * a.d, x + (u64)min(g + 8, a.m - 1) * a.d, lane);
+    lane_init<F>(L, a.w13 + t * tile_bytes(chunks), a.s13 + t * tile_scale_bytes<F>(chunks), chunks, x, x, lane);
     const u32 steps = live ? (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS : 0;
     const u32 j0 = sub_begin(steps * kpart / G), j1 = sub_end(L, steps * (kpart + 1) / G);
     Ring<F> ring;
     if (j0 < j1) ring_load<F>(L, j0, j1, ring);
-    if (staged) stage_rows(xs, a.d, a.x, a.d, a.m, a.d);
+    if (staged) {
+        const u32 per_row = a.d / 8;
+        for (u32 i = threadIdx.x; i < cols * per_row; i += blockDim.x) {
+            const u32 row = i / per_row, k = (i % per_row) * 8;
+            cp_async16(xs + (u64)row * a.d + k, a.x + (u64)nth_set_bit(mask, c0 + row) * a.d + k);
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+    }
     if (!live && G == 1) return;
-    float acc[MT][4];
+    float acc[1][4];
     zero(acc);
-    run_subs<F, MT>(L, j0, j1, ring, acc);
-    if (G > 1 && !reduce_warps<MT>(acc, G)) return;
+    run_subs<F, 1>(L, j0, j1, ring, acc);
+    if (G > 1 && !reduce_warps<1>(acc, G)) return;
     if (!live || r >= a.inter) return;
 
     const float p1 = post_scale<F>(a.g1, e), p3 = post_scale<F>(a.g3, e);
-    for_each_token<MT>(a.m, [&](int mt, u32 i, u32 m) {
-        const u16 v = f32_to_bf16(swiglu(acc[mt][i] * p1, acc[mt][i + 2] * p3, a.limit));
+    for_each_token<1>(cols, [&](int, u32 i, u32 c) {
+        const u32 m = nth_set_bit(mask, c0 + c);
+        const u16 v = f32_to_bf16(swiglu(acc[0][i] * p1, acc[0][i + 2] * p3, a.limit));
         // Every slot of the token that chose e (normally exactly one).
         for (u32 j = 0; j < a.topk; ++j)
             if (a.ids[m * a.topk + j] == e) a.h[((u64)m * a.topk + j) * a.inter + r] = v;
@@ -111,58 +147,138 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
 // How the down kernel writes out: bf16, f32, or added to the f32 already there (one add).
 enum Out { OUT_BF16, OUT_F32, OUT_F32_ADD };
 
-template <int F, int MT, int OUT>
+template <int F, int OUT>
 __device__ __forceinline__ void down(const MoeArgs& a) {
     using namespace gemv;
-    // Items are whole K steps of one expert: the ring must hold exactly one step.
+    // Items are whole K steps of one unit: the ring must hold exactly one step.
     static_assert(RingOf<F>::R == U, "the down kernel's ring holds one K step");
     extern __shared__ __align__(16) u16 hs[];
     __shared__ int ids[MAX_PAIRS];
-    __shared__ unsigned char first[MAX_PAIRS];
-    __shared__ int uniq[MAX_PAIRS];
-    // Routing weights by pair and post scales by rank, read once here: read in the final sum,
-    // their L2 round trips would sit between the block's last item and its output.
+    // Routing weights and the experts' post scales by pair, read once here: read in the final
+    // sum, their L2 round trips would sit between the block's last item and its output.
     __shared__ float wts[MAX_PAIRS];
     __shared__ float posts[MAX_PAIRS];
-    const u32 pairs = a.m * a.topk;
+    // Per pair: whether it is its token's first slot of its expert, the expert's routing weight
+    // summed over the token's slots (in slot order), and the expert's rank among the distinct
+    // selected experts (ascending ids: uniq).
+    __shared__ u8 tfirst[MAX_PAIRS];
+    __shared__ float wsum[MAX_PAIRS];
+    __shared__ u16 rank_of[MAX_PAIRS];
+    __shared__ u16 uniq[MAX_PAIRS];
+    // Units: rank r's tokens (bits of rmask[r]) in ascending order, COLS at a time, from unit
+    // unit0[r] on (unit r while no expert can have more than COLS tokens). A unit has at least
+    // one (token, expert) pair of its own, so there are at most MAX_PAIRS.
+    __shared__ u32 rmask[MAX_PAIRS];
+    __shared__ u32 unit0[MAX_PAIRS + 1];
+    __shared__ u16 unit_rank[MAX_PAIRS];
+    // unit_h[u * COLS + c]: the h row (pair) that column c of unit u reads: the first slot of
+    // the column's token that chose the expert; columns past the unit's tokens repeat its last.
+    __shared__ u16 unit_h[MAX_PAIRS * COLS];
+    // Per token, its experts in ascending rank: the unit and column holding its sums and its
+    // factor (wsum times the post scale); experts of weight 0 are left out. tok_n[t] <= topk
+    // entries at tok_*[t * topk].
+    __shared__ u16 tok_unit[MAX_PAIRS];
+    __shared__ u8 tok_col[MAX_PAIRS];
+    __shared__ float tok_f[MAX_PAIRS];
+    __shared__ u32 tok_n[MAX_M];
+    // Item partials of one group of units: [item][4][lane]. Before the items, the same memory
+    // holds tables over the experts: the first pair that chose each, and a bit per selected
+    // expert.
+    __shared__ float part[PART_FLOATS];
+    static_assert(MAX_EXPERTS + MAX_EXPERTS / 32 <= PART_FLOATS, "expert tables fit the partials");
+    u32* owner = reinterpret_cast<u32*>(part);
+    u32* bits = owner + MAX_EXPERTS;
+    const u32 pairs = a.m * a.topk, words = (a.experts + 31) / 32;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
         ids[i] = a.ids[i];
         wts[i] = a.weights[i];
+        rmask[i] = 0;
     }
+    for (u32 e = threadIdx.x; e < a.experts; e += blockDim.x) owner[e] = MAX_PAIRS;
+    for (u32 w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0;
+    if (threadIdx.x < MAX_M) tok_n[threadIdx.x] = 0;
     __syncthreads();
-    // Distinct valid experts, sorted: a pair is the representative of its expert if no earlier
-    // pair has it; its rank is the number of smaller representatives.
     for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
-        bool f = valid_expert(ids[i], a.experts);
-        for (u32 p = 0; p < i && f; ++p) f = ids[p] != ids[i];
-        first[i] = f;
+        const int e = ids[i];
+        const u32 t0 = i - i % a.topk;
+        bool f = valid_expert(e, a.experts);
+        for (u32 p = t0; p < i && f; ++p) f = ids[p] != e;
+        float w = 0.0f;
+        if (f)
+            for (u32 j = 0; j < a.topk; ++j)
+                if (ids[t0 + j] == e) w += wts[t0 + j];
+        tfirst[i] = f;
+        wsum[i] = w;
+        if (!valid_expert(e, a.experts)) continue;
+        atomicMin(&owner[e], i);
+        atomicOr(&bits[e / 32], 1u << (e % 32));
+        posts[i] = post_scale<F>(a.g2, e);
     }
     __syncthreads();
     u32 distinct = 0;
-    for (u32 p = 0; p < pairs; ++p) distinct += first[p];
+    for (u32 w = 0; w < words; ++w) distinct += __popc(bits[w]);
     for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
-        if (!first[i]) continue;
-        u32 rank = 0;
-        for (u32 p = 0; p < pairs; ++p) rank += (first[p] && ids[p] < ids[i]);
-        uniq[rank] = ids[i];
-        posts[rank] = post_scale<F>(a.g2, ids[i]);
+        const int e = ids[i];
+        if (!valid_expert(e, a.experts)) continue;
+        u32 r = __popc(bits[e / 32] & ((1u << (e % 32)) - 1u));
+        for (u32 w = 0; w < (u32)e / 32; ++w) r += __popc(bits[w]);
+        rank_of[i] = (u16)r;
+        if (owner[e] == i) uniq[r] = (u16)e;
+        if (tfirst[i]) atomicOr(&rmask[r], 1u << (i / a.topk));
     }
     __syncthreads();
-    // hslot[t * distinct + r]: the first slot of token t that chose expert uniq[r] (0 if none:
-    // that token's column is computed and dropped), so that an item finds its h rows in one
-    // read. Every slot is compared (no early exit): the reads do not wait on each other.
-    __shared__ u8 hslot[MAX_M * MAX_PAIRS];
-    for (u32 i = threadIdx.x; i < a.m * distinct; i += blockDim.x) {
-        const u32 t = i / distinct;
-        const int e = uniq[i % distinct];
-        u32 slot = 0;
-        for (u32 j = a.topk; j-- > 0;)
-            if (ids[t * a.topk + j] == e) slot = j;
-        hslot[i] = (u8)slot;
+    // Up to eight tokens every expert is one unit (no scan needed).
+    const bool unit_per_expert = a.m <= COLS;
+    if (!unit_per_expert) {
+        if (warp == 0) {
+            u32 carry = 0;
+            for (u32 b = 0; b < distinct; b += 32) {
+                const u32 r = b + lane;
+                u32 v = r < distinct ? (__popc(rmask[r]) + COLS - 1) / COLS : 0u;
+                for (u32 off = 1; off < 32; off <<= 1) {
+                    const u32 n = __shfl_up_sync(0xffffffffu, v, off);
+                    if (lane >= off) v += n;
+                }
+                if (r < distinct) unit0[r + 1] = carry + v;
+                carry += __shfl_sync(0xffffffffu, v, 31);
+            }
+            if (lane == 0) unit0[0] = 0;
+        }
+        __syncthreads();
+    }
+    auto first_unit = [&](u32 r) { return unit_per_expert ? r : unit0[r]; };
+    const u32 units = first_unit(distinct);
+    for (u32 r = threadIdx.x; r < distinct; r += blockDim.x)
+        for (u32 u = first_unit(r); u < first_unit(r + 1); ++u) unit_rank[u] = (u16)r;
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        if (!tfirst[i]) continue;
+        const u32 t = i / a.topk, r = rank_of[i], mask = rmask[r];
+        // The token's column among the expert's tokens; the unit's last token also fills the
+        // columns past it.
+        const u32 c = __popc(mask & ((1u << t) - 1u)), u = first_unit(r) + c / COLS;
+        const u32 last = min((u32)__popc(mask), (c / COLS + 1) * COLS) - 1;
+        for (u32 k = c % COLS; k < (c == last ? COLS : c % COLS + 1); ++k) unit_h[u * COLS + k] = (u16)i;
     }
     __syncthreads();
+    // The token table, built while the first items' weights are on their way (read after the
+    // first group's barrier).
+    auto build_token_table = [&]() {
+        for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+            const float w = wsum[i];
+            if (!tfirst[i] || w == 0.0f) continue;
+            const u32 t = i / a.topk, t0 = t * a.topk, r = rank_of[i], mask = rmask[r];
+            const u32 c = __popc(mask & ((1u << t) - 1u));
+            // The entry's place among the token's experts of nonzero weight, by rank.
+            u32 k = 0;
+            for (u32 p = t0; p < t0 + a.topk; ++p) k += tfirst[p] && wsum[p] != 0.0f && rank_of[p] < r;
+            tok_unit[t0 + k] = (u16)(first_unit(r) + c / COLS);
+            tok_col[t0 + k] = (u8)(c % COLS);
+            tok_f[t0 + k] = w * posts[i];
+            atomicAdd(&tok_n[t], 1u);
+        }
+    };
 
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const u32 g = lane >> 2;
     const u32 tile = blockIdx.x;
     const u32 chunks = a.inter / 32u, tiles = (a.d + 15) / 16;
@@ -170,61 +286,36 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     const bool staged = a.stage & 2u;
     const u16* h = staged ? hs : a.h;
 
-    // Item partials of one group of experts: [item][MT * 4][lane].
-    __shared__ float part[PART_FLOATS];
-    constexpr u32 PER_ITEM = MT * 4 * 32;
+    constexpr u32 PER_ITEM = 4 * 32;
     const u32 group = max(1u, (PART_FLOATS / PER_ITEM) / steps);
 
-    // The lane's view of item it of the group at g0: expert uniq[g0 + it / steps].
-    const u32 t_lo = min(g, a.m - 1), t_hi = min(g + 8, a.m - 1);
+    // The lane's view of item it of the group at g0: unit g0 + it / steps.
     auto item_lane = [&](u32 g0, u32 it, Lane& L) {
-        const u32 r = g0 + it / steps;
-        const u64 t = (u64)uniq[r] * tiles + tile;
-        const u16* h_lo = h + ((u64)t_lo * a.topk + hslot[t_lo * distinct + r]) * a.inter;
-        const u16* h_hi = h + ((u64)t_hi * a.topk + hslot[t_hi * distinct + r]) * a.inter;
-        lane_init<F>(L, a.w2 + t * tile_bytes(chunks), a.s2 + t * tile_scale_bytes<F>(chunks), chunks, h_lo,
-                     h_hi, lane);
+        const u32 u = g0 + it / steps;
+        const u64 t = (u64)uniq[unit_rank[u]] * tiles + tile;
+        const u16* hr = h + (u64)unit_h[u * COLS + g] * a.inter;
+        lane_init<F>(L, a.w2 + t * tile_bytes(chunks), a.s2 + t * tile_scale_bytes<F>(chunks), chunks, hr, hr,
+                     lane);
     };
 
-    // Outputs of the block, PER_ITEM (16 rows x 8 * MT tokens in MMA accumulator order), summed
-    // by all threads at once: thread x holds outputs x, x + blockDim.x, ... (blocks have at least
-    // 128 threads).
-    constexpr u32 OUTS = PER_ITEM / 128;
+    // Outputs of the block, 16 rows x m tokens, summed by all threads at once: thread x holds
+    // outputs x, x + blockDim.x (blocks have at least 128 threads). Output o is row
+    // 8 * (o / 32 % 2) + o % 8 of token 4 * (o / 64) + o / 8 % 4: a warp's rows are the eight of
+    // one MMA row half, whose partials lie in distinct banks for each column.
+    auto out_token = [](u32 o) { return 4 * (o / 64) + o / 8 % 4; };
+    auto out_row = [](u32 o) { return 8 * (o / 32 % 2) + o % 8; };
+    constexpr u32 OUTS = 16 * MAX_M / 128;
     float acc[OUTS];
 #pragma unroll
     for (u32 c = 0; c < OUTS; ++c) acc[c] = 0.0f;
-    // Output o is accumulator i = (o / 32) % 4 of MMA tile mt = o / 128 in lane o % 32: tile row
-    // (lane / 4) + 8 * (i / 2), token mt * 8 + 2 * (lane % 4) + i % 2.
-    auto out_token = [](u32 o) { return (o / 128) * 8 + 2 * (o % 4) + ((o / 32) & 1); };
-    auto out_row = [&](u32 o) { return tile * 16 + (o % 32) / 4 + 8 * ((o / 64) & 1); };
-
-    // Per token, the ranks of its experts in ascending order with their factors (routing weight
-    // summed over the token's slots of the expert, in slot order, times the post scale); experts
-    // of weight 0 are left out. tok_n[t] <= topk entries at tok_*[t * topk]. Built once the
-    // first weights are on their way; read after the first group's barrier.
-    __shared__ u16 tok_rank[MAX_PAIRS];
-    __shared__ float tok_f[MAX_PAIRS];
-    __shared__ u32 tok_n[MAX_M];
-    auto build_token_table = [&]() {
-        for (u32 t = threadIdx.x; t < a.m; t += blockDim.x) {
-            u32 n = 0;
-            for (u32 r = 0; r < distinct; ++r) {
-                float w = 0.0f;
-                for (u32 j = 0; j < a.topk; ++j)
-                    if (ids[t * a.topk + j] == uniq[r]) w += wts[t * a.topk + j];
-                if (w == 0.0f) continue;
-                tok_rank[t * a.topk + n] = (u16)r;
-                tok_f[t * a.topk + n] = w * posts[r];
-                ++n;
-            }
-            tok_n[t] = n;
-        }
-    };
+    // A partial's place: accumulator i of lane l holds tile row l / 4 + 8 * (i / 2), column
+    // 2 * (l % 4) + i % 2.
+    auto part_at = [](u32 row, u32 col) { return ((row / 8) * 2 + col % 2) * 32 + (row % 8) * 4 + col / 2; };
 
     Ring<F> ring;
     Lane lc, ln;
-    for (u32 g0 = 0; g0 < distinct; g0 += group) {
-        const u32 items = min(group, distinct - g0) * steps;
+    for (u32 g0 = 0; g0 < units; g0 += group) {
+        const u32 items = min(group, units - g0) * steps;
         if (warp < items) {
             item_lane(g0, warp, lc);
             const u32 st = warp % steps;
@@ -245,18 +336,16 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             const bool more = it + nw < items;
             if (more) item_lane(g0, it + nw, ln);
             else ln = lc;
-            float t[MT][4], t2[MT][4];
+            float t[1][4], t2[1][4];
             zero(t);
             zero(t2);
             const u32 j = U * (it % steps), jn = U * ((it + nw) % steps);
 #pragma unroll
             for (u32 u = 0; u < U; ++u)
-                slot_step<F, MT>(lc, j + u, j + u < lc.subs, ln, jn + u, more && jn + u < ln.subs, ring.r[u], t, t2);
+                slot_step<F, 1>(lc, j + u, j + u < lc.subs, ln, jn + u, more && jn + u < ln.subs, ring.r[u], t, t2);
             fold(t, t2);
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) part[it * PER_ITEM + (m * 4 + i) * 32 + lane] = t[m][i];
+            for (int i = 0; i < 4; ++i) part[it * PER_ITEM + i * 32 + lane] = t[0][i];
             lc = ln;
         }
         __syncthreads();
@@ -266,12 +355,13 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
 #pragma unroll
         for (u32 c = 0; c < OUTS; ++c) {
             const u32 o = threadIdx.x + c * blockDim.x, m = out_token(o);
-            if (o >= PER_ITEM || m >= a.m) continue;
+            if (m >= a.m) continue;
             for (u32 k = 0; k < tok_n[m]; ++k) {
-                const u32 r = tok_rank[m * a.topk + k];
-                if (r < g0 || r >= g1) continue;
+                const u32 u = tok_unit[m * a.topk + k];
+                if (u < g0 || u >= g1) continue;
+                const u32 at = part_at(out_row(o), tok_col[m * a.topk + k]);
                 float tot = 0.0f;
-                for (u32 st = 0; st < steps; ++st) tot += part[((r - g0) * steps + st) * PER_ITEM + o];
+                for (u32 st = 0; st < steps; ++st) tot += part[((u - g0) * steps + st) * PER_ITEM + at];
                 acc[c] = fmaf(tok_f[m * a.topk + k], tot, acc[c]);
             }
         }
@@ -281,8 +371,8 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     pdl_wait();
 #pragma unroll
     for (u32 c = 0; c < OUTS; ++c) {
-        const u32 o = threadIdx.x + c * blockDim.x, m = out_token(o), r = out_row(o);
-        if (o >= PER_ITEM || m >= a.m || r >= a.d) continue;
+        const u32 o = threadIdx.x + c * blockDim.x, m = out_token(o), r = tile * 16 + out_row(o);
+        if (m >= a.m || r >= a.d) continue;
         const u64 i = (u64)m * a.d + r;
         if (OUT == OUT_F32_ADD) static_cast<float*>(a.out)[i] = __fadd_rn(static_cast<float*>(a.out)[i], acc[c]);
         else if (OUT == OUT_F32) static_cast<float*>(a.out)[i] = acc[c];
@@ -292,22 +382,14 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
 
 }  // namespace moe
 
-DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) moe_gate_up_nvfp4_m8(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 1>(a); }
-DSV4_KERNEL void moe_gate_up_nvfp4_m16(const MoeArgs a) { moe::gate_up<gemv::NVFP4, 2>(a); }
-DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) moe_gate_up_mxfp4_m8(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 1>(a); }
-DSV4_KERNEL void moe_gate_up_mxfp4_m16(const MoeArgs a) { moe::gate_up<gemv::MXFP4, 2>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8(const MoeArgs a) { moe::down<gemv::NVFP4, 1, moe::OUT_BF16>(a); }
-DSV4_KERNEL void moe_down_nvfp4_m16(const MoeArgs a) { moe::down<gemv::NVFP4, 2, moe::OUT_BF16>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8(const MoeArgs a) { moe::down<gemv::MXFP4, 1, moe::OUT_BF16>(a); }
-DSV4_KERNEL void moe_down_mxfp4_m16(const MoeArgs a) { moe::down<gemv::MXFP4, 2, moe::OUT_BF16>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 1, moe::OUT_F32>(a); }
-DSV4_KERNEL void moe_down_nvfp4_m16_f32(const MoeArgs a) { moe::down<gemv::NVFP4, 2, moe::OUT_F32>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 1, moe::OUT_F32>(a); }
-DSV4_KERNEL void moe_down_mxfp4_m16_f32(const MoeArgs a) { moe::down<gemv::MXFP4, 2, moe::OUT_F32>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_m8_f32add(const MoeArgs a) { moe::down<gemv::NVFP4, 1, moe::OUT_F32_ADD>(a); }
-DSV4_KERNEL void moe_down_nvfp4_m16_f32add(const MoeArgs a) { moe::down<gemv::NVFP4, 2, moe::OUT_F32_ADD>(a); }
-DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_m8_f32add(const MoeArgs a) { moe::down<gemv::MXFP4, 1, moe::OUT_F32_ADD>(a); }
-DSV4_KERNEL void moe_down_mxfp4_m16_f32add(const MoeArgs a) { moe::down<gemv::MXFP4, 2, moe::OUT_F32_ADD>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) moe_gate_up_nvfp4(const MoeArgs a) { moe::gate_up<gemv::NVFP4>(a); }
+DSV4_KERNEL void __launch_bounds__(128, M8_DEEP_BLOCKS) moe_gate_up_mxfp4(const MoeArgs a) { moe::gate_up<gemv::MXFP4>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4(const MoeArgs a) { moe::down<gemv::NVFP4, moe::OUT_BF16>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4(const MoeArgs a) { moe::down<gemv::MXFP4, moe::OUT_BF16>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_f32(const MoeArgs a) { moe::down<gemv::NVFP4, moe::OUT_F32>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_f32(const MoeArgs a) { moe::down<gemv::MXFP4, moe::OUT_F32>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_nvfp4_f32add(const MoeArgs a) { moe::down<gemv::NVFP4, moe::OUT_F32_ADD>(a); }
+DSV4_KERNEL void __launch_bounds__(256, M8_DEEP_BLOCKS / 2) moe_down_mxfp4_f32add(const MoeArgs a) { moe::down<gemv::MXFP4, moe::OUT_F32_ADD>(a); }
 
 // ---- routed experts over a prompt chunk (moe_chunk in dsv4_ops::gpu::moe) ----
 //

@@ -834,8 +834,8 @@ impl Bench {
     }
 
     /// The routed experts of one layer (Flash: 256 x NVFP4 [2048, 4096] w1/w3 and [4096, 2048]
-    /// w2; Pro: 384 x [3072, 7168] and [7168, 3072]), six experts per token chosen at random
-    /// for every launch.
+    /// w2; Pro: 384 x [3072, 7168] and [7168, 3072]) for `rows` tokens, each choosing `topk`
+    /// experts at random for every launch (a batched decode step of that many sequences).
     fn moe_case(
         &mut self,
         model: &'static str,
@@ -843,8 +843,13 @@ impl Bench {
         d: usize,
         inter: usize,
         topk: usize,
+        rows: usize,
     ) -> Res<()> {
-        if self.skip(model, "grouped MoE") {
+        let mut name = format!("grouped MoE, {topk} of {experts} experts");
+        if rows > 1 {
+            name += &format!(", {rows} tokens");
+        }
+        if self.skip(model, &name) {
             return Ok(());
         }
         let upload_random = |dev: &Device,
@@ -889,23 +894,37 @@ impl Bench {
             MoeExperts::from_parts(MoeFormat::Nvfp4, d, inter, w13, s13, w2, s2, Some(globals))?;
         let batch = 32;
         let mut routes = Vec::new();
+        // Distinct experts over all launches: the bytes a launch must read on average.
+        let mut distinct = 0;
         for _ in 0..batch {
             let mut ids: Vec<i32> = Vec::new();
-            while ids.len() < topk {
-                let e = (self.bits.next() % experts as u64) as i32;
-                if !ids.contains(&e) {
-                    ids.push(e);
+            for _ in 0..rows {
+                let mut row: Vec<i32> = Vec::new();
+                while row.len() < topk {
+                    let e = (self.bits.next() % experts as u64) as i32;
+                    if !row.contains(&e) {
+                        row.push(e);
+                    }
                 }
+                ids.extend(row);
             }
-            let w: Vec<f32> = (0..topk).map(|i| 0.1 + 0.05 * i as f32).collect();
+            let mut seen = ids.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            distinct += seen.len();
+            let w: Vec<f32> = (0..rows * topk)
+                .map(|i| 0.1 + 0.05 * (i % topk) as f32)
+                .collect();
             routes.push((
-                self.dev.upload(DType::I32, &[1, topk], &ids)?,
-                self.dev.upload(DType::F32, &[1, topk], &w)?,
+                self.dev.upload(DType::I32, &[rows, topk], &ids)?,
+                self.dev.upload(DType::F32, &[rows, topk], &w)?,
             ));
         }
-        let x = self.dev.upload(DType::BF16, &[1, d], &self.bits.bf16s(d))?;
-        let h = std::cell::RefCell::new(self.dev.alloc::<bf16>(DType::BF16, &[1, topk, inter])?);
-        let out = std::cell::RefCell::new(self.dev.alloc::<bf16>(DType::BF16, &[1, d])?);
+        let x = self
+            .dev
+            .upload(DType::BF16, &[rows, d], &self.bits.bf16s(rows * d))?;
+        let h = std::cell::RefCell::new(self.dev.alloc::<bf16>(DType::BF16, &[rows, topk, inter])?);
+        let out = std::cell::RefCell::new(self.dev.alloc::<bf16>(DType::BF16, &[rows, d])?);
         let dev = &self.dev;
         let enqueue = |i: usize| -> Res<()> {
             let (ids, w) = &routes[i];
@@ -924,9 +943,12 @@ impl Bench {
             Ok(())
         };
         let timer = Timer::capture(dev, batch, enqueue)?;
-        // Six distinct experts' weights and scales, x, h written and read, the output.
-        let bytes = topk * ex.expert_bytes() + 2 * d + 2 * 2 * topk * inter + 2 * d;
-        let name = format!("grouped MoE, {topk} of {experts} experts");
+        // The distinct experts' weights and scales (mean over the routings), x, h written and
+        // read, the output.
+        let bytes = distinct * ex.expert_bytes() / batch + rows * (4 * d + 4 * topk * inter);
+        if rows > 1 {
+            name += &format!(" ({:.1} experts)", distinct as f64 / batch as f64);
+        }
         let shape = format!("{topk} x (2 x [{inter}, {d}] + [{d}, {inter}])");
         let id = format!("{model}/{name}");
         let seconds = Self::record(dev, &mut self.criterion, &id, &timer)?;
@@ -1117,15 +1139,24 @@ fn main() -> Res<()> {
         )?;
         b.gemv_case(model, "shared expert w2", Fmt::Fp8, d, inter, false)?;
         b.gemv_case(model, "lm_head", Fmt::Bf16, 129280, d, false)?;
-        b.moe_case(model, if model == "Flash" { 256 } else { 384 }, d, inter, 6)?;
+        for rows in [1, 4, 8, 16] {
+            b.moe_case(
+                model,
+                if model == "Flash" { 256 } else { 384 },
+                d,
+                inter,
+                6,
+                rows,
+            )?;
+        }
         // Tensor parallelism at one token, per GPU: every expert's intermediate split over n
         // GPUs (each reads its slice of the six experts), against experts spread over them
         // (the busiest GPU runs m whole experts of its 256/n; m depends on the routing).
         if model == "Flash" {
             for n in [2, 4] {
-                b.moe_case(model, 256, d, inter / n, 6)?;
+                b.moe_case(model, 256, d, inter / n, 6, 1)?;
                 for m in 6usize.div_ceil(n)..=6 {
-                    b.moe_case(model, 256 / n, d, inter, m)?;
+                    b.moe_case(model, 256 / n, d, inter, m, 1)?;
                 }
             }
         }

@@ -41,6 +41,9 @@ pub const MAX_PAIRS: usize = 256;
 /// Largest intermediate size: one expert's down-projection K steps must fit the kernel's
 /// shared-memory partials (32 steps of 512 FP4 values).
 pub const MAX_INTER: usize = 16384;
+/// Most experts of a layer (the down kernel keeps a table over them in shared memory:
+/// `MAX_EXPERTS` in moe.cu).
+pub const MAX_EXPERTS: usize = 4096;
 
 /// Warps of a gate+up block.
 const UP_WARPS: usize = 4;
@@ -111,6 +114,7 @@ fn invalid(what: &str, detail: impl Into<String>) -> GpuError {
 
 fn check_dims(what: &str, experts: usize, d: usize, inter: usize) -> Result<(), GpuError> {
     if experts == 0
+        || experts > MAX_EXPERTS
         || d == 0
         || inter == 0
         || !d.is_multiple_of(32)
@@ -121,7 +125,7 @@ fn check_dims(what: &str, experts: usize, d: usize, inter: usize) -> Result<(), 
             what,
             format!(
                 "{experts} experts, D = {d}, I = {inter}: all positive, D and I multiples of 32, \
-                 I at most {MAX_INTER}"
+                 at most {MAX_EXPERTS} experts, I at most {MAX_INTER}"
             ),
         ));
     }
@@ -538,21 +542,16 @@ pub fn moe_decode(
             .as_ref()
             .map_or(0, |g| g[i].device_address())
     };
-    let mt = if m <= 8 { "m8" } else { "m16" };
     let fmt = experts.format.name();
-    let gate_up = format!("moe_gate_up_{fmt}_{mt}");
-    let down = format!("moe_down_{fmt}_{mt}{out_suffix}");
+    let gate_up = format!("moe_gate_up_{fmt}");
+    let down = format!("moe_down_{fmt}{out_suffix}");
     // Gate+up: 8-row tiles of the intermediate, one set per (token, slot) pair (duplicates of
     // an expert exit at once), each tile's K split over up_wpt warps so that top_k experts'
-    // tiles fill the GPU once. The split depends on the shapes only (the m8 kernel's occupancy
-    // for every M), so a token's result does not depend on the other tokens.
+    // tiles fill the GPU once. The split depends on the shapes only, so a token's result does
+    // not depend on the other tokens.
     let up_tiles = experts.inter.div_ceil(8);
     let up_steps = (d / 32).div_ceil(16);
-    let up_resident = resident_warps(
-        dev,
-        &format!("moe_gate_up_{fmt}_m8"),
-        (UP_WARPS * 32) as u32,
-    )?;
+    let up_resident = resident_warps(dev, &gate_up, (UP_WARPS * 32) as u32)?;
     let up_wpt = [4, 2, 1]
         .into_iter()
         .find(|&w| w <= up_steps && up_tiles * topk * w <= up_resident)
@@ -589,11 +588,12 @@ pub fn moe_decode(
             break;
         }
     }
-    // Activations staged in shared memory where that costs no resident blocks: x [M, D] for
-    // gate_up, all of h [M, top_k, I] for down.
+    // Activations staged in shared memory where that costs no resident blocks: the x rows of
+    // the (at most eight) tokens an expert computes at once for gate_up, all of h
+    // [M, top_k, I] for down.
     let up_threads = (UP_WARPS * 32) as u32;
     let down_threads = (warps * 32) as u32;
-    let up_shared = staging_bytes(dev, &gate_up, up_threads, 0, m * d * 2)?;
+    let up_shared = staging_bytes(dev, &gate_up, up_threads, 0, m.min(8) * d * 2)?;
     let down_shared = staging_bytes(dev, &down, down_threads, 0, m * topk * experts.inter * 2)?;
     args.stage = u32::from(up_shared > 0) | (u32::from(down_shared > 0) << 1);
     // The down kernel launches with programmatic serialization (as the GEMVs, `tuning`): it
