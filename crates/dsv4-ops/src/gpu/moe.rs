@@ -165,8 +165,9 @@ fn packed_bytes(format: MoeFormat, d: usize, inter: usize) -> [usize; 4] {
 
 impl MoeExperts {
     /// Validates the experts' weights, copies them to the device and repacks and stacks them
-    /// there ([`Self::load`] through a stager of its own). `D` and `I` must be multiples of 32
-    /// and `I` at most [`MAX_INTER`]; MXFP4 scale bytes at most
+    /// there ([`Self::load`] through a stager of its own). `D` and `I` must be multiples of 32,
+    /// `I` at most [`MAX_INTER`] and the experts at most [`MAX_EXPERTS`]; MXFP4 scale bytes at
+    /// most
     /// [`super::gemv::MXFP4_MAX_SCALE_BYTE`].
     pub fn upload(
         dev: &Device,
@@ -956,6 +957,25 @@ mod tests {
     fn args_layout_matches_the_cuda_struct() {
         // 12 pointers, 5 u32, one f32 and 2 u32.
         assert_eq!(std::mem::size_of::<MoeArgs>(), 128);
+    }
+
+    #[test]
+    fn shapes_past_the_kernels_bounds_are_refused_by_name() {
+        assert!(check_dims("experts", MAX_EXPERTS, 4096, MAX_INTER).is_ok());
+        for (experts, d, inter, names) in [
+            (MAX_EXPERTS + 1, 4096, 2048, "at most 4096 experts"),
+            (256, 4096, MAX_INTER + 32, "I at most 16384"),
+            (0, 4096, 2048, "all positive"),
+            (256, 4100, 2048, "multiples of 32"),
+        ] {
+            let err = check_dims("nvfp4 experts", experts, d, inter)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("nvfp4 experts") && err.contains(names),
+                "{experts} experts, D = {d}, I = {inter}: {err}"
+            );
+        }
     }
 
     #[test]
