@@ -471,7 +471,8 @@ __device__ __forceinline__ void prefetch_scales(const float* s0, const float* s1
 // Most warps of one block whose K ranges reduce_warps sums.
 constexpr u32 MAX_BLOCK_WARPS = 16;
 
-// Resident 4-warp blocks per multiprocessor the M <= 8 kernels are held to (register cap).
+// Resident 4-warp blocks per multiprocessor the M <= 8 GEMVs and the decode MoE kernels (every
+// M) are held to (register cap).
 // BF16: 64 registers, 32 warps, on sm_90 (66 registers and 28 warps measured 10-15% slower);
 // sm_100 code needs a few more and keeps five. FP8 / FP4 rings refill early and hold a copy of
 // a slot: four blocks (128 registers); their GEMVs take blocks of up to 16 warps at the same

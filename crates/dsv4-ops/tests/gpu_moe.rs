@@ -246,6 +246,72 @@ fn gpu_moe_matches_reference_on_random_routings() {
     }
 }
 
+/// Routings at the decode kernels' edges, against the reference: more experts than one word of
+/// the down kernel's expert bitmap holds (300), a token choosing one expert in two slots, a
+/// zero routing weight, an invalid id, the most pairs a launch takes (16 tokens x 16 and one
+/// token x 256), and high-id experts shared by all sixteen tokens (two units of eight). The
+/// tokens with the duplicate and the zero weight give the same bits alone.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_moe_edge_routings_match_reference() {
+    let dev = device();
+    let mut rng = rng("gpu_moe_edge_routings_match_reference");
+    let (e, d, inter) = (300, 64, 32);
+    let ex = make_experts(&dev, &mut rng, MoeFormat::Nvfp4, e, d, inter);
+    let deq: Vec<reference::ExpertF32> = ex
+        .deq
+        .iter()
+        .map(|w| reference::ExpertF32 {
+            w1: &w[0],
+            w3: &w[1],
+            w2: &w[2],
+        })
+        .collect();
+    let check =
+        |rng: &mut StdRng, name: &str, topk: usize, ids: &[i32], wts: &[f32], alone: &[usize]| {
+            let m = ids.len() / topk;
+            let x: Vec<bf16> = gaussian(rng, m * d, 1.0)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let got = run(&dev, &ex, &x, m, ids, wts, topk, 2.0, true);
+            let want = reference::moe(&x, m, d, inter, ids, wts, topk, &deq, 2.0);
+            let err = relative_error(&got, &want);
+            println!("  {name}: M={m} k={topk}: rel err {err:.2e}");
+            assert!(err <= TOL, "{name}: relative error {err:e}");
+            for &t in alone {
+                let one = run(
+                    &dev,
+                    &ex,
+                    &x[t * d..(t + 1) * d],
+                    1,
+                    &ids[t * topk..(t + 1) * topk],
+                    &wts[t * topk..(t + 1) * topk],
+                    topk,
+                    2.0,
+                    true,
+                );
+                assert_bits_eq(
+                    &format!("{name}: token {t} alone"),
+                    &got[t * d..(t + 1) * d],
+                    &one,
+                );
+            }
+        };
+    let (mut ids, mut wts) = routing(&mut rng, 16, 16, e, false);
+    ids[3 * 16 + 5] = ids[3 * 16 + 2];
+    wts[7 * 16] = 0.0;
+    ids[9 * 16 + 4] = -1;
+    check(&mut rng, "16 x 16", 16, &ids, &wts, &[3, 7, 9]);
+    let (ids, wts) = routing(&mut rng, 1, 256, e, false);
+    check(&mut rng, "1 x 256", 256, &ids, &wts, &[]);
+    let ids: Vec<i32> = (0..16 * 6).map(|i| 290 + (i % 6 + i / 6) % 10).collect();
+    let wts: Vec<f32> = (0..16 * 6)
+        .map(|_| rng.random_range(0.05f32..1.5))
+        .collect();
+    check(&mut rng, "shared high ids", 6, &ids, &wts, &[0, 15]);
+}
+
 /// [`moe::moe_chunk`] for `x [m, d]` added onto `base`: the sums it added (f64) and the raw
 /// output.
 #[allow(clippy::too_many_arguments)]

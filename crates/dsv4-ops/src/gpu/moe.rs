@@ -546,10 +546,10 @@ pub fn moe_decode(
     let fmt = experts.format.name();
     let gate_up = format!("moe_gate_up_{fmt}");
     let down = format!("moe_down_{fmt}{out_suffix}");
-    // Gate+up: 8-row tiles of the intermediate, one set per (token, slot) pair (duplicates of
-    // an expert exit at once), each tile's K split over up_wpt warps so that top_k experts'
-    // tiles fill the GPU once. The split depends on the shapes only, so a token's result does
-    // not depend on the other tokens.
+    // Gate+up: 8-row tiles of the intermediate, one set per (token, slot) pair (only the pairs
+    // that compute an expert for eight of its tokens work; the rest exit at once), each tile's
+    // K split over up_wpt warps so that top_k experts' tiles fill the GPU once. The split
+    // depends on the shapes only, so a token's result does not depend on the other tokens.
     let up_tiles = experts.inter.div_ceil(8);
     let up_steps = (d / 32).div_ceil(16);
     let up_resident = resident_warps(dev, &gate_up, (UP_WARPS * 32) as u32)?;
@@ -598,7 +598,7 @@ pub fn moe_decode(
     let down_shared = staging_bytes(dev, &down, down_threads, 0, m * topk * experts.inter * 2)?;
     args.stage = u32::from(up_shared > 0) | (u32::from(down_shared > 0) << 1);
     // The down kernel launches with programmatic serialization (as the GEMVs, `tuning`): it
-    // sorts the expert ids and streams its first weights while gate_up finishes. Gate_up
+    // builds its routing tables and streams its first weights while gate_up finishes. Gate_up
     // launches plainly: it has nothing to load before its inputs are ready, and its blocks
     // started early only hold resources (H200: Flash 36.1 us this way, 40.5 with both under
     // programmatic serialization, 39.4 with neither; Pro 86.0, 84.4, 87.4).
