@@ -246,6 +246,41 @@ fn gpu_moe_matches_reference_on_random_routings() {
     }
 }
 
+/// Each of `tokens` run alone (f32 output, SwiGLU limit 2) gives the bits it got in the batch
+/// `got` of [`run`] over `x`, `ids` and `wts`.
+#[allow(clippy::too_many_arguments)]
+fn assert_alone_as_in_batch(
+    dev: &Device,
+    ex: &Experts,
+    x: &[bf16],
+    ids: &[i32],
+    wts: &[f32],
+    topk: usize,
+    got: &[f64],
+    tokens: &[usize],
+    what: &str,
+) {
+    let d = ex.gpu.d();
+    for &t in tokens {
+        let alone = run(
+            dev,
+            ex,
+            &x[t * d..(t + 1) * d],
+            1,
+            &ids[t * topk..(t + 1) * topk],
+            &wts[t * topk..(t + 1) * topk],
+            topk,
+            2.0,
+            true,
+        );
+        assert_bits_eq(
+            &format!("{what}: token {t} alone against in the batch"),
+            &got[t * d..(t + 1) * d],
+            &alone,
+        );
+    }
+}
+
 /// Routings at the decode kernels' edges, against the reference: more experts than one word of
 /// the down kernel's expert bitmap holds (300), a token choosing one expert in two slots, a
 /// zero routing weight, an invalid id, the most pairs a launch takes (16 tokens x 16 and one
@@ -279,24 +314,7 @@ fn gpu_moe_edge_routings_match_reference() {
             let err = relative_error(&got, &want);
             println!("  {name}: M={m} k={topk}: rel err {err:.2e}");
             assert!(err <= TOL, "{name}: relative error {err:e}");
-            for &t in alone {
-                let one = run(
-                    &dev,
-                    &ex,
-                    &x[t * d..(t + 1) * d],
-                    1,
-                    &ids[t * topk..(t + 1) * topk],
-                    &wts[t * topk..(t + 1) * topk],
-                    topk,
-                    2.0,
-                    true,
-                );
-                assert_bits_eq(
-                    &format!("{name}: token {t} alone"),
-                    &got[t * d..(t + 1) * d],
-                    &one,
-                );
-            }
+            assert_alone_as_in_batch(&dev, &ex, &x, ids, wts, topk, &got, alone, name);
         };
     let (mut ids, mut wts) = routing(&mut rng, 16, 16, e, false);
     ids[3 * 16 + 5] = ids[3 * 16 + 2];
@@ -457,24 +475,8 @@ fn gpu_moe_token_output_does_not_depend_on_the_other_tokens() {
     let batch = run(&dev, &ex, &x, m, &ids, &wts, topk, 2.0, true);
     // Every token alone gives bit-identical output: per-token sums run in ascending expert
     // order, and an MMA column's sum does not depend on the other columns.
-    for t in 0..m {
-        let alone = run(
-            &dev,
-            &ex,
-            &x[t * d..(t + 1) * d],
-            1,
-            &ids[t * topk..(t + 1) * topk],
-            &wts[t * topk..(t + 1) * topk],
-            topk,
-            2.0,
-            true,
-        );
-        assert_bits_eq(
-            &format!("token {t} in a batch against alone"),
-            &batch[t * d..(t + 1) * d],
-            &alone,
-        );
-    }
+    let all: Vec<usize> = (0..m).collect();
+    assert_alone_as_in_batch(&dev, &ex, &x, &ids, &wts, topk, &batch, &all, "16 tokens");
 }
 
 #[test]
