@@ -22,6 +22,20 @@ struct Experts {
     deq: Vec<[Vec<f32>; 3]>,
 }
 
+impl Experts {
+    /// The dequantized experts as the CPU reference takes them.
+    fn reference(&self) -> Vec<reference::ExpertF32<'_>> {
+        self.deq
+            .iter()
+            .map(|w| reference::ExpertF32 {
+                w1: &w[0],
+                w3: &w[1],
+                w2: &w[2],
+            })
+            .collect()
+    }
+}
+
 fn make_experts(
     dev: &Device,
     rng: &mut StdRng,
@@ -216,15 +230,7 @@ fn gpu_moe_matches_reference_on_random_routings() {
                 let limit = rng.random_range(0.3f32..3.0);
                 let f32_out = rng.random();
                 let got = run(&dev, &ex, &x, m, &ids, &wts, topk, limit, f32_out);
-                let deq: Vec<reference::ExpertF32> = ex
-                    .deq
-                    .iter()
-                    .map(|w| reference::ExpertF32 {
-                        w1: &w[0],
-                        w3: &w[1],
-                        w2: &w[2],
-                    })
-                    .collect();
+                let deq = ex.reference();
                 let want = reference::moe(&x, m, d, inter, &ids, &wts, topk, &deq, limit as f64);
                 let err = relative_error(&got, &want);
                 println!(
@@ -293,15 +299,7 @@ fn gpu_moe_edge_routings_match_reference() {
     let mut rng = rng("gpu_moe_edge_routings_match_reference");
     let (e, d, inter) = (300, 64, 32);
     let ex = make_experts(&dev, &mut rng, MoeFormat::Nvfp4, e, d, inter);
-    let deq: Vec<reference::ExpertF32> = ex
-        .deq
-        .iter()
-        .map(|w| reference::ExpertF32 {
-            w1: &w[0],
-            w3: &w[1],
-            w2: &w[2],
-        })
-        .collect();
+    let deq = ex.reference();
     let check =
         |rng: &mut StdRng, name: &str, topk: usize, ids: &[i32], wts: &[f32], alone: &[usize]| {
             let m = ids.len() / topk;
@@ -414,15 +412,7 @@ fn gpu_moe_chunk_matches_reference_and_rows_stay_independent() {
             let limit = rng.random_range(0.3f32..3.0);
             let base: Vec<f32> = (0..m * d).map(|i| (i % 7) as f32 - 3.0).collect();
             let (got, raw) = run_chunk(&dev, &ex, &x, m, &ids, &wts, topk, limit, &base);
-            let deq: Vec<reference::ExpertF32> = ex
-                .deq
-                .iter()
-                .map(|w| reference::ExpertF32 {
-                    w1: &w[0],
-                    w3: &w[1],
-                    w2: &w[2],
-                })
-                .collect();
+            let deq = ex.reference();
             let want = reference::moe(&x, m, d, inter, &ids, &wts, topk, &deq, limit as f64);
             let err = relative_error(&got, &want);
             println!("  chunk {format:?} E={e:2} D={d:4} I={inter:4} M={m:3} k={topk}: rel err {err:.2e}");
