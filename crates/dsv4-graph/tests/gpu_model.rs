@@ -279,26 +279,35 @@ fn gpu_graph_replay_is_bit_identical_to_eager_launches() {
     let dir = dsv4_tests::fixtures_dir().join("long");
     let mut model = gpu_model(&dir, &dev, 320);
     let prompt: Vec<u32> = load_oracle(&dir).input_ids[..5].to_vec();
-    let (eager_tokens, eager_logits) = decode(&mut model, &prompt, steps, false);
-    let (graph_tokens, graph_logits) = decode(&mut model, &prompt, steps, true);
-    assert_eq!(graph_tokens, eager_tokens, "sampled tokens");
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let (g, e) = (bits(&graph_logits), bits(&eager_logits));
-    if let Some(i) = g.iter().zip(&e).position(|(a, b)| a != b) {
-        panic!(
-            "logits differ first at step {} index {}: graph {} vs eager {}",
-            i / model.config().vocab_size,
-            i % model.config().vocab_size,
-            graph_logits[i],
-            eager_logits[i]
+    // The attention on CUDA cores (these few keys' default), then on tensor cores, whose
+    // splits wait for each other inside the launch.
+    use dsv4_ops::gpu::gemv::tuning::{attention_mma_keys, set_attention_mma_keys};
+    let default_keys = attention_mma_keys();
+    for mma_keys in [default_keys, 0] {
+        set_attention_mma_keys(mma_keys);
+        let (eager_tokens, eager_logits) = decode(&mut model, &prompt, steps, false);
+        let (graph_tokens, graph_logits) = decode(&mut model, &prompt, steps, true);
+        set_attention_mma_keys(default_keys);
+        let what = format!("attention on tensor cores from {mma_keys} keys");
+        assert_eq!(graph_tokens, eager_tokens, "{what}: sampled tokens");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let (g, e) = (bits(&graph_logits), bits(&eager_logits));
+        if let Some(i) = g.iter().zip(&e).position(|(a, b)| a != b) {
+            panic!(
+                "{what}: logits differ first at step {} index {}: graph {} vs eager {}",
+                i / model.config().vocab_size,
+                i % model.config().vocab_size,
+                graph_logits[i],
+                eager_logits[i]
+            );
+        }
+        // The capture happened at position 5.
+        assert_eq!(model.len(), 5 + steps);
+        println!(
+            "{what}: {steps} graph replays bit-identical to eager launches; tokens {:?}",
+            &graph_tokens[..12]
         );
     }
-    // The capture happened at position 5.
-    assert_eq!(model.len(), 5 + steps);
-    println!(
-        "{steps} graph replays bit-identical to eager launches; tokens {:?}",
-        &graph_tokens[..12]
-    );
 }
 
 /// Each sequence's sampled tokens and the logits they were drawn from (the prompt's last

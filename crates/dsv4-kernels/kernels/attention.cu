@@ -3,10 +3,10 @@
 // p = pos[0] + t. Shapes and capacities are launch constants; counts that depend on the
 // position (visible window keys, visible compressed entries, closing compressor windows) are
 // worked out inside the kernels, so a captured graph replays at any position.
-// Every kernel but attention_mma also runs a batch (`batch` != 0, see token_pos): token t is
-// its own sequence's one token at pos[t], that sequence's state (window ring, compressor rows,
-// entries) slice t of each state buffer, as if each token were launched alone as a chunk; a
-// PARKED token's state is left as it is.
+// Every kernel also runs a batch (`batch` != 0, see token_pos; attention_mma of fewer than 17
+// tokens): token t is its own sequence's one token at pos[t], that sequence's state (window
+// ring, compressor rows, entries) slice t of each state buffer, as if each token were launched
+// alone as a chunk; a PARKED token's state is left as it is.
 //
 // - compressor_emit / compressor_store: the token compressors (spec §6). emit writes the entry
 //   of every window that closes inside the chunk (one block per closing window), reading each
@@ -24,6 +24,8 @@
 //   8 warps take interleaved keys with an online softmax each, the warps' and then the splits'
 //   states merge in a fixed order (so the result does not depend on timing), and the output is
 //   rotated back and written in bf16.
+// - attention_mma: the same on tensor cores, a block per token and 64 heads: a prompt chunk's
+//   tokens, and a decode token that sees many keys (split over blocks that meet in the launch).
 // - window_write: the chunk's keys into the sliding-window ring.
 #include "dsv4_common.cuh"
 
@@ -576,12 +578,13 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 // it sets back to 0 for the next launch) merges the S states in split order. So the result
 // depends on S but not on timing. Then the sink joins the denominator, the output is rotated
 // back (inverse RoPE at p on the last 2 rope_half channels of each head) and written as bf16.
+// A token with mma_from keys or more is left to attention_mma (launched after this kernel).
 DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
     const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    u32* __restrict__ counters, u16* __restrict__ out, u32 ring, u32 batch) {
+    u32* __restrict__ counters, u16* __restrict__ out, u32 ring, u32 batch, u32 mma_from) {
     const u32 h0 = blockIdx.x * ATT_HEADS;
     const u32 hv = min(ATT_HEADS, heads - h0);  // heads this block writes
     // The heads' sinks and the rotation's frequencies (weights) before the wait.
@@ -610,6 +613,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
     const u32 n_c = mode == 2u ? min(k, n_vis) : n_vis;
     const u32 n = n_w + n_c;
+    if (n >= mma_from) return;  // attention_mma's token
     const u32 per = (n + splits - 1u) / splits;
     const u32 j_end = min(n, (split + 1u) * per);
     const float* qt = q + ((u64)t * heads + h0) * d;
@@ -856,9 +860,10 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // Attention of a prompt chunk on tensor cores
 // ---------------------------------------------------------------------------------------------
 //
-// attention_mma: the same attention as attention_heads for every token of a long chunk, with
-// the token's 64 heads as the M side of f16 MMAs (the heads share one key/value head): block
-// (x, t) takes heads [64x, 64x + 64) of token t. Every f32 operand is split into two f16
+// attention_mma: the same attention as attention_heads on tensor cores, with the token's 64
+// heads as the M side of f16 MMAs (the heads share one key/value head): block (x, t, s) takes
+// heads [64x, 64x + 64) of token t (a batch's token t at pos[t], over its own sequence's
+// state, as attention_heads) and split s of its keys. Every f32 operand is split into two f16
 // parts, x = hi + lo (hi = x rounded to f16, lo = the rest rounded again: about 22
 // significant bits), and a product of two is taken as hi·hi + hi·lo + lo·hi on the MMAs, with
 // f32 sums: one f16 rounding of the queries moved logits enough to change a router's choice in
@@ -870,6 +875,14 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // 16 heads (the four warps of a head group keep the same one) and accumulates probabilities
 // times keys into its quarter of the head width. Then the sink joins each head's
 // denominator, the output is rotated back and written in bf16, as attention_heads does.
+// Splits (gridDim.z = S > 1, for launches of few tokens): the token's tiles of 32 keys are
+// dealt out ceil(tiles / S) to a split, so `used` <= S splits hold keys (the others return at
+// once). Each used block writes its heads' unnormalised sums and softmax states to `part`
+// ([t][h][S][d] sums, [t][h][S][2] max and denominator), they meet at token t's counter (the
+// launcher keeps every block of the grid resident at once, so the wait ends), and block s then
+// merges heads [s hper, s hper + hper) over the used splits in split order: the result depends
+// on S and the position, not on timing. The last block to leave sets the counters back to 0.
+// A token with fewer than mma_from keys is left to attention_heads (launched before).
 #define AMMA_HEADS 64u
 #define AMMA_KEYS 32u
 #define AMMA_WARPS 16u
@@ -906,13 +919,33 @@ __device__ __forceinline__ void store_split(float4 v, u16* hi_dst, u16* lo_dst) 
     *reinterpret_cast<uint2*>(lo_dst) = make_uint2(l0, l1);
 }
 
+// The factor of a head's sums (running max m, denominator l) once the sink, a zero-valued key
+// of logit sk (it may exceed every score), joins its denominator.
+__device__ __forceinline__ float amma_factor(float m, float l, float sk) {
+    const float mf = fmaxf(m, sk);
+    const float a = m == mf ? 1.0f : expf(m - mf);
+    return a / fmaf(l, a, expf(sk - mf));
+}
+
+// Channels c, c + 1 of a head's output (its sums times its factor), rotated back at p (the
+// last 2 rope_half of d channels: interleaved pairs, as rope_rows with -1), to dst[c] as bf16.
+__device__ __forceinline__ void amma_write_pair(u16* dst, u32 c, float x, float y, u32 p, const float* inv_freq,
+                                                u32 d, u32 rope_half) {
+    float pair[2] = {x, y};
+    const u32 rope0 = d - 2u * rope_half;
+    if (c >= rope0) rope_pair(pair, p, inv_freq[(c - rope0) / 2u], -1.0f);
+    dst[c] = f32_to_bf16(pair[0]);
+    dst[c + 1u] = f32_to_bf16(pair[1]);
+}
+
 // Dynamic shared memory: queries [2][64][d + 8] f16 (hi, lo), keys [2][32][d + 8] f16,
-// scores [64][33] f32.
+// scores [64][33] f32; the merge's split factors and denominators after the keys.
 DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
     const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
-    const float* __restrict__ inv_freq, u32 rope_half, u16* __restrict__ out) {
+    const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    u32* __restrict__ counters, u16* __restrict__ out, u32 batch, u32 mma_from) {
     pdl_enter();
     extern __shared__ __align__(16) u16 amma[];
     const u32 ld = d + 8u;  // row stride (f16): rows 16 bytes apart in banks
@@ -923,10 +956,25 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const u32 q_lo = AMMA_HEADS * ld, k_lo = AMMA_KEYS * ld;
     const u32 t = blockIdx.y, h0 = blockIdx.x * AMMA_HEADS;
     const u32 hv = min(AMMA_HEADS, heads - h0);
-    const u32 pos0 = pos[0], p = pos0 + t;
+    // A batch's token t is a chunk of one: its key is row t of kv, its ring and entries slice t.
+    const u32 pos0 = batch ? pos[t] : pos[0];
+    const u32 p = batch ? pos0 : pos0 + t;
+    if (batch) {
+        kv += (u64)t * d;
+        window += (u64)t * wsize * d;
+        entries += (u64)t * cap * d;
+    }
     const u32 n_w = min(p + 1u, wsize);
     const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
     const u32 n = n_w + (mode == 2u ? min(k, n_vis) : n_vis);
+    if (n < mma_from) return;  // attention_heads' token
+    // This split's keys [j_begin, j_end): whole tiles, ceil(tiles / S) a split (a parked
+    // token sees no keys: one split, which writes zeros).
+    const u32 tiles = max(1u, (n + AMMA_KEYS - 1u) / AMMA_KEYS);
+    const u32 per = (tiles + gridDim.z - 1u) / gridDim.z;
+    const u32 used = (tiles + per - 1u) / per, split = blockIdx.z;
+    if (split >= used) return;
+    const u32 j_begin = split * per * AMMA_KEYS, j_end = min(n, j_begin + per * AMMA_KEYS);
     const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3u;
     const u32 hg = warp & 3u, kq = warp >> 2;  // head group (16 heads), key quarter / dim quarter
@@ -957,7 +1005,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     for (u32 i = 0; i < 16u; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     // Running max and denominator of rows g and g + 8 of the warp's head group.
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    for (u32 j0 = 0; j0 < n; j0 += AMMA_KEYS) {
+    for (u32 j0 = j_begin; j0 < j_end; j0 += AMMA_KEYS) {
         __syncthreads();  // the previous tile's keys and scores are read
         // Keys j0 .. j0 + 31 as f16 rows (absent ones zero), and which are present.
         if (stager) {
@@ -966,7 +1014,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 #pragma unroll
             for (u32 b = 0; b < 8u; b++) {
                 const u32 r = r0 + b * rpp, j = j0 + r;
-                const float* key = r < AMMA_KEYS && j < n
+                const float* key = r < AMMA_KEYS && j < j_end
                                        ? att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap)
                                        : nullptr;
                 v[b] = key ? *reinterpret_cast<const float4*>(key + c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1074,27 +1122,97 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
             }
         }
     }
-    // The sink joins the denominator; rows g and g + 8 are heads 16 hg + g (+ 8).
+    // Rows g and g + 8 are heads 16 hg + g (+ 8).
+    if (used == 1u) {
+#pragma unroll
+        for (u32 r = 0; r < 2u; r++) {
+            const u32 h = 16u * hg + g + 8u * r;
+            if (h >= hv) continue;
+            const float f = amma_factor(m[r], l[r], sink[h0 + h]);
+            u16* dst = out + ((u64)t * heads + h0 + h) * d;
+#pragma unroll
+            for (u32 nt = 0; nt < 16u; nt++) {
+                if (nt >= ntiles) break;
+                const u32 c = dq * kq + nt * 8u + 2u * qd;
+                amma_write_pair(dst, c, o[nt][2u * r] * f, o[nt][2u * r + 1u] * f, p, inv_freq, d, rope_half);
+            }
+        }
+        return;
+    }
+    // This split's state out, then the token's used splits meet.
+    const u32 splits = gridDim.z;
+    const u64 row0 = (u64)t * heads + h0;  // (token, head) row of the block's first head
 #pragma unroll
     for (u32 r = 0; r < 2u; r++) {
         const u32 h = 16u * hg + g + 8u * r;
         if (h >= hv) continue;
-        const float sk = sink[h0 + h], mf = fmaxf(m[r], sk);
-        const float a = m[r] == mf ? 1.0f : expf(m[r] - mf);
-        const float den = fmaf(l[r], a, expf(sk - mf));
-        const float f = a / den;
-        u16* dst = out + ((u64)t * heads + h0 + h) * d + dq * kq;
-        const u32 rope0 = d - 2u * rope_half;
+        float* dst = part_acc + ((row0 + h) * splits + split) * d + dq * kq;
 #pragma unroll
         for (u32 nt = 0; nt < 16u; nt++) {
             if (nt >= ntiles) break;
-            const u32 c = nt * 8u + 2u * qd;
-            float pair[2] = {o[nt][2u * r] * f, o[nt][2u * r + 1u] * f};
-            // Rotated back at the token's position (interleaved pairs, as rope_rows with -1).
-            if (dq * kq + c >= rope0) rope_pair(pair, p, inv_freq[(dq * kq + c - rope0) / 2u], -1.0f);
-            dst[c] = f32_to_bf16(pair[0]);
-            dst[c + 1u] = f32_to_bf16(pair[1]);
+            *reinterpret_cast<float2*>(dst + nt * 8u + 2u * qd) = make_float2(o[nt][2u * r], o[nt][2u * r + 1u]);
         }
+        if (kq == 0u && qd == 0u) {
+            float* ml = part_ml + ((row0 + h) * splits + split) * 2u;
+            ml[0] = m[r];
+            ml[1] = l[r];
+        }
+    }
+    // The block's writes, seen by thread 0 at the barrier, are released to the GPU by its
+    // fence (fences are cumulative); what it acquires, the block reads after the next barrier.
+    __syncthreads();
+    u32* arrived = counters + 2u * ((u64)t * gridDim.x + blockIdx.x);
+    if (threadIdx.x == 0u) {
+        __threadfence();
+        atomicAdd(arrived, 1u);
+        while (ld_acquire_gpu(arrived) < used) {
+        }
+    }
+    __syncthreads();
+    // Block `split` merges heads [hb, he): each used split's factor to the common maximum, the
+    // sink, then the sums in split order (read from L2: the other blocks' writes are not in
+    // this SM's L1), a channel pair a thread.
+    const u32 hper = (hv + used - 1u) / used, hb = min(hv, split * hper), he = min(hv, hb + hper);
+    float* f_s = reinterpret_cast<float*>(k_s);  // [hper][used] factors, then denominators
+    float* den_s = f_s + hper * used;
+    float* hf_s = den_s + hper * used;  // [hper] the heads' factors
+    for (u32 i = threadIdx.x; i < (he - hb) * used; i += blockDim.x) {
+        const float* ml = part_ml + ((row0 + hb + i / used) * splits + i % used) * 2u;
+        f_s[i] = __ldcg(ml);
+        den_s[i] = __ldcg(ml + 1);
+    }
+    __syncthreads();
+    if (threadIdx.x < he - hb) {
+        float mx, den;
+        to_common_max(f_s + threadIdx.x * used, den_s + threadIdx.x * used, used, 1u, mx, den);
+        hf_s[threadIdx.x] = amma_factor(mx, den, sink[h0 + hb + threadIdx.x]);
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < (he - hb) * (d / 2u); i += blockDim.x) {
+        const u32 hl = i / (d / 2u), c = 2u * (i % (d / 2u));
+        const float2* src = reinterpret_cast<const float2*>(part_acc + (row0 + hb + hl) * splits * d + c);
+        const float* f = f_s + hl * used;
+        float x = 0.0f, y = 0.0f;
+        for (u32 s0 = 0; s0 < used; s0 += 8u) {
+            float2 v[8];
+#pragma unroll
+            for (u32 j = 0; j < 8u; j++)
+                v[j] = s0 + j < used ? __ldcg(src + (u64)(s0 + j) * (d / 2u)) : make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (u32 j = 0; j < 8u; j++) {
+                if (s0 + j < used) {
+                    x = fmaf(v[j].x, f[s0 + j], x);
+                    y = fmaf(v[j].y, f[s0 + j], y);
+                }
+            }
+        }
+        amma_write_pair(out + (row0 + hb + hl) * d, c, x * hf_s[hl], y * hf_s[hl], p, inv_freq, d, rope_half);
+    }
+    // Every block has passed the wait once all have left: the last one resets the counters.
+    __syncthreads();
+    if (threadIdx.x == 0u && atomicAdd(arrived + 1, 1u) == used - 1u) {
+        atomicExch(arrived, 0u);
+        atomicExch(arrived + 1, 0u);
     }
 }
 

@@ -38,9 +38,10 @@ fn index_scores_shape(c: &Config, capacity: usize, chunk: usize) -> [usize; 2] {
     }
 }
 
-/// Splits of one decode token's attention keys the scratch has room for, per head (a decode
-/// step's heads / 4 blocks need a few splits to give every SM a block).
-const ATTENTION_SPLITS: usize = 16;
+/// Splits of one decode token's attention keys the scratch has room for, per head: a block
+/// of a token's 64 heads a split, up to one on every SM of a GPU of 160 (21 MB at Flash's
+/// widths).
+const ATTENTION_SPLITS: usize = 160;
 
 /// How [`Buffers::build`] gets a buffer: reserved in the open pool, or taken from it sealed.
 pub trait Stage {

@@ -103,6 +103,21 @@ pub mod tuning {
     /// `attention_heads` gives each warp two buffers of keys in shared memory where they fit
     /// (one otherwise; the same bits either way).
     pub static ATTENTION_DOUBLE_BUFFER: Switch = Switch::on();
+
+    static ATTENTION_MMA_KEYS: AtomicUsize = AtomicUsize::new(2048);
+
+    /// In an attention launch of fewer than 17 tokens (decode), a token that sees at least
+    /// this many keys runs on tensor cores (`attention_mma`, its keys split over blocks that
+    /// fill the SMs; about 60 µs for 64 heads over 8k keys on an H100, against 120 on CUDA
+    /// cores, and about 40 against 20 over 640), where its block fits the GPU's shared
+    /// memory. Default 2048; 0 takes every token there, `usize::MAX` none.
+    pub fn set_attention_mma_keys(keys: usize) {
+        ATTENTION_MMA_KEYS.store(keys, Ordering::Relaxed);
+    }
+
+    pub fn attention_mma_keys() -> usize {
+        ATTENTION_MMA_KEYS.load(Ordering::Relaxed)
+    }
 }
 
 /// A weight's number format.

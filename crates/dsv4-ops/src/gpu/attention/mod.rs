@@ -583,13 +583,15 @@ const MMA_KEYS: usize = 32;
 /// earlier chunks) — then the compressed keys. A selected id ≥ the entries' capacity counts as
 /// none. Each head's output is rotated back to the token's position (the inverse RoPE on its
 /// last `2·inv_freq.len()` channels, as [`super::rows::rope_rows`] backwards) and written as
-/// BF16 to `out [T, H·d]`, the output projection's input. When there are fewer (token, head
-/// group) blocks than SMs, each token's keys are split over several blocks (`splits` holds
-/// their partial states; the split count depends on the device and the shapes only, so a
-/// captured launch replays at any position). A launch of 17 tokens or more (a prompt chunk)
-/// runs every token's heads on f16 MMAs instead, each f32 operand as a pair of f16 parts and
-/// each product as three MMAs (about 22 significant bits), the sums in f32: queries and keys
-/// must lie inside f16's range (|x| < 65504), as the model's RMS-normalised ones do.
+/// BF16 to `out [T, H·d]`, the output projection's input. A launch of 17 tokens or more (a
+/// prompt chunk) runs every token's heads on f16 MMAs, each f32 operand as a pair of f16 parts
+/// and each product as three MMAs (about 22 significant bits), the sums in f32: queries and
+/// keys must lie inside f16's range (|x| < 65504), as the model's RMS-normalised ones do. In a
+/// launch of fewer tokens (decode), each token's keys are split over blocks that fill the SMs
+/// (`splits` holds their partial states; the split count depends on the device and the
+/// shapes only, so a captured launch replays at any position); a token that sees at least
+/// [`tuning::attention_mma_keys`] keys (decided on the device) runs on the MMAs, the others on
+/// CUDA cores with exact f32 products.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     dev: &Device,
@@ -739,93 +741,130 @@ pub fn attention(
             .ptr(inv_freq)
             .arg(dims[6]);
     };
-    if t >= MMA_MIN_TOKENS {
-        // A prompt chunk: every token's heads on tensor cores (attention_mma).
-        let shared = 2 * (MMA_HEADS + MMA_KEYS) * (d + 8) * 2 + MMA_HEADS * (MMA_KEYS + 1) * 4;
-        let limits = dev.kernel_limits("attention_mma")?;
-        if limits.static_shared + shared > dev.max_block_shared() {
+    // On tensor cores: a prompt chunk always (one block per token and 64 heads); of a few
+    // tokens, those that see many keys (split over blocks that fill the SMs), where the block
+    // fits the GPU's shared memory. The others run on CUDA cores, four heads a block.
+    let mma_shared = 2 * (MMA_HEADS + MMA_KEYS) * (d + 8) * 2 + MMA_HEADS * (MMA_KEYS + 1) * 4;
+    let mma_fits =
+        dev.kernel_limits("attention_mma")?.static_shared + mma_shared <= dev.max_block_shared();
+    if t >= MMA_MIN_TOKENS && !mma_fits {
+        return Err(GpuError::invalid(
+            "attention",
+            format!(
+                "head width {d}: a chunk's block needs {mma_shared} bytes of shared memory, this \
+                 GPU gives {}",
+                dev.max_block_shared()
+            ),
+        ));
+    }
+    // The most keys a token may see: a selection's are at most min(k, capacity).
+    let max_keys = w + if mode == 1 { cap } else { k.min(cap) };
+    let mma_from = if t >= MMA_MIN_TOKENS {
+        0
+    } else if mma_fits && max_keys >= tuning::attention_mma_keys() {
+        tuning::attention_mma_keys()
+    } else {
+        usize::MAX
+    };
+    let mma_from = u32::try_from(mma_from).unwrap_or(u32::MAX);
+    // SAFETY (both kernels): q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0,
+    // d <= 512, w >= 1 (q, kv, window and entries on 16-byte boundaries), entries [cap, d]
+    // (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)), window and entries
+    // [t, ...] in a batch (pos [t], its token t reading slice t), selected [t, k], sink
+    // [heads], pos [1], inv_freq [half] with 2·half <= d, out [t, heads·d] BF16; a block reads
+    // and writes only its heads < heads and its token's row; each token is written by one of
+    // the two launches (fewer keys than mma_from: attention_heads), one after the other in
+    // the stream, so they never share the split scratch at once.
+    if mma_from > 0 {
+        let groups = heads.div_ceil(ATT_HEADS);
+        // Each key load serves four heads; splits fill the SMs.
+        let s = choose_splits(dev.sm_count(), t * groups, max_keys, t * heads, room);
+        // Each of the 8 warps' ring of buffers of ATT_BATCH keys, later their states of
+        // ATT_HEADS heads, in shared memory (the first launch opts the kernel in past 48 KiB):
+        // two buffers where they fit (H100, bench4 after 1M positions: 1.895 ms/token with
+        // two, 2.085 with one), else one.
+        let stage =
+            |ring: usize| 8 * (ring * ATT_BATCH).max(ATT_HEADS) * d * std::mem::size_of::<f32>();
+        let limits = dev.kernel_limits("attention_heads")?;
+        let fits = |ring: usize| limits.static_shared + stage(ring) <= dev.max_block_shared();
+        let ring = if fits(2) && tuning::ATTENTION_DOUBLE_BUFFER.get() {
+            2
+        } else {
+            1
+        };
+        let stage_bytes = stage(ring);
+        if !fits(ring) {
             return Err(GpuError::invalid(
                 "attention",
                 format!(
-                    "head width {d}: a chunk's block needs {shared} bytes of shared memory, this \
-                     GPU gives {}",
+                    "head width {d}: a block needs {} bytes of shared memory, this GPU gives {}",
+                    limits.static_shared + stage_bytes,
                     dev.max_block_shared()
                 ),
             ));
         }
         let cfg = LaunchConfig {
             grid_dim: (
-                dim_u32("head blocks", heads.div_ceil(MMA_HEADS))?,
+                dim_u32("head groups", groups)?,
                 tokens,
-                1,
+                dim_u32("splits", s)?,
             ),
-            block_dim: (512, 1, 1),
-            shared_mem_bytes: shared as u32,
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: stage_bytes as u32,
         };
-        // SAFETY: as attention_heads below, without the split scratch: a block reads its
-        // token's queries (heads < heads), keys and selection, and writes its heads' outputs.
-        return unsafe {
-            launch(dev, "attention_mma", cfg, |b| {
+        // SAFETY: above; with s > 1, t·heads·s <= room rows of the split sums [room, d]
+        // (16-byte aligned; d % 4 == 0) and stats [room, 2], and t·ceil(heads / 4) <= room
+        // counters.
+        unsafe {
+            launch(dev, "attention_heads", cfg, |b| {
                 common(b);
-                b.ptr(out);
-            })
-        };
+                b.ptr(&splits.acc)
+                    .ptr(&splits.stats)
+                    .ptr(&splits.counters)
+                    .ptr(out)
+                    .arg(ring as u32)
+                    .arg(batch)
+                    .arg(mma_from);
+            })?;
+        }
     }
-    // Each key load serves four heads; splits fill the SMs.
-    let groups = heads.div_ceil(ATT_HEADS);
-    // The most keys a token may see: a selection's are at most min(k, capacity).
-    let max_keys = w + if mode == 1 { cap } else { k.min(cap) };
-    let s = choose_splits(dev.sm_count(), t * groups, max_keys, t * heads, room);
-    // Each of the 8 warps' ring of buffers of ATT_BATCH keys, later their states of ATT_HEADS
-    // heads, in shared memory (the first launch opts the kernel in past 48 KiB): two buffers
-    // where they fit (H100, bench4 after 1M positions: 1.895 ms/token with two, 2.085 with
-    // one), else one.
-    let stage =
-        |ring: usize| 8 * (ring * ATT_BATCH).max(ATT_HEADS) * d * std::mem::size_of::<f32>();
-    let limits = dev.kernel_limits("attention_heads")?;
-    let fits = |ring: usize| limits.static_shared + stage(ring) <= dev.max_block_shared();
-    let ring = if fits(2) && tuning::ATTENTION_DOUBLE_BUFFER.get() {
-        2
-    } else {
+    if mma_from == u32::MAX {
+        return Ok(());
+    }
+    let head_blocks = heads.div_ceil(MMA_HEADS);
+    // Every block of a split launch is resident at once (its splits wait for each other): at
+    // most one block an SM, one wave.
+    let s = if t >= MMA_MIN_TOKENS {
         1
+    } else {
+        (dev.sm_count() / (head_blocks * t))
+            .min(max_keys.div_ceil(MMA_KEYS))
+            .min(room / (t * heads))
+            .min(room / (2 * t * head_blocks))
+            .max(1)
     };
-    let stage_bytes = stage(ring);
-    if !fits(ring) {
-        return Err(GpuError::invalid(
-            "attention",
-            format!(
-                "head width {d}: a block needs {} bytes of shared memory, this GPU gives {}",
-                limits.static_shared + stage_bytes,
-                dev.max_block_shared()
-            ),
-        ));
-    }
     let cfg = LaunchConfig {
         grid_dim: (
-            dim_u32("head groups", groups)?,
+            dim_u32("head blocks", head_blocks)?,
             tokens,
             dim_u32("splits", s)?,
         ),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: stage_bytes as u32,
+        block_dim: (512, 1, 1),
+        shared_mem_bytes: mma_shared as u32,
     };
-    // SAFETY: q [t, heads·d], kv [t, d], window [w, d] with d % 32 == 0, d <= 512, w >= 1
-    // (q, kv, window and entries on 16-byte boundaries),
-    // entries [cap, d] (mode 1 reads [0, min(n_vis, cap)), mode 2 the ids in [0, cap)),
-    // window and entries [t, ...] in a batch (pos [t], its token t reading slice t),
-    // selected [t, k], sink [heads], pos [1], inv_freq [half] with 2·half <= d, out
-    // [t, heads·d] BF16; a block reads and writes only its heads < heads; with s > 1,
-    // t·heads·s <= room rows of the split sums [room, d] (16-byte aligned; d % 4 == 0) and
-    // stats [room, 2], and t·ceil(heads / 4) <= room counters.
+    // SAFETY: above; with s > 1, t·heads·s <= room rows of the split sums and stats,
+    // 2·t·ceil(heads / 64) <= room counters, and the grid's ceil(heads / 64)·t·s blocks at
+    // most one an SM (each takes most of an SM's shared memory), so they are resident
+    // together when they wait for each other.
     unsafe {
-        launch(dev, "attention_heads", cfg, |b| {
+        launch(dev, "attention_mma", cfg, |b| {
             common(b);
             b.ptr(&splits.acc)
                 .ptr(&splits.stats)
                 .ptr(&splits.counters)
                 .ptr(out)
-                .arg(ring as u32)
-                .arg(batch);
+                .arg(batch)
+                .arg(mma_from);
         })
     }
 }

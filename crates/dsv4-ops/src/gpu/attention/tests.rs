@@ -429,6 +429,7 @@ fn attention_splits_fill_one_wave_within_the_keys_and_the_scratch() {
 
 mod gpu {
     use super::*;
+    use crate::gpu::gemv::tuning::{attention_mma_keys, set_attention_mma_keys};
     use crate::gpu::testing::{assert_bits_eq, device, rng, POISON};
 
     fn poisoned<T: crate::gpu::DeviceElem>(
@@ -753,6 +754,7 @@ mod gpu {
     }
 
     /// The sizes of one attention test launch; queries uniform in ±q_amp, keys in ±amp.
+    #[derive(Clone, Copy)]
     struct CaseShape {
         h: usize,
         d: usize,
@@ -839,6 +841,18 @@ mod gpu {
                 want,
                 s,
             }
+        }
+
+        /// The keys token `tt` sees: its window positions and its compressed entries.
+        fn keys(&self, tt: usize) -> usize {
+            let p = self.s.pos0 + tt;
+            let visible = cpu::visible_entries(p, self.s.ratio, self.s.cap);
+            (p + 1).min(self.s.w)
+                + match self.s.mode {
+                    0 => 0,
+                    1 => visible,
+                    _ => visible.min(self.s.k),
+                }
         }
 
         /// The launch on `splits` into a poisoned output, with `selected` in place of the
@@ -932,23 +946,52 @@ mod gpu {
                 amp: 1.0,
             };
             let case = AttentionCase::new(&dev, &mut rng, iter, shape);
-            let what = &case.what;
+            // Every token on tensor cores (f16 pairs), every token on CUDA cores (exact f32
+            // products), and the tokens divided between the two at the middle token's keys.
+            let mid = case.keys(t / 2);
+            for mma_keys in [0, usize::MAX, mid] {
+                check_attention_kernels(&dev, &case, mma_keys);
+            }
+        }
+    }
+
+    /// [`gpu_attention_matches_reference`]'s checks of one case, tokens of `mma_keys` keys or
+    /// more on tensor cores.
+    fn check_attention_kernels(dev: &Device, case: &AttentionCase, mma_keys: usize) {
+        let before = attention_mma_keys();
+        set_attention_mma_keys(mma_keys);
+        let exact = mma_keys == usize::MAX;
+        let rel = if exact { 1e-5 } else { 1e-4 };
+        let what = format!("{}, tensor cores from {mma_keys} keys", case.what);
+        let what = &what;
+        let CaseShape {
+            t,
+            pos0,
+            ratio,
+            cap,
+            k,
+            d,
+            ..
+        } = case.s;
+        {
             // Unsplit (no scratch), split as the device chooses, and split again over the
             // counters the previous launch left (they must be back at zero).
-            let mut splits = scratch(&dev, 0, d);
-            let mut big = scratch(&dev, SPLIT_ROWS, d);
-            let unsplit = case.run(&dev, &mut splits, None);
-            case.check("unsplit", &unsplit, 1e-5);
-            let split = case.run(&dev, &mut big, None);
-            case.check("split", &split, 1e-5);
-            let again = case.run(&dev, &mut big, None);
+            let mut splits = scratch(dev, 0, d);
+            let mut big = scratch(dev, SPLIT_ROWS, d);
+            let unsplit = case.run(dev, &mut splits, None);
+            case.check("unsplit", &unsplit, rel);
+            let split = case.run(dev, &mut big, None);
+            case.check("split", &split, rel);
+            let again = case.run(dev, &mut big, None);
             assert_bits_eq(&format!("{what} relaunch"), &again, &split);
-            // One key buffer a warp (where two do not fit): the same bits.
-            let single = &crate::gpu::gemv::tuning::ATTENTION_DOUBLE_BUFFER;
-            single.set(false);
-            let one = case.run(&dev, &mut big, None);
-            single.set(true);
-            assert_bits_eq(&format!("{what} one buffer"), &one, &split);
+            if exact {
+                // One key buffer a warp (where two do not fit): the same bits.
+                let single = &crate::gpu::gemv::tuning::ATTENTION_DOUBLE_BUFFER;
+                single.set(false);
+                let one = case.run(dev, &mut big, None);
+                single.set(true);
+                assert_bits_eq(&format!("{what} one buffer"), &one, &split);
+            }
             if case.s.mode == 2 {
                 // The slots past min(k, visible) are not read: ids there change nothing.
                 let dirty: Vec<i32> = case
@@ -963,7 +1006,7 @@ mod gpu {
                     })
                     .collect();
                 let dd = dev.upload(DType::I32, &[t, k], &dirty).unwrap();
-                let got = case.run(&dev, &mut big, Some(&dd));
+                let got = case.run(dev, &mut big, Some(&dd));
                 assert_bits_eq(&format!("{what} ids past the visible slots"), &got, &split);
             }
             assert!(
@@ -971,6 +1014,7 @@ mod gpu {
                 "{what}: split counters left non-zero"
             );
         }
+        set_attention_mma_keys(before);
     }
 
     #[test]
@@ -1041,6 +1085,20 @@ mod gpu {
             assert!(
                 (g - w).abs() <= bound,
                 "{what}: element {i}: got {g}, want {w} (bound {bound})"
+            );
+        }
+    }
+
+    /// Two BF16 roundings of sums that agree within `rel` of the largest |b|: within that and
+    /// one BF16 step of |b| (a rounding boundary may fall between them).
+    fn assert_bf16_results_close(what: &str, a: &[f32], b: &[f32], rel: f32) {
+        assert_eq!(a.len(), b.len(), "{what}: length");
+        let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            let bound = rel * scale + y.abs() / 128.0;
+            assert!(
+                (x - y).abs() <= bound,
+                "{what}: element {i}: {x} against {y} (bound {bound})"
             );
         }
     }
@@ -1278,9 +1336,9 @@ mod gpu {
 
     /// A batch of sequences (one token each, at its own position, over its own state) through
     /// the compressors, the rotation of the indexer's queries, the indexer (both scorings),
-    /// the attention and the window write gives what each sequence's token gives launched
-    /// alone: bit for bit, except the attention (its key splits depend on the launch's size),
-    /// within the bounds of the reference tests.
+    /// the attention (on CUDA cores and on tensor cores) and the window write gives what each
+    /// sequence's token gives launched alone: bit for bit, except the attention (its key splits
+    /// depend on the launch's size), within the bounds of the reference tests.
     #[test]
     #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
     fn gpu_batch_of_sequences_runs_each_as_alone() {
@@ -1384,27 +1442,42 @@ mod gpu {
                 sels.push(sel);
             }
             let mut splits = scratch(&dev, SPLIT_ROWS, d);
-            let mut out = poisoned::<bf16>(&dev, DType::BF16, &[n, hd]);
-            let comp = Compressed::Selected {
-                entries: &batch.comp.entries,
-                selected: &sels[1],
-                ratio,
+            // The attention on CUDA cores (these few keys' default) and on tensor cores.
+            let mut attend = |q: &DeviceTensor<f32>,
+                              kv: &DeviceTensor<f32>,
+                              ring: &DeviceTensor<f32>,
+                              entries: &DeviceTensor<f32>,
+                              selected: &DeviceTensor<i32>,
+                              pos: &DeviceTensor<u32>,
+                              mma_keys: usize| {
+                let mut out = poisoned::<bf16>(&dev, DType::BF16, &[q.shape()[0], hd]);
+                let comp = Compressed::Selected {
+                    entries,
+                    selected,
+                    ratio,
+                };
+                let before = attention_mma_keys();
+                set_attention_mma_keys(mma_keys);
+                let r = attention(
+                    &dev,
+                    q,
+                    kv,
+                    ring,
+                    comp,
+                    &sd,
+                    pos,
+                    &fd,
+                    &mut splits,
+                    &mut out,
+                );
+                set_attention_mma_keys(before);
+                r.unwrap();
+                download_f32(&dev, &out)
             };
-            attention(
-                &dev,
-                &q,
-                &kv,
-                &batch.ring,
-                comp,
-                &sd,
-                &pos,
-                &fd,
-                &mut splits,
-                &mut out,
-            )
-            .unwrap();
+            let (ring, entries) = (&batch.ring, &batch.comp.entries);
+            let got_out = attend(&q, &kv, ring, entries, &sels[1], &pos, usize::MAX);
+            let got_mma = attend(&q, &kv, ring, entries, &sels[1], &pos, 0);
             window_write(&dev, &kv, &pos, &mut batch.ring).unwrap();
-            let got_out = download_f32(&dev, &out);
             let got_iq = dev.download(&iq).unwrap();
             let got_sel: Vec<Vec<i32>> = sels.iter().map(|s| dev.download(s).unwrap()).collect();
 
@@ -1475,32 +1548,30 @@ mod gpu {
                     );
                 }
                 let mut ring = slot(&alone.ring, i);
-                let mut out1 = poisoned::<bf16>(&dev, DType::BF16, &[1, hd]);
-                let comp = Compressed::Selected {
-                    entries: &st.entries,
-                    selected: &sel1,
-                    ratio,
-                };
                 let (q1, kv1) = (row(&q), row(&kv));
-                attention(
-                    &dev,
-                    &q1,
-                    &kv1,
-                    &ring,
-                    comp,
-                    &sd,
-                    &p1,
-                    &fd,
-                    &mut splits,
-                    &mut out1,
-                )
-                .unwrap();
+                let e = &st.entries;
+                let out1 = attend(&q1, &kv1, &ring, e, &sel1, &p1, usize::MAX);
+                let mma1 = attend(&q1, &kv1, &ring, e, &sel1, &p1, 0);
                 window_write(&dev, &kv1, &p1, &mut ring).unwrap();
                 assert_close_bf16(
                     &format!("{what}: attention"),
                     &got_out[i * hd..(i + 1) * hd],
-                    &download_f32(&dev, &out1),
+                    &out1,
                     1e-5,
+                );
+                // On tensor cores alone the token's keys split over more blocks: other
+                // roundings of 22-bit products.
+                assert_bf16_results_close(
+                    &format!("{what}: attention on tensor cores"),
+                    &got_mma[i * hd..(i + 1) * hd],
+                    &mma1,
+                    1e-4,
+                );
+                assert_bf16_results_close(
+                    &format!("{what}: attention on tensor cores against CUDA cores"),
+                    &mma1,
+                    &out1,
+                    1e-4,
                 );
             }
             for (j, (b, a)) in batch
