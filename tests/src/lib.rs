@@ -22,17 +22,7 @@ pub fn fixtures_dir() -> PathBuf {
     }
 }
 
-/// `full`, or `short` when the tests run under compute-sanitizer (`DSV4_SANITIZER_RUN` set and
-/// not `0`, as the staged GPU test script sets it), where every launch is instrumented and the
-/// longest tests could not finish: a step count or prefix length for those tests, whose short
-/// value still crosses the boundaries the test names.
-pub fn sanitizer_length(full: usize, short: usize) -> usize {
-    if std::env::var("DSV4_SANITIZER_RUN").is_ok_and(|v| v != "0") {
-        short.min(full)
-    } else {
-        full
-    }
-}
+pub use dsv4_ops::gpu::testing::sanitizer_length;
 
 /// Every fixture folder (one holding `oracle.safetensors`), sorted by name.
 pub fn fixtures() -> Vec<PathBuf> {

@@ -218,7 +218,8 @@ impl Device {
     }
 
     /// `kernel`'s block limits. The first call also lets it take dynamic shared memory up to
-    /// the device's per-block limit (past 48 KiB a kernel must opt in), so no launch has to.
+    /// the device's per-block limit (past 48 KiB a kernel must opt in) and clusters past the
+    /// portable size, so no launch has to.
     pub(crate) fn kernel_limits(&self, kernel: &str) -> Result<KernelLimits, GpuError> {
         if let Some(limits) = self.facts(kernel, |k| k.limits) {
             return Ok(limits);
@@ -236,6 +237,14 @@ impl Device {
             self.max_block_shared.saturating_sub(static_shared) as i32,
         )
         .map_err(err())?;
+        // Clusters past the portable 8 blocks, where the GPU holds them (sm_90: 16).
+        if self.arch().has_clusters() {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                1,
+            )
+            .map_err(err())?;
+        }
         self.facts(kernel, |k| k.limits = Some(limits));
         Ok(limits)
     }

@@ -46,6 +46,18 @@ pub fn rng(test: &str) -> StdRng {
 /// Byte used to poison outputs before a launch, so unwritten elements show up.
 pub const POISON: u8 = 0xa5;
 
+/// `full`, or `short` when the tests run under compute-sanitizer (`DSV4_SANITIZER_RUN` set and
+/// not `0`, as the staged GPU test script sets it), where every launch is instrumented and the
+/// longest tests could not finish: a step count, prefix length or number of random cases for
+/// those tests, whose short value still crosses the boundaries the test names.
+pub fn sanitizer_length(full: usize, short: usize) -> usize {
+    if std::env::var("DSV4_SANITIZER_RUN").is_ok_and(|v| v != "0") {
+        short.min(full)
+    } else {
+        full
+    }
+}
+
 /// Random bf16 values over a wide dynamic range, with exact zeros and (if `specials`)
 /// NaN, infinities and subnormals mixed in.
 pub fn random_bf16(rng: &mut StdRng, n: usize, specials: bool) -> Vec<bf16> {

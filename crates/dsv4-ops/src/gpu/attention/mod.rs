@@ -456,9 +456,9 @@ pub fn index_topk(
     }
     // Each block stages the keys of its slice of the entries in shared memory, up to `held`
     // (as many as a block may hold past the kernel's own arrays). A token's visible entries
-    // are cut evenly into a cluster of up to 8 slices (sm_90+), one per SELECT_SLICE_KEYS of
-    // the capacity, so a long context's select runs on 8 multiprocessors a token instead of
-    // one; past 8 slices' worth of shared memory the slices reread their scores.
+    // are cut evenly into a cluster of up to 16 slices (sm_90+), one per SELECT_SLICE_KEYS of
+    // the capacity, so a long context's select runs on 16 multiprocessors a token instead of
+    // one; past 16 slices' worth of shared memory the slices reread their scores.
     let free = dev.max_block_shared() - dev.kernel_limits("index_select")?.static_shared;
     let most = free / 4;
     let mut parts = if dev.arch().has_clusters() {
@@ -467,12 +467,17 @@ pub fn index_topk(
     } else {
         1
     };
-    // One block rereading the scores where no cluster of that many blocks can be resident
-    // (a partitioned GPU).
+    // Where no cluster of that many blocks can be resident (past the portable 8, or a
+    // partitioned GPU): 8 slices, else one block rereading the scores.
     let held_for = |parts: usize| most.min(cap.div_ceil(parts)) as u32;
-    if parts > 1
-        && dev.resident_clusters("index_select", 1024, 4 * held_for(parts), parts as u32)? == 0
-    {
+    let resident = |parts: usize| {
+        dev.resident_clusters("index_select", 1024, 4 * held_for(parts), parts as u32)
+            .map(|n| n > 0)
+    };
+    if parts > PORTABLE_SELECT_SLICES && !resident(parts)? {
+        parts = PORTABLE_SELECT_SLICES;
+    }
+    if parts > 1 && !resident(parts)? {
         parts = 1;
     }
     let held = held_for(parts);
@@ -491,8 +496,8 @@ pub fn index_topk(
         .arg(held)
         .arg(batch);
     // SAFETY: scores [t, cap] (only [0, n_vis) of each row read, n_vis <= cap), pos [1] or [t],
-    // selected [t, k], `held` keys of dynamic shared memory; clusters of `parts` <= 8 blocks
-    // only where the device has them.
+    // selected [t, k], `held` keys of dynamic shared memory; clusters of `parts` <= 16 blocks
+    // only where the device holds them.
     unsafe { launch::launch_clustered(dev, "index_select", cfg, &args, parts as u32) }
 }
 
@@ -517,9 +522,11 @@ pub enum Compressed<'a> {
     },
 }
 
-/// Most blocks (one cluster, the portable size) an `index_select` of one token is cut into.
-const MAX_SELECT_SLICES: usize = 8;
-/// Entries of the capacity an `index_select` cluster takes a block for (up to 8).
+/// Most blocks (one cluster: the non-portable size sm_90 allows) an `index_select` of one
+/// token is cut into, and the most of the portable size.
+const MAX_SELECT_SLICES: usize = 16;
+const PORTABLE_SELECT_SLICES: usize = 8;
+/// Entries of the capacity an `index_select` cluster takes a block for (up to 16).
 const SELECT_SLICE_KEYS: usize = 4096;
 
 /// Heads an `attention_heads` block takes, keys a warp scores at once, and most splits of a

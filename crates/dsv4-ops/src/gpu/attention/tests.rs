@@ -430,7 +430,7 @@ fn attention_splits_fill_one_wave_within_the_keys_and_the_scratch() {
 mod gpu {
     use super::*;
     use crate::gpu::gemv::tuning::{attention_mma_keys, set_attention_mma_keys};
-    use crate::gpu::testing::{assert_bits_eq, device, rng, POISON};
+    use crate::gpu::testing::{assert_bits_eq, device, rng, sanitizer_length, POISON};
 
     fn poisoned<T: crate::gpu::DeviceElem>(
         dev: &Device,
@@ -585,10 +585,12 @@ mod gpu {
             (2, 8, 512, 100_000, 1, 120_000),
             // Slices of a few thousand entries: a cluster of 5 when all are visible.
             (16, 32, 64, 20_000, 4, 90_000),
-            // Past one block's shared memory: a cluster of up to 8 slices (sm_90), each held
+            // Past one block's shared memory: a cluster of up to 16 slices (sm_90), each held
             // in shared memory, then slices past it read from the scores.
+            (1, 4, 64, 45_000, 1, 46_000),
             (1, 4, 512, 400_000, 1, 420_000),
             (1, 4, 512, 520_000, 1, 540_000),
+            (1, 4, 512, 1_000_000, 1, 1_000_000),
             (33, 20, 5, 50, 3, 100),
             (1, 4, 3, 10, 2, 30),
         ];
@@ -911,7 +913,7 @@ mod gpu {
             (6, 64, 5),
             (3, 96, 1),
         ];
-        for iter in 0..30 {
+        for iter in 0..sanitizer_length(30, 10) {
             let (h, d, w) = shapes[iter % shapes.len()];
             let t = rng.random_range(1..=16usize);
             let pos0 = match iter % 4 {
