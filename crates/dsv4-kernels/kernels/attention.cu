@@ -879,9 +879,10 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // dealt out ceil(tiles / S) to a split, so `used` <= S splits hold keys (the others return at
 // once). Each used block writes its heads' unnormalised sums and softmax states to `part`
 // ([t][h][S][d] sums, [t][h][S][2] max and denominator), they meet at token t's counter (the
-// launcher keeps every block of the grid resident at once, so the wait ends), and block s then
-// merges heads [s hper, s hper + hper) over the used splits in split order: the result depends
-// on S and the position, not on timing. The last block to leave sets the counters back to 0.
+// launcher keeps every block of the grid resident at once, so the wait ends), and the used
+// blocks then merge the heads' splits, each a share of the heads' channels, in a fixed order:
+// the result depends on S and the position, not on timing. The last block to leave sets the
+// counters back to 0.
 // A token with fewer than mma_from keys is left to attention_heads (launched before).
 #define AMMA_HEADS 64u
 #define AMMA_KEYS 32u
@@ -1169,44 +1170,82 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         }
     }
     __syncthreads();
-    // Block `split` merges heads [hb, he): each used split's factor to the common maximum, the
-    // sink, then the sums in split order (read from L2: the other blocks' writes are not in
-    // this SM's L1), a channel pair a thread.
-    const u32 hper = (hv + used - 1u) / used, hb = min(hv, split * hper), he = min(hv, hb + hper);
-    float* f_s = reinterpret_cast<float*>(k_s);  // [hper][used] factors, then denominators
-    float* den_s = f_s + hper * used;
-    float* hf_s = den_s + hper * used;  // [hper] the heads' factors
-    for (u32 i = threadIdx.x; i < (he - hb) * used; i += blockDim.x) {
-        const float* ml = part_ml + ((row0 + hb + i / used) * splits + i % used) * 2u;
-        f_s[i] = __ldcg(ml);
-        den_s[i] = __ldcg(ml + 1);
-    }
-    __syncthreads();
-    if (threadIdx.x < he - hb) {
-        float mx, den;
-        to_common_max(f_s + threadIdx.x * used, den_s + threadIdx.x * used, used, 1u, mx, den);
-        hf_s[threadIdx.x] = amma_factor(mx, den, sink[h0 + hb + threadIdx.x]);
-    }
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < (he - hb) * (d / 2u); i += blockDim.x) {
-        const u32 hl = i / (d / 2u), c = 2u * (i % (d / 2u));
-        const float2* src = reinterpret_cast<const float2*>(part_acc + (row0 + hb + hl) * splits * d + c);
-        const float* f = f_s + hl * used;
-        float x = 0.0f, y = 0.0f;
-        for (u32 s0 = 0; s0 < used; s0 += 8u) {
-            float2 v[8];
+    // The merge in units of a head's channels (a head, or a half or quarter of it when the used
+    // splits outnumber the heads, so every block takes part): block `split` takes units split,
+    // split + used, ... For each, warp 0 brings the head's split states to their common maximum
+    // (lane l takes splits l, l + 32, ...; the lanes' parts combined by a fixed butterfly) and
+    // the sink joins; then groups of threads sum the sums of splits g, g + G, ... (read from L2:
+    // the other blocks' writes are not in this SM's L1), four channels a thread, and the groups'
+    // sums are added in group order.
+    const u32 per_head = used / hv;
+    const u32 chunks = per_head >= 4u && d % 512u == 0u ? 4u : per_head >= 2u && d % 256u == 0u ? 2u : 1u;
+    const u32 width = d / chunks, quads = width / 4u, groups = blockDim.x / quads;
+    float* f_s = reinterpret_cast<float*>(k_s);  // [used] each split's factor
+    float4* sum_s = reinterpret_cast<float4*>(f_s + ((used + 3u) & ~3u));  // [groups][quads]
+    __shared__ float head_f;
+    for (u32 u = split; u < hv * chunks; u += used) {
+        const u32 h = u / chunks, c0 = (u % chunks) * width;
+        const u64 row = row0 + h;
+        __syncthreads();  // the previous unit's factors and sums are read
+        if (warp == 0u) {
+            float mx = NEG_INF;
+            for (u32 i = lane; i < used; i += 32u) mx = fmaxf(mx, __ldcg(part_ml + (row * splits + i) * 2u));
 #pragma unroll
-            for (u32 j = 0; j < 8u; j++)
-                v[j] = s0 + j < used ? __ldcg(src + (u64)(s0 + j) * (d / 2u)) : make_float2(0.0f, 0.0f);
+            for (u32 o = 16u; o > 0u; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            float den = 0.0f;
+            for (u32 i = lane; i < used; i += 32u) {
+                const float* ml = part_ml + (row * splits + i) * 2u;
+                const float mi = __ldcg(ml);
+                const float f = mi == mx ? 1.0f : expf(mi - mx);
+                f_s[i] = f;
+                den = fmaf(__ldcg(ml + 1), f, den);
+            }
 #pragma unroll
-            for (u32 j = 0; j < 8u; j++) {
-                if (s0 + j < used) {
-                    x = fmaf(v[j].x, f[s0 + j], x);
-                    y = fmaf(v[j].y, f[s0 + j], y);
+            for (u32 o = 16u; o > 0u; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+            if (lane == 0u) head_f = amma_factor(mx, den, sink[h0 + h]);
+        }
+        __syncthreads();
+        const u32 q = threadIdx.x % quads, grp = threadIdx.x / quads;
+        if (grp < groups) {
+            const float4* src = reinterpret_cast<const float4*>(part_acc + row * splits * d + c0) + q;
+            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (u32 s0 = grp; s0 < used; s0 += 8u * groups) {
+                float4 v[8];
+#pragma unroll
+                for (u32 j = 0; j < 8u; j++) {
+                    const u32 sp = s0 + j * groups;
+                    v[j] = sp < used ? __ldcg(src + (u64)sp * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+#pragma unroll
+                for (u32 j = 0; j < 8u; j++) {
+                    const u32 sp = s0 + j * groups;
+                    if (sp < used) {
+                        const float f = f_s[sp];
+                        a.x = fmaf(v[j].x, f, a.x);
+                        a.y = fmaf(v[j].y, f, a.y);
+                        a.z = fmaf(v[j].z, f, a.z);
+                        a.w = fmaf(v[j].w, f, a.w);
+                    }
                 }
             }
+            sum_s[grp * quads + q] = a;
         }
-        amma_write_pair(out + (row0 + hb + hl) * d, c, x * hf_s[hl], y * hf_s[hl], p, inv_freq, d, rope_half);
+        __syncthreads();
+        if (threadIdx.x < quads) {
+            float4 a = sum_s[threadIdx.x];
+            for (u32 g2 = 1u; g2 < groups; g2++) {
+                const float4 b = sum_s[g2 * quads + threadIdx.x];
+                a.x += b.x;
+                a.y += b.y;
+                a.z += b.z;
+                a.w += b.w;
+            }
+            const float f = head_f;
+            u16* dst = out + row * d;
+            const u32 c = c0 + 4u * threadIdx.x;
+            amma_write_pair(dst, c, a.x * f, a.y * f, p, inv_freq, d, rope_half);
+            amma_write_pair(dst, c + 2u, a.z * f, a.w * f, p, inv_freq, d, rope_half);
+        }
     }
     // Every block has passed the wait once all have left: the last one resets the counters.
     __syncthreads();
