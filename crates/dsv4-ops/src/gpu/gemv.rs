@@ -108,9 +108,10 @@ pub mod tuning {
 
     /// In an attention launch of fewer than 17 tokens (decode), a token that sees at least
     /// this many keys runs on tensor cores (`attention_mma`, its keys split over blocks that
-    /// fill the SMs; about 60 µs for 64 heads over 8k keys on an H100, against 120 on CUDA
-    /// cores, and about 40 against 20 over 640), where its block fits the GPU's shared
-    /// memory. Default 2048; 0 takes every token there, `usize::MAX` none.
+    /// fill the SMs; on an H100 about 47 µs for 64 heads over 8k keys against 120 on CUDA
+    /// cores, and slower than them over 1,152: bench4 after 128k positions 1.054 ms/token with
+    /// 2048, 1.086 with 1024), where its block fits the GPU's shared memory. Default 2048; 0
+    /// takes every token there, `usize::MAX` none.
     pub fn set_attention_mma_keys(keys: usize) {
         ATTENTION_MMA_KEYS.store(keys, Ordering::Relaxed);
     }
