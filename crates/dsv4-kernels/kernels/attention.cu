@@ -541,6 +541,18 @@ __device__ __forceinline__ void fold_half(float* v, u32 lane) {
     }
 }
 
+// The first position of token t's chunk; a batch's token t is a chunk of one, at pos[t]: its
+// key is row t of kv, its ring and entries slice t (the pointers are moved there).
+__device__ __forceinline__ u32 att_token(u32 t, const u32* __restrict__ pos, u32 batch, u32 d, u32 wsize, u32 cap,
+                                         const float* __restrict__& kv, const float* __restrict__& window,
+                                         const float* __restrict__& entries) {
+    if (!batch) return pos[0];
+    kv += (u64)t * d;
+    window += (u64)t * wsize * d;
+    entries += (u64)t * cap * d;
+    return pos[t];
+}
+
 // Key j of token t (at p; the chunk starts at pos0): window position p + 1 - n_w + j from the
 // chunk's kv or the ring, else compressed entry j - n_w (mode 1) or the selected id (mode 2),
 // null when that selection slot holds none (-1 or an id >= cap).
@@ -600,14 +612,8 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     __shared__ u32 last_s;
     const u32 t = blockIdx.y;
     const u32 splits = gridDim.z, split = blockIdx.z;
-    // A batch's token t is a chunk of one: its key is row t of kv, its ring and entries slice t.
-    const u32 pos0 = batch ? pos[t] : pos[0];
+    const u32 pos0 = att_token(t, pos, batch, d, wsize, cap, kv, window, entries);
     const u32 p = batch ? pos0 : pos0 + t;
-    if (batch) {
-        kv += (u64)t * d;
-        window += (u64)t * wsize * d;
-        entries += (u64)t * cap * d;
-    }
     const u32 n_w = min(p + 1u, wsize);
     // Visible entries; a selection holds its ids in its first min(k, visible) slots.
     const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
@@ -957,14 +963,8 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const u32 q_lo = AMMA_HEADS * ld, k_lo = AMMA_KEYS * ld;
     const u32 t = blockIdx.y, h0 = blockIdx.x * AMMA_HEADS;
     const u32 hv = min(AMMA_HEADS, heads - h0);
-    // A batch's token t is a chunk of one: its key is row t of kv, its ring and entries slice t.
-    const u32 pos0 = batch ? pos[t] : pos[0];
+    const u32 pos0 = att_token(t, pos, batch, d, wsize, cap, kv, window, entries);
     const u32 p = batch ? pos0 : pos0 + t;
-    if (batch) {
-        kv += (u64)t * d;
-        window += (u64)t * wsize * d;
-        entries += (u64)t * cap * d;
-    }
     const u32 n_w = min(p + 1u, wsize);
     const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
     const u32 n = n_w + (mode == 2u ? min(k, n_vis) : n_vis);

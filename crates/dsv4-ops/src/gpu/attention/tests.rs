@@ -1080,27 +1080,25 @@ mod gpu {
 
     /// As [`assert_close`], for a BF16 result of `want`: also half a BF16 step of |want| off.
     fn assert_close_bf16(what: &str, got: &[f32], want: &[f32], rel: f32) {
+        assert_within_bf16_steps(what, got, want, rel, 0.5);
+    }
+
+    /// Two BF16 roundings of sums that agree within `rel` of the largest |want|: within that
+    /// and one BF16 step of |want| (a rounding boundary may fall between them).
+    fn assert_bf16_results_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
+        assert_within_bf16_steps(what, got, want, rel, 1.0);
+    }
+
+    /// Every element of `got` within `rel` of the largest |want| and `steps` BF16 steps of
+    /// |want| (a step: |want| / 128) of `want`.
+    fn assert_within_bf16_steps(what: &str, got: &[f32], want: &[f32], rel: f32, steps: f32) {
         assert_eq!(got.len(), want.len(), "{what}: length");
         let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            let bound = rel * scale + w.abs() / 256.0;
+            let bound = rel * scale + w.abs() * steps / 128.0;
             assert!(
                 (g - w).abs() <= bound,
                 "{what}: element {i}: got {g}, want {w} (bound {bound})"
-            );
-        }
-    }
-
-    /// Two BF16 roundings of sums that agree within `rel` of the largest |b|: within that and
-    /// one BF16 step of |b| (a rounding boundary may fall between them).
-    fn assert_bf16_results_close(what: &str, a: &[f32], b: &[f32], rel: f32) {
-        assert_eq!(a.len(), b.len(), "{what}: length");
-        let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            let bound = rel * scale + y.abs() / 128.0;
-            assert!(
-                (x - y).abs() <= bound,
-                "{what}: element {i}: {x} against {y} (bound {bound})"
             );
         }
     }
