@@ -488,14 +488,7 @@ mod gpu {
 
     /// |got − want| ≤ rel · max |want| (and no NaN).
     fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
-        assert_eq!(got.len(), want.len(), "{what}: length");
-        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!(
-                (g - w).abs() <= rel * scale,
-                "{what}: element {i}: got {g}, want {w} (bound {rel} × {scale})"
-            );
-        }
+        assert_within_bf16_steps(what, got, want, rel, 0.0);
     }
 
     #[test]
