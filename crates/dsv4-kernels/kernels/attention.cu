@@ -946,7 +946,7 @@ __device__ __forceinline__ void amma_write_pair(u16* dst, u32 c, float x, float 
 }
 
 // Dynamic shared memory: queries [2][64][d + 8] f16 (hi, lo), keys [2][32][d + 8] f16,
-// scores [64][33] f32; the merge's split factors and denominators after the keys.
+// scores [64][33] f32; the split merge's factors and group sums in the keys' place.
 DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
     const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
