@@ -20,9 +20,9 @@
 //   order that takes the lowest indices among the keys equal to the threshold; one block per
 //   token, or past a block's shared memory a cluster of blocks, each on a slice of the entries.
 // - attention_heads: sink softmax over the window ∪ compressed keys (K = V) for four heads of
-//   one token per block, the token's keys split over several blocks when few blocks would run;
-//   8 warps take interleaved keys with an online softmax each, the warps' and then the splits'
-//   states merge in a fixed order (so the result does not depend on timing), and the output is
+//   one token per block, the token's keys split over a cluster of blocks when few blocks would
+//   run; 8 warps take interleaved keys with an online softmax each, the warps' and then (over
+//   the cluster's shared memory) the splits' states merge in a fixed order (so the result does not depend on timing), and the output is
 //   rotated back and written in bf16.
 // - attention_mma: the same on tensor cores, a block per token and 64 heads: a prompt chunk's
 //   tokens, and a decode token that sees many keys (split over blocks that meet in the launch).
@@ -334,28 +334,6 @@ __device__ __forceinline__ u32 order_key(float x) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Cluster-wide barrier (all threads of every block of the cluster; a launch without clusters
-// is a cluster of one block), ordering shared-memory writes before the reads after it.
-__device__ __forceinline__ void sel_cluster_sync() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __syncthreads();
-#endif
-}
-
-// The u32 at `p` (this block's shared memory) in block `rank` of the cluster.
-__device__ __forceinline__ u32 sel_peer(const u32* p, u32 rank) {
-#if __CUDA_ARCH__ >= 900
-    u32 a, v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
-    return v;
-#else
-    return *p;
-#endif
-}
-
 // selected[t, :] = the k largest of scores[t, 0..n_vis) in ascending index order (ties to
 // the lowest index), -1 past n_vis when n_vis < k. One cluster of gridDim.y blocks per token
 // (gridDim.y = 1: one block): block r takes the r-th of gridDim.y contiguous slices of the
@@ -416,7 +394,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
             for (u32 j = 0; j < SEL_BATCH; j++)
                 if (i0 + j * blockDim.x < m && (kk[j] & mask) == prefix) atomicAdd(&hist[(kk[j] >> shift) & 255u], 1u);
         }
-        sel_cluster_sync();  // every block's histogram is complete
+        cluster_sync();  // every block's histogram is complete
         // Warp 0 finds the bin holding the krem-th largest key: lane l takes bins 255 - 8l - j
         // (j = 0..7, descending), summed over the cluster's blocks; a scan over the lanes
         // counts the keys above each lane's bins.
@@ -425,15 +403,10 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 #pragma unroll
             for (u32 j = 0; j < 8u; j++) {
                 c[j] = 0u;
-                for (u32 r = 0; r < parts; r++) c[j] += sel_peer(&hist[255u - 8u * lane - j], r);
+                for (u32 r = 0; r < parts; r++) c[j] += cluster_peer(&hist[255u - 8u * lane - j], r);
                 sum += c[j];
             }
-            u32 incl = sum;
-#pragma unroll
-            for (u32 o = 1u; o < 32u; o <<= 1) {
-                const u32 v = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += v;
-            }
+            const u32 incl = warp_inclusive_sum(sum);
             u32 above = incl - sum;
             bool found = !(above < krem && krem <= incl);
 #pragma unroll
@@ -446,7 +419,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
                 above += c[j];
             }
         }
-        sel_cluster_sync();  // every block has read the histograms before any clears its own
+        cluster_sync();  // every block has read the histograms before any clears its own
         prefix = sh_prefix;
         krem = sh_krem;
         mask |= 255u << shift;
@@ -479,12 +452,12 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
         total_gt = gt_s[SEL_THREADS - 1u];
         total_eq = eq_s[SEL_THREADS - 1u];
     }
-    sel_cluster_sync();
+    cluster_sync();
     // The counts of the blocks before this one (earlier indices).
     u32 gt_before = 0u, eq_before = 0u;
     for (u32 r = 0; r < rank; r++) {
-        gt_before += sel_peer(&total_gt, r);
-        eq_before += sel_peer(&total_eq, r);
+        gt_before += cluster_peer(&total_gt, r);
+        eq_before += cluster_peer(&total_eq, r);
     }
     u32 eq_seen = eq_before + eq_s[threadIdx.x] - eq;
     u32 slot = gt_before + gt_s[threadIdx.x] - gt + min(eq_seen, krem);
@@ -499,7 +472,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
             if (take) out[slot++] = (int)(first + i0 + j);
         }
     }
-    sel_cluster_sync();  // no block leaves while a later one may still read its counts
+    cluster_sync();  // no block leaves while a later one may still read its counts
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -511,7 +484,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 #define ATT_HEADS 4u    // heads a block handles
 #define ATT_MAX_CPL 16u  // channels a lane holds: d <= 512
 
-#define ATT_MAX_SPLITS 64u
+#define ATT_MAX_SPLITS 16u
 #define ATT_BATCH 4u  // keys a warp scores at once
 
 // n softmax states (maxima m[i * stride], denominators l[i * stride]) brought to their common
@@ -569,15 +542,15 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
     return id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
 }
 
-// Block (x, t, s): heads [4x, 4x + 4) ∩ [0, heads) of token t at p = pos[0] + t (a batch's: at
-// pos[t], over its own sequence's keys), over split s
-// of the token's keys (always four heads' arithmetic, so their chains interleave; missing
+// Block (x, s, t): heads [4x, 4x + 4) ∩ [0, heads) of token t at p = pos[0] + t (a batch's: at
+// pos[t], over its own sequence's keys), over split s of the token's keys (always four heads' arithmetic, so their chains interleave; missing
 // heads get zero queries and write nothing). Keys j in order: the window positions
 // max(0, p - W + 1) ..= p (from this chunk's kv when >= pos[0], else from the ring slot
 // position % W), then the compressed keys: mode 1 every visible entry
 // [0, min((p + 1) / ratio, cap)), mode 2 the ids in the first min(k, that count) slots of
 // selected[t] (-1 or an id >= cap: none; index_select leaves -1 in the slots past them).
-// The n keys are cut into S = gridDim.z consecutive splits of ceil(n / S). Dynamic shared
+// The n keys are cut into S = gridDim.y consecutive splits of ceil(n / S), the S blocks of
+// (x, t) one cluster (S <= 16). Dynamic shared
 // memory: 8 · ring · 4 · d floats, each warp's ring of buffers of four keys (two where the
 // GPU's shared memory holds them), later the warps' states (8 · 4 · d). Warp w takes its
 // split's keys w, w + 8, ... four at a time: the next four copy into a buffer while it scores
@@ -585,18 +558,15 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 // (head, key) dot products are summed over the warp together, and each head's running max,
 // sum and weighted values are updated once (FMAs, a fixed order). The warps' states then merge
 // through shared memory, summed in warp order.
-// With S > 1 each block writes its split's state to `part` ([t][h][s][d] sums, [t][h][s][2]
-// max and denominator) and the last block of (x, t) to arrive (counted in counters[t, x], which
-// it sets back to 0 for the next launch) merges the S states in split order. So the result
-// depends on S but not on timing. Then the sink joins the denominator, the output is rotated
+// Then the cluster merges the S states in split order through distributed shared memory, each
+// block writing a share of the channels: the sink joins the denominator, the output is rotated
 // back (inverse RoPE at p on the last 2 rope_half channels of each head) and written as bf16.
 // A token with mma_from keys or more is left to attention_mma (launched after this kernel).
 DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
     const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
-    const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    u32* __restrict__ counters, u16* __restrict__ out, u32 ring, u32 batch, u32 mma_from) {
+    const float* __restrict__ inv_freq, u32 rope_half, u16* __restrict__ out, u32 ring, u32 batch, u32 mma_from) {
     const u32 h0 = blockIdx.x * ATT_HEADS;
     const u32 hv = min(ATT_HEADS, heads - h0);  // heads this block writes
     // The heads' sinks and the rotation's frequencies (weights) before the wait.
@@ -605,13 +575,12 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     for (u32 i = threadIdx.x; i < rope_half; i += blockDim.x) freq_s[i] = inv_freq[i];
     pdl_enter();
     __shared__ __align__(16) float q_s[ATT_HEADS * ATT_MAX_CPL * 32u];
-    __shared__ float acc_s[ATT_HEADS * ATT_MAX_CPL * 32u];
+    __shared__ __align__(16) float acc_s[ATT_HEADS * ATT_MAX_CPL * 32u];
     __shared__ float m_s[ATT_HEADS], l_s[ATT_HEADS];
     __shared__ float wm_s[ATT_WARPS][ATT_HEADS], wl_s[ATT_WARPS][ATT_HEADS];
     extern __shared__ __align__(16) float stage[];  // [ATT_WARPS][ring][ATT_BATCH][d] keys, then [ATT_WARPS][ATT_HEADS][d]
-    __shared__ u32 last_s;
-    const u32 t = blockIdx.y;
-    const u32 splits = gridDim.z, split = blockIdx.z;
+    const u32 t = blockIdx.z;
+    const u32 splits = gridDim.y, split = blockIdx.y;
     const u32 pos0 = att_token(t, pos, batch, d, wsize, cap, kv, window, entries);
     const u32 p = batch ? pos0 : pos0 + t;
     const u32 n_w = min(p + 1u, wsize);
@@ -775,91 +744,51 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         acc_s[i] = a;
     }
     __syncthreads();
-    if (splits > 1u) {
-        // This split's state out; the last block of (x, t) to finish merges every split's.
-        const u64 row0 = (u64)t * heads + h0;  // (token, head) row of the block's first head
-        for (u32 i = threadIdx.x; i < hv * d; i += blockDim.x)
-            part_acc[((row0 + i / d) * splits + split) * d + i % d] = acc_s[i];
-        if (threadIdx.x < hv) {
-            float* ml = part_ml + ((row0 + threadIdx.x) * splits + split) * 2u;
-            ml[0] = m_s[threadIdx.x];
-            ml[1] = l_s[threadIdx.x];
-        }
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0u) {
-            u32* counter = counters + (u64)t * gridDim.x + blockIdx.x;
-            last_s = atomicAdd(counter, 1u) == splits - 1u;
-            if (last_s) *counter = 0u;
-        }
-        __syncthreads();
-        if (!last_s) return;
-        __threadfence();
-        // Each split's factor to the common maximum, then the sums in split order. The reads
-        // go to L2 (the other blocks' writes are not in this SM's L1), many in flight at once.
-        __shared__ float f_s[ATT_HEADS][ATT_MAX_SPLITS], den_s[ATT_HEADS][ATT_MAX_SPLITS];
-        for (u32 i = threadIdx.x; i < hv * splits; i += blockDim.x) {
-            const float* ml = part_ml + ((row0 + i / splits) * splits + i % splits) * 2u;
-            f_s[i / splits][i % splits] = __ldcg(ml);
-            den_s[i / splits][i % splits] = __ldcg(ml + 1);
-        }
-        __syncthreads();
-        if (threadIdx.x < hv) {
-            const u32 h = threadIdx.x;
-            to_common_max(f_s[h], den_s[h], splits, 1u, m_s[h], l_s[h]);
-        }
-        __syncthreads();
-        // Four channels a thread (d is a multiple of 32), eight splits' loads at a time.
-        for (u32 i = 4u * threadIdx.x; i < hv * d; i += 4u * blockDim.x) {
-            const u32 h = i / d;
-            const float4* src = reinterpret_cast<const float4*>(part_acc + (row0 + h) * splits * d + i % d);
-            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (u32 s0 = 0; s0 < splits; s0 += 8u) {
-                float4 v[8];
-#pragma unroll
-                for (u32 k = 0; k < 8u; k++)
-                    v[k] = s0 + k < splits ? __ldcg(src + (u64)(s0 + k) * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                for (u32 k = 0; k < 8u; k++) {
-                    if (s0 + k < splits) {
-                        const float f = f_s[h][s0 + k];
-                        a.x = __fadd_rn(a.x, __fmul_rn(v[k].x, f));
-                        a.y = __fadd_rn(a.y, __fmul_rn(v[k].y, f));
-                        a.z = __fadd_rn(a.z, __fmul_rn(v[k].z, f));
-                        a.w = __fadd_rn(a.w, __fmul_rn(v[k].w, f));
-                    }
-                }
-            }
-            acc_s[i] = a.x;
-            acc_s[i + 1u] = a.y;
-            acc_s[i + 2u] = a.z;
-            acc_s[i + 3u] = a.w;
-        }
-        __syncthreads();
-    }
-    // The sink: a zero-valued key of logit sink[h] (it may exceed every score). Each head's
-    // factor to the common maximum replaces m_s[h], its denominator l_s[h].
-    if (threadIdx.x < hv) {
+    // The splits' states merge over the cluster (the blocks of (x, t), rank = split), read from
+    // each block's shared memory: every block brings the S states to their common maximum in
+    // split order, then takes every S-th channel pair of its heads, summing the splits' scaled
+    // sums in split order. So the result depends on S but not on timing.
+    cluster_sync();  // every split's state is complete
+    __shared__ float f_s[ATT_HEADS][ATT_MAX_SPLITS], fl_s[ATT_HEADS][ATT_MAX_SPLITS], mx_s[ATT_HEADS],
+        den_s[ATT_HEADS];
+    if (threadIdx.x < ATT_HEADS) {
         const u32 h = threadIdx.x;
-        const float mo = m_s[h], sk = sink_s[h];
+        for (u32 r = 0; r < splits; r++) {
+            f_s[h][r] = cluster_peer(&m_s[h], r);
+            fl_s[h][r] = cluster_peer(&l_s[h], r);
+        }
+        float mo, lo;
+        to_common_max(f_s[h], fl_s[h], splits, 1u, mo, lo);
+        // The sink: a zero-valued key of logit sink[h] (it may exceed every score). mx_s[h]
+        // gets the heads' factor to the maximum with it, den_s[h] the denominator.
+        const float sk = h < hv ? sink_s[h] : 0.0f;
         const float mf = fmaxf(mo, sk);
         const float a = mo == mf ? 1.0f : expf(__fsub_rn(mo, mf));
-        m_s[h] = a;
-        l_s[h] = __fadd_rn(__fmul_rn(l_s[h], a), expf(__fsub_rn(sk, mf)));
+        mx_s[h] = a;
+        den_s[h] = __fadd_rn(__fmul_rn(lo, a), expf(__fsub_rn(sk, mf)));
     }
     __syncthreads();
-    for (u32 i = threadIdx.x; i < hv * d; i += blockDim.x) {
-        const u32 h = i / d;
-        acc_s[i] = __fdiv_rn(__fmul_rn(acc_s[i], m_s[h]), l_s[h]);
+    // Pair i of the block's heads (channels 2i and 2i + 1 of head i / (d / 2)), for the split's
+    // contiguous share of the pairs. Rotated back to the token's position (as rope_rows with
+    // sign -1) on the last rope_half pairs of a head.
+    const u32 half_d = d / 2u, share = (hv * half_d + splits - 1u) / splits;
+    const u32 i_end = min(hv * half_d, (split + 1u) * share);
+    for (u32 i = split * share + threadIdx.x; i < i_end; i += blockDim.x) {
+        const u32 h = i / half_d, c = 2u * (i % half_d);
+        float v[2] = {0.0f, 0.0f};
+        for (u32 r = 0; r < splits; r++) {
+            const float2 x = cluster_peer(reinterpret_cast<const float2*>(acc_s + h * d + c), r);
+            const float f = f_s[h][r];
+            v[0] = __fadd_rn(v[0], __fmul_rn(x.x, f));
+            v[1] = __fadd_rn(v[1], __fmul_rn(x.y, f));
+        }
+#pragma unroll
+        for (u32 e = 0; e < 2u; e++) v[e] = __fdiv_rn(__fmul_rn(v[e], mx_s[h]), den_s[h]);
+        if (c >= d - 2u * rope_half) rope_pair(v, p, freq_s[(c - (d - 2u * rope_half)) / 2u], -1.0f);
+        const u32 packed = (u32)f32_to_bf16(v[0]) | ((u32)f32_to_bf16(v[1]) << 16);
+        *reinterpret_cast<u32*>(out + ((u64)t * heads + h0) * d + h * d + c) = packed;
     }
-    __syncthreads();
-    // Rotated back to the token's position, as rope_rows with sign -1.
-    for (u32 i = threadIdx.x; i < hv * rope_half; i += blockDim.x) {
-        const u32 h = i / rope_half, pr = i % rope_half;
-        rope_pair(acc_s + h * d + d - 2u * rope_half + 2u * pr, p, freq_s[pr], -1.0f);
-    }
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < hv * d; i += blockDim.x) out[((u64)t * heads + h0) * d + i] = f32_to_bf16(acc_s[i]);
+    cluster_sync();  // no block leaves while another may still read its state
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1190,8 +1119,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         if (warp == 0u) {
             float mx = NEG_INF;
             for (u32 i = lane; i < used; i += 32u) mx = fmaxf(mx, __ldcg(part_ml + (row * splits + i) * 2u));
-#pragma unroll
-            for (u32 o = 16u; o > 0u; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            mx = warp_max(mx);
             float den = 0.0f;
             for (u32 i = lane; i < used; i += 32u) {
                 const float* ml = part_ml + (row * splits + i) * 2u;
@@ -1200,8 +1128,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                 f_s[i] = f;
                 den = fmaf(__ldcg(ml + 1), f, den);
             }
-#pragma unroll
-            for (u32 o = 16u; o > 0u; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+            den = warp_sum(den);
             if (lane == 0u) head_f = amma_factor(mx, den, sink[h0 + h]);
         }
         __syncthreads();

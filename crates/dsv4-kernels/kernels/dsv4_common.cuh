@@ -120,6 +120,17 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Inclusive prefix sum over the lanes: lane l returns v of lanes 0..=l summed.
+__device__ __forceinline__ u32 warp_inclusive_sum(u32 v) {
+    const u32 lane = threadIdx.x & 31u;
+#pragma unroll
+    for (u32 o = 1u; o < 32u; o <<= 1) {
+        const u32 n = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += n;
+    }
+    return v;
+}
+
 // Sum over the block in a fixed order (warp butterflies, then warp 0 over the warp sums).
 // Every thread returns the total. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
@@ -212,6 +223,48 @@ __device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+
+// ---- thread-block clusters (sm_90+; elsewhere, and in a launch without clusters, a block is
+// a cluster of one) ----
+
+// Cluster-wide barrier (all threads of every block of the cluster), ordering shared-memory
+// writes before the reads after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+
+// The u32, float or float2 at `p` (this block's shared memory) in block `rank` of the cluster.
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ u32 cluster_addr(const void* p, u32 rank) {
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    return a;
+}
+__device__ __forceinline__ u32 cluster_peer(const u32* p, u32 rank) {
+    u32 v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(p, rank)) : "memory");
+    return v;
+}
+__device__ __forceinline__ float cluster_peer(const float* p, u32 rank) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
+    return v;
+}
+__device__ __forceinline__ float2 cluster_peer(const float2* p, u32 rank) {
+    float2 v;
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(cluster_addr(p, rank)) : "memory");
+    return v;
+}
+#else
+template <class T>
+__device__ __forceinline__ T cluster_peer(const T* p, u32) {
+    return *p;
+}
+#endif
 
 // Both, at the top of a kernel that has nothing to read before its predecessor ends.
 __device__ __forceinline__ void pdl_enter() {

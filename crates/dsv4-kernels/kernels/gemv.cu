@@ -156,7 +156,7 @@ __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {
     pdl_wait();
     pdl_launch_dependents();
     if (PS) stage_prescaled<SWIGLU>(xs, a.x_stride, x_block, k0, k1 - k0, s0, s1);
-    else if (staged) stage_rows(xs, a.x_stride, x_block + k0, a.x_ld, a.m, k1 - k0);
+    else if (staged) stage_rows(xs, a.x_stride, [&](u32 r) { return x_block + k0 + (u64)r * a.x_ld; }, a.m, k1 - k0);
     if (!live && G == 1) return;
 
     float acc[MT][4];

@@ -118,15 +118,7 @@ __device__ __forceinline__ void gate_up(const MoeArgs& a) {
     const u32 j0 = sub_begin(steps * kpart / G), j1 = sub_end(L, steps * (kpart + 1) / G);
     Ring<F> ring;
     if (j0 < j1) ring_load<F>(L, j0, j1, ring);
-    if (staged) {
-        const u32 per_row = a.d / 8;
-        for (u32 i = threadIdx.x; i < cols * per_row; i += blockDim.x) {
-            const u32 row = i / per_row, k = (i % per_row) * 8;
-            cp_async16(xs + (u64)row * a.d + k, a.x + (u64)nth_set_bit(mask, c0 + row) * a.d + k);
-        }
-        asm volatile("cp.async.wait_all;" ::: "memory");
-        __syncthreads();
-    }
+    if (staged) stage_rows(xs, a.d, [&](u32 row) { return a.x + (u64)nth_set_bit(mask, c0 + row) * a.d; }, cols, a.d);
     if (!live && G == 1) return;
     float acc[1][4];
     zero(acc);
@@ -235,11 +227,7 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             u32 carry = 0;
             for (u32 b = 0; b < distinct; b += 32) {
                 const u32 r = b + lane;
-                u32 v = r < distinct ? (__popc(rmask[r]) + COLS - 1) / COLS : 0u;
-                for (u32 off = 1; off < 32; off <<= 1) {
-                    const u32 n = __shfl_up_sync(0xffffffffu, v, off);
-                    if (lane >= off) v += n;
-                }
+                const u32 v = warp_inclusive_sum(r < distinct ? (__popc(rmask[r]) + COLS - 1) / COLS : 0u);
                 if (r < distinct) unit0[r + 1] = carry + v;
                 carry += __shfl_sync(0xffffffffu, v, 31);
             }
@@ -328,7 +316,7 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
             build_token_table();
             pdl_wait();
             pdl_launch_dependents();
-            if (staged) stage_rows(hs, a.inter, a.h, a.inter, pairs, a.inter);
+            if (staged) stage_rows(hs, a.inter, [&](u32 r) { return a.h + (u64)r * a.inter; }, pairs, a.inter);
         }
         // Each item's loads are issued while the previous item is computed (the ring).
 #pragma unroll 1

@@ -104,6 +104,10 @@ pub mod tuning {
     /// (one otherwise; the same bits either way).
     pub static ATTENTION_DOUBLE_BUFFER: Switch = Switch::on();
 
+    /// `attention_heads` splits a decode token's keys over a cluster of blocks that fill the
+    /// SMs (sm_90 and later; one block a token and head group otherwise, other rounding).
+    pub static ATTENTION_SPLITS: Switch = Switch::on();
+
     static ATTENTION_MMA_KEYS: AtomicUsize = AtomicUsize::new(2048);
 
     /// In an attention launch of fewer than 17 tokens (decode), a token that sees at least

@@ -530,18 +530,19 @@ const PORTABLE_SELECT_SLICES: usize = 8;
 const SELECT_SLICE_KEYS: usize = 4096;
 
 /// Heads an `attention_heads` block takes, keys a warp scores at once, and most splits of a
-/// token's keys (kernel constants).
+/// token's keys (kernel constants; the splits of a token are one cluster, at most the 16
+/// blocks sm_90 allows).
 const ATT_HEADS: usize = 4;
 const ATT_BATCH: usize = 4;
-const ATT_MAX_SPLITS: usize = 64;
+const ATT_MAX_SPLITS: usize = 16;
 /// Fewest keys a split is cut for (two per warp).
 const MIN_SPLIT_KEYS: usize = 16;
 
-/// Scratch of the attention split over several blocks per (token, head group): each split's
-/// partial state per (token, head) row, and one arrival counter per (token, head group),
+/// Scratch of the tensor-core decode attention split over several blocks per (token, head
+/// block): each split's partial state per (token, head) row, and arrival counters,
 /// which must start at zero (as the pool and [`Device::alloc`] give it) and which a completed
 /// launch leaves at zero (after a device error, zero it again). Room for `rows` (token, head,
-/// split) triples; `rows = 0` never splits. The sums are read as 16-byte vectors: `acc` must
+/// split) triples; `rows = 0` never splits there. The sums are read as 16-byte vectors: `acc` must
 /// start on a 16-byte boundary.
 pub struct AttentionSplits {
     /// `[rows, d]` weighted value sums.
@@ -559,21 +560,13 @@ impl AttentionSplits {
     }
 }
 
-/// Splits of each token's keys: as many as keep every block in one wave (a block fills an
-/// SM's registers), each split at least [`MIN_SPLIT_KEYS`] of the most keys a token may see,
-/// within the scratch's room.
-fn choose_splits(
-    sms: usize,
-    blocks: usize,
-    max_keys: usize,
-    rows_per_split: usize,
-    room: usize,
-) -> usize {
+/// Splits of each token's keys in `attention_heads`: as many as keep every block in one wave
+/// (a block fills an SM's registers), each split at least [`MIN_SPLIT_KEYS`] of the most keys a
+/// token may see, at most [`ATT_MAX_SPLITS`].
+fn choose_splits(sms: usize, blocks: usize, max_keys: usize) -> usize {
     (sms / blocks.max(1))
         .min(max_keys / MIN_SPLIT_KEYS)
-        .min(ATT_MAX_SPLITS)
-        .min(room / rows_per_split.max(1))
-        .max(1)
+        .clamp(1, ATT_MAX_SPLITS)
 }
 
 /// Launches of at least this many tokens (a prompt chunk) run on tensor cores (f16 pairs).
@@ -595,10 +588,10 @@ const MMA_KEYS: usize = 32;
 /// and each product as three MMAs (about 22 significant bits), the sums in f32: queries and
 /// keys must lie inside f16's range (|x| < 65504), as the model's RMS-normalised ones do. In a
 /// launch of fewer tokens (decode), each token's keys are split over blocks that fill the SMs
-/// (`splits` holds their partial states; the split count depends on the device and the
-/// shapes only, so a captured launch replays at any position); a token that sees at least
-/// [`tuning::attention_mma_keys`] keys (decided on the device) runs on the MMAs, the others on
-/// CUDA cores with exact f32 products.
+/// (the split count depends on the device and the shapes only, so a captured launch replays at
+/// any position); a token that sees at least [`tuning::attention_mma_keys`] keys (decided on
+/// the device) runs on the MMAs, its splits' partial states in `splits`, the others on CUDA
+/// cores with exact f32 products, their splits merged in shared memory.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     dev: &Device,
@@ -784,8 +777,13 @@ pub fn attention(
     // the stream, so they never share the split scratch at once.
     if mma_from > 0 {
         let groups = heads.div_ceil(ATT_HEADS);
-        // Each key load serves four heads; splits fill the SMs.
-        let s = choose_splits(dev.sm_count(), t * groups, max_keys, t * heads, room);
+        // Each key load serves four heads; splits fill the SMs. A token's splits are one
+        // cluster: fewer where the GPU has no clusters or cannot hold all of them at once.
+        let mut s = if dev.arch().has_clusters() && tuning::ATTENTION_SPLITS.get() {
+            choose_splits(dev.sm_count(), t * groups, max_keys)
+        } else {
+            1
+        };
         // Each of the 8 warps' ring of buffers of ATT_BATCH keys, later their states of
         // ATT_HEADS heads, in shared memory (the first launch opts the kernel in past 48 KiB):
         // two buffers where they fit (H100, bench4 after 1M positions: 1.895 ms/token with
@@ -810,30 +808,27 @@ pub fn attention(
                 ),
             ));
         }
+        while s > 1
+            && (dev.resident_clusters("attention_heads", 256, stage_bytes as u32, s as u32)?
+                as usize)
+                < t * groups
+        {
+            s -= 1;
+        }
         let cfg = LaunchConfig {
             grid_dim: (
                 dim_u32("head groups", groups)?,
-                tokens,
                 dim_u32("splits", s)?,
+                tokens,
             ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: stage_bytes as u32,
         };
-        // SAFETY: above; with s > 1, t·heads·s <= room rows of the split sums [room, d]
-        // (16-byte aligned; d % 4 == 0) and stats [room, 2], and t·ceil(heads / 4) <= room
-        // counters.
-        unsafe {
-            launch(dev, "attention_heads", cfg, |b| {
-                common(b);
-                b.ptr(&splits.acc)
-                    .ptr(&splits.stats)
-                    .ptr(&splits.counters)
-                    .ptr(out)
-                    .arg(ring as u32)
-                    .arg(batch)
-                    .arg(mma_from);
-            })?;
-        }
+        let mut args = Args::new();
+        common(&mut args);
+        args.ptr(out).arg(ring as u32).arg(batch).arg(mma_from);
+        // SAFETY: above; clusters of s <= 16 blocks only where the device holds them.
+        unsafe { launch::launch_clustered(dev, "attention_heads", cfg, &args, s as u32) }?;
     }
     if mma_from == u32::MAX {
         return Ok(());

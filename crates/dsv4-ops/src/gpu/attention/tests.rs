@@ -410,19 +410,17 @@ fn csa_entry_pools_previous_a_half_and_current_b_half() {
 }
 
 #[test]
-fn attention_splits_fill_one_wave_within_the_keys_and_the_scratch() {
+fn attention_splits_fill_one_wave_within_the_keys() {
     // Flash decode: 16 head groups on 132 SMs, a CSA token's 128 + 512 keys.
-    assert_eq!(choose_splits(132, 16, 640, 64, 1024), 8);
+    assert_eq!(choose_splits(132, 16, 640), 8);
     // An HCA token early in the context: 128 + 8 keys, 8 splits of 17; a short window alone.
-    assert_eq!(choose_splits(132, 16, 136, 64, 1024), 8);
-    assert_eq!(choose_splits(132, 16, 40, 64, 1024), 2);
-    // A prefill chunk already fills the GPU; no scratch; few keys; little room.
-    assert_eq!(choose_splits(132, 256, 640, 1024, 16384), 1);
-    assert_eq!(choose_splits(132, 16, 640, 64, 0), 1);
-    assert_eq!(choose_splits(132, 1, 20, 4, 1024), 1);
-    assert_eq!(choose_splits(132, 16, 640, 64, 200), 3);
-    // Never past the kernel's limit.
-    assert_eq!(choose_splits(1000, 1, 1 << 20, 1, 1 << 20), ATT_MAX_SPLITS);
+    assert_eq!(choose_splits(132, 16, 136), 8);
+    assert_eq!(choose_splits(132, 16, 40), 2);
+    // A prefill chunk already fills the GPU; few keys.
+    assert_eq!(choose_splits(132, 256, 640), 1);
+    assert_eq!(choose_splits(132, 1, 20), 1);
+    // Never past a cluster's 16 blocks.
+    assert_eq!(choose_splits(1000, 1, 1 << 20), ATT_MAX_SPLITS);
 }
 
 // ---- GPU ----
@@ -969,11 +967,14 @@ mod gpu {
             ..
         } = case.s;
         {
-            // Unsplit (no scratch), split as the device chooses, and split again over the
-            // counters the previous launch left (they must be back at zero).
+            // Unsplit (no scratch, no cluster), split as the device chooses, and split again
+            // over the counters the previous launch left (they must be back at zero).
             let mut splits = scratch(dev, 0, d);
             let mut big = scratch(dev, SPLIT_ROWS, d);
+            let cluster = &crate::gpu::gemv::tuning::ATTENTION_SPLITS;
+            cluster.set(false);
             let unsplit = case.run(dev, &mut splits, None);
+            cluster.set(true);
             case.check("unsplit", &unsplit, rel);
             let split = case.run(dev, &mut big, None);
             case.check("split", &split, rel);
