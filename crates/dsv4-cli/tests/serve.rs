@@ -301,6 +301,18 @@ fn serves_chat_and_completions_streaming_or_whole() {
     );
     assert!(s.metric("dsv4_generation_tokens_total") >= 60.0);
     assert!(s.metric("dsv4_time_to_first_token_seconds_count") >= 8.0);
+    // Every decode step's host time is observed, each launch of a next step's gap too.
+    let steps = s.metric("dsv4_decode_step_host_seconds_count");
+    let host = s.metric("dsv4_decode_step_host_seconds_sum") / steps;
+    assert!(
+        steps >= 10.0 && host > 0.0 && host < 1.0,
+        "{steps} steps, {host} s each"
+    );
+    let gaps = s.metric("dsv4_decode_launch_gap_seconds_count");
+    assert!(
+        gaps >= 1.0 && gaps <= steps,
+        "{gaps} launch gaps for {steps} steps"
+    );
 }
 
 #[test]

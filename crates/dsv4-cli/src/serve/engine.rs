@@ -500,6 +500,7 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
                 continue;
             }
         };
+        let read_at = Instant::now();
         let token_of = |id: u64| decoded.iter().find(|d| d.0 == id).map(|d| d.1);
         // The next step starts now, while these tokens are handled: every running sequence
         // that this step's token does not end by length (one that ends otherwise has its
@@ -508,10 +509,14 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
             let goes_on = |r: &Running| {
                 r.generated + usize::from(token_of(r.id).is_some()) < r.job.max_tokens
             };
-            if let Err(e) = launch(&mut *backend, &running, &mut inflight, goes_on) {
-                let all: Vec<u64> = running.iter().map(|r| r.id).collect();
-                fail(&mut running, &all, &e, &metrics, &mut free);
-                continue;
+            match launch(&mut *backend, &running, &mut inflight, goes_on) {
+                Ok(true) => metrics.observe_launch_gap(read_at.elapsed().as_secs_f64()),
+                Ok(false) => {}
+                Err(e) => {
+                    let all: Vec<u64> = running.iter().map(|r| r.id).collect();
+                    fail(&mut running, &all, &e, &metrics, &mut free);
+                    continue;
+                }
             }
         }
         let now = std::mem::take(&mut running);
@@ -526,25 +531,26 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
                 running.push(seq);
             }
         }
+        metrics.observe_step_host(read_at.elapsed().as_secs_f64());
     }
 }
 
-/// Launches a step of the running sequences that `pick` takes (none: no launch), recording
-/// them, by id, as the step in flight.
+/// Launches a step of the running sequences that `pick` takes (none: no launch, false),
+/// recording them, by id, as the step in flight.
 fn launch(
     backend: &mut dyn Backend,
     running: &[Running<'_>],
     inflight: &mut Vec<u64>,
     pick: impl Fn(&Running) -> bool,
-) -> Result<()> {
+) -> Result<bool> {
     let picked: Vec<&Running> = running.iter().filter(|r| pick(r)).collect();
     if picked.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     let slots: Vec<usize> = picked.iter().map(|r| r.slot).collect();
     backend.launch(&slots)?;
     *inflight = picked.iter().map(|r| r.id).collect();
-    Ok(())
+    Ok(true)
 }
 
 /// Fails the running sequences among `ids` with `e`.

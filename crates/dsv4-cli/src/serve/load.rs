@@ -1,6 +1,7 @@
 //! `dsv4 bench-serve`: a load generator for an OpenAI-compatible server (like `vllm bench
 //! serve`): streaming completions of random prompts at each concurrency, reporting output
-//! throughput, time to first token and time per output token.
+//! throughput, time to first token and time per output token, and the server's host time per
+//! decode step where its `/metrics` has it.
 
 use std::io::{BufRead, BufReader};
 use std::time::Instant;
@@ -103,6 +104,36 @@ fn one(url: &str, model: &str, text: &str, max_tokens: usize) -> Result<Sample> 
     Ok(Sample { ttft, tpot, tokens })
 }
 
+/// The (sum, count) of each decode-step histogram the server reports in `/metrics` (host work
+/// per step, launch gap), zeros where it has none.
+fn step_times(url: &str) -> [(f64, f64); 2] {
+    let text = ureq::get(&format!("{url}/metrics"))
+        .call()
+        .ok()
+        .and_then(|mut r| r.body_mut().read_to_string().ok())
+        .unwrap_or_default();
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(0.0)
+    };
+    [
+        "dsv4_decode_step_host_seconds",
+        "dsv4_decode_launch_gap_seconds",
+    ]
+    .map(|h| (value(&format!("{h}_sum")), value(&format!("{h}_count"))))
+}
+
+/// Mean microseconds per observation between two `step_times` readings ("-" without any).
+fn mean_us(before: (f64, f64), after: (f64, f64)) -> String {
+    let n = after.1 - before.1;
+    if n > 0.0 {
+        format!("{:.1}", (after.0 - before.0) / n * 1e6)
+    } else {
+        "-".into()
+    }
+}
+
 fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -130,14 +161,15 @@ pub fn bench_serve(a: LoadArgs) -> Result<()> {
         "{url}, model `{model}`: {} requests a run, prompts of {} words, max_tokens {}",
         a.requests, a.prompt_words, a.max_tokens
     );
-    println!("| concurrency | output tok/s | requests/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | tokens per request |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| concurrency | output tok/s | requests/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | tokens per request | host µs per step | launch gap µs |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &c in &a.concurrency {
         if c == 0 {
             bail!("--concurrency 0");
         }
         let total = a.requests.max(c);
         let next = std::sync::atomic::AtomicUsize::new(0);
+        let steps_before = step_times(&url);
         let start = Instant::now();
         let samples: Vec<Sample> = std::thread::scope(|s| {
             let workers: Vec<_> = (0..c)
@@ -163,6 +195,7 @@ pub fn bench_serve(a: LoadArgs) -> Result<()> {
                 .map(|v| v.into_iter().flatten().collect())
         })?;
         let wall = start.elapsed().as_secs_f64();
+        let steps = step_times(&url);
         let tokens: u64 = samples.iter().map(|s| s.tokens).sum();
         let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft * 1e3).collect();
         let mut tpot: Vec<f64> = samples
@@ -170,14 +203,16 @@ pub fn bench_serve(a: LoadArgs) -> Result<()> {
             .filter_map(|s| s.tpot.map(|t| t * 1e3))
             .collect();
         println!(
-            "| {c} | {:.1} | {:.2} | {:.1} ms | {:.1} ms | {:.2} ms | {:.2} ms | {:.1} |",
+            "| {c} | {:.1} | {:.2} | {:.1} ms | {:.1} ms | {:.2} ms | {:.2} ms | {:.1} | {} | {} |",
             tokens as f64 / wall,
             samples.len() as f64 / wall,
             percentile(&mut ttft, 0.5),
             percentile(&mut ttft, 0.99),
             percentile(&mut tpot, 0.5),
             percentile(&mut tpot, 0.99),
-            tokens as f64 / samples.len() as f64
+            tokens as f64 / samples.len() as f64,
+            mean_us(steps_before[0], steps[0]),
+            mean_us(steps_before[1], steps[1])
         );
     }
     Ok(())

@@ -5,21 +5,34 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// Upper bounds (seconds) of the latency histograms' buckets.
-const BUCKETS: [f64; 12] = [
+/// Upper bounds (seconds) of the buckets of the requests' latency histograms, and of the
+/// decode steps' host times.
+const REQUEST_BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
+const STEP_BUCKETS: [f64; 12] = [
+    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1,
+];
 
-#[derive(Default)]
 struct Histogram {
-    counts: [u64; BUCKETS.len()],
+    bounds: &'static [f64; 12],
+    counts: [u64; 12],
     count: u64,
     sum: f64,
 }
 
 impl Histogram {
+    const fn new(bounds: &'static [f64; 12]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: [0; 12],
+            count: 0,
+            sum: 0.0,
+        }
+    }
+
     fn observe(&mut self, v: f64) {
-        for (c, &b) in self.counts.iter_mut().zip(&BUCKETS) {
+        for (c, &b) in self.counts.iter_mut().zip(self.bounds) {
             if v <= b {
                 *c += 1;
             }
@@ -30,7 +43,7 @@ impl Histogram {
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (c, b) in self.counts.iter().zip(BUCKETS) {
+        for (c, b) in self.counts.iter().zip(self.bounds) {
             let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
         }
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
@@ -38,7 +51,6 @@ impl Histogram {
     }
 }
 
-#[derive(Default)]
 pub struct Metrics {
     /// Requests by endpoint and HTTP status.
     requests: Mutex<BTreeMap<(String, u16), u64>>,
@@ -55,6 +67,33 @@ pub struct Metrics {
     pub stopping: AtomicBool,
     ttft: Mutex<Histogram>,
     tpot: Mutex<Histogram>,
+    /// Per decode step: from its tokens read back to the next step launched, and to the end
+    /// of the host's work on them.
+    launch_gap: Mutex<Histogram>,
+    step_host: Mutex<Histogram>,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics {
+            requests: Mutex::default(),
+            prompt_tokens: AtomicU64::default(),
+            generated_tokens: AtomicU64::default(),
+            queued: AtomicUsize::default(),
+            running: AtomicUsize::default(),
+            cancelled: AtomicU64::default(),
+            alive: AtomicBool::default(),
+            stopping: AtomicBool::default(),
+            ttft: Mutex::new(Histogram::new(&REQUEST_BUCKETS)),
+            tpot: Mutex::new(Histogram::new(&REQUEST_BUCKETS)),
+            launch_gap: Mutex::new(Histogram::new(&STEP_BUCKETS)),
+            step_host: Mutex::new(Histogram::new(&STEP_BUCKETS)),
+        }
+    }
+}
+
+fn observe(h: &Mutex<Histogram>, seconds: f64) {
+    h.lock().unwrap_or_else(|e| e.into_inner()).observe(seconds);
 }
 
 impl Metrics {
@@ -64,17 +103,19 @@ impl Metrics {
     }
 
     pub fn observe_ttft(&self, seconds: f64) {
-        self.ttft
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .observe(seconds);
+        observe(&self.ttft, seconds);
     }
 
     pub fn observe_tpot(&self, seconds: f64) {
-        self.tpot
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .observe(seconds);
+        observe(&self.tpot, seconds);
+    }
+
+    pub fn observe_launch_gap(&self, seconds: f64) {
+        observe(&self.launch_gap, seconds);
+    }
+
+    pub fn observe_step_host(&self, seconds: f64) {
+        observe(&self.step_host, seconds);
     }
 
     pub fn render(&self) -> String {
@@ -132,16 +173,35 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
             );
         }
-        self.ttft.lock().unwrap_or_else(|e| e.into_inner()).render(
-            &mut out,
-            "dsv4_time_to_first_token_seconds",
-            "From the start of generation to the first token.",
-        );
-        self.tpot.lock().unwrap_or_else(|e| e.into_inner()).render(
-            &mut out,
-            "dsv4_time_per_output_token_seconds",
-            "Mean time per token after the first, per request.",
-        );
+        let histograms = [
+            (
+                &self.ttft,
+                "dsv4_time_to_first_token_seconds",
+                "From the start of generation to the first token.",
+            ),
+            (
+                &self.tpot,
+                "dsv4_time_per_output_token_seconds",
+                "Mean time per token after the first, per request.",
+            ),
+            (
+                &self.launch_gap,
+                "dsv4_decode_launch_gap_seconds",
+                "Per decode step: from its tokens read back to the next step launched (the \
+                 device waits on the host for it).",
+            ),
+            (
+                &self.step_host,
+                "dsv4_decode_step_host_seconds",
+                "Per decode step: the host's work once its tokens are read back (launching the \
+                 next step, then handling and streaming the tokens while it runs).",
+            ),
+        ];
+        for (h, name, help) in histograms {
+            h.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .render(&mut out, name, help);
+        }
         out
     }
 }
@@ -158,7 +218,11 @@ mod tests {
         m.observe_ttft(0.003);
         m.observe_ttft(20.0);
         m.queued.store(3, Ordering::Relaxed);
+        m.observe_step_host(7e-6);
         let text = m.render();
+        assert!(text.contains("dsv4_decode_step_host_seconds_bucket{le=\"0.000005\"} 0"));
+        assert!(text.contains("dsv4_decode_step_host_seconds_bucket{le=\"0.00001\"} 1"));
+        assert!(text.contains("dsv4_decode_launch_gap_seconds_count 0"));
         assert!(text.contains("dsv4_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 2"));
         assert!(text.contains("dsv4_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0"));
         assert!(text.contains("dsv4_time_to_first_token_seconds_bucket{le=\"0.005\"} 1"));
