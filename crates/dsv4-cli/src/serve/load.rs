@@ -104,33 +104,51 @@ fn one(url: &str, model: &str, text: &str, max_tokens: usize) -> Result<Sample> 
     Ok(Sample { ttft, tpot, tokens })
 }
 
-/// The (sum, count) of each decode-step histogram the server reports in `/metrics` (host work
-/// per step, launch gap), zeros where it has none.
-fn step_times(url: &str) -> [(f64, f64); 2] {
+/// One decode-step histogram of the server's `/metrics` (host work per step, launch gap):
+/// cumulative counts by bucket bound (seconds, `+Inf` last), all empty where it has none.
+type Buckets = Vec<(f64, f64)>;
+
+fn step_times(url: &str) -> [Buckets; 2] {
     let text = ureq::get(&format!("{url}/metrics"))
         .call()
         .ok()
         .and_then(|mut r| r.body_mut().read_to_string().ok())
         .unwrap_or_default();
-    let value = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or(0.0)
-    };
     [
         "dsv4_decode_step_host_seconds",
         "dsv4_decode_launch_gap_seconds",
     ]
-    .map(|h| (value(&format!("{h}_sum")), value(&format!("{h}_count"))))
+    .map(|h| {
+        let prefix = format!("{h}_bucket{{le=\"");
+        text.lines()
+            .filter_map(|l| {
+                let (le, v) = l.strip_prefix(&prefix)?.split_once("\"} ")?;
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                };
+                Some((le, v.trim().parse().ok()?))
+            })
+            .collect()
+    })
 }
 
-/// Mean microseconds per observation between two `step_times` readings ("-" without any).
-fn mean_us(before: (f64, f64), after: (f64, f64)) -> String {
-    let n = after.1 - before.1;
-    if n > 0.0 {
-        format!("{:.1}", (after.0 - before.0) / n * 1e6)
-    } else {
-        "-".into()
+/// The median between two `step_times` readings, as the bound of the bucket that holds it
+/// ("≤ 20 µs"; "-" without observations).
+fn median_us(before: &[(f64, f64)], after: &[(f64, f64)]) -> String {
+    let counts: Vec<(f64, f64)> = after
+        .iter()
+        .map(|&(le, n)| {
+            let was = before.iter().find(|b| b.0 == le).map_or(0.0, |b| b.1);
+            (le, n - was)
+        })
+        .collect();
+    let total = counts.last().map_or(0.0, |c| c.1);
+    match counts.iter().find(|c| total > 0.0 && c.1 >= total / 2.0) {
+        Some(&(le, _)) if le.is_finite() => format!("≤ {:.0}", le * 1e6),
+        Some(_) => "> 10000".into(),
+        None => "-".into(),
     }
 }
 
@@ -161,7 +179,7 @@ pub fn bench_serve(a: LoadArgs) -> Result<()> {
         "{url}, model `{model}`: {} requests a run, prompts of {} words, max_tokens {}",
         a.requests, a.prompt_words, a.max_tokens
     );
-    println!("| concurrency | output tok/s | requests/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | tokens per request | host µs per step | launch gap µs |");
+    println!("| concurrency | output tok/s | requests/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | tokens per request | host µs per step (median) | launch gap µs (median) |");
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &c in &a.concurrency {
         if c == 0 {
@@ -211,8 +229,8 @@ pub fn bench_serve(a: LoadArgs) -> Result<()> {
             percentile(&mut tpot, 0.5),
             percentile(&mut tpot, 0.99),
             tokens as f64 / samples.len() as f64,
-            mean_us(steps_before[0], steps[0]),
-            mean_us(steps_before[1], steps[1])
+            median_us(&steps_before[0], &steps[0]),
+            median_us(&steps_before[1], &steps[1])
         );
     }
     Ok(())
@@ -221,6 +239,17 @@ pub fn bench_serve(a: LoadArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_median_step_time_is_the_bound_of_its_bucket() {
+        let before = vec![(1e-5, 2.0), (2e-5, 2.0), (f64::INFINITY, 3.0)];
+        let after = vec![(1e-5, 3.0), (2e-5, 6.0), (f64::INFINITY, 8.0)];
+        // Deltas 1, 4 (cumulative), 5: the third of five falls in the 20 µs bucket.
+        assert_eq!(median_us(&before, &after), "≤ 20");
+        assert_eq!(median_us(&after, &after), "-");
+        let slow = vec![(1e-5, 0.0), (f64::INFINITY, 2.0)];
+        assert_eq!(median_us(&[], &slow), "> 10000");
+    }
 
     #[test]
     fn prompts_are_random_words_fixed_by_the_seed() {
