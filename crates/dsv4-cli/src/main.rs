@@ -19,7 +19,7 @@ use dsv4_model::cpu::{CpuModel, Logits};
 use dsv4_model::gpu::{plan_memory, plan_random_memory, GpuModel, GpuOptions};
 use dsv4_model::sampling::{self, Sampler};
 use dsv4_model::synth::{write_synthetic, SynthFormat};
-use dsv4_model::tokenizer::Tokenizer;
+use dsv4_model::tokenizer::{TextStream, Tokenizer};
 use dsv4_model::weights::ModelWeights;
 use dsv4_ops::gpu::sample::Sampling;
 use dsv4_ops::gpu::Device;
@@ -478,12 +478,12 @@ fn report_gpu_model(model: &GpuModel) {
 
 /// Streams the tokens `next` yields until EOS or `max` tokens; returns how many it took.
 fn stream_tokens(
-    tokenizer: &Tokenizer,
+    tokenizer: &Arc<Tokenizer>,
     eos: &[u32],
     max: usize,
     mut next: impl FnMut(usize) -> Result<u32>,
 ) -> Result<usize> {
-    let mut stream = tokenizer.stream();
+    let mut stream = TextStream::new(tokenizer.clone());
     let mut out = std::io::stdout().lock();
     let mut generated = 0;
     while generated < max {
@@ -521,7 +521,7 @@ fn prompt_bar(tokens: usize) -> ProgressBar {
 fn generate(a: GenerateArgs) -> Result<()> {
     // The config first: a missing directory or a bad config.json is reported as such.
     let cfg = Config::from_dir(&a.model)?;
-    let tokenizer = Tokenizer::from_dir(&a.model)?;
+    let tokenizer = Arc::new(Tokenizer::from_dir(&a.model)?);
     let prompt_ids = if a.chat {
         let mode = if a.thinking {
             ChatMode::Thinking

@@ -2,6 +2,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
 
@@ -109,16 +110,6 @@ impl Tokenizer {
             .decode(ids, skip_special)
             .map_err(|e| TokenizerError::Tokenizer(e.to_string()))
     }
-
-    /// A streaming decoder for generated ids (special tokens are skipped).
-    pub fn stream(&self) -> TextStream<'_> {
-        TextStream {
-            tokenizer: self,
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-        }
-    }
 }
 
 fn read_optional_json(path: &Path) -> Result<Option<Value>> {
@@ -147,14 +138,24 @@ fn special_token_content(value: &Value) -> Option<&str> {
 /// One character can span several byte-level tokens; a chunk is emitted only once the text
 /// decodes without a trailing U+FFFD (an incomplete UTF-8 sequence). Decoding covers a window
 /// that starts one emitted chunk back, so decoders that look at neighbouring tokens stay correct.
-pub struct TextStream<'t> {
-    tokenizer: &'t Tokenizer,
+pub struct TextStream {
+    tokenizer: Arc<Tokenizer>,
     ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
 }
 
-impl TextStream<'_> {
+impl TextStream {
+    /// A streaming decoder for generated ids (special tokens are skipped).
+    pub fn new(tokenizer: Arc<Tokenizer>) -> TextStream {
+        TextStream {
+            tokenizer,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
+    }
+
     /// Text of the already emitted context ids, and of those plus the pending ones.
     fn decoded(&self) -> Result<(String, String)> {
         let prefix = self
@@ -269,10 +270,10 @@ mod tests {
 
     #[test]
     fn stream_equals_full_decode() {
-        let tok = tokenizer();
+        let tok = Arc::new(tokenizer());
         let text = "Crab 🦀, 毕老师！ naïve café ĠÑĤ — 𝄞 done";
         let ids = tok.encode(text, false).unwrap();
-        let mut stream = tok.stream();
+        let mut stream = TextStream::new(tok.clone());
         let mut out = String::new();
         let mut held_back = 0;
         for &id in &ids {
@@ -296,13 +297,13 @@ mod tests {
 
     #[test]
     fn stream_skips_special_and_flushes_truncated_text() {
-        let tok = tokenizer();
+        let tok = Arc::new(tokenizer());
         let crab = tok.encode("🦀", false).unwrap();
         assert!(
             crab.len() > 1,
             "expected the emoji to span byte tokens: {crab:?}"
         );
-        let mut stream = tok.stream();
+        let mut stream = TextStream::new(tok.clone());
         assert_eq!(stream.push(19923).unwrap().as_deref(), Some("Hello"));
         assert_eq!(stream.push(1).unwrap(), None);
         assert_eq!(stream.push(crab[0]).unwrap(), None);

@@ -1,11 +1,11 @@
 //! The thread that owns the model: it takes requests from a bounded queue into the model's
-//! sequence slots, advances every running sequence a token a step, and sends the text as it
-//! comes (split into reasoning and answer in thinking mode, stop strings cut) to each request's
-//! channel. A request whose channel is closed (its client went away) is cancelled at its next
-//! token and frees its slot.
+//! sequence slots, advances every running sequence a token a step, and sends each token id as
+//! it comes to its request's channel (the request's task makes the text: `text`). A request
+//! whose channel is closed (its client went away) is cancelled at its next token and frees its
+//! slot; one whose text stage found a stop string ends there.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,21 +17,18 @@ use dsv4_graph::DecodeGraph;
 use dsv4_model::cpu::{CpuModel, Logits, SequenceState};
 use dsv4_model::gpu::GpuModel;
 use dsv4_model::sampling::Sampler;
-use dsv4_model::tokenizer::{TextStream, Tokenizer};
 use dsv4_ops::gpu::sample::Sampling;
 
 use super::metrics::Metrics;
-use super::stop::StopMatcher;
 
 /// One generation request, validated.
 pub struct Job {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: Sampling,
-    pub stops: Vec<String>,
-    /// The output starts inside the reasoning (thinking mode) until the end-of-thinking token.
-    pub thinking: bool,
     pub events: UnboundedSender<Event>,
+    /// Set by the request's text stage once a stop string ends it.
+    pub stopped: Arc<AtomicBool>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,14 +47,10 @@ impl Finish {
 }
 
 pub enum Event {
-    /// New text of the answer and of the reasoning (either may be empty).
-    Text {
-        content: String,
-        reasoning: String,
-    },
+    /// The next generated token (not an end-of-sequence one).
+    Token(u32),
     Done {
         finish: Finish,
-        prompt_tokens: usize,
         completion_tokens: usize,
     },
     Failed(String),
@@ -248,24 +241,12 @@ impl Backend for Gpu {
     }
 }
 
-/// What the engine needs besides the model.
-pub struct Text {
-    pub tokenizer: Arc<Tokenizer>,
-    pub eos: Vec<u32>,
-    /// The end-of-thinking token, when the vocabulary has it as one token.
-    pub think_end: Option<u32>,
-}
-
-/// A running sequence: its job, its slot, and its text so far.
-struct Running<'t> {
+/// A running sequence: its job, its slot, and the tokens it has generated.
+struct Running {
     job: Job,
     slot: usize,
     /// Tells this sequence from a later one in the same slot.
     id: u64,
-    answer: TextStream<'t>,
-    reasoning: TextStream<'t>,
-    stop: StopMatcher,
-    in_reasoning: bool,
     generated: usize,
     first_at: Instant,
 }
@@ -278,99 +259,51 @@ enum After {
     Gone,
 }
 
-impl<'t> Running<'t> {
-    fn new(job: Job, slot: usize, id: u64, text: &'t Text) -> Running<'t> {
+impl Running {
+    fn new(job: Job, slot: usize, id: u64) -> Running {
         Running {
-            id,
-            stop: StopMatcher::new(job.stops.clone()),
-            in_reasoning: job.thinking,
             job,
             slot,
-            answer: text.tokenizer.stream(),
-            reasoning: text.tokenizer.stream(),
+            id,
             generated: 0,
             first_at: Instant::now(),
         }
     }
 
-    fn send(&self, content: String, reasoning: String) -> bool {
-        (content.is_empty() && reasoning.is_empty())
-            || self
-                .job
-                .events
-                .send(Event::Text { content, reasoning })
-                .is_ok()
-    }
-
-    /// Takes the sequence's next token: sends its text, and says whether the sequence goes on.
-    fn accept(&mut self, token: u32, text: &'t Text, stopping: bool) -> Result<After> {
+    /// Takes the sequence's next token: sends it, and says whether the sequence goes on.
+    fn accept(&mut self, token: u32, eos: &[u32], stopping: bool) -> After {
+        // The request's text ended at a stop string: this token is not read.
+        if self.job.stopped.load(Ordering::Relaxed) {
+            return After::Finished;
+        }
         self.generated += 1;
-        if text.eos.contains(&token) {
-            return self.finish(Finish::Stop, text);
-        }
-        let (mut content, mut thought, mut hit) = (String::new(), String::new(), false);
-        if self.in_reasoning && Some(token) == text.think_end {
-            self.in_reasoning = false;
-            let done = std::mem::replace(&mut self.reasoning, text.tokenizer.stream());
-            thought = done.finish()?.unwrap_or_default();
-        } else if self.in_reasoning {
-            thought = self.reasoning.push(token)?.unwrap_or_default();
-        } else if let Some(t) = self.answer.push(token)? {
-            (content, hit) = self.stop.push(&t);
-        }
-        if !self.send(content, thought) {
-            return Ok(After::Gone);
-        }
-        if hit {
-            // Nothing after a stop string is released.
+        if eos.contains(&token) {
             return self.done(Finish::Stop);
         }
-        if self.generated >= self.job.max_tokens || stopping {
-            return self.finish(Finish::Length, text);
+        if self.job.events.send(Event::Token(token)).is_err() {
+            return After::Gone;
         }
-        Ok(if self.job.events.is_closed() {
+        if self.generated >= self.job.max_tokens || stopping {
+            return self.done(Finish::Length);
+        }
+        if self.job.events.is_closed() {
             After::Gone
         } else {
             After::Continue
-        })
-    }
-
-    /// Releases what the text streams and the stop matcher hold, then ends.
-    fn finish(&mut self, mut finish: Finish, text: &'t Text) -> Result<After> {
-        let mut content = String::new();
-        let mut hit = false;
-        let answer = std::mem::replace(&mut self.answer, text.tokenizer.stream());
-        if let Some(t) = answer.finish()? {
-            (content, hit) = self.stop.push(&t);
         }
-        if hit {
-            finish = Finish::Stop;
-        } else {
-            content.push_str(&self.stop.finish());
-        }
-        let mut thought = String::new();
-        if self.in_reasoning {
-            let reasoning = std::mem::replace(&mut self.reasoning, text.tokenizer.stream());
-            thought = reasoning.finish()?.unwrap_or_default();
-        }
-        if !self.send(content, thought) {
-            return Ok(After::Gone);
-        }
-        self.done(finish)
     }
 
     /// Sends the end of the job.
-    fn done(&self, finish: Finish) -> Result<After> {
+    fn done(&self, finish: Finish) -> After {
         let sent = self.job.events.send(Event::Done {
             finish,
-            prompt_tokens: self.job.prompt.len(),
             completion_tokens: self.generated,
         });
-        Ok(if sent.is_ok() {
+        if sent.is_ok() || self.job.stopped.load(Ordering::Relaxed) {
             After::Finished
         } else {
             After::Gone
-        })
+        }
     }
 }
 
@@ -380,7 +313,7 @@ impl<'t> Running<'t> {
 /// prompt is read), and a sequence that ends or whose client left frees its slot at once. Once
 /// `metrics.stopping` is set (the server is shutting down) running sequences end at their next
 /// token and waiting ones are refused.
-pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
+pub fn run(mut backend: Box<dyn Backend>, eos: &[u32], jobs: Receiver<Job>, metrics: Arc<Metrics>) {
     // `alive` falls when this returns or unwinds: /health then reports the engine gone.
     struct Alive<'a>(&'a Metrics);
     impl Drop for Alive<'_> {
@@ -390,7 +323,7 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
     }
     let _alive = Alive(&metrics);
     let mut prefilling: Vec<Prefilling> = Vec::new();
-    let mut running: Vec<Running<'_>> = Vec::new();
+    let mut running: Vec<Running> = Vec::new();
     let mut free: Vec<usize> = (0..backend.slots()).rev().collect();
     // The step in flight: the ids of the sequences it decodes, in its order.
     let mut inflight: Vec<u64> = Vec::new();
@@ -460,9 +393,9 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
                     let p = prefilling.remove(0);
                     metrics.observe_ttft(p.start.elapsed().as_secs_f64());
                     next_id += 1;
-                    let mut seq = Running::new(p.job, p.slot, next_id, &text);
-                    let after = seq.accept(t, &text, metrics.stopping.load(Ordering::Relaxed));
-                    if let Some(seq) = settle(seq, after, &metrics, &mut free) {
+                    let mut seq = Running::new(p.job, p.slot, next_id);
+                    let after = seq.accept(t, eos, metrics.stopping.load(Ordering::Relaxed));
+                    if let Some(seq) = settle(seq, Ok(after), &metrics, &mut free) {
                         running.push(seq);
                     }
                 }
@@ -526,8 +459,8 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
                 running.push(seq);
                 continue;
             };
-            let after = seq.accept(t, &text, stopping);
-            if let Some(seq) = settle(seq, after, &metrics, &mut free) {
+            let after = seq.accept(t, eos, stopping);
+            if let Some(seq) = settle(seq, Ok(after), &metrics, &mut free) {
                 running.push(seq);
             }
         }
@@ -539,7 +472,7 @@ pub fn run(mut backend: Box<dyn Backend>, text: Text, jobs: Receiver<Job>, metri
 /// recording them, by id, as the step in flight.
 fn launch(
     backend: &mut dyn Backend,
-    running: &[Running<'_>],
+    running: &[Running],
     inflight: &mut Vec<u64>,
     pick: impl Fn(&Running) -> bool,
 ) -> Result<bool> {
@@ -555,7 +488,7 @@ fn launch(
 
 /// Fails the running sequences among `ids` with `e`.
 fn fail(
-    running: &mut Vec<Running<'_>>,
+    running: &mut Vec<Running>,
     ids: &[u64],
     e: &anyhow::Error,
     metrics: &Metrics,
@@ -580,12 +513,12 @@ struct Prefilling {
 }
 
 /// Keeps a sequence that goes on; records and frees one that ended, was cancelled or failed.
-fn settle<'t>(
-    seq: Running<'t>,
+fn settle(
+    seq: Running,
     after: Result<After>,
     metrics: &Metrics,
     free: &mut Vec<usize>,
-) -> Option<Running<'t>> {
+) -> Option<Running> {
     match after {
         Ok(After::Continue) => return Some(seq),
         Ok(After::Finished) => {

@@ -8,10 +8,11 @@ mod engine;
 mod load;
 mod metrics;
 mod stop;
+mod text;
 
 use std::convert::Infallible;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -39,6 +40,7 @@ use api::{ApiError, Prompt};
 use engine::{Event, Job};
 pub use load::{bench_serve, LoadArgs};
 use metrics::Metrics;
+use text::{Output, TextStage};
 
 use crate::{backend, load_gpu_model, load_model, Backend, GpuArgs};
 
@@ -72,6 +74,8 @@ pub struct ServeArgs {
 struct AppState {
     jobs: SyncSender<Job>,
     tokenizer: Arc<Tokenizer>,
+    /// The end-of-thinking token, when the vocabulary has it as one token.
+    think_end: Option<u32>,
     name: String,
     capacity: usize,
     max_body: usize,
@@ -110,8 +114,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let (ready_tx, ready) = std::sync::mpsc::channel::<Result<usize>>();
     // The model lives on the engine thread (GPU state stays on the thread that made it).
     let engine = {
-        let (tokenizer, metrics, dir, gpu) =
-            (tokenizer.clone(), metrics.clone(), a.model.clone(), a.gpu);
+        let (metrics, dir, gpu) = (metrics.clone(), a.model.clone(), a.gpu);
         let eos = cfg.eos_token_ids.clone();
         let max_positions = cfg.max_position_embeddings;
         let max_batch = a.max_batch;
@@ -141,12 +144,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                     // Up before the server answers /health.
                     metrics.alive.store(true, Ordering::Relaxed);
                     let _ = ready_tx.send(Ok(b.capacity()));
-                    let text = engine::Text {
-                        tokenizer,
-                        eos,
-                        think_end,
-                    };
-                    engine::run(b, text, queue, metrics);
+                    engine::run(b, &eos, queue, metrics);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -160,6 +158,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let state = Arc::new(AppState {
         jobs,
         tokenizer,
+        think_end,
         name,
         capacity,
         max_body: a.max_body,
@@ -348,6 +347,15 @@ async fn start(
     }
     let (tx, rx) = unbounded_channel();
     let prompt_len = prompt.len();
+    let stopped = Arc::new(AtomicBool::new(false));
+    let stage = TextStage::new(
+        s.tokenizer.clone(),
+        s.think_end,
+        p.stops.clone(),
+        thinking,
+        prompt_len,
+        stopped.clone(),
+    );
     let job = Job {
         prompt,
         max_tokens,
@@ -356,9 +364,8 @@ async fn start(
             top_p: p.top_p,
             seed: p.seed,
         },
-        stops: p.stops.clone(),
-        thinking,
         events: tx,
+        stopped,
     };
     s.metrics.queued.fetch_add(1, Ordering::Relaxed);
     match s.jobs.try_send(job) {
@@ -389,9 +396,9 @@ async fn start(
         thinking,
     };
     if p.stream {
-        Ok(stream(shape, rx, p.include_usage).into_response())
+        Ok(stream(shape, rx, stage, p.include_usage).into_response())
     } else {
-        whole(shape, rx, prompt_len).await
+        whole(shape, rx, stage, prompt_len).await
     }
 }
 
@@ -458,36 +465,42 @@ fn usage(prompt: usize, completion: usize) -> Value {
 async fn whole(
     shape: Shape,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    mut stage: TextStage,
     prompt_len: usize,
 ) -> Result<Response, ApiError> {
     let (mut content, mut reasoning) = (String::new(), String::new());
     while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Text {
-                content: c,
-                reasoning: r,
-            } => {
-                content.push_str(&c);
-                reasoning.push_str(&r);
+        for out in stage.take(ev) {
+            match out {
+                Output::Text {
+                    content: c,
+                    reasoning: r,
+                } => {
+                    content.push_str(&c);
+                    reasoning.push_str(&r);
+                }
+                Output::Done {
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                } => {
+                    let choice = if shape.chat {
+                        let mut message = json!({"role": "assistant", "content": content});
+                        if shape.thinking {
+                            message["reasoning_content"] = json!(reasoning);
+                        }
+                        json!([{"index": 0, "message": message, "logprobs": null, "finish_reason": finish.as_str()}])
+                    } else {
+                        json!([{"index": 0, "text": content, "logprobs": null, "finish_reason": finish.as_str()}])
+                    };
+                    let body =
+                        shape.wrap(false, choice, Some(usage(prompt_tokens, completion_tokens)));
+                    return Ok(Json(body).into_response());
+                }
+                Output::Failed(e) => {
+                    return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))
+                }
             }
-            Event::Done {
-                finish,
-                prompt_tokens,
-                completion_tokens,
-            } => {
-                let choice = if shape.chat {
-                    let mut message = json!({"role": "assistant", "content": content});
-                    if shape.thinking {
-                        message["reasoning_content"] = json!(reasoning);
-                    }
-                    json!([{"index": 0, "message": message, "logprobs": null, "finish_reason": finish.as_str()}])
-                } else {
-                    json!([{"index": 0, "text": content, "logprobs": null, "finish_reason": finish.as_str()}])
-                };
-                let body = shape.wrap(false, choice, Some(usage(prompt_tokens, completion_tokens)));
-                return Ok(Json(body).into_response());
-            }
-            Event::Failed(e) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e)),
         }
     }
     Err(ApiError::new(
@@ -501,17 +514,19 @@ async fn whole(
 fn stream(
     shape: Shape,
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    mut stage: TextStage,
     include_usage: bool,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let mut first = true;
-    let events = UnboundedReceiverStream::new(rx).flat_map(move |ev| {
-        let data: Vec<String> = match ev {
-            Event::Text { content, reasoning } => {
+    let outputs = UnboundedReceiverStream::new(rx).flat_map(move |ev| stream::iter(stage.take(ev)));
+    let events = outputs.flat_map(move |out| {
+        let data: Vec<String> = match out {
+            Output::Text { content, reasoning } => {
                 let v = shape.wrap(true, shape.chunk_choice(&content, &reasoning, first, None), None);
                 first = false;
                 vec![v.to_string()]
             }
-            Event::Done {
+            Output::Done {
                 finish,
                 prompt_tokens,
                 completion_tokens,
@@ -529,7 +544,7 @@ fn stream(
                 out.push("[DONE]".to_string());
                 out
             }
-            Event::Failed(e) => vec![
+            Output::Failed(e) => vec![
                 json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}}).to_string(),
                 "[DONE]".to_string(),
             ],
