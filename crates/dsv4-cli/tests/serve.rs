@@ -313,6 +313,8 @@ fn serves_chat_and_completions_streaming_or_whole() {
         gaps >= 1.0 && gaps <= steps,
         "{gaps} launch gaps for {steps} steps"
     );
+    // The request a stop string ended finished; no client left.
+    assert_eq!(s.metric("dsv4_requests_cancelled_total"), 0.0);
 }
 
 #[test]

@@ -746,8 +746,8 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     __syncthreads();
     // The splits' states merge over the cluster (the blocks of (x, t), rank = split), read from
     // each block's shared memory: every block brings the S states to their common maximum in
-    // split order, then takes every S-th channel pair of its heads, summing the splits' scaled
-    // sums in split order. So the result depends on S but not on timing.
+    // split order, then takes a contiguous share of its heads' channel pairs, summing the
+    // splits' scaled sums in split order. So the result depends on S but not on timing.
     cluster_sync();  // every split's state is complete
     __shared__ float f_s[ATT_HEADS][ATT_MAX_SPLITS], fl_s[ATT_HEADS][ATT_MAX_SPLITS], mx_s[ATT_HEADS],
         den_s[ATT_HEADS];

@@ -5,7 +5,7 @@
 //! slot; one whose text stage found a stop string ends there.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,8 +27,37 @@ pub struct Job {
     pub max_tokens: usize,
     pub sampling: Sampling,
     pub events: UnboundedSender<Event>,
-    /// Set by the request's text stage once a stop string ends it.
-    pub stopped: Arc<AtomicBool>,
+    /// Set by the request's task when its text ends it.
+    pub text_end: Arc<TextEnd>,
+}
+
+/// How a request's text ended it, set by the request's task (`text`) and read by the engine,
+/// which then ends the sequence: after a stop string, with the tokens the request took; or
+/// because the text could not be made.
+#[derive(Default)]
+pub struct TextEnd(AtomicUsize);
+
+impl TextEnd {
+    const FAILED: usize = usize::MAX;
+
+    /// A stop string ended the request at its `tokens`-th token.
+    pub fn stop(&self, tokens: usize) {
+        self.0
+            .store(tokens.clamp(1, Self::FAILED - 1), Ordering::Relaxed);
+    }
+
+    pub fn fail(&self) {
+        self.0.store(Self::FAILED, Ordering::Relaxed);
+    }
+
+    /// None while the text goes on; the tokens taken after a stop string; Err after a failure.
+    pub fn get(&self) -> Option<Result<usize>> {
+        match self.0.load(Ordering::Relaxed) {
+            0 => None,
+            Self::FAILED => Some(Err(anyhow::anyhow!("making the request's text failed"))),
+            n => Some(Ok(n)),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -270,12 +299,23 @@ impl Running {
         }
     }
 
-    /// Takes the sequence's next token: sends it, and says whether the sequence goes on.
-    fn accept(&mut self, token: u32, eos: &[u32], stopping: bool) -> After {
-        // The request's text ended at a stop string: this token is not read.
-        if self.job.stopped.load(Ordering::Relaxed) {
-            return After::Finished;
+    /// Takes the sequence's next token: sends it, and says whether the sequence goes on. A
+    /// request whose text has ended (a stop string) does not read it.
+    fn take(&mut self, token: u32, eos: &[u32], stopping: bool) -> Result<After> {
+        if let Some(end) = self.job.text_end.get() {
+            return self.text_ended(end);
         }
+        match self.accept(token, eos, stopping) {
+            // The request's task may have ended it and closed the channel since.
+            After::Gone => match self.job.text_end.get() {
+                Some(end) => self.text_ended(end),
+                None => Ok(After::Gone),
+            },
+            after => Ok(after),
+        }
+    }
+
+    fn accept(&mut self, token: u32, eos: &[u32], stopping: bool) -> After {
         self.generated += 1;
         if eos.contains(&token) {
             return self.done(Finish::Stop);
@@ -293,13 +333,20 @@ impl Running {
         }
     }
 
+    /// The request's text ended it: finished at the tokens it took (the ones generated past
+    /// them were not read), or failed.
+    fn text_ended(&mut self, end: Result<usize>) -> Result<After> {
+        self.generated = end?;
+        Ok(After::Finished)
+    }
+
     /// Sends the end of the job.
     fn done(&self, finish: Finish) -> After {
         let sent = self.job.events.send(Event::Done {
             finish,
             completion_tokens: self.generated,
         });
-        if sent.is_ok() || self.job.stopped.load(Ordering::Relaxed) {
+        if sent.is_ok() {
             After::Finished
         } else {
             After::Gone
@@ -394,8 +441,8 @@ pub fn run(mut backend: Box<dyn Backend>, eos: &[u32], jobs: Receiver<Job>, metr
                     metrics.observe_ttft(p.start.elapsed().as_secs_f64());
                     next_id += 1;
                     let mut seq = Running::new(p.job, p.slot, next_id);
-                    let after = seq.accept(t, eos, metrics.stopping.load(Ordering::Relaxed));
-                    if let Some(seq) = settle(seq, Ok(after), &metrics, &mut free) {
+                    let after = seq.take(t, eos, metrics.stopping.load(Ordering::Relaxed));
+                    if let Some(seq) = settle(seq, after, &metrics, &mut free) {
                         running.push(seq);
                     }
                 }
@@ -440,7 +487,8 @@ pub fn run(mut backend: Box<dyn Backend>, eos: &[u32], jobs: Receiver<Job>, metr
         // extra token dropped).
         if !stopping {
             let goes_on = |r: &Running| {
-                r.generated + usize::from(token_of(r.id).is_some()) < r.job.max_tokens
+                r.job.text_end.get().is_none()
+                    && r.generated + usize::from(token_of(r.id).is_some()) < r.job.max_tokens
             };
             match launch(&mut *backend, &running, &mut inflight, goes_on) {
                 Ok(true) => metrics.observe_launch_gap(read_at.elapsed().as_secs_f64()),
@@ -454,13 +502,17 @@ pub fn run(mut backend: Box<dyn Backend>, eos: &[u32], jobs: Receiver<Job>, metr
         }
         let now = std::mem::take(&mut running);
         for mut seq in now {
-            // A sequence that joined after the step was launched waits for the next.
-            let Some(t) = token_of(seq.id) else {
-                running.push(seq);
-                continue;
+            let after = match (token_of(seq.id), seq.job.text_end.get()) {
+                (Some(t), _) => seq.take(t, eos, stopping),
+                // Left out of the step: its text has ended.
+                (None, Some(end)) => seq.text_ended(end),
+                // It joined after the step was launched: it waits for the next.
+                (None, None) => {
+                    running.push(seq);
+                    continue;
+                }
             };
-            let after = seq.accept(t, eos, stopping);
-            if let Some(seq) = settle(seq, Ok(after), &metrics, &mut free) {
+            if let Some(seq) = settle(seq, after, &metrics, &mut free) {
                 running.push(seq);
             }
         }

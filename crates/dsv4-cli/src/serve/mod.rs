@@ -12,7 +12,7 @@ mod text;
 
 use std::convert::Infallible;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -37,7 +37,7 @@ use dsv4_model::tokenizer::Tokenizer;
 use dsv4_ops::gpu::sample::Sampling;
 
 use api::{ApiError, Prompt};
-use engine::{Event, Job};
+use engine::{Event, Job, TextEnd};
 pub use load::{bench_serve, LoadArgs};
 use metrics::Metrics;
 use text::{Output, TextStage};
@@ -347,14 +347,14 @@ async fn start(
     }
     let (tx, rx) = unbounded_channel();
     let prompt_len = prompt.len();
-    let stopped = Arc::new(AtomicBool::new(false));
+    let text_end = Arc::new(TextEnd::default());
     let stage = TextStage::new(
         s.tokenizer.clone(),
         s.think_end,
         p.stops.clone(),
         thinking,
         prompt_len,
-        stopped.clone(),
+        text_end.clone(),
     );
     let job = Job {
         prompt,
@@ -365,7 +365,7 @@ async fn start(
             seed: p.seed,
         },
         events: tx,
-        stopped,
+        text_end,
     };
     s.metrics.queued.fetch_add(1, Ordering::Relaxed);
     match s.jobs.try_send(job) {

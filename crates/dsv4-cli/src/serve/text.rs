@@ -3,14 +3,13 @@
 //! little): incremental decoding, the reasoning / answer split of thinking mode, stop strings.
 //! A stop string found here ends the request at once and tells the engine to end its sequence.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Result;
 
 use dsv4_model::tokenizer::{TextStream, Tokenizer};
 
-use super::engine::{Event, Finish};
+use super::engine::{Event, Finish, TextEnd};
 use super::stop::StopMatcher;
 
 /// What a request answers with, in order.
@@ -40,8 +39,9 @@ pub struct TextStage {
     prompt_tokens: usize,
     /// Tokens taken so far.
     tokens: usize,
-    /// Set when a stop string ends the request: the engine then ends its sequence.
-    stopped: Arc<AtomicBool>,
+    /// Set when the text ends the request (a stop string, a failure): the engine then ends
+    /// its sequence.
+    end: Arc<TextEnd>,
     ended: bool,
 }
 
@@ -53,7 +53,7 @@ impl TextStage {
         stops: Vec<String>,
         thinking: bool,
         prompt_tokens: usize,
-        stopped: Arc<AtomicBool>,
+        end: Arc<TextEnd>,
     ) -> TextStage {
         TextStage {
             answer: TextStream::new(tokenizer.clone()),
@@ -64,7 +64,7 @@ impl TextStage {
             in_reasoning: thinking,
             prompt_tokens,
             tokens: 0,
-            stopped,
+            end,
             ended: false,
         }
     }
@@ -91,6 +91,7 @@ impl TextStage {
         };
         out.unwrap_or_else(|e| {
             self.ended = true;
+            self.end.fail();
             vec![Output::Failed(format!("{e:#}"))]
         })
     }
@@ -109,7 +110,7 @@ impl TextStage {
         let mut out = text(content, thought);
         if hit {
             // Nothing after a stop string is released.
-            self.stopped.store(true, Ordering::Relaxed);
+            self.end.stop(self.tokens);
             self.ended = true;
             out.push(self.done(Finish::Stop, self.tokens));
         }
@@ -207,9 +208,9 @@ mod tests {
     fn a_stop_string_ends_the_request_and_tells_the_engine() {
         let tok = tokenizer();
         let ids = tok.encode("Hello world, and more words", false).unwrap();
-        let stopped = Arc::new(AtomicBool::new(false));
+        let end = Arc::new(TextEnd::default());
         let stops = vec![" world".to_string()];
-        let mut stage = TextStage::new(tok, None, stops, false, 7, stopped.clone());
+        let mut stage = TextStage::new(tok, None, stops, false, 7, end.clone());
         let mut events: Vec<Event> = ids.iter().map(|&t| Event::Token(t)).collect();
         // The engine's own end, sent before it saw the flag, changes nothing.
         events.push(Event::Done {
@@ -218,16 +219,16 @@ mod tests {
         });
         let (content, reasoning, ends) = run(&mut stage, events);
         assert_eq!((content.as_str(), reasoning.as_str()), ("Hello", ""));
-        assert!(stopped.load(Ordering::Relaxed));
         assert_eq!(ends.len(), 1, "one end");
         let (finish, prompt, completion) = ends[0];
         assert_eq!((finish, prompt), (Finish::Stop, 7));
-        // The tokens up to the one that completed the stop string.
+        // The tokens up to the one that completed the stop string, which the engine is told.
         assert!(
             completion >= 2 && completion < ids.len(),
             "{completion} of {}",
             ids.len()
         );
+        assert_eq!(end.get().unwrap().unwrap(), completion);
     }
 
     #[test]
@@ -240,8 +241,8 @@ mod tests {
         let mut ids = tok.encode("a plan", false).unwrap();
         ids.push(think_end);
         ids.extend(tok.encode("the answer", false).unwrap());
-        let stopped = Arc::new(AtomicBool::new(false));
-        let mut stage = TextStage::new(tok, Some(think_end), Vec::new(), true, 3, stopped.clone());
+        let end = Arc::new(TextEnd::default());
+        let mut stage = TextStage::new(tok, Some(think_end), Vec::new(), true, 3, end.clone());
         let mut events: Vec<Event> = ids.iter().map(|&t| Event::Token(t)).collect();
         events.push(Event::Done {
             finish: Finish::Length,
@@ -253,7 +254,7 @@ mod tests {
             ("the answer", "a plan")
         );
         assert_eq!(ends, vec![(Finish::Length, 3, ids.len())]);
-        assert!(!stopped.load(Ordering::Relaxed));
+        assert!(end.get().is_none(), "the engine's own end needs no flag");
         // A failure after the end is not reported.
         assert!(stage.take(Event::Failed("late".into())).is_empty());
     }

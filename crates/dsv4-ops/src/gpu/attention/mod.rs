@@ -707,6 +707,13 @@ pub fn attention(
             format!("{what} not on a 16-byte boundary"),
         ));
     }
+    // The output is written a channel pair (4 bytes) at a time.
+    if !out.device_address().is_multiple_of(4) {
+        return Err(GpuError::invalid(
+            "attention",
+            "output not on a 4-byte boundary",
+        ));
+    }
     if t == 0 {
         return Ok(());
     }

@@ -968,7 +968,8 @@ mod gpu {
         } = case.s;
         {
             // Unsplit (no scratch, no cluster), split as the device chooses, and split again
-            // over the counters the previous launch left (they must be back at zero).
+            // (tensor-core tokens over the counters the previous launch left, which must be
+            // back at zero).
             let mut splits = scratch(dev, 0, d);
             let mut big = scratch(dev, SPLIT_ROWS, d);
             let cluster = &crate::gpu::gemv::tuning::ATTENTION_SPLITS;
@@ -1668,8 +1669,16 @@ mod gpu {
         let wide = pool
             .reserve::<f32>("wide", DType::F32, &[acc[0] + 1, acc[1]])
             .unwrap();
+        let wide_out = pool
+            .reserve::<bf16>("wide output", DType::BF16, &[2 * 4 * 32 + 1])
+            .unwrap();
         pool.seal(&dev).unwrap();
         let wide = pool.take(wide).unwrap();
+        let wide_out = pool.take(wide_out).unwrap();
+        // The output a BF16 past a 4-byte boundary (it is written a channel pair at a time).
+        let mut skewed_out = wide_out.view(1, &[2, 4 * 32]).unwrap();
+        let err = run(good, &mut sp, &mut skewed_out).unwrap_err().to_string();
+        assert!(err.contains("output not on a 4-byte"), "{err}");
         let mut skewed = AttentionSplits {
             acc: wide.view(1, &acc).unwrap(),
             stats: f32s(&stats),
