@@ -263,19 +263,26 @@ fn serves_chat_and_completions_streaming_or_whole() {
 
     // A stop string taken from the greedy text: the text before it, finish "stop".
     let chars: Vec<char> = ctext.chars().collect();
-    if chars.len() >= 6 {
-        let stop: String = chars[3..5].iter().collect();
-        let at = ctext.find(&stop).unwrap();
-        let (_, c) = s.post(
-            "/v1/completions",
-            &completion(
-                "Once upon",
-                json!({"max_tokens": 12, "temperature": 0, "stop": [stop]}),
-            ),
-        );
-        assert_eq!(c["choices"][0]["text"].as_str().unwrap(), &ctext[..at]);
-        assert_eq!(c["choices"][0]["finish_reason"], "stop");
-    }
+    assert!(chars.len() >= 6, "greedy text {ctext:?}");
+    let stop: String = chars[3..5].iter().collect();
+    let at = ctext.find(&stop).unwrap();
+    let (_, c) = s.post(
+        "/v1/completions",
+        &completion(
+            "Once upon",
+            json!({"max_tokens": 12, "temperature": 0, "stop": [stop]}),
+        ),
+    );
+    assert_eq!(c["choices"][0]["text"].as_str().unwrap(), &ctext[..at]);
+    assert_eq!(c["choices"][0]["finish_reason"], "stop");
+    // Streamed alike, the usage counting the tokens up to the stop string.
+    let body = json!({"max_tokens": 12, "temperature": 0, "stop": [stop], "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let (stext, finish, usage) =
+        collect(&s.stream("/v1/completions", &completion("Once upon", body)));
+    assert_eq!((stext.as_str(), finish.as_str()), (&ctext[..at], "stop"));
+    let used = usage.expect("usage")["completion_tokens"].as_u64().unwrap();
+    assert!((1..12).contains(&used), "{used} completion tokens");
 
     // The same seed gives the same sample; thinking mode answers with reasoning_content.
     let sampled = json!({"max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "seed": 42});

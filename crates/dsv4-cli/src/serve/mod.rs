@@ -509,17 +509,33 @@ async fn whole(
     ))
 }
 
-/// Server-Sent Events in OpenAI's chunk format, `data: [DONE]` last. Dropping the stream (the
-/// client went away) closes the job's channel, which cancels it.
+/// Server-Sent Events in OpenAI's chunk format, `data: [DONE]` last. The text is made by a task
+/// of its own as the tokens come, however fast the client reads, so a stop string ends the
+/// sequence at once. Dropping the stream (the client went away) ends that task, which closes
+/// the job's channel and so cancels it.
 fn stream(
     shape: Shape,
-    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     mut stage: TextStage,
     include_usage: bool,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let (out_tx, out_rx) = unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                () = out_tx.closed() => None,
+            };
+            let Some(ev) = ev else { return };
+            for out in stage.take(ev) {
+                if out_tx.send(out).is_err() {
+                    return;
+                }
+            }
+        }
+    });
     let mut first = true;
-    let outputs = UnboundedReceiverStream::new(rx).flat_map(move |ev| stream::iter(stage.take(ev)));
-    let events = outputs.flat_map(move |out| {
+    let events = UnboundedReceiverStream::new(out_rx).flat_map(move |out| {
         let data: Vec<String> = match out {
             Output::Text { content, reasoning } => {
                 let v = shape.wrap(true, shape.chunk_choice(&content, &reasoning, first, None), None);
