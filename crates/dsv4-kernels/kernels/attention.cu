@@ -514,6 +514,17 @@ __device__ __forceinline__ void fold_half(float* v, u32 lane) {
     }
 }
 
+// Channels c, c + 1 (c even) of a head's normalized output, rotated back at p (the last
+// 2 rope_half of d channels: interleaved pairs, as rope_rows with -1), to dst[c] as one bf16
+// pair (the launcher checks that the output is 4-byte aligned; d is even).
+__device__ __forceinline__ void write_output_pair(u16* dst, u32 c, float x, float y, u32 p, const float* inv_freq,
+                                                  u32 d, u32 rope_half) {
+    float pair[2] = {x, y};
+    const u32 rope0 = d - 2u * rope_half;
+    if (c >= rope0) rope_pair(pair, p, inv_freq[(c - rope0) / 2u], -1.0f);
+    *reinterpret_cast<u32*>(dst + c) = (u32)f32_to_bf16(pair[0]) | ((u32)f32_to_bf16(pair[1]) << 16);
+}
+
 // The first position of token t's chunk; a batch's token t is a chunk of one, at pos[t]: its
 // key is row t of kv, its ring and entries slice t (the pointers are moved there).
 __device__ __forceinline__ u32 att_token(u32 t, const u32* __restrict__ pos, u32 batch, u32 d, u32 wsize, u32 cap,
@@ -784,9 +795,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         }
 #pragma unroll
         for (u32 e = 0; e < 2u; e++) v[e] = __fdiv_rn(__fmul_rn(v[e], mx_s[h]), den_s[h]);
-        if (c >= d - 2u * rope_half) rope_pair(v, p, freq_s[(c - (d - 2u * rope_half)) / 2u], -1.0f);
-        const u32 packed = (u32)f32_to_bf16(v[0]) | ((u32)f32_to_bf16(v[1]) << 16);
-        *reinterpret_cast<u32*>(out + ((u64)t * heads + h0) * d + h * d + c) = packed;
+        write_output_pair(out + ((u64)t * heads + h0 + h) * d, c, v[0], v[1], p, freq_s, d, rope_half);
     }
     cluster_sync();  // no block leaves while another may still read its state
 }
@@ -863,16 +872,6 @@ __device__ __forceinline__ float amma_factor(float m, float l, float sk) {
     return a / fmaf(l, a, expf(sk - mf));
 }
 
-// Channels c, c + 1 of a head's output (its sums times its factor), rotated back at p (the
-// last 2 rope_half of d channels: interleaved pairs, as rope_rows with -1), to dst[c] as bf16.
-__device__ __forceinline__ void amma_write_pair(u16* dst, u32 c, float x, float y, u32 p, const float* inv_freq,
-                                                u32 d, u32 rope_half) {
-    float pair[2] = {x, y};
-    const u32 rope0 = d - 2u * rope_half;
-    if (c >= rope0) rope_pair(pair, p, inv_freq[(c - rope0) / 2u], -1.0f);
-    dst[c] = f32_to_bf16(pair[0]);
-    dst[c + 1u] = f32_to_bf16(pair[1]);
-}
 
 // Dynamic shared memory: queries [2][64][d + 8] f16 (hi, lo), keys [2][32][d + 8] f16,
 // scores [64][33] f32; the split merge's factors and group sums in the keys' place.
@@ -1064,7 +1063,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
             for (u32 nt = 0; nt < 16u; nt++) {
                 if (nt >= ntiles) break;
                 const u32 c = dq * kq + nt * 8u + 2u * qd;
-                amma_write_pair(dst, c, o[nt][2u * r] * f, o[nt][2u * r + 1u] * f, p, inv_freq, d, rope_half);
+                write_output_pair(dst, c, o[nt][2u * r] * f, o[nt][2u * r + 1u] * f, p, inv_freq, d, rope_half);
             }
         }
         return;
@@ -1170,8 +1169,8 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
             const float f = head_f;
             u16* dst = out + row * d;
             const u32 c = c0 + 4u * threadIdx.x;
-            amma_write_pair(dst, c, a.x * f, a.y * f, p, inv_freq, d, rope_half);
-            amma_write_pair(dst, c + 2u, a.z * f, a.w * f, p, inv_freq, d, rope_half);
+            write_output_pair(dst, c, a.x * f, a.y * f, p, inv_freq, d, rope_half);
+            write_output_pair(dst, c + 2u, a.z * f, a.w * f, p, inv_freq, d, rope_half);
         }
     }
     // Every block has passed the wait once all have left: the last one resets the counters.
