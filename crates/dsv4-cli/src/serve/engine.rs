@@ -502,15 +502,15 @@ pub fn run(mut backend: Box<dyn Backend>, eos: &[u32], jobs: Receiver<Job>, metr
         }
         let now = std::mem::take(&mut running);
         for mut seq in now {
-            let after = match (token_of(seq.id), seq.job.text_end.get()) {
-                (Some(t), _) => seq.take(t, eos, stopping),
+            let after = if let Some(t) = token_of(seq.id) {
+                seq.take(t, eos, stopping)
+            } else if let Some(end) = seq.job.text_end.get() {
                 // Left out of the step: its text has ended.
-                (None, Some(end)) => seq.text_ended(end),
+                seq.text_ended(end)
+            } else {
                 // It joined after the step was launched: it waits for the next.
-                (None, None) => {
-                    running.push(seq);
-                    continue;
-                }
+                running.push(seq);
+                continue;
             };
             if let Some(seq) = settle(seq, after, &metrics, &mut free) {
                 running.push(seq);
