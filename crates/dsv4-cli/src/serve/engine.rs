@@ -599,7 +599,51 @@ fn settle(
 
 #[cfg(test)]
 mod tests {
-    use super::bucket;
+    use super::*;
+
+    fn running(max_tokens: usize) -> (Running, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+        let job = Job {
+            prompt: vec![1, 2],
+            max_tokens,
+            sampling: Sampling {
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: 0,
+            },
+            events,
+            text_end: Arc::new(TextEnd::default()),
+        };
+        (Running::new(job, 0, 1), rx)
+    }
+
+    #[test]
+    fn a_text_end_ends_the_sequence_with_the_tokens_it_took_or_fails_it() {
+        // Tokens go to the request while its text goes on.
+        let (mut seq, mut rx) = running(8);
+        assert!(matches!(seq.take(5, &[0], false), Ok(After::Continue)));
+        assert!(matches!(rx.try_recv(), Ok(Event::Token(5))));
+        // A stop string at the request's second token: the third is not read, the sequence
+        // finishes counting two.
+        seq.take(6, &[0], false).unwrap();
+        seq.job.text_end.stop(2);
+        assert!(matches!(seq.take(7, &[0], false), Ok(After::Finished)));
+        assert_eq!(seq.generated, 2);
+        // Also once the request's task has closed the channel.
+        let (mut seq, rx) = running(8);
+        seq.job.text_end.stop(1);
+        drop(rx);
+        assert!(matches!(seq.take(5, &[0], false), Ok(After::Finished)));
+        // A text that could not be made fails the sequence.
+        let (mut seq, _rx) = running(8);
+        seq.job.text_end.fail();
+        let err = seq.take(5, &[0], false).err().expect("a failure");
+        assert!(err.to_string().contains("text failed"), "{err}");
+        // Without a text end, a closed channel is a client that left.
+        let (mut seq, rx) = running(8);
+        drop(rx);
+        assert!(matches!(seq.take(5, &[0], false), Ok(After::Gone)));
+    }
 
     #[test]
     fn a_step_covers_the_highest_running_slot_in_a_power_of_two_of_rows() {
