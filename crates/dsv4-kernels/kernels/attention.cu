@@ -327,6 +327,7 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
 
 #define SEL_THREADS 1024u
 #define SEL_BATCH 8u  // keys a thread loads at once
+#define SEL_MAX_PARTS 16u  // most blocks of a token's cluster (MAX_SELECT_SLICES in dsv4_ops)
 
 // Ascending in the order of f32::total_cmp (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
 __device__ __forceinline__ u32 order_key(float x) {
@@ -339,8 +340,11 @@ __device__ __forceinline__ u32 order_key(float x) {
 // (gridDim.y = 1: one block): block r takes the r-th of gridDim.y contiguous slices of the
 // entries. The threshold key is found by a radix select (4 passes of 8 bits over the keys,
 // staged in shared memory when the slice fits there; integer histograms, order-independent,
-// summed over the cluster's blocks through distributed shared memory; the bin found by a
-// warp-wide scan, in every block alike); then each thread takes a contiguous index range of
+// summed over the cluster's blocks through distributed shared memory, a bin a thread with all
+// the blocks' loads in flight at once; the bin found by a warp-wide scan, in every block
+// alike; two histogram buffers used in turn, so one cluster barrier a pass orders both a
+// pass's sums after every block's counts and a buffer's clearing after the sums that read it
+// two passes before); then each thread takes a contiguous index range of
 // its block's slice, exclusive scans of the per-thread counts (in the block, then over the
 // blocks before it) give each range's first output slot, and the keys equal to the threshold
 // are taken in index order until the count still needed is reached.
@@ -348,7 +352,8 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
                                                              const u32* __restrict__ pos, u32 k,
                                                              int* __restrict__ selected, u32 held_cap, u32 batch) {
     pdl_enter();
-    __shared__ u32 hist[256];
+    __shared__ u32 hist[2][256];
+    __shared__ u32 total_s[256];
     __shared__ u32 gt_s[SEL_THREADS];
     __shared__ u32 eq_s[SEL_THREADS];
     __shared__ u32 sh_prefix, sh_krem;
@@ -384,26 +389,34 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
         for (u32 j = 0; j < SEL_BATCH; j++) kk[j] = i0 + j * step < end ? key_at(i0 + j * step) : 0u;
     };
     u32 prefix = 0u, mask = 0u, krem = k;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) hist[b] = 0u;
+    for (int shift = 24, pass = 0; shift >= 0; shift -= 8, pass++) {
+        u32* h = hist[pass & 1];
+        for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) h[b] = 0u;
         __syncthreads();
         for (u32 i0 = threadIdx.x; i0 < m; i0 += SEL_BATCH * blockDim.x) {
             u32 kk[SEL_BATCH];
             load_keys(i0, blockDim.x, m, kk);
 #pragma unroll
             for (u32 j = 0; j < SEL_BATCH; j++)
-                if (i0 + j * blockDim.x < m && (kk[j] & mask) == prefix) atomicAdd(&hist[(kk[j] >> shift) & 255u], 1u);
+                if (i0 + j * blockDim.x < m && (kk[j] & mask) == prefix) atomicAdd(&h[(kk[j] >> shift) & 255u], 1u);
         }
         cluster_sync();  // every block's histogram is complete
+        if (threadIdx.x < 256u) {
+            u32 c[SEL_MAX_PARTS], sum = 0u;
+#pragma unroll
+            for (u32 r = 0; r < SEL_MAX_PARTS; r++) c[r] = r < parts ? cluster_peer(&h[threadIdx.x], r) : 0u;
+#pragma unroll
+            for (u32 r = 0; r < SEL_MAX_PARTS; r++) sum += c[r];
+            total_s[threadIdx.x] = sum;
+        }
+        __syncthreads();
         // Warp 0 finds the bin holding the krem-th largest key: lane l takes bins 255 - 8l - j
-        // (j = 0..7, descending), summed over the cluster's blocks; a scan over the lanes
-        // counts the keys above each lane's bins.
+        // (j = 0..7, descending); a scan over the lanes counts the keys above each lane's bins.
         if (threadIdx.x < 32u) {
             u32 c[8], sum = 0u;
 #pragma unroll
             for (u32 j = 0; j < 8u; j++) {
-                c[j] = 0u;
-                for (u32 r = 0; r < parts; r++) c[j] += cluster_peer(&hist[255u - 8u * lane - j], r);
+                c[j] = total_s[255u - 8u * lane - j];
                 sum += c[j];
             }
             const u32 incl = warp_inclusive_sum(sum);
@@ -419,7 +432,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
                 above += c[j];
             }
         }
-        cluster_sync();  // every block has read the histograms before any clears its own
+        __syncthreads();
         prefix = sh_prefix;
         krem = sh_krem;
         mask |= 255u << shift;
@@ -453,12 +466,10 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
         total_eq = eq_s[SEL_THREADS - 1u];
     }
     cluster_sync();
-    // The counts of the blocks before this one (earlier indices).
-    u32 gt_before = 0u, eq_before = 0u;
-    for (u32 r = 0; r < rank; r++) {
-        gt_before += cluster_peer(&total_gt, r);
-        eq_before += cluster_peer(&total_eq, r);
-    }
+    // The counts of the blocks before this one (earlier indices): lane r reads block r's.
+    const bool before = lane < rank;
+    const u32 gt_before = warp_sum(before ? cluster_peer(&total_gt, lane) : 0u);
+    const u32 eq_before = warp_sum(before ? cluster_peer(&total_eq, lane) : 0u);
     u32 eq_seen = eq_before + eq_s[threadIdx.x] - eq;
     u32 slot = gt_before + gt_s[threadIdx.x] - gt + min(eq_seen, krem);
     for (u32 i0 = lo; i0 < hi; i0 += SEL_BATCH) {
@@ -762,12 +773,15 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     cluster_sync();  // every split's state is complete
     __shared__ float f_s[ATT_HEADS][ATT_MAX_SPLITS], fl_s[ATT_HEADS][ATT_MAX_SPLITS], mx_s[ATT_HEADS],
         den_s[ATT_HEADS];
+    // A thread per (head, split) reads that split's state, so the loads are in flight together.
+    if (threadIdx.x < ATT_HEADS * splits) {
+        const u32 h = threadIdx.x % ATT_HEADS, r = threadIdx.x / ATT_HEADS;
+        f_s[h][r] = cluster_peer(&m_s[h], r);
+        fl_s[h][r] = cluster_peer(&l_s[h], r);
+    }
+    __syncthreads();
     if (threadIdx.x < ATT_HEADS) {
         const u32 h = threadIdx.x;
-        for (u32 r = 0; r < splits; r++) {
-            f_s[h][r] = cluster_peer(&m_s[h], r);
-            fl_s[h][r] = cluster_peer(&l_s[h], r);
-        }
         float mo, lo;
         to_common_max(f_s[h], fl_s[h], splits, 1u, mo, lo);
         // The sink: a zero-valued key of logit sink[h] (it may exceed every score). mx_s[h]
@@ -786,12 +800,18 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 i_end = min(hv * half_d, (split + 1u) * share);
     for (u32 i = split * share + threadIdx.x; i < i_end; i += blockDim.x) {
         const u32 h = i / half_d, c = 2u * (i % half_d);
+        // Every split's pair loaded before the sums (in split order) use them.
+        float2 x[ATT_MAX_SPLITS];
+#pragma unroll
+        for (u32 r = 0; r < ATT_MAX_SPLITS; r++)
+            if (r < splits) x[r] = cluster_peer(reinterpret_cast<const float2*>(acc_s + h * d + c), r);
         float v[2] = {0.0f, 0.0f};
-        for (u32 r = 0; r < splits; r++) {
-            const float2 x = cluster_peer(reinterpret_cast<const float2*>(acc_s + h * d + c), r);
+#pragma unroll
+        for (u32 r = 0; r < ATT_MAX_SPLITS; r++) {
+            if (r >= splits) break;
             const float f = f_s[h][r];
-            v[0] = __fadd_rn(v[0], __fmul_rn(x.x, f));
-            v[1] = __fadd_rn(v[1], __fmul_rn(x.y, f));
+            v[0] = __fadd_rn(v[0], __fmul_rn(x[r].x, f));
+            v[1] = __fadd_rn(v[1], __fmul_rn(x[r].y, f));
         }
 #pragma unroll
         for (u32 e = 0; e < 2u; e++) v[e] = __fdiv_rn(__fmul_rn(v[e], mx_s[h]), den_s[h]);
@@ -1232,6 +1252,27 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
     if (blockIdx.x * IMMA_WARPS * 16u >= n_max) return;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3u;
 
+    // Keys of rows e0 + g (x[ks][0], [2]) and e0 + g + 8 ([1], [3]), channels 16 ks + 2 qd
+    // (+1) and + 8; rows past n_max and channels past c zero.
+    float2 x[IMMA_KSTEPS][4];
+    const auto load_keys = [&](u32 e0) {
+        const bool v0 = e0 + g < n_max, v1 = e0 + g + 8u < n_max;
+        const float* r0 = entries + (u64)(e0 + g) * c + 2u * qd;
+        const float* r1 = r0 + 8u * c;
+#pragma unroll
+        for (u32 ks = 0; ks < IMMA_KSTEPS; ks++) {
+            const bool in = 16u * ks < c;
+            const float2 z = make_float2(0.0f, 0.0f);
+            x[ks][0] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks) : z;
+            x[ks][1] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks) : z;
+            x[ks][2] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks + 8u) : z;
+            x[ks][3] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks + 8u) : z;
+        }
+    };
+    const auto tile_first = [&](u32 i) { return 16u * (IMMA_WARPS * i + warp); };
+    // The first tile on its way while the queries are staged.
+    load_keys(tile_first(blockIdx.x));
+
     // The tokens' queries in two passes over all of them at once: their largest |values|,
     // then the scaled f16 parts (zero past nh heads and c channels).
     const float* qg = q + (u64)t0 * nh * c;
@@ -1281,28 +1322,16 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
 
     auto ld32 = [](const u16* p) { return *reinterpret_cast<const u32*>(p); };
     for (u32 i = blockIdx.x;; i += gridDim.x) {
-        const u32 e0 = 16u * (IMMA_WARPS * i + warp);
+        const u32 e0 = tile_first(i);
         if (e0 >= n_max) break;
-        // Keys of rows e0 + g (a0, a2) and e0 + g + 8 (a1, a3), channels 16 ks + 2 qd (+1)
-        // and + 8; rows past n_max and channels past c zero.
-        float2 x[IMMA_KSTEPS][4];
-        const bool v0 = e0 + g < n_max, v1 = e0 + g + 8u < n_max;
-        const float* r0 = entries + (u64)(e0 + g) * c + 2u * qd;
-        const float* r1 = r0 + 8u * c;
-#pragma unroll
-        for (u32 ks = 0; ks < IMMA_KSTEPS; ks++) {
-            const bool in = 16u * ks < c;
-            const float2 z = make_float2(0.0f, 0.0f);
-            x[ks][0] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks) : z;
-            x[ks][1] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks) : z;
-            x[ks][2] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks + 8u) : z;
-            x[ks][3] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks + 8u) : z;
-        }
         u32 ah[IMMA_KSTEPS][4], al[IMMA_KSTEPS][4];
 #pragma unroll
         for (u32 ks = 0; ks < IMMA_KSTEPS; ks++)
 #pragma unroll
             for (u32 j = 0; j < 4u; j++) f16x2_split(x[ks][j].x, x[ks][j].y, ah[ks][j], al[ks][j]);
+        // The warp's next tile is on its way while this one is scored: decode streams every
+        // key once, so the loads' latency would otherwise sit between the tiles.
+        load_keys(tile_first(i + gridDim.x));
         for (u32 tb = 0; tb < tb_n; tb++) {
             const u32 t = t0 + tb, n_vis = visible(t);
             if (e0 >= n_vis) continue;

@@ -120,6 +120,12 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+__device__ __forceinline__ u32 warp_sum(u32 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // Inclusive prefix sum over the lanes: lane l returns v of lanes 0..=l summed.
 __device__ __forceinline__ u32 warp_inclusive_sum(u32 v) {
     const u32 lane = threadIdx.x & 31u;
