@@ -1252,27 +1252,6 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
     if (blockIdx.x * IMMA_WARPS * 16u >= n_max) return;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3u;
 
-    // Keys of rows e0 + g (x[ks][0], [2]) and e0 + g + 8 ([1], [3]), channels 16 ks + 2 qd
-    // (+1) and + 8; rows past n_max and channels past c zero.
-    float2 x[IMMA_KSTEPS][4];
-    const auto load_keys = [&](u32 e0) {
-        const bool v0 = e0 + g < n_max, v1 = e0 + g + 8u < n_max;
-        const float* r0 = entries + (u64)(e0 + g) * c + 2u * qd;
-        const float* r1 = r0 + 8u * c;
-#pragma unroll
-        for (u32 ks = 0; ks < IMMA_KSTEPS; ks++) {
-            const bool in = 16u * ks < c;
-            const float2 z = make_float2(0.0f, 0.0f);
-            x[ks][0] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks) : z;
-            x[ks][1] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks) : z;
-            x[ks][2] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks + 8u) : z;
-            x[ks][3] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks + 8u) : z;
-        }
-    };
-    const auto tile_first = [&](u32 i) { return 16u * (IMMA_WARPS * i + warp); };
-    // The first tile on its way while the queries are staged.
-    load_keys(tile_first(blockIdx.x));
-
     // The tokens' queries in two passes over all of them at once: their largest |values|,
     // then the scaled f16 parts (zero past nh heads and c channels).
     const float* qg = q + (u64)t0 * nh * c;
@@ -1322,16 +1301,28 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
 
     auto ld32 = [](const u16* p) { return *reinterpret_cast<const u32*>(p); };
     for (u32 i = blockIdx.x;; i += gridDim.x) {
-        const u32 e0 = tile_first(i);
+        const u32 e0 = 16u * (IMMA_WARPS * i + warp);
         if (e0 >= n_max) break;
+        // Keys of rows e0 + g (a0, a2) and e0 + g + 8 (a1, a3), channels 16 ks + 2 qd (+1)
+        // and + 8; rows past n_max and channels past c zero.
+        float2 x[IMMA_KSTEPS][4];
+        const bool v0 = e0 + g < n_max, v1 = e0 + g + 8u < n_max;
+        const float* r0 = entries + (u64)(e0 + g) * c + 2u * qd;
+        const float* r1 = r0 + 8u * c;
+#pragma unroll
+        for (u32 ks = 0; ks < IMMA_KSTEPS; ks++) {
+            const bool in = 16u * ks < c;
+            const float2 z = make_float2(0.0f, 0.0f);
+            x[ks][0] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks) : z;
+            x[ks][1] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks) : z;
+            x[ks][2] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks + 8u) : z;
+            x[ks][3] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks + 8u) : z;
+        }
         u32 ah[IMMA_KSTEPS][4], al[IMMA_KSTEPS][4];
 #pragma unroll
         for (u32 ks = 0; ks < IMMA_KSTEPS; ks++)
 #pragma unroll
             for (u32 j = 0; j < 4u; j++) f16x2_split(x[ks][j].x, x[ks][j].y, ah[ks][j], al[ks][j]);
-        // The warp's next tile is on its way while this one is scored: decode streams every
-        // key once, so the loads' latency would otherwise sit between the tiles.
-        load_keys(tile_first(i + gridDim.x));
         for (u32 tb = 0; tb < tb_n; tb++) {
             const u32 t = t0 + tb, n_vis = visible(t);
             if (e0 >= n_vis) continue;
