@@ -582,10 +582,7 @@ __device__ __forceinline__ bool cluster_sum(float (&acc)[MT][4], const float4* m
     if (split != 0) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            u32 to;
-            asm volatile("mapa.shared::cluster.u32 %0, %1, 0;"
-                         : "=r"(to)
-                         : "r"((u32)__cvta_generic_to_shared(box(split, mt))));
+            const u32 to = cluster_addr(box(split, mt), 0);
             asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(to), "f"(acc[mt][0]),
                          "f"(acc[mt][1]), "f"(acc[mt][2]), "f"(acc[mt][3])
                          : "memory");
