@@ -22,8 +22,8 @@
 // - attention_heads: sink softmax over the window ∪ compressed keys (K = V) for four heads of
 //   one token per block, the token's keys split over a cluster of blocks when few blocks would
 //   run; 8 warps take interleaved keys with an online softmax each, the warps' and then (over
-//   the cluster's shared memory) the splits' states merge in a fixed order (so the result does not depend on timing), and the output is
-//   rotated back and written in bf16.
+//   the cluster's shared memory) the splits' states merge in a fixed order (so the result does
+//   not depend on timing), and the output is rotated back and written in bf16.
 // - attention_mma: the same on tensor cores, a block per token and 64 heads: a prompt chunk's
 //   tokens, and a decode token that sees many keys (split over blocks that meet in the launch).
 // - window_write: the chunk's keys into the sliding-window ring.
@@ -565,19 +565,18 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 }
 
 // Block (x, s, t): heads [4x, 4x + 4) ∩ [0, heads) of token t at p = pos[0] + t (a batch's: at
-// pos[t], over its own sequence's keys), over split s of the token's keys (always four heads' arithmetic, so their chains interleave; missing
-// heads get zero queries and write nothing). Keys j in order: the window positions
-// max(0, p - W + 1) ..= p (from this chunk's kv when >= pos[0], else from the ring slot
-// position % W), then the compressed keys: mode 1 every visible entry
-// [0, min((p + 1) / ratio, cap)), mode 2 the ids in the first min(k, that count) slots of
-// selected[t] (-1 or an id >= cap: none; index_select leaves -1 in the slots past them).
-// The n keys are cut into S = gridDim.y consecutive splits of ceil(n / S), the S blocks of
-// (x, t) one cluster (S <= 16). Dynamic shared
-// memory: 8 · ring · 4 · d floats, each warp's ring of buffers of four keys (two where the
-// GPU's shared memory holds them), later the warps' states (8 · 4 · d). Warp w takes its
-// split's keys w, w + 8, ... four at a time: the next four copy into a buffer while it scores
-// these. Per batch the lanes hold d / 32 channels of each key, the 16
-// (head, key) dot products are summed over the warp together, and each head's running max,
+// pos[t], over its own sequence's keys), over split s of the token's keys (always four heads'
+// arithmetic, so their chains interleave; missing heads get zero queries and write nothing).
+// Keys j in order: the window positions max(0, p - W + 1) ..= p (from this chunk's kv when
+// >= pos[0], else from the ring slot position % W), then the compressed keys: mode 1 every
+// visible entry [0, min((p + 1) / ratio, cap)), mode 2 the ids in the first min(k, that count)
+// slots of selected[t] (-1 or an id >= cap: none; index_select leaves -1 in the slots past
+// them). The n keys are cut into S = gridDim.y consecutive splits of ceil(n / S), the S blocks
+// of (x, t) one cluster (S <= 16). Dynamic shared memory: 8 · ring · 4 · d floats, each warp's
+// ring of buffers of four keys (two where the GPU's shared memory holds them), later the
+// warps' states (8 · 4 · d). Warp w takes its split's keys w, w + 8, ... four at a time: the
+// next four copy into a buffer while it scores these. Per batch the lanes hold d / 32 channels
+// of each key, the 16 (head, key) dot products are summed over the warp together, and each head's running max,
 // sum and weighted values are updated once (FMAs, a fixed order). The warps' states then merge
 // through shared memory, summed in warp order.
 // Then the cluster merges the S states in split order through distributed shared memory, each
