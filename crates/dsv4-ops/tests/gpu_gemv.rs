@@ -473,7 +473,8 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
 
 /// FP8 rows of scale blocks whose scales are far apart (2^-30 and 2^20 times the usual) are
 /// each right on their own, plain and gate+up, at M = 1 (prescaled, where the activations are
-/// multiplied by the scales in f16) and at M = 3.
+/// multiplied by the scales in f16), at M = 3, and at M = 40 on the prefill GEMM (where the
+/// scales are multiplied into the f16 weights).
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_gemv_fp8_is_right_for_scales_of_any_magnitude() {
@@ -512,7 +513,7 @@ fn gpu_gemv_fp8_is_right_for_scales_of_any_magnitude() {
             check_error(&label, &rows(&f64s(got)), &rows(want));
         }
     };
-    for m in [1, 3] {
+    for m in [1, 3, 40] {
         let o = shifted(&mut rng);
         let w = GemvWeight::upload(&dev, o.host(), n, k).unwrap();
         let xh = to_bf16(&gaussian(&mut rng, m * k, 1.0));
