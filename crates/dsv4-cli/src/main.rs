@@ -215,6 +215,8 @@ enum Phase {
     Prefill,
     /// The decode graph's replays.
     Decode,
+    /// The largest batch's decode graph replays (`--batch`).
+    Batch,
 }
 
 #[derive(clap::Args)]
@@ -829,7 +831,10 @@ fn bench(a: BenchArgs) -> Result<()> {
         }
         eager_launch(&mut model, n)?;
         let g = DecodeGraph::capture(&mut model, n)?;
+        let profiled = a.profile == Phase::Batch && Some(&n) == batches.last();
+        model.device().profile(profiled)?;
         let (ms, host) = time_decode(&mut model, a.decode, |m| Ok(g.replay(m)?))?;
+        model.device().profile(false)?;
         println!(
             "decode graph, {n} sequences: {ms:.3} ms/step, {:.1} tok/s ({:.2}× one sequence's), \
              host {host:.1} µs/step, {} nodes per step",
