@@ -1,9 +1,9 @@
 // The MoE router after the gate projection (spec §8): sqrt-softplus scores, then hash routing
 // (the device token id's row of tid2eid) or learned routing (top k of score + bias, ties to
 // the lowest expert, returned in ascending expert order), and the combine weights
-// score / sum(scores) * scale, all on the device, one warp a token: in blocks of warps
-// (route_topk), or in the last block of the gate projection (gate_route_*, at the end, the
-// gate and the routing in one launch). Also the gate projection alone (gate_logits_*), in f32.
+// score / sum(scores) * scale, all on the device, a token by a warp (route_topk) or by a share
+// of the last block of the gate projection (gate_route_*, at the end, the gate and the routing
+// in one launch). Also the gate projection alone (gate_logits_*), in f32.
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
@@ -40,7 +40,7 @@ __device__ __forceinline__ u32 key_word(const float* z, u32 x, const float* __re
 
 // Routes token t with a group of G warps (its warp `wig` and lane: the calling thread's place
 // in it), from its logits z [e] and, for learned routing, its keys' high words hi [e]
-// (key_word); tid2eid [vocab, k] (hash, may be null) or bias [e] (learned); ids [n, k] (i32),
+// (key_word); tid2eid [vocab, k] (hash routing; null for learned); ids [n, k] (i32),
 // weights [n, k]. Learned: k rounds of a group-wide max over the keys (distinct, so each round
 // has one winner; a thread owns experts wig * 32 + lane, then every 32 G on, and a bit for each
 // one taken, which then counts as 0, below every key), lane j of the group's first warp keeping

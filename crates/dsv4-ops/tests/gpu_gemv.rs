@@ -473,8 +473,8 @@ fn gpu_gemv_swiglu_matches_reference_and_clamps() {
 
 /// FP8 rows of scale blocks whose scales are far apart (2^-30 and 2^20 times the usual) are
 /// each right on their own, plain and gate+up, at M = 1 (prescaled, where the activations are
-/// multiplied by the scales in f16), at M = 3, and at M = 40 on the prefill GEMM (where the
-/// scales are multiplied into the f16 weights).
+/// multiplied by the scales in f16), at M = 3, and at M = 40 on the prefill GEMM (where each
+/// sub-step's sums are multiplied by their rows' block scales).
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_gemv_fp8_is_right_for_scales_of_any_magnitude() {
