@@ -1,20 +1,17 @@
 // The MoE router after the gate projection (spec §8): sqrt-softplus scores, then hash routing
 // (the device token id's row of tid2eid) or learned routing (top k of score + bias, ties to
 // the lowest expert, returned in ascending expert order), and the combine weights
-// score / sum(scores) * scale, all on the device, a token by a warp (route_topk) or by a share
-// of the last block of the gate projection (gate_route_*, at the end, the gate and the routing
-// in one launch). Also the gate projection alone (gate_logits_*), in f32.
+// score / sum(scores) * scale, all on the device: one block per token (route_topk), or the last
+// block of the gate projection for every token (gate_route_*, at the end, the gate and the
+// routing in one launch). Also the gate projection alone (gate_logits_*), in f32.
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
 
+#define ROUTE_K_MAX 16
 // Most experts (MAX_EXPERTS in router/mod.rs) and the block size.
 #define ROUTE_E_MAX 512
 #define ROUTE_THREADS 256
-// Threads of a gate block (gate_logits_*, gate_route_*; router/mod.rs launches them so).
-#define GATE_THREADS 128
-// Tokens whose keys gate_route's last block holds at once.
-#define GATE_ROUTE_TOKENS 16
 
 __device__ __forceinline__ float route_score(float z) {
     // sqrt(softplus(z)), softplus written as max(z, 0) + log1p(exp(-|z|)).
@@ -31,92 +28,84 @@ __device__ __forceinline__ u64 route_key(float v, u32 x) {
     return ((u64)ordered << 32) | (0xffffffffu - x);
 }
 
-// Learned routing's key of expert x of a token, high word only (route_key's low word is the
-// complemented index, rebuilt where the keys are compared): z [e] read through L2 (in
-// gate_route they were written by other blocks of the same launch).
-__device__ __forceinline__ u32 key_word(const float* z, u32 x, const float* __restrict__ bias) {
-    return (u32)(route_key(__fadd_rn(route_score(__ldcg(z + x)), bias[x]), x) >> 32);
-}
+// Routes token t from its logits z [e] (read through L2: in gate_route they were written by
+// other blocks of the same launch); tid2eid [vocab, k] (hash, may be null) or bias [e]
+// (learned); ids [n, k] (i32), weights [n, k]. Learned: k rounds of a block-wide max over the
+// keys (distinct, so each round has one winner, whose key its owner then zeroes: below every
+// key), then the winners in ascending expert order. The whole block calls it; blockDim.x is a
+// multiple of 32, at most 1024.
+struct RouteShared {
+    u64 key[ROUTE_E_MAX];
+    u64 best[2][32];
+    u32 chosen[ROUTE_K_MAX];
+    float score[ROUTE_K_MAX];
+    float total;
+};
 
-// Routes token t with a group of G warps (its warp `wig` and lane: the calling thread's place
-// in it), from its logits z [e] and, for learned routing, its keys' high words hi [e]
-// (key_word); tid2eid [vocab, k] (hash routing; null for learned); ids [n, k] (i32),
-// weights [n, k]. Learned: k rounds of a group-wide max over the keys (distinct, so each round
-// has one winner; a thread owns experts wig * 32 + lane, then every 32 G on, and a bit for each
-// one taken, which then counts as 0, below every key), lane j of the group's first warp keeping
-// round j's winner; then the winners in ascending expert order. With G > 1 the warps meet at
-// named barrier `bar` (G * 32 threads) and swap their maxima through gbest [2 G] (shared).
-// Every thread of the group calls it; its first warp writes the results.
-__device__ __forceinline__ void route_token(const float* z, const u32* hi, u32 t, u32 e, u32 k,
-                                            const u32* __restrict__ tokens, const u32* __restrict__ tid2eid,
-                                            u32 vocab, float scale, int* __restrict__ ids,
-                                            float* __restrict__ weights, u32 G, u32 wig, u64* gbest, u32 bar) {
-    const u32 lane = threadIdx.x & 31u, gl = wig * 32u + lane, stride = 32u * G;
-    u32 chosen = 0;  // lane j < k of the first warp: slot j's expert
+__device__ __forceinline__ void route_token(const float* z, u32 t, u32 e, u32 k, const u32* __restrict__ tokens,
+                                            const u32* __restrict__ tid2eid, u32 vocab,
+                                            const float* __restrict__ bias, float scale, int* __restrict__ ids,
+                                            float* __restrict__ weights, RouteShared& sh) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (tid2eid) {
         // An out-of-vocabulary token picks expert 0 k times rather than reading past the table.
         const u32 tok = tokens[t] < vocab ? tokens[t] : 0u;
-        if (lane < k) chosen = min(tid2eid[(u64)tok * k + lane], e - 1u);
+        if (threadIdx.x < k) sh.chosen[threadIdx.x] = min(tid2eid[(u64)tok * k + threadIdx.x], e - 1u);
     } else {
-        u32 taken = 0;
+        // Each thread reads and writes only its own keys (x = threadIdx.x + i * blockDim.x).
+        for (u32 x = threadIdx.x; x < e; x += blockDim.x)
+            sh.key[x] = route_key(__fadd_rn(route_score(__ldcg(z + x)), bias[x]), x);
         for (u32 j = 0; j < k; j++) {
             u64 best = 0u;
-            for (u32 x = gl, i = 0; x < e; x += stride, i++)
-                if (!(taken >> i & 1u)) best = max(best, ((u64)hi[x] << 32) | (0xffffffffu - x));
+            for (u32 x = threadIdx.x; x < e; x += blockDim.x) best = max(best, sh.key[x]);
 #pragma unroll
             for (u32 o = 16u; o > 0u; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
-            if (G > 1u) {
-                // Two buffers in turn: a round's maxima are written after every thread of the
-                // group has passed the previous round's barrier, so has read the round before.
-                if (lane == 0u) gbest[(j & 1u) * G + wig] = best;
-                asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(stride) : "memory");
-                for (u32 w = 0; w < G; w++) best = max(best, gbest[(j & 1u) * G + w]);
+            if (lane == 0u) sh.best[j & 1u][warp] = best;
+            __syncthreads();
+            u64 win = 0u;
+            for (u32 w = 0; w < warps; w++) win = max(win, sh.best[j & 1u][w]);
+            const u32 x = 0xffffffffu - (u32)win;
+            if (x % blockDim.x == threadIdx.x) sh.key[x] = 0u;
+            if (threadIdx.x == 0u) sh.chosen[j] = x;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0u) {
+            // Ascending expert order (insertion sort of k <= 16).
+            for (u32 a = 1; a < k; a++) {
+                const u32 v = sh.chosen[a];
+                u32 b = a;
+                for (; b > 0u && sh.chosen[b - 1u] > v; b--) sh.chosen[b] = sh.chosen[b - 1u];
+                sh.chosen[b] = v;
             }
-            const u32 x = 0xffffffffu - (u32)best;
-            if (x % stride == gl) taken |= 1u << (x / stride);
-            if (gl == j) chosen = x;
         }
-        // Ascending expert order: the winner of rank r (the count of smaller winners) moves to
-        // lane r.
-        u32 rank = 0;
-        for (u32 i = 0; i < k; i++) rank += __shfl_sync(0xffffffffu, chosen, i) < chosen;
-        u32 sorted = 0;
-        for (u32 i = 0; i < k; i++) {
-            const u32 v = __shfl_sync(0xffffffffu, chosen, i), r = __shfl_sync(0xffffffffu, rank, i);
-            if (r == lane) sorted = v;
-        }
-        chosen = sorted;
     }
-    if (wig != 0u) return;
-    // The chosen experts' scores, summed in slot order (every lane the same sum).
-    const float score = lane < k ? route_score(__ldcg(z + chosen)) : 0.0f;
-    float total = 0.0f;
-    for (u32 j = 0; j < k; j++) total = __fadd_rn(total, __shfl_sync(0xffffffffu, score, j));
-    total = __fadd_rn(total, 1e-20f);
-    if (lane < k) {
-        ids[(u64)t * k + lane] = (int)chosen;
-        weights[(u64)t * k + lane] = __fmul_rn(__fdiv_rn(score, total), scale);
+    __syncthreads();
+    // The chosen experts' scores side by side, then thread 0 sums them in slot order.
+    if (threadIdx.x < k) sh.score[threadIdx.x] = route_score(__ldcg(z + sh.chosen[threadIdx.x]));
+    __syncthreads();
+    if (threadIdx.x == 0u) {
+        float total = 0.0f;
+        for (u32 j = 0; j < k; j++) total = __fadd_rn(total, sh.score[j]);
+        sh.total = __fadd_rn(total, 1e-20f);
     }
+    __syncthreads();
+    if (threadIdx.x < k) {
+        ids[(u64)t * k + threadIdx.x] = (int)sh.chosen[threadIdx.x];
+        weights[(u64)t * k + threadIdx.x] = __fmul_rn(__fdiv_rn(sh.score[threadIdx.x], sh.total), scale);
+    }
+    __syncthreads();  // the shared arrays are rewritten for the next token
 }
 
-// One warp per token (grid-stride over the warps) routes from the gate logits [n, e]: the warp
-// computes its token's key words, then routes it.
+// One block per token (grid-stride) routes from the gate logits [n, e].
 DSV4_KERNEL void __launch_bounds__(ROUTE_THREADS) route_topk(const float* __restrict__ logits, u32 n, u32 e, u32 k,
                                                              const u32* __restrict__ tokens,
                                                              const u32* __restrict__ tid2eid, u32 vocab,
                                                              const float* __restrict__ bias, float scale,
                                                              int* __restrict__ ids, float* __restrict__ weights) {
     pdl_enter();
-    __shared__ u32 hi[ROUTE_THREADS / 32][ROUTE_E_MAX];
-    const u32 warps = blockDim.x / 32u, warp = threadIdx.x / 32u, lane = threadIdx.x & 31u;
-    for (u32 t = blockIdx.x * warps + warp; t < n; t += gridDim.x * warps) {
-        const float* z = logits + (u64)t * e;
-        if (!tid2eid)
-            for (u32 x = lane; x < e; x += 32u) hi[warp][x] = key_word(z, x, bias);
-        __syncwarp();
-        route_token(z, hi[warp], t, e, k, tokens, tid2eid, vocab, scale, ids, weights, 1u, 0u, nullptr, 0u);
-        __syncwarp();  // hi[warp] is rewritten for the warp's next token
-    }
+    __shared__ RouteShared sh;
+    for (u32 t = blockIdx.x; t < n; t += gridDim.x)
+        route_token(logits + (u64)t * e, t, e, k, tokens, tid2eid, vocab, bias, scale, ids, weights, sh);
 }
 
 // ---- the gate projection ----
@@ -283,14 +272,14 @@ __device__ __forceinline__ void logits_of_rows(const float* __restrict__ x, u32 
 }  // namespace gate
 
 // x [n, d] f32, w [experts, d] bf16 or f32 (d a multiple of 8), logits [n, experts] f32.
-DSV4_KERNEL void __launch_bounds__(GATE_THREADS) gate_logits_bf16(const float* __restrict__ x, u32 n, u32 d,
+DSV4_KERNEL void __launch_bounds__(128) gate_logits_bf16(const float* __restrict__ x, u32 n, u32 d,
                                                          const u16* __restrict__ w, u32 experts,
                                                          float* __restrict__ logits) {
     pdl_enter();
     gate::logits_of_row(x, n, d, w, experts, logits);
 }
 
-DSV4_KERNEL void __launch_bounds__(GATE_THREADS) gate_logits_f32(const float* __restrict__ x, u32 n, u32 d,
+DSV4_KERNEL void __launch_bounds__(128) gate_logits_f32(const float* __restrict__ x, u32 n, u32 d,
                                                         const float* __restrict__ w, u32 experts,
                                                         float* __restrict__ logits) {
     pdl_enter();
@@ -299,14 +288,14 @@ DSV4_KERNEL void __launch_bounds__(GATE_THREADS) gate_logits_f32(const float* __
 
 // The same for many tokens: a block takes gate::EXPERTS rows (the launcher's
 // GATE_EXPERTS_PER_BLOCK) instead of one.
-DSV4_KERNEL void __launch_bounds__(GATE_THREADS) gate_logits_rows_bf16(const float* __restrict__ x, u32 n, u32 d,
+DSV4_KERNEL void __launch_bounds__(128) gate_logits_rows_bf16(const float* __restrict__ x, u32 n, u32 d,
                                                               const u16* __restrict__ w, u32 experts,
                                                               float* __restrict__ logits) {
     pdl_enter();
     gate::logits_of_rows(x, n, d, w, experts, logits);
 }
 
-DSV4_KERNEL void __launch_bounds__(GATE_THREADS) gate_logits_rows_f32(const float* __restrict__ x, u32 n, u32 d,
+DSV4_KERNEL void __launch_bounds__(128) gate_logits_rows_f32(const float* __restrict__ x, u32 n, u32 d,
                                                              const float* __restrict__ w, u32 experts,
                                                              float* __restrict__ logits) {
     pdl_enter();
@@ -324,35 +313,19 @@ __device__ __forceinline__ void gate_route(const float* __restrict__ x, u32 n, u
                                            u32* __restrict__ counter) {
     gate::logits_of_row(x, n, d, w, e, logits);
     __shared__ bool last;
-    // [min(n, GATE_ROUTE_TOKENS)][e] (learned routing; the launcher sizes it).
-    extern __shared__ u32 hi[];
-    __shared__ u64 gbest[GATE_THREADS / 32][2 * (GATE_THREADS / 32)];
+    __shared__ RouteShared sh;
     __threadfence();  // this block's logits are visible before its ticket
     __syncthreads();
     if (threadIdx.x == 0u) last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1u;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // GATE_ROUTE_TOKENS tokens at a time: the whole block computes their keys' high words,
-    // then the tokens are routed side by side, each by an equal share of the block's warps (a
-    // decode step's one token by all four, as many tokens by a warp each).
-    for (u32 t0 = 0; t0 < n; t0 += GATE_ROUTE_TOKENS) {
-        const u32 nt = min(n - t0, (u32)GATE_ROUTE_TOKENS);
-        if (!tid2eid)
-            for (u32 i = threadIdx.x; i < nt * e; i += blockDim.x)
-                hi[i] = key_word(logits + (u64)(t0 + i / e) * e, i % e, bias);
-        __syncthreads();
-        const u32 warps = blockDim.x / 32u, G = warps / min(nt, warps), groups = warps / G;
-        const u32 group = threadIdx.x / 32u / G, wig = threadIdx.x / 32u % G;
-        for (u32 t = group; t < nt; t += groups)
-            route_token(logits + (u64)(t0 + t) * e, hi + t * e, t0 + t, e, k, tokens, tid2eid, vocab, scale, ids,
-                        weights, G, wig, gbest[group], 1u + group);
-        __syncthreads();  // hi is rewritten for the next tokens
-    }
+    for (u32 t = 0; t < n; t++)
+        route_token(logits + (u64)t * e, t, e, k, tokens, tid2eid, vocab, bias, scale, ids, weights, sh);
     if (threadIdx.x == 0u) *counter = 0u;
 }
 
-DSV4_KERNEL void __launch_bounds__(GATE_THREADS) gate_route_bf16(const float* __restrict__ x, u32 n, u32 d,
+DSV4_KERNEL void __launch_bounds__(128) gate_route_bf16(const float* __restrict__ x, u32 n, u32 d,
                                                         const u16* __restrict__ w, u32 e, float* __restrict__ logits,
                                                         u32 k, const u32* __restrict__ tokens,
                                                         const u32* __restrict__ tid2eid, u32 vocab,
@@ -363,7 +336,7 @@ DSV4_KERNEL void __launch_bounds__(GATE_THREADS) gate_route_bf16(const float* __
     gate_route(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
 }
 
-DSV4_KERNEL void __launch_bounds__(GATE_THREADS) gate_route_f32(const float* __restrict__ x, u32 n, u32 d,
+DSV4_KERNEL void __launch_bounds__(128) gate_route_f32(const float* __restrict__ x, u32 n, u32 d,
                                                        const float* __restrict__ w, u32 e, float* __restrict__ logits,
                                                        u32 k, const u32* __restrict__ tokens,
                                                        const u32* __restrict__ tid2eid, u32 vocab,

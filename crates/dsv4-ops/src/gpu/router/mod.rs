@@ -21,8 +21,6 @@ pub const MAX_EXPERTS: usize = 512;
 
 /// Threads of a `route_topk` block (`ROUTE_THREADS` in router.cu).
 const ROUTE_THREADS: u32 = 256;
-/// Tokens whose keys `gate_route`'s last block holds at once (`GATE_ROUTE_TOKENS`).
-const GATE_ROUTE_TOKENS: usize = 16;
 /// The gate's width D must be a multiple of this (16-byte loads of the rows).
 pub const GATE_DIM_MULTIPLE: usize = 8;
 /// Tokens one gate block takes (`gate::TOKENS` in router.cu); the grid's y covers the rest.
@@ -133,9 +131,9 @@ pub fn route_topk(
     if n == 0 {
         return Ok(());
     }
-    // One warp per token (grid-stride past 65536 blocks).
+    // One block per token (grid-stride past 65536).
     let cfg = LaunchConfig {
-        grid_dim: (r.dims[0].div_ceil(ROUTE_THREADS / 32).min(1 << 16), 1, 1),
+        grid_dim: (r.dims[0].min(1 << 16), 1, 1),
         block_dim: (ROUTE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -295,17 +293,6 @@ pub fn gate_route(
     let mut args = g.args(x, logits);
     r.push_args(&mut args);
     args.ptr(counter);
-    // The last block's learned keys, for up to GATE_ROUTE_TOKENS tokens at a time: only as
-    // much shared memory as they take, since every gate block gets it.
-    let keys = match by {
-        DeviceRouteBy::Learned { .. } => n.min(GATE_ROUTE_TOKENS) * e * 4,
-        DeviceRouteBy::Hash { .. } => 0,
-    };
-    let cfg = LaunchConfig {
-        shared_mem_bytes: keys as u32,
-        ..g.cfg
-    };
-    // SAFETY: as gate_logits and route_topk; counter [1], checked above; the keys' shared
-    // memory as the kernel indexes it (e at most MAX_EXPERTS, so at most 32 KB).
-    unsafe { launch(dev, g.kernels.1, cfg, &args) }
+    // SAFETY: as gate_logits and route_topk; counter [1], checked above.
+    unsafe { launch(dev, g.kernels.1, g.cfg, &args) }
 }
