@@ -16,7 +16,7 @@ use std::sync::Arc;
 use dsv4_graph::{eager_launch, eager_step, DecodeGraph};
 use dsv4_model::checkpoint::Checkpoint;
 use dsv4_model::cpu::{CpuModel, Logits};
-use dsv4_model::gpu::{GpuModel, GpuOptions};
+use dsv4_model::gpu::{GpuModel, GpuOptions, PromptPart};
 use dsv4_model::weights::ModelWeights;
 use dsv4_ops::gpu::sample::Sampling;
 use dsv4_ops::gpu::Device;
@@ -310,31 +310,70 @@ fn gpu_graph_replay_is_bit_identical_to_eager_launches() {
     }
 }
 
+/// How [`decode_sequences`] runs its sequences.
+#[derive(Clone, Copy, PartialEq)]
+enum Run {
+    /// One at a time in slot 0, each prompt in its own prefill.
+    Alone,
+    /// All in one batch, sequence i in slot i, a step decoding every slot: each prompt in its
+    /// own prefill, or (`packed`) the prompts read in two passes of [`GpuModel::prefill_parts`],
+    /// the first holding every prompt but the last tokens of the fourth, the second those.
+    Together { packed: bool },
+}
+
 /// Each sequence's sampled tokens and the logits they were drawn from (the prompt's last
-/// row first), `steps` decode steps after its prompt. `together`: all in one batch, sequence i
-/// in slot i, a step decoding every slot; else one at a time in slot 0. `graph`: the steps
+/// row first), `steps` decode steps after its prompt, run as `run` says. `graph`: the steps
 /// as graph replays (captured after the prefills), else eager launches.
 fn decode_sequences(
     model: &mut GpuModel,
     seqs: &[(Vec<u32>, Sampling)],
     steps: usize,
-    together: bool,
+    run: Run,
     graph: bool,
 ) -> Vec<(Vec<u32>, Vec<f32>)> {
     let mut out = vec![(Vec::new(), Vec::new()); seqs.len()];
-    let groups: Vec<Vec<usize>> = if together {
-        vec![(0..seqs.len()).collect()]
-    } else {
+    let groups: Vec<Vec<usize>> = if run == Run::Alone {
         (0..seqs.len()).map(|i| vec![i]).collect()
+    } else {
+        vec![(0..seqs.len()).collect()]
     };
     for group in groups {
         model.reset().unwrap();
         let n = group.len();
-        for (slot, &i) in group.iter().enumerate() {
-            let (prompt, s) = &seqs[i];
-            model.prefill_slot(slot, prompt, Some(s)).unwrap();
-            out[i].0.push(model.read_tokens(slot + 1).unwrap()[slot]);
-            out[i].1.extend(model.read_logits(0).unwrap());
+        if run == (Run::Together { packed: true }) {
+            let cut = seqs[3].0.len() - 5;
+            let first: Vec<PromptPart> = seqs
+                .iter()
+                .enumerate()
+                .map(|(i, (prompt, s))| PromptPart {
+                    slot: i,
+                    tokens: if i == 3 { &prompt[..cut] } else { prompt },
+                    sampling: (i != 3).then_some(s),
+                })
+                .collect();
+            model.prefill_parts(&first).unwrap();
+            let tokens = model.read_tokens(n).unwrap();
+            // The ending parts' logits are rows 0, 1, ... in the order of the parts.
+            for (row, i) in (0..n).filter(|&i| i != 3).enumerate() {
+                out[i].0.push(tokens[i]);
+                out[i].1.extend(model.read_logits(row).unwrap());
+            }
+            let (prompt, s) = &seqs[3];
+            let rest = PromptPart {
+                slot: 3,
+                tokens: &prompt[cut..],
+                sampling: Some(s),
+            };
+            model.prefill_parts(&[rest]).unwrap();
+            out[3].0.push(model.read_tokens(n).unwrap()[3]);
+            out[3].1.extend(model.read_logits(0).unwrap());
+        } else {
+            for (slot, &i) in group.iter().enumerate() {
+                let (prompt, s) = &seqs[i];
+                model.prefill_slot(slot, prompt, Some(s)).unwrap();
+                out[i].0.push(model.read_tokens(slot + 1).unwrap()[slot]);
+                out[i].1.extend(model.read_logits(0).unwrap());
+            }
         }
         let g = graph.then(|| DecodeGraph::capture(model, n).unwrap());
         for _ in 0..steps {
@@ -380,9 +419,10 @@ fn gpu_batched_sequences_decode_as_each_alone() {
             (ids[i..i + 3 + 11 * i].to_vec(), s)
         })
         .collect();
-    let alone = decode_sequences(&mut model, &seqs, steps, false, true);
-    let eager = decode_sequences(&mut model, &seqs, steps, true, false);
-    let batch = decode_sequences(&mut model, &seqs, steps, true, true);
+    let together = Run::Together { packed: false };
+    let alone = decode_sequences(&mut model, &seqs, steps, Run::Alone, true);
+    let eager = decode_sequences(&mut model, &seqs, steps, together, false);
+    let batch = decode_sequences(&mut model, &seqs, steps, together, true);
     for (i, (g, e)) in batch.iter().zip(&eager).enumerate() {
         assert_eq!(g.0, e.0, "sequence {i}: graph and eager tokens");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -391,8 +431,55 @@ fn gpu_batched_sequences_decode_as_each_alone() {
             "sequence {i}: graph and eager logits' bits"
         );
     }
+    assert_as_alone(&batch, &alone, &seqs, vocab);
+}
+
+/// Eight prompts read together (the row-wise work over all their tokens at once, each one's
+/// attention over its own slot), one of them in two parts with its slot parked between, then
+/// decoded together: each sequence gives what it gives alone, as in
+/// [`gpu_batched_sequences_decode_as_each_alone`].
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_prompts_read_together_decode_as_each_alone() {
+    let dev = device();
+    let dir = dsv4_tests::fixtures_dir().join("long");
+    let ids = load_oracle(&dir).input_ids;
+    let n = 8;
+    let steps = sanitizer_length(24, 6);
+    let mut model = gpu_model_of(&dir, &dev, 160, n).unwrap();
+    let vocab = model.config().vocab_size;
+    // 1 to 36 tokens each, 148 in all; parts past 16 tokens run their attention in sub-chunks.
+    let seqs: Vec<(Vec<u32>, Sampling)> = (0..n)
+        .map(|i| {
+            let s = Sampling {
+                temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
+                top_p: 1.0,
+                seed: 2000 + i as u64,
+            };
+            let len = [1, 7, 19, 36, 2, 30, 17, 36][i];
+            (ids[10 * i..10 * i + len].to_vec(), s)
+        })
+        .collect();
+    assert!(model.chunk() >= 148, "chunk {}", model.chunk());
+    let alone = decode_sequences(&mut model, &seqs, steps, Run::Alone, false);
+    let packed = decode_sequences(&mut model, &seqs, steps, Run::Together { packed: true }, false);
+    assert_as_alone(&packed, &alone, &seqs, vocab);
+}
+
+/// Each sequence of `batch` gives what it gives `alone`: the same logits within the bounds of
+/// the CPU comparisons and the same tokens, up to a step whose logits alone hold a near-tie or
+/// whose draw lands by a boundary (then their histories part); most sequences match token
+/// for token.
+fn assert_as_alone(
+    batch: &[(Vec<u32>, Vec<f32>)],
+    alone: &[(Vec<u32>, Vec<f32>)],
+    seqs: &[(Vec<u32>, Sampling)],
+    vocab: usize,
+) {
+    let n = seqs.len();
+    let steps = alone[0].0.len() - 1;
     let mut whole = 0;
-    for (i, ((bt, bl), (at, al))) in batch.iter().zip(&alone).enumerate() {
+    for (i, ((bt, bl), (at, al))) in batch.iter().zip(alone).enumerate() {
         let mut matched = 0;
         for k in 0..at.len() {
             let (b, a) = (
@@ -668,7 +755,8 @@ fn gpu_flash_width_prefill_is_independent_of_chunking() {
     // Flash widths (CSA ratio 4 with top-k 512, HCA ratio 128, window 128), a CSA and an HCA
     // layer, random NVFP4 weights: a prompt past the window, both ratios and more CSA entries
     // than top-k, prefilled as one forward (chunks of the model's length, run per sub-chunk of
-    // 16) and as forwards of 16, 100 and 1 tokens. The last logits agree within the GPU bounds.
+    // 16) and as forwards of 16, 100 and 1 tokens, and with its first part read in one pass
+    // together with another slot's prompt. The last logits agree within the GPU bounds.
     use dsv4_model::config::{Config, LayerKind};
     use dsv4_model::synth::SynthFormat;
     let dev = device();
@@ -678,7 +766,7 @@ fn gpu_flash_width_prefill_is_independent_of_chunking() {
     let n = sanitizer_length(2200, 300);
     let opts = GpuOptions {
         max_context: Some(n),
-        sequences: 1,
+        sequences: 2,
     };
     let mut model = GpuModel::random(
         config.clone(),
@@ -719,6 +807,31 @@ fn gpu_flash_width_prefill_is_independent_of_chunking() {
         let got = last(&pieces);
         bad.extend(check_positions(how, &got, &whole, vocab, &[]));
     }
+    // Slot 1's prompt in the pass's first rows, slot 0's first part after it (past the
+    // indexer's groups of queries), then slot 0's rest alone.
+    let chunk = model.chunk();
+    let other: Vec<u32> = (0..chunk / 4)
+        .map(|i| ((i * 31 + 5) % vocab) as u32)
+        .collect();
+    let head = (chunk - other.len()).min(n - 1);
+    model.reset().unwrap();
+    let s = greedy();
+    let parts = [
+        PromptPart {
+            slot: 1,
+            tokens: &other,
+            sampling: Some(&s),
+        },
+        PromptPart {
+            slot: 0,
+            tokens: &prompt[..head],
+            sampling: None,
+        },
+    ];
+    model.prefill_parts(&parts).unwrap();
+    let got = model.forward(&prompt[head..], Logits::Last).unwrap();
+    let how = format!("{head} tokens read after another prompt's {}", other.len());
+    bad.extend(check_positions(&how, &got, &whole, vocab, &[]));
     assert_none(bad);
 }
 

@@ -15,7 +15,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use dsv4_graph::DecodeGraph;
 use dsv4_model::cpu::{CpuModel, Logits, SequenceState};
-use dsv4_model::gpu::GpuModel;
+use dsv4_model::gpu::{GpuModel, PromptPart};
 use dsv4_model::sampling::Sampler;
 use dsv4_ops::gpu::sample::Sampling;
 
@@ -85,24 +85,27 @@ pub enum Event {
     Failed(String),
 }
 
+/// The next part of slot `slot`'s prompt: `first` starts a fresh sequence, `last` ends the
+/// prompt.
+pub struct Part<'a> {
+    pub slot: usize,
+    pub tokens: &'a [u32],
+    pub sampling: &'a Sampling,
+    pub first: bool,
+    pub last: bool,
+}
+
 /// A model with `slots()` sequence slots, each holding one sequence's state.
 pub trait Backend {
     /// Positions a sequence may take (prompt and generated tokens).
     fn capacity(&self) -> usize;
     /// Sequences it holds at once.
     fn slots(&self) -> usize;
-    /// Prompt tokens a sequence reads per engine step, other sequences' tokens in between.
+    /// Prompt tokens the sequences read per engine step, other sequences' tokens in between.
     fn prefill_chunk(&self) -> usize;
-    /// Reads `tokens`, the next part of slot `slot`'s prompt (`first`: the start of a fresh
-    /// sequence), and at the prompt's `last` part returns the first generated token.
-    fn prefill(
-        &mut self,
-        slot: usize,
-        tokens: &[u32],
-        s: &Sampling,
-        first: bool,
-        last: bool,
-    ) -> Result<Option<u32>>;
+    /// Reads the prompt parts (distinct slots, at most `prefill_chunk()` tokens in all) and
+    /// returns, for each that ends its prompt, the first generated token.
+    fn prefill(&mut self, parts: &[Part]) -> Result<Vec<Option<u32>>>;
     /// Starts the next token of every slot in `slots` (each started); [`Backend::collect`]
     /// returns them, in that order. The device may run it while the host handles the tokens
     /// of the step before.
@@ -136,24 +139,24 @@ impl Backend for Cpu {
         CPU_PREFILL_CHUNK
     }
 
-    fn prefill(
-        &mut self,
-        slot: usize,
-        tokens: &[u32],
-        s: &Sampling,
-        first: bool,
-        last: bool,
-    ) -> Result<Option<u32>> {
-        if first {
-            let sampler = Sampler::new(s.temperature, s.top_p, s.seed)?;
-            self.runs[slot] = Some((self.model.new_state(), sampler, 0));
-        }
-        let (state, sampler, next) = self.runs[slot].as_mut().expect("a started slot");
-        let logits = self.model.forward(state, tokens, Logits::Last)?;
-        Ok(last.then(|| {
-            *next = sampler.sample(&logits);
-            *next
-        }))
+    fn prefill(&mut self, parts: &[Part]) -> Result<Vec<Option<u32>>> {
+        parts
+            .iter()
+            .map(|p| {
+                if p.first {
+                    let s = p.sampling;
+                    let sampler = Sampler::new(s.temperature, s.top_p, s.seed)?;
+                    self.runs[p.slot] = Some((self.model.new_state(), sampler, 0));
+                }
+                let (state, sampler, next) =
+                    self.runs[p.slot].as_mut().expect("a started slot");
+                let logits = self.model.forward(state, p.tokens, Logits::Last)?;
+                Ok(p.last.then(|| {
+                    *next = sampler.sample(&logits);
+                    *next
+                }))
+            })
+            .collect()
     }
 
     fn launch(&mut self, slots: &[usize]) -> Result<()> {
@@ -177,7 +180,8 @@ impl Backend for Cpu {
 /// The GPU model: a slot per sequence in the device state; a step decodes the first `n`
 /// slots as one graph replay, `n` the smallest bucket (1, 2, 4, ...) that covers the highest
 /// running slot (rows of idle slots below it are computed and dropped). Each bucket's graph is
-/// captured after its first step, which runs eagerly; a prompt is read a chunk at a time.
+/// captured after its first step, which runs eagerly. The prompts waiting are read together,
+/// a chunk of their tokens a pass.
 pub struct Gpu {
     pub model: GpuModel,
     /// By rows.
@@ -220,22 +224,24 @@ impl Backend for Gpu {
         self.model.chunk()
     }
 
-    fn prefill(
-        &mut self,
-        slot: usize,
-        tokens: &[u32],
-        s: &Sampling,
-        first: bool,
-        last: bool,
-    ) -> Result<Option<u32>> {
-        if first {
-            self.model.reset_slot(slot)?;
+    fn prefill(&mut self, parts: &[Part]) -> Result<Vec<Option<u32>>> {
+        for p in parts.iter().filter(|p| p.first) {
+            self.model.reset_slot(p.slot)?;
         }
-        self.model.prefill_slot(slot, tokens, last.then_some(s))?;
-        if !last {
-            return Ok(None);
-        }
-        Ok(Some(self.model.read_tokens(slot + 1)?[slot]))
+        let model_parts: Vec<PromptPart> = parts
+            .iter()
+            .map(|p| PromptPart {
+                slot: p.slot,
+                tokens: p.tokens,
+                sampling: p.last.then_some(p.sampling),
+            })
+            .collect();
+        self.model.prefill_parts(&model_parts)?;
+        let Some(high) = parts.iter().filter(|p| p.last).map(|p| p.slot).max() else {
+            return Ok(vec![None; parts.len()]);
+        };
+        let next = self.model.read_tokens(high + 1)?;
+        Ok(parts.iter().map(|p| p.last.then(|| next[p.slot])).collect())
     }
 
     fn launch(&mut self, slots: &[usize]) -> Result<()> {
@@ -355,9 +361,10 @@ impl Running {
 }
 
 /// Serves jobs until the queue's senders are gone, up to `backend.slots()` at once: waiting
-/// requests are admitted between steps, each step reads one part of the oldest admitted prompt
-/// and advances every running sequence one token (so running streams keep flowing while a long
-/// prompt is read), and a sequence that ends or whose client left frees its slot at once. Once
+/// requests are admitted between steps, each step reads a chunk of the admitted prompts'
+/// tokens in one pass (the oldest first, several short ones together) and advances every
+/// running sequence one token (so running streams keep flowing while a long prompt is read),
+/// and a sequence that ends or whose client left frees its slot at once. Once
 /// `metrics.stopping` is set (the server is shutting down) running sequences end at their next
 /// token and waiting ones are refused.
 pub fn run(mut backend: Box<dyn Backend>, eos: &[u32], jobs: Receiver<Job>, metrics: Arc<Metrics>) {
@@ -414,48 +421,69 @@ pub fn run(mut backend: Box<dyn Backend>, eos: &[u32], jobs: Receiver<Job>, metr
                 start: Instant::now(),
             });
         }
-        // One part of the oldest prompt, then a token for every running sequence.
-        if !prefilling.is_empty() {
-            let p = &mut prefilling[0];
-            let len = p.job.prompt.len();
-            let end = len.min(p.done.saturating_add(chunk));
-            let part = if p.job.events.is_closed() {
-                Err(None)
+        // A chunk of the waiting prompts' tokens (the oldest first), then a token for every
+        // running sequence. A prompt whose client left frees its slot.
+        for p in std::mem::take(&mut prefilling) {
+            if p.job.events.is_closed() {
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                metrics.running.fetch_sub(1, Ordering::Relaxed);
+                free.push(p.slot);
             } else {
-                let (first, last) = (p.done == 0, end == len);
-                backend
-                    .prefill(
-                        p.slot,
-                        &p.job.prompt[p.done..end],
-                        &p.job.sampling,
-                        first,
-                        last,
-                    )
-                    .map_err(Some)
-            };
-            p.done = end;
-            match part {
-                Ok(None) => {}
-                Ok(Some(t)) => {
-                    let p = prefilling.remove(0);
-                    metrics.observe_ttft(p.start.elapsed().as_secs_f64());
-                    next_id += 1;
-                    let mut seq = Running::new(p.job, p.slot, next_id);
-                    let after = seq.take(t, eos, metrics.stopping.load(Ordering::Relaxed));
-                    if let Some(seq) = settle(seq, after, &metrics, &mut free) {
-                        running.push(seq);
+                prefilling.push(p);
+            }
+        }
+        if !prefilling.is_empty() {
+            let mut budget = chunk;
+            let mut parts = Vec::new();
+            for p in &prefilling {
+                if budget == 0 {
+                    break;
+                }
+                let len = p.job.prompt.len();
+                let end = len.min(p.done + budget);
+                budget -= end - p.done;
+                parts.push(Part {
+                    slot: p.slot,
+                    tokens: &p.job.prompt[p.done..end],
+                    sampling: &p.job.sampling,
+                    first: p.done == 0,
+                    last: end == len,
+                });
+            }
+            let read: Vec<usize> = parts.iter().map(|p| p.tokens.len()).collect();
+            match backend.prefill(&parts) {
+                Ok(firsts) => {
+                    let taken = std::mem::take(&mut prefilling);
+                    for (i, mut p) in taken.into_iter().enumerate() {
+                        if let Some(&n) = read.get(i) {
+                            p.done += n;
+                        }
+                        // Not in the pass, or a prompt's earlier part: it reads on.
+                        let Some(t) = firsts.get(i).copied().flatten() else {
+                            prefilling.push(p);
+                            continue;
+                        };
+                        metrics.observe_ttft(p.start.elapsed().as_secs_f64());
+                        next_id += 1;
+                        let mut seq = Running::new(p.job, p.slot, next_id);
+                        let after = seq.take(t, eos, metrics.stopping.load(Ordering::Relaxed));
+                        if let Some(seq) = settle(seq, after, &metrics, &mut free) {
+                            running.push(seq);
+                        }
                     }
                 }
-                // The client left (None) or the prefill failed.
+                // A failed pass fails every prompt in it.
                 Err(e) => {
-                    let p = prefilling.remove(0);
-                    if let Some(e) = e {
+                    let taken = std::mem::take(&mut prefilling);
+                    for (i, p) in taken.into_iter().enumerate() {
+                        if i >= read.len() {
+                            prefilling.push(p);
+                            continue;
+                        }
                         let _ = p.job.events.send(Event::Failed(format!("{e:#}")));
-                    } else {
-                        metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                        metrics.running.fetch_sub(1, Ordering::Relaxed);
+                        free.push(p.slot);
                     }
-                    metrics.running.fetch_sub(1, Ordering::Relaxed);
-                    free.push(p.slot);
                 }
             }
         }

@@ -218,14 +218,6 @@ impl Seqs {
             Seqs::Batch { n } => a.positions.view(0, &[n]),
         }
     }
-
-    /// The pass's token ids: a chunk's `n` in `acts.tokens`, a batch's slots' next tokens.
-    pub fn tokens(self, a: &Acts<Taking>, n: usize) -> Result<DeviceTensor<u32>, GpuError> {
-        match self {
-            Seqs::Chunk { .. } => a.tokens.rows(n),
-            Seqs::Batch { n } => a.next.view(0, &[n]),
-        }
-    }
 }
 
 /// One layer's state as a pass sees it (views of [`LayerState`]'s buffers, see [`Seqs::view`]).
@@ -270,7 +262,7 @@ pub struct Acts<S: Stage> {
     pub next: S::Buf<u32>,
     pub positions: S::Buf<u32>,
     pub sample_params: S::Buf<u32>,
-    /// Positions of the chunk's sub-chunks of [`MAX_CHUNK`] tokens.
+    /// Positions of a pass's parts' sub-chunks of [`MAX_CHUNK`] tokens.
     pub sub_pos: S::Buf<u32>,
     /// The mHC streams, ping-ponged by each site's expansion.
     pub streams: [S::Buf<f32>; 2],
@@ -374,7 +366,9 @@ impl<S: Stage> Buffers<S> {
             next: s.buf("next", &[slots])?,
             positions: s.buf("positions", &[slots])?,
             sample_params: s.buf("sample_params", &[slots, 4])?,
-            sub_pos: s.buf("sub_pos", &[m.div_ceil(sub)])?,
+            // Each part of a pass past `sub` tokens takes ceil(len / sub) entries: fewer than
+            // 2 m / sub in all, since such parts number fewer than m / sub.
+            sub_pos: s.buf("sub_pos", &[2 * m.div_ceil(sub)])?,
             streams: [
                 s.buf("streams.0", &[m, c.hc_dim()])?,
                 s.buf("streams.1", &[m, c.hc_dim()])?,

@@ -407,19 +407,74 @@ fn per_sequence_rows(t: &DeviceTensor<f32>) -> usize {
     shape[shape.len() - 2]
 }
 
-/// The position buffer of sub-chunk `j` of `subs`: the pass's own (`pos`) when it is one
-/// sub-chunk, else its entry of `acts.sub_pos` (written at the chunk's start).
+/// The position buffer of sub-chunk `j` of `rows`' `subs`: the pass's own (`pos`) when it is
+/// one sub-chunk, else its entry of `acts.sub_pos` (written at the pass's start).
 fn sub_position(
     a: &buffers::Acts<Taking>,
     pos: &DeviceTensor<u32>,
+    rows: &Part,
     j: usize,
     subs: usize,
 ) -> Result<DeviceTensor<u32>, GpuError> {
     if subs == 1 {
         pos.view(0, pos.shape())
     } else {
-        a.sub_pos.view(j, &[1])
+        a.sub_pos.view(rows.subs_at + j, &[1])
     }
+}
+
+/// Rows `[first, first + len)` of a pass: one sequence's tokens, in slot `slot`. Past
+/// [`MAX_CHUNK`] tokens its sub-chunks' positions are `acts.sub_pos` from entry `subs_at`.
+#[derive(Clone, Copy, Debug)]
+struct Part {
+    slot: usize,
+    first: usize,
+    len: usize,
+    subs_at: usize,
+}
+
+impl Part {
+    /// A pass of one sequence's `len` tokens.
+    fn whole(slot: usize, len: usize) -> Part {
+        Part {
+            slot,
+            first: 0,
+            len,
+            subs_at: 0,
+        }
+    }
+}
+
+/// The sequences of one pass over the layers.
+#[derive(Clone, Copy)]
+enum Pass<'a> {
+    /// Prompt parts of distinct slots, in row order: the row-wise work (projections, norms,
+    /// mHC, routed and shared experts, head) over all their rows at once, the attention a
+    /// part at a time over its slot's state.
+    Parts(&'a [Part]),
+    /// A decode step of the first `n` slots, one row each.
+    Batch { n: usize },
+}
+
+/// A pass's token ids: its parts' in `acts.tokens`, a batch's slots' next tokens.
+fn pass_tokens(
+    a: &buffers::Acts<Taking>,
+    n: usize,
+    pass: Pass,
+) -> Result<DeviceTensor<u32>, GpuError> {
+    match pass {
+        Pass::Parts(_) => a.tokens.rows(n),
+        Pass::Batch { n } => a.next.view(0, &[n]),
+    }
+}
+
+/// One part of a sequence's prompt for [`GpuModel::prefill_parts`]: `tokens` after what slot
+/// `slot` holds; with `sampling`, the prompt's last part, whose next token is sampled.
+#[derive(Clone, Copy, Debug)]
+pub struct PromptPart<'a> {
+    pub slot: usize,
+    pub tokens: &'a [u32],
+    pub sampling: Option<&'a Sampling>,
 }
 
 /// One GPU's part of the model: its device, its slice of the weights and its pool (the whole
@@ -818,7 +873,6 @@ impl GpuModel {
     /// (`[n, vocab]` or the last token's `[vocab]`), as the CPU forward does.
     /// Slot 0's sequence.
     pub fn forward(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>, GpuModelError> {
-        let seqs = Seqs::Chunk { slot: 0 };
         self.check_tokens(0, tokens)?;
         self.unpark(0)?;
         self.ready[0] = false;
@@ -829,7 +883,7 @@ impl GpuModel {
             for r in 0..self.ranks.len() {
                 self.write_tokens(r, chunk)?;
             }
-            self.launch_layers_all(n, seqs)?;
+            self.launch_layers_all(n, Pass::Parts(&[Part::whole(0, n)]))?;
             // The head at most MAX_CHUNK rows at a time, each read back before the next.
             let heads = match which {
                 Logits::All => sub_chunks(n),
@@ -897,7 +951,6 @@ impl GpuModel {
             }
         }
         self.unpark(slot)?;
-        let seqs = Seqs::Chunk { slot };
         self.ready[slot] = false;
         let chunks: Vec<&[u32]> = prompt.chunks(self.chunk).collect();
         let mut reported = 0;
@@ -906,7 +959,7 @@ impl GpuModel {
             for r in 0..self.ranks.len() {
                 self.write_tokens(r, chunk)?;
             }
-            self.launch_layers_all(n, seqs)?;
+            self.launch_layers_all(n, Pass::Parts(&[Part::whole(slot, n)]))?;
             for r in 0..self.ranks.len() {
                 if i + 1 == chunks.len() && s.is_some() {
                     // Only the last prompt token's logits, sampled with its position as the
@@ -915,7 +968,7 @@ impl GpuModel {
                     if n > 1 {
                         self.launch_advance(r, slot, n - 1)?;
                     }
-                    self.launch_sample(r, seqs)?;
+                    self.launch_sample(r, slot, 1, 0)?;
                 } else {
                     self.launch_advance(r, slot, n)?;
                 }
@@ -937,6 +990,110 @@ impl GpuModel {
             self.parked[slot] = true;
         }
         self.ready[slot] = s.is_some();
+        Ok(())
+    }
+
+    /// Reads the prompt parts of several sequences (distinct slots, at most [`Self::chunk`]
+    /// tokens in all) in one pass, each as [`Self::prefill_slot`] would: every routed expert
+    /// and projection is read once for all of them. Each part with sampling settings ends its
+    /// prompt: its first new token is sampled into its slot's next-token buffer; a part
+    /// without is a prompt's earlier part, its slot parked until its next part.
+    pub fn prefill_parts(&mut self, parts: &[PromptPart]) -> Result<(), GpuModelError> {
+        let n: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        if n > self.chunk {
+            return Err(GpuError::invalid(
+                "prefill_parts",
+                format!("{n} tokens: one pass takes at most {}", self.chunk),
+            )
+            .into());
+        }
+        for (i, p) in parts.iter().enumerate() {
+            if p.slot >= self.sequences() {
+                return Err(GpuModelError::Sequences {
+                    asked: p.slot + 1,
+                    most: self.sequences(),
+                });
+            }
+            if parts[..i].iter().any(|q| q.slot == p.slot) {
+                return Err(GpuError::invalid(
+                    "prefill_parts",
+                    format!("slot {} twice in one pass", p.slot),
+                )
+                .into());
+            }
+            self.check_tokens(p.slot, p.tokens)?;
+        }
+        let (mut rows, mut first, mut subs_at) = (Vec::new(), 0, 0);
+        let mut tokens = Vec::with_capacity(n);
+        for p in parts {
+            if let Some(s) = p.sampling {
+                let words = s
+                    .device_words()
+                    .map_err(|e| GpuError::invalid("sampling", e.to_string()))?;
+                for r in &mut self.ranks {
+                    let mut row = r.bufs.acts.sample_params.view(4 * p.slot, &[1, 4])?;
+                    r.dev.write(&mut row, &words)?;
+                }
+            }
+            self.unpark(p.slot)?;
+            self.ready[p.slot] = false;
+            let len = p.tokens.len();
+            rows.push(Part {
+                slot: p.slot,
+                first,
+                len,
+                subs_at,
+            });
+            tokens.extend_from_slice(p.tokens);
+            first += len;
+            if len > MAX_CHUNK {
+                subs_at += len.div_ceil(MAX_CHUNK);
+            }
+        }
+        for r in 0..self.ranks.len() {
+            self.write_tokens(r, &tokens)?;
+        }
+        self.launch_layers_all(n, Pass::Parts(&rows))?;
+        let ends: Vec<&Part> = parts
+            .iter()
+            .zip(&rows)
+            .filter(|(p, _)| p.sampling.is_some())
+            .map(|(_, r)| r)
+            .collect();
+        for r in 0..self.ranks.len() {
+            // The ending parts' last rows, side by side from row 0, through the head (a row
+            // never moves onto a later part's last row, which lies past it).
+            let Rank { dev, bufs, .. } = &self.ranks[r];
+            for (j, p) in ends.iter().enumerate() {
+                let last = p.first + p.len - 1;
+                if last != j {
+                    for t in [&bufs.acts.streams[0], &bufs.acts.mix_partials] {
+                        dev.copy(&row_range(t, last, 1)?, &mut row_range(t, j, 1)?)?;
+                    }
+                }
+            }
+            if !ends.is_empty() {
+                self.launch_head(r, 0, ends.len())?;
+            }
+            for p in &rows {
+                let end = ends.iter().position(|e| e.slot == p.slot);
+                let read = if end.is_some() { p.len - 1 } else { p.len };
+                if read > 0 {
+                    self.launch_advance(r, p.slot, read)?;
+                }
+                if let Some(j) = end {
+                    self.launch_sample(r, p.slot, 1, j)?;
+                }
+            }
+        }
+        for (p, row) in parts.iter().zip(&rows) {
+            self.lens[p.slot] += row.len;
+            if p.sampling.is_none() {
+                self.write_position(p.slot, PARKED)?;
+                self.parked[p.slot] = true;
+            }
+            self.ready[p.slot] = p.sampling.is_some();
+        }
         Ok(())
     }
 
@@ -1015,10 +1172,9 @@ impl GpuModel {
     /// (checked first with [`Self::check_decode`]) and launches every rank's step before
     /// waiting for any.
     pub fn launch_rank_decode_step(&mut self, rank: usize, n: usize) -> Result<(), GpuError> {
-        let seqs = Seqs::Batch { n };
-        self.launch_layers(rank, n, seqs)?;
+        self.launch_layers(rank, n, Pass::Batch { n })?;
         self.launch_head(rank, 0, n)?;
-        self.launch_sample(rank, seqs)
+        self.launch_sample(rank, 0, n, 0)
     }
 
     /// Records that `steps` decode steps ran (eagerly or as graph replays) for the sequences
@@ -1079,20 +1235,22 @@ impl GpuModel {
         advance_position(&r.dev, &mut pos, n as u32)
     }
 
-    /// Samples the next token of each of `seqs`' sequences (a chunk's from the first row of the
-    /// logits, a batch's each from its row) with its slot's settings into its slot's next-token
-    /// buffer, keyed by the slot's device position, which it then advances past that token.
-    fn launch_sample(&mut self, rank: usize, seqs: Seqs) -> Result<(), GpuError> {
+    /// Samples the next token of slots `[first, first + n)`, each from its row of the logits
+    /// from row `row`, with its slot's settings into its slot's next-token buffer, keyed by the
+    /// slot's device position, which it then advances past that token.
+    fn launch_sample(
+        &mut self,
+        rank: usize,
+        first: usize,
+        n: usize,
+        row: usize,
+    ) -> Result<(), GpuError> {
         let r = &mut self.ranks[rank];
         let a = &mut r.bufs.acts;
-        let (first, n) = match seqs {
-            Seqs::Chunk { slot } => (slot, 1),
-            Seqs::Batch { n } => (0, n),
-        };
         let v = self.config.vocab_size;
-        let logits = a.logits.view(0, &[n, v])?;
+        let logits = a.logits.view(row * v, &[n, v])?;
         let params = a.sample_params.view(4 * first, &[n, 4])?;
-        let mut pos = seqs.positions(a)?;
+        let mut pos = a.positions.view(first, &[n])?;
         let mut next = a.next.view(first, &[n])?;
         let mut weights = a.sample_weights.view(0, &[n, v])?;
         sample(
@@ -1109,10 +1267,10 @@ impl GpuModel {
     /// Rank `rank`'s embedding and every layer for the `n` tokens (at most [`Self::chunk`]) in
     /// its token buffer at its device position, into `acts.streams[0]` (each layer's two
     /// sub-layers end in the buffer they started from).
-    fn launch_layers(&mut self, rank: usize, n: usize, seqs: Seqs) -> Result<(), GpuError> {
-        self.launch_embed(rank, n, seqs)?;
+    fn launch_layers(&mut self, rank: usize, n: usize, pass: Pass) -> Result<(), GpuError> {
+        self.launch_embed(rank, n, pass)?;
         for l in 0..self.local.num_layers {
-            self.launch_layer(rank, l, n, seqs)?;
+            self.launch_layer(rank, l, n, pass)?;
         }
         Ok(())
     }
@@ -1121,28 +1279,31 @@ impl GpuModel {
     /// spins until every rank's has started, so no rank's launches may wait behind another
     /// rank's later layers (a long chunk's layer is a hundred launches or more, and a stream
     /// holds only so many pending ones).
-    fn launch_layers_all(&mut self, n: usize, seqs: Seqs) -> Result<(), GpuError> {
+    fn launch_layers_all(&mut self, n: usize, pass: Pass) -> Result<(), GpuError> {
         for r in 0..self.ranks.len() {
-            self.launch_embed(r, n, seqs)?;
+            self.launch_embed(r, n, pass)?;
         }
         for l in 0..self.local.num_layers {
             for r in 0..self.ranks.len() {
-                self.launch_layer(r, l, n, seqs)?;
+                self.launch_layer(r, l, n, pass)?;
             }
         }
         Ok(())
     }
 
     /// Rank `rank`'s embedding of its `n` tokens into `acts.streams[0]` with the first site's
-    /// mix projection (and, for a chunk past [`MAX_CHUNK`], its sub-chunks' positions).
-    fn launch_embed(&mut self, rank: usize, n: usize, seqs: Seqs) -> Result<(), GpuError> {
+    /// mix projection (and, for a part past [`MAX_CHUNK`], its sub-chunks' positions).
+    fn launch_embed(&mut self, rank: usize, n: usize, pass: Pass) -> Result<(), GpuError> {
         let Rank { dev, w, bufs, .. } = &mut self.ranks[rank];
         let dev = &**dev;
         let a = &mut bufs.acts;
-        let tokens = seqs.tokens(a, n)?;
-        if n > MAX_CHUNK {
-            let mut subs = a.sub_pos.rows(n.div_ceil(MAX_CHUNK))?;
-            chunk_positions(dev, &seqs.positions(a)?, &mut subs, MAX_CHUNK as u32)?;
+        let tokens = pass_tokens(a, n, pass)?;
+        if let Pass::Parts(parts) = pass {
+            for p in parts.iter().filter(|p| p.len > MAX_CHUNK) {
+                let mut subs = a.sub_pos.view(p.subs_at, &[p.len.div_ceil(MAX_CHUNK)])?;
+                let pos = Seqs::Chunk { slot: p.slot }.positions(a)?;
+                chunk_positions(dev, &pos, &mut subs, MAX_CHUNK as u32)?;
+            }
         }
         let mut s0 = a.streams[0].rows(n)?;
         embed_hc_gather(dev, &w.embed, &tokens, self.local.hc_mult, &mut s0)?;
@@ -1162,7 +1323,7 @@ impl GpuModel {
         rank: usize,
         l: usize,
         n: usize,
-        seqs: Seqs,
+        pass: Pass,
     ) -> Result<(), GpuError> {
         let Rank {
             dev, w, bufs, tp, ..
@@ -1179,13 +1340,29 @@ impl GpuModel {
                 None => Ok(()),
             }
         };
-        let tokens = seqs.tokens(a, n)?;
-        let pos = seqs.positions(a)?;
+        let tokens = pass_tokens(a, n, pass)?;
         let mut cur = 0;
         let eps = c.rms_norm_eps;
-        let (lw, mut ls) = (&w.layers[l], bufs.layers[l].view(seqs)?);
+        let lw = &w.layers[l];
+        // The attention's passes: each part over its slot's state, or the whole batch.
+        let mut runs = Vec::new();
+        let one = [Part::whole(0, n)];
+        let (parts, batch) = match pass {
+            Pass::Parts(parts) => (parts, false),
+            Pass::Batch { .. } => (&one[..], true),
+        };
+        for p in parts {
+            let seqs = if batch {
+                Seqs::Batch { n }
+            } else {
+                Seqs::Chunk { slot: p.slot }
+            };
+            runs.push((bufs.layers[l].view(seqs)?, seqs.positions(a)?, *p));
+        }
         let attn = |a: &mut _| {
-            attention_layer(dev, c, w, lw, &mut ls, a, n, &pos)?;
+            for (ls, pos, rows) in &mut runs {
+                attention_layer(dev, c, w, lw, ls, a, rows, pos)?;
+            }
             reduce(a, |a| &a.y)
         };
         let site = Site {
@@ -1324,8 +1501,8 @@ fn linear_f32(
     Ok(o)
 }
 
-/// Attention sub-layer of `n` tokens at `pos` over the state `ls`: `acts.xn`/`acts.xb` in,
-/// `acts.y` out.
+/// Attention sub-layer of the tokens of `rows` at `pos` over the state `ls`: those rows of
+/// `acts.xn`/`acts.xb` in, of `acts.y` out (every scratch buffer from its first row).
 #[allow(clippy::too_many_arguments)]
 fn attention_layer(
     dev: &Device,
@@ -1334,9 +1511,10 @@ fn attention_layer(
     lw: &DevLayer,
     ls: &mut LayerView,
     a: &mut buffers::Acts<Taking>,
-    n: usize,
+    rows: &Part,
     pos: &DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
+    let n = rows.len;
     let at = &lw.attn;
     let eps = c.rms_norm_eps;
     let (hd, q_all) = (c.head_dim, c.num_heads * c.head_dim);
@@ -1345,7 +1523,7 @@ fn attention_layer(
     } else {
         &w.rope_compress
     };
-    let xb = a.xb.rows(n)?;
+    let xb = row_range(&a.xb, rows.first, n)?;
     // On the side stream, beside the query path: the indexer's compressor and head weights now
     // and its selection once the query latent is normalized (they write only their own buffers
     // and this layer's indexer state). The layer's compressor goes there too, except beside an
@@ -1356,7 +1534,7 @@ fn attention_layer(
         if compressor_on_side {
             layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, pos, &mut a.ws_side)?;
         }
-        indexer_inputs(dev, c, w, lw, ls, a, n, pos)
+        indexer_inputs(dev, c, w, lw, ls, a, rows, pos)
     })?;
     // Query latent and shared key/value: one GEMV of wq_a and wkv stacked; q_norm.
     let qa_kv = linear_f32(dev, &xb, &at.wq_a_kv, &a.qa_kv, &mut a.ws)?;
@@ -1376,7 +1554,7 @@ fn attention_layer(
         dev.fork()?;
         dev.on_side(|| index_queries(dev, c, w, lw, a, n, pos))?;
         if select_beside {
-            dev.on_side(|| select(dev, lw, ls, a, pos, 0, n, subs))?;
+            dev.on_side(|| select(dev, lw, ls, a, pos, rows, 0, n, subs))?;
         }
     }
     // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
@@ -1415,8 +1593,8 @@ fn attention_layer(
     // A longer chunk's selections, SELECT_ROWS queries at a time, into its rows of `selected`
     // (after the join: the indexer's queries come from the side stream).
     if !select_beside {
-        for &(first, rows) in &groups {
-            select(dev, lw, ls, a, pos, first, rows, subs)?;
+        for &(first, count) in &groups {
+            select(dev, lw, ls, a, pos, rows, first, count, subs)?;
         }
     }
     let selected;
@@ -1459,7 +1637,7 @@ fn attention_layer(
     // launch, then wo_b.
     let mut z = a.z.rows(n)?;
     gemv_grouped(dev, &ob, &at.wo_a, c.o_groups, &mut z, &mut a.ws)?;
-    gemv(dev, &z, &at.wo_b, &mut a.y.rows(n)?, &mut a.ws)?;
+    gemv(dev, &z, &at.wo_b, &mut row_range(&a.y, rows.first, n)?, &mut a.ws)?;
     dev.join()
 }
 
@@ -1510,8 +1688,9 @@ fn layer_compressor(
     compressor_step(dev, c, w, cw, st, xb, proj, pos, ws)
 }
 
-/// In a CSA layer, the indexer's work before the selection, on the side stream (GEMVs on
-/// `acts.ws_side`): its compressor (projections in `acts.icomp`) and head weights.
+/// In a CSA layer, the indexer's work before the selection of the tokens of `rows`, on the
+/// side stream (GEMVs on `acts.ws_side`): its compressor (projections in `acts.icomp`) and
+/// head weights.
 #[allow(clippy::too_many_arguments)]
 fn indexer_inputs(
     dev: &Device,
@@ -1520,13 +1699,14 @@ fn indexer_inputs(
     lw: &DevLayer,
     ls: &mut LayerView,
     a: &mut buffers::Acts<Taking>,
-    n: usize,
+    rows: &Part,
     pos: &DeviceTensor<u32>,
 ) -> Result<(), GpuError> {
     let (Some(iw), Some((ist, _))) = (&lw.attn.indexer, &mut ls.index) else {
         return Ok(());
     };
-    let xb = a.xb.rows(n)?;
+    let n = rows.len;
+    let xb = row_range(&a.xb, rows.first, n)?;
     compressor_step(
         dev,
         c,
@@ -1540,7 +1720,7 @@ fn indexer_inputs(
     )?;
     gate_logits(
         dev,
-        &a.xn.rows(n)?,
+        &row_range(&a.xn, rows.first, n)?,
         iw.weights_proj.weight(),
         &mut a.iw.rows(n)?,
     )
@@ -1573,9 +1753,9 @@ fn index_queries(
 }
 
 /// In a CSA layer, the indexer's top-k of the compressed entries for the `rows` queries from
-/// row `first` (a multiple of [`MAX_CHUNK`]: sub-chunk `first / MAX_CHUNK` of `subs` gives
-/// its position) of [`index_queries`]' output, into the same rows of the layer's `selected`
-/// (scored on tensor cores, into the first rows of the shared scratch).
+/// row `first` (a multiple of [`MAX_CHUNK`]: sub-chunk `first / MAX_CHUNK` of the `subs` of
+/// `part` gives its position) of [`index_queries`]' output, into the same rows of the
+/// layer's `selected` (scored on tensor cores, into the first rows of the shared scratch).
 #[allow(clippy::too_many_arguments)]
 fn select(
     dev: &Device,
@@ -1583,6 +1763,7 @@ fn select(
     ls: &mut LayerView,
     a: &buffers::Acts<Taking>,
     pos: &DeviceTensor<u32>,
+    part: &Part,
     first: usize,
     rows: usize,
     subs: usize,
@@ -1600,7 +1781,7 @@ fn select(
         &iw_rows,
         &ist.entries,
         lw.kind.ratio(),
-        &sub_position(a, pos, first / MAX_CHUNK, subs)?,
+        &sub_position(a, pos, part, first / MAX_CHUNK, subs)?,
         IndexScoring::TensorCores,
         &mut a
             .index_scores

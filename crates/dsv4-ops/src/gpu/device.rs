@@ -390,6 +390,25 @@ impl Device {
             .map_err(GpuError::driver("copying to the device"))
     }
 
+    /// Copies `src` into `dst` (as many elements, not overlapping) on the stream, after the
+    /// work before it.
+    pub fn copy<T: DeviceElem>(
+        &self,
+        src: &DeviceTensor<T>,
+        dst: &mut DeviceTensor<T>,
+    ) -> Result<(), GpuError> {
+        if dst.len() != src.len() {
+            return Err(GpuError::invalid(
+                "copy",
+                format!("tensor holds {} elements, got {}", dst.len(), src.len()),
+            ));
+        }
+        let mut view = dst.view_mut();
+        self.stream
+            .memcpy_dtod(src.slice(), &mut view)
+            .map_err(GpuError::driver("copying on the device"))
+    }
+
     /// Waits for the stream and copies the tensor to the host.
     pub fn download<T: DeviceElem>(&self, src: &DeviceTensor<T>) -> Result<Vec<T>, GpuError> {
         self.refuse_in_capture("copying to the host")?;

@@ -312,14 +312,15 @@ fn gpu_gate_logits_rejects_bad_shapes() {
 fn gpu_gate_route_is_gate_logits_then_route_topk() {
     // One launch against the two: the same logits, ids and weights bit for bit, over several
     // launches on one counter (the last block leaves it at zero), learned and hash routing,
-    // BF16 and F32 gates, token counts past one gate block's 64.
+    // BF16 and F32 gates, one token (routed by the whole block) and several (a warp each), token
+    // counts past one gate block's 64.
     let dev = device();
     let mut rng = rng("gpu_gate_route_is_gate_logits_then_route_topk");
     let mut counter = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
     dev.fill_bytes(&mut counter, 0).unwrap();
-    for iter in 0..12 {
+    for iter in 0..24 {
         let (e, k) = [(256, 6), (384, 6), (16, 3)][iter % 3];
-        let n = [1, 5, 70, 3][iter % 4];
+        let n = [1, 5, 70, 3, 16, 2][iter / 2 % 6];
         let d = 8 * rng.random_range(1..96);
         let vocab = 40;
         let x = random_f32(&mut rng, n * d);
