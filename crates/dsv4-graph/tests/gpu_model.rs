@@ -402,23 +402,9 @@ fn decode_sequences(
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_batched_sequences_decode_as_each_alone() {
-    let dev = device();
-    let dir = dsv4_tests::fixtures_dir().join("long");
-    let ids = load_oracle(&dir).input_ids;
-    let n = 8;
     let steps = sanitizer_length(40, 8);
-    let mut model = gpu_model_of(&dir, &dev, 160, n).unwrap();
+    let (mut model, seqs) = eight_sequences(|i| (i, 3 + 11 * i), |i| i % 4 == 1, 1000);
     let vocab = model.config().vocab_size;
-    let seqs: Vec<(Vec<u32>, Sampling)> = (0..n)
-        .map(|i| {
-            let s = Sampling {
-                temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
-                top_p: if i % 4 == 1 { 0.9 } else { 1.0 },
-                seed: 1000 + i as u64,
-            };
-            (ids[i..i + 3 + 11 * i].to_vec(), s)
-        })
-        .collect();
     let together = Run::Together { packed: false };
     let alone = decode_sequences(&mut model, &seqs, steps, Run::Alone, true);
     let eager = decode_sequences(&mut model, &seqs, steps, together, false);
@@ -441,29 +427,40 @@ fn gpu_batched_sequences_decode_as_each_alone() {
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_prompts_read_together_decode_as_each_alone() {
-    let dev = device();
-    let dir = dsv4_tests::fixtures_dir().join("long");
-    let ids = load_oracle(&dir).input_ids;
-    let n = 8;
     let steps = sanitizer_length(24, 6);
-    let mut model = gpu_model_of(&dir, &dev, 160, n).unwrap();
-    let vocab = model.config().vocab_size;
     // 1 to 36 tokens each, 148 in all; parts past 16 tokens run their attention in sub-chunks.
-    let seqs: Vec<(Vec<u32>, Sampling)> = (0..n)
-        .map(|i| {
-            let s = Sampling {
-                temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
-                top_p: 1.0,
-                seed: 2000 + i as u64,
-            };
-            let len = [1, 7, 19, 36, 2, 30, 17, 36][i];
-            (ids[10 * i..10 * i + len].to_vec(), s)
-        })
-        .collect();
+    let lens = [1, 7, 19, 36, 2, 30, 17, 36];
+    let (mut model, seqs) = eight_sequences(|i| (10 * i, lens[i]), |_| false, 2000);
+    let vocab = model.config().vocab_size;
     assert!(model.chunk() >= 148, "chunk {}", model.chunk());
     let alone = decode_sequences(&mut model, &seqs, steps, Run::Alone, false);
     let packed = decode_sequences(&mut model, &seqs, steps, Run::Together { packed: true }, false);
     assert_as_alone(&packed, &alone, &seqs, vocab);
+}
+
+/// The long fixture on the GPU with eight slots of 160 positions, and eight sequences: sequence
+/// i's prompt the `span(i)` = (first, length) of the fixture's ids, greedy for even i, else
+/// drawn at temperature 0.8 (with top-p 0.9 where `top_p(i)`), seeded from `seed`.
+fn eight_sequences(
+    span: impl Fn(usize) -> (usize, usize),
+    top_p: impl Fn(usize) -> bool,
+    seed: u64,
+) -> (GpuModel, Vec<(Vec<u32>, Sampling)>) {
+    let dir = dsv4_tests::fixtures_dir().join("long");
+    let ids = load_oracle(&dir).input_ids;
+    let model = gpu_model_of(&dir, &device(), 160, 8).unwrap();
+    let seqs = (0..8)
+        .map(|i| {
+            let s = Sampling {
+                temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
+                top_p: if top_p(i) { 0.9 } else { 1.0 },
+                seed: seed + i as u64,
+            };
+            let (first, len) = span(i);
+            (ids[first..first + len].to_vec(), s)
+        })
+        .collect();
+    (model, seqs)
 }
 
 /// Each sequence of `batch` gives what it gives `alone`: the same logits within the bounds of
