@@ -643,6 +643,31 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
     let err = two.check_slots(1, &[1], 1).unwrap_err().to_string();
     assert!(err.contains("2 sequences at once"), "{err}");
     two.check_slots(2, &[1], 1).unwrap();
+    // A pass of prompt parts: none, one slot twice, more tokens than a pass takes, or a bad
+    // setting are refused before any slot changes (slot 1 keeps its sampled token).
+    let part = |slot, tokens, sampling| PromptPart {
+        slot,
+        tokens,
+        sampling,
+    };
+    let err = two.prefill_parts(&[]).unwrap_err().to_string();
+    assert!(err.contains("empty"), "{err}");
+    let twice = [part(0, &[1][..], None), part(0, &[2][..], Some(&s))];
+    let err = two.prefill_parts(&twice).unwrap_err().to_string();
+    assert!(err.contains("slot 0 twice"), "{err}");
+    let long = vec![1; two.chunk() + 1];
+    let err = two.prefill_parts(&[part(0, &long[..], Some(&s))]).unwrap_err().to_string();
+    assert!(err.contains("at most"), "{err}");
+    let bad = Sampling {
+        temperature: f32::NAN,
+        ..greedy()
+    };
+    let err = two
+        .prefill_parts(&[part(1, &[3][..], None), part(0, &[1][..], Some(&bad))])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("temperature"), "{err}");
+    two.check_slots(2, &[1], 1).unwrap();
     drop(two);
 
     // A graph replays only the model it was captured from.

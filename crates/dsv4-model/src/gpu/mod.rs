@@ -994,12 +994,16 @@ impl GpuModel {
     }
 
     /// Reads the prompt parts of several sequences (distinct slots, at most [`Self::chunk`]
-    /// tokens in all) in one pass, each as [`Self::prefill_slot`] would: every routed expert
-    /// and projection is read once for all of them. Each part with sampling settings ends its
+    /// tokens in all) in one pass, each as [`Self::prefill_slot`] reads it (up to rounding:
+    /// the pass's row count picks the kernels): every routed expert and projection is read
+    /// once for all of them. Each part with sampling settings ends its
     /// prompt: its first new token is sampled into its slot's next-token buffer; a part
     /// without is a prompt's earlier part, its slot parked until its next part.
     pub fn prefill_parts(&mut self, parts: &[PromptPart]) -> Result<(), GpuModelError> {
         let n: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        if parts.is_empty() {
+            return Err(ForwardError::Empty.into());
+        }
         if n > self.chunk {
             return Err(GpuError::invalid(
                 "prefill_parts",
@@ -1023,16 +1027,19 @@ impl GpuModel {
             }
             self.check_tokens(p.slot, p.tokens)?;
         }
+        // Every part's settings checked before any slot changes.
+        let words = parts
+            .iter()
+            .map(|p| p.sampling.map(|s| s.device_words()).transpose())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| GpuError::invalid("sampling", e.to_string()))?;
         let (mut rows, mut first, mut subs_at) = (Vec::new(), 0, 0);
         let mut tokens = Vec::with_capacity(n);
-        for p in parts {
-            if let Some(s) = p.sampling {
-                let words = s
-                    .device_words()
-                    .map_err(|e| GpuError::invalid("sampling", e.to_string()))?;
+        for (p, words) in parts.iter().zip(&words) {
+            if let Some(words) = words {
                 for r in &mut self.ranks {
                     let mut row = r.bufs.acts.sample_params.view(4 * p.slot, &[1, 4])?;
-                    r.dev.write(&mut row, &words)?;
+                    r.dev.write(&mut row, words)?;
                 }
             }
             self.unpark(p.slot)?;

@@ -390,8 +390,8 @@ impl Device {
             .map_err(GpuError::driver("copying to the device"))
     }
 
-    /// Copies `src` into `dst` (as many elements, not overlapping) on the stream, after the
-    /// work before it.
+    /// Copies `src` into `dst` (as many elements, not overlapping) on the main stream (also
+    /// inside [`Self::on_side`]), after the work before it.
     pub fn copy<T: DeviceElem>(
         &self,
         src: &DeviceTensor<T>,
