@@ -981,19 +981,27 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         // 16-channel steps in two chains of MMAs, added at the end.
         {
             float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-            const u16* qa = q_s + (16u * hg + g) * ld + 2u * qd;
-            const u16* kb = k_s + (8u * kq + g) * ld + 2u * qd;
-            auto ld32 = [](const u16* p) { return *reinterpret_cast<const u32*>(p); };
+            // Fragments by ldmatrix (one instruction for four 8x8 matrices, a lane naming a
+            // row of one): the queries' (heads 16 hg + 0..15, channels c, c + 8; hi or lo),
+            // and the keys' (keys 8 kq + 0..7, channels c, c + 8, hi then lo).
+            const u32 a_row = 16u * hg + (lane & 7u) + 8u * ((lane >> 3) & 1u);
+            const u32 qa = (u32)__cvta_generic_to_shared(q_s + a_row * ld + 8u * (lane >> 4));
+            const u32 kb = (u32)__cvta_generic_to_shared(k_s + (lane >> 4) * k_lo + (8u * kq + (lane & 7u)) * ld +
+                                                        8u * ((lane >> 3) & 1u));
+            auto ldm4 = [](u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                             : "r"(addr));
+            };
             // hi·hi + hi·lo + lo·hi of channels c .. c + 15 into acc.
             auto step = [&](float(&acc)[4], u32 c) {
-                const u32 a0 = ld32(qa + c), a1 = ld32(qa + 8u * ld + c);
-                const u32 a2 = ld32(qa + c + 8u), a3 = ld32(qa + 8u * ld + c + 8u);
-                const u32 b0 = ld32(kb + c), b1 = ld32(kb + c + 8u);
-                const u32 l0 = ld32(kb + k_lo + c), l1 = ld32(kb + k_lo + c + 8u);
+                u32 a0, a1, a2, a3, e0, e1, e2, e3, b0, b1, l0, l1;
+                ldm4(qa + 2u * c, a0, a1, a2, a3);
+                ldm4(kb + 2u * c, b0, b1, l0, l1);
+                ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
                 mma_f16(acc, a0, a1, a2, a3, b0, b1);
                 mma_f16(acc, a0, a1, a2, a3, l0, l1);
-                const u16* ql = qa + q_lo;
-                mma_f16(acc, ld32(ql + c), ld32(ql + 8u * ld + c), ld32(ql + c + 8u), ld32(ql + 8u * ld + c + 8u), b0, b1);
+                mma_f16(acc, e0, e1, e2, e3, b0, b1);
             };
             // d is a multiple of 32 (the launcher's check).
             for (u32 c = 0; c < d; c += 32u) {
@@ -1049,21 +1057,18 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
             f16x2_split(pr[1][4u * ks], pr[1][4u * ks + 1u], a1, e1);
             f16x2_split(pr[0][4u * ks + 2u], pr[0][4u * ks + 3u], a2, e2);
             f16x2_split(pr[1][4u * ks + 2u], pr[1][4u * ks + 3u], a3, e3);
-            // B: keys 16 ks + (2 qd, 2 qd + 1) and + 8, column g of each 8-column tile, by
-            // ldmatrix.trans from the key rows (lanes 0-15 name rows 16 ks + lane % 16).
-            const u16* rowp = k_s + (16u * ks + (lane & 15u)) * ld + dq * kq;
+            // B: keys 16 ks + (2 qd, 2 qd + 1) and + 8, column g of each 8-column tile, hi and
+            // lo, by one ldmatrix.trans from the key rows (lanes 0-15 name rows 16 ks + lane %
+            // 16 of the hi keys, lanes 16-31 the same rows of the lo keys).
+            const u16* rowp = k_s + (lane >> 4) * k_lo + (16u * ks + (lane & 15u)) * ld + dq * kq;
             const u32 base = (u32)__cvta_generic_to_shared(rowp);
-            const u32 base_lo = base + k_lo * 2u;
 #pragma unroll
             for (u32 nt = 0; nt < 16u; nt++) {
                 if (nt >= ntiles) break;
                 u32 b0, b1, c0, c1;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
-                             : "=r"(b0), "=r"(b1)
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(b0), "=r"(b1), "=r"(c0), "=r"(c1)
                              : "r"(base + nt * 16u));
-                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
-                             : "=r"(c0), "=r"(c1)
-                             : "r"(base_lo + nt * 16u));
                 mma_f16(o[nt], a0, a1, a2, a3, b0, b1);
                 mma_f16(o[nt], a0, a1, a2, a3, c0, c1);
                 mma_f16(o[nt], e0, e1, e2, e3, b0, b1);
