@@ -384,17 +384,43 @@ __device__ __forceinline__ void gate_route(const float* __restrict__ x, u32 n, u
     if (threadIdx.x == 0u) *counter = 0u;
 }
 
-// gate_route_{bf16,f32}: a decode step's one token; gate_route_tokens_{bf16,f32}: a batch.
-#define GATE_ROUTE_KERNEL(name, W, BY_WARP)                                                                   \
-    DSV4_KERNEL void __launch_bounds__(128)                                                                   \
-        name(const float* __restrict__ x, u32 n, u32 d, const W* __restrict__ w, u32 e, float* __restrict__ logits, \
-             u32 k, const u32* __restrict__ tokens, const u32* __restrict__ tid2eid, u32 vocab,               \
-             const float* __restrict__ bias, float scale, int* __restrict__ ids, float* __restrict__ weights, \
-             u32* __restrict__ counter) {                                                                     \
-        pdl_enter();                                                                                          \
-        gate_route<BY_WARP>(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter); \
-    }
-GATE_ROUTE_KERNEL(gate_route_bf16, u16, false)
-GATE_ROUTE_KERNEL(gate_route_f32, float, false)
-GATE_ROUTE_KERNEL(gate_route_tokens_bf16, u16, true)
-GATE_ROUTE_KERNEL(gate_route_tokens_f32, float, true)
+// A decode step's one token (gate_route_*), a batch's tokens (gate_route_tokens_*).
+DSV4_KERNEL void __launch_bounds__(128) gate_route_bf16(const float* __restrict__ x, u32 n, u32 d, const u16* __restrict__ w,
+                                            u32 e, float* __restrict__ logits, u32 k,
+                                            const u32* __restrict__ tokens, const u32* __restrict__ tid2eid,
+                                            u32 vocab, const float* __restrict__ bias, float scale,
+                                            int* __restrict__ ids, float* __restrict__ weights,
+                                            u32* __restrict__ counter) {
+    pdl_enter();
+    gate_route<false>(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
+}
+
+DSV4_KERNEL void __launch_bounds__(128) gate_route_f32(const float* __restrict__ x, u32 n, u32 d, const float* __restrict__ w,
+                                            u32 e, float* __restrict__ logits, u32 k,
+                                            const u32* __restrict__ tokens, const u32* __restrict__ tid2eid,
+                                            u32 vocab, const float* __restrict__ bias, float scale,
+                                            int* __restrict__ ids, float* __restrict__ weights,
+                                            u32* __restrict__ counter) {
+    pdl_enter();
+    gate_route<false>(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
+}
+
+DSV4_KERNEL void __launch_bounds__(128) gate_route_tokens_bf16(const float* __restrict__ x, u32 n, u32 d, const u16* __restrict__ w,
+                                            u32 e, float* __restrict__ logits, u32 k,
+                                            const u32* __restrict__ tokens, const u32* __restrict__ tid2eid,
+                                            u32 vocab, const float* __restrict__ bias, float scale,
+                                            int* __restrict__ ids, float* __restrict__ weights,
+                                            u32* __restrict__ counter) {
+    pdl_enter();
+    gate_route<true>(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
+}
+
+DSV4_KERNEL void __launch_bounds__(128) gate_route_tokens_f32(const float* __restrict__ x, u32 n, u32 d, const float* __restrict__ w,
+                                            u32 e, float* __restrict__ logits, u32 k,
+                                            const u32* __restrict__ tokens, const u32* __restrict__ tid2eid,
+                                            u32 vocab, const float* __restrict__ bias, float scale,
+                                            int* __restrict__ ids, float* __restrict__ weights,
+                                            u32* __restrict__ counter) {
+    pdl_enter();
+    gate_route<true>(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
+}

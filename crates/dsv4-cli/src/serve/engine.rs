@@ -673,6 +673,92 @@ mod tests {
         assert!(matches!(seq.take(5, &[0], false), Ok(After::Gone)));
     }
 
+    /// Four slots, passes of 8 prompt tokens; records each pass's parts as (slot, tokens,
+    /// first, last). Every sampled token is 7.
+    struct Passes {
+        seen: Arc<std::sync::Mutex<Vec<Vec<(usize, usize, bool, bool)>>>>,
+        launched: Vec<u32>,
+    }
+
+    impl Backend for Passes {
+        fn capacity(&self) -> usize {
+            1000
+        }
+        fn slots(&self) -> usize {
+            4
+        }
+        fn prefill_chunk(&self) -> usize {
+            8
+        }
+        fn prefill(&mut self, parts: &[Part]) -> Result<Vec<Option<u32>>> {
+            let pass = parts.iter().map(|p| (p.slot, p.tokens.len(), p.first, p.last));
+            self.seen.lock().unwrap().push(pass.collect());
+            Ok(parts.iter().map(|p| p.last.then_some(7)).collect())
+        }
+        fn launch(&mut self, slots: &[usize]) -> Result<()> {
+            self.launched = vec![7; slots.len()];
+            Ok(())
+        }
+        fn collect(&mut self) -> Result<Vec<u32>> {
+            Ok(std::mem::take(&mut self.launched))
+        }
+    }
+
+    #[test]
+    fn waiting_prompts_are_read_together_a_chunk_of_tokens_a_pass_oldest_first() {
+        let (jobs, rx) = std::sync::mpsc::channel();
+        let metrics = Arc::new(Metrics::default());
+        let mut streams = Vec::new();
+        for len in [5, 7, 3] {
+            let (events, stream) = tokio::sync::mpsc::unbounded_channel();
+            let job = Job {
+                prompt: vec![1; len],
+                max_tokens: 2,
+                sampling: Sampling {
+                    temperature: 0.0,
+                    top_p: 1.0,
+                    seed: 0,
+                },
+                events,
+                text_end: Arc::new(TextEnd::default()),
+            };
+            metrics.queued.fetch_add(1, Ordering::Relaxed);
+            jobs.send(job).unwrap();
+            streams.push(stream);
+        }
+        drop(jobs);
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let backend = Passes {
+            seen: seen.clone(),
+            launched: Vec::new(),
+        };
+        run(Box::new(backend), &[0], rx, metrics.clone());
+        // The first pass ends the 5-token prompt and reads 3 of the 7; the second ends both
+        // the 7-token prompt and the 3-token one.
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![
+                vec![(0, 5, true, true), (1, 3, true, false)],
+                vec![(1, 4, false, true), (2, 3, true, true)],
+            ]
+        );
+        for (i, stream) in streams.iter_mut().enumerate() {
+            let mut got = Vec::new();
+            while let Ok(e) = stream.try_recv() {
+                got.push(match e {
+                    Event::Token(t) => format!("token {t}"),
+                    Event::Done {
+                        finish,
+                        completion_tokens,
+                    } => format!("{} after {completion_tokens}", finish.as_str()),
+                    Event::Failed(e) => format!("failed: {e}"),
+                });
+            }
+            assert_eq!(got, ["token 7", "token 7", "length after 2"], "request {i}");
+        }
+        assert_eq!(metrics.running.load(Ordering::Relaxed), 0);
+    }
+
     #[test]
     fn a_step_covers_the_highest_running_slot_in_a_power_of_two_of_rows() {
         assert_eq!(bucket(&[0], 16), 1);
