@@ -673,10 +673,12 @@ mod tests {
         assert!(matches!(seq.take(5, &[0], false), Ok(After::Gone)));
     }
 
-    /// Four slots, passes of 8 prompt tokens; records each pass's parts as (slot, tokens,
-    /// first, last). Every sampled token is 7.
+    /// A pass's parts as (slot, tokens, first, last).
+    type Pass = Vec<(usize, usize, bool, bool)>;
+
+    /// Four slots, passes of 8 prompt tokens; records each pass. Every sampled token is 7.
     struct Passes {
-        seen: Arc<std::sync::Mutex<Vec<Vec<(usize, usize, bool, bool)>>>>,
+        seen: Arc<std::sync::Mutex<Vec<Pass>>>,
         launched: Vec<u32>,
     }
 
