@@ -3,8 +3,7 @@
 // the lowest expert, returned in ascending expert order), and the combine weights
 // score / sum(scores) * scale, all on the device: one block per token (route_topk), or the last
 // block of the gate projection for every token (gate_route_*, at the end, the gate and the
-// routing in one launch: one token by the whole block, several a warp each). Also the gate
-// projection alone (gate_logits_*), in f32.
+// routing in one launch). Also the gate projection alone (gate_logits_*), in f32.
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
@@ -95,58 +94,6 @@ __device__ __forceinline__ void route_token(const float* z, u32 t, u32 e, u32 k,
         weights[(u64)t * k + threadIdx.x] = __fmul_rn(__fdiv_rn(sh.score[threadIdx.x], sh.total), scale);
     }
     __syncthreads();  // the shared arrays are rewritten for the next token
-}
-
-// route_token by one warp, with the same results bit for bit: lane l holds the keys of experts
-// l, l + 32, ... in registers; k rounds of a warp-wide max (the winner's owner zeroes its key);
-// the winners move to the lanes of their rank in ascending expert order; lane 0's order of the
-// sum is thread 0's there.
-__device__ __forceinline__ void route_token_warp(const float* z, u32 t, u32 e, u32 k, const u32* __restrict__ tokens,
-                                                 const u32* __restrict__ tid2eid, u32 vocab,
-                                                 const float* __restrict__ bias, float scale, int* __restrict__ ids,
-                                                 float* __restrict__ weights) {
-    constexpr u32 PER_LANE = ROUTE_E_MAX / 32;
-    const u32 lane = threadIdx.x & 31u;
-    u32 chosen = 0;  // lane j < k: slot j's expert
-    if (tid2eid) {
-        const u32 tok = tokens[t] < vocab ? tokens[t] : 0u;
-        if (lane < k) chosen = min(tid2eid[(u64)tok * k + lane], e - 1u);
-    } else {
-        u64 key[PER_LANE];
-#pragma unroll
-        for (u32 i = 0; i < PER_LANE; i++) {
-            const u32 x = lane + 32u * i;
-            key[i] = x < e ? route_key(__fadd_rn(route_score(__ldcg(z + x)), bias[x]), x) : 0u;
-        }
-        for (u32 j = 0; j < k; j++) {
-            u64 best = 0u;
-#pragma unroll
-            for (u32 i = 0; i < PER_LANE; i++) best = max(best, key[i]);
-#pragma unroll
-            for (u32 o = 16u; o > 0u; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
-            const u32 x = 0xffffffffu - (u32)best;
-#pragma unroll
-            for (u32 i = 0; i < PER_LANE; i++)
-                if (lane + 32u * i == x) key[i] = 0u;
-            if (lane == j) chosen = x;
-        }
-        u32 rank = 0;
-        for (u32 i = 0; i < k; i++) rank += __shfl_sync(0xffffffffu, chosen, i) < chosen;
-        u32 sorted = 0;
-        for (u32 i = 0; i < k; i++) {
-            const u32 v = __shfl_sync(0xffffffffu, chosen, i), r = __shfl_sync(0xffffffffu, rank, i);
-            if (r == lane) sorted = v;
-        }
-        chosen = sorted;
-    }
-    const float score = lane < k ? route_score(__ldcg(z + chosen)) : 0.0f;
-    float total = 0.0f;
-    for (u32 j = 0; j < k; j++) total = __fadd_rn(total, __shfl_sync(0xffffffffu, score, j));
-    total = __fadd_rn(total, 1e-20f);
-    if (lane < k) {
-        ids[(u64)t * k + lane] = (int)chosen;
-        weights[(u64)t * k + lane] = __fmul_rn(__fdiv_rn(score, total), scale);
-    }
 }
 
 // One block per token (grid-stride) routes from the gate logits [n, e].
@@ -357,9 +304,8 @@ DSV4_KERNEL void __launch_bounds__(128) gate_logits_rows_f32(const float* __rest
 
 // The gate projection, then the routing of every token by the last block to finish (an atomic
 // ticket on `counter`, which it resets to 0 for the next launch): one launch from x to the
-// expert ids and weights. The grid and the logits are gate_logits_*'s. BY_WARP: the tokens a
-// warp each (a batch's), else one after another by the whole block (a decode step's one).
-template <bool BY_WARP, typename W>
+// expert ids and weights. The grid and the logits are gate_logits_*'s.
+template <typename W>
 __device__ __forceinline__ void gate_route(const float* __restrict__ x, u32 n, u32 d, const W* __restrict__ w,
                                            u32 e, float* __restrict__ logits, u32 k, const u32* __restrict__ tokens,
                                            const u32* __restrict__ tid2eid, u32 vocab, const float* __restrict__ bias,
@@ -374,53 +320,29 @@ __device__ __forceinline__ void gate_route(const float* __restrict__ x, u32 n, u
     __syncthreads();
     if (!last) return;
     __threadfence();
-    if (BY_WARP) {
-        for (u32 t = threadIdx.x / 32u; t < n; t += blockDim.x / 32u)
-            route_token_warp(logits + (u64)t * e, t, e, k, tokens, tid2eid, vocab, bias, scale, ids, weights);
-    } else {
-        for (u32 t = 0; t < n; t++)
-            route_token(logits + (u64)t * e, t, e, k, tokens, tid2eid, vocab, bias, scale, ids, weights, sh);
-    }
+    for (u32 t = 0; t < n; t++)
+        route_token(logits + (u64)t * e, t, e, k, tokens, tid2eid, vocab, bias, scale, ids, weights, sh);
     if (threadIdx.x == 0u) *counter = 0u;
 }
 
-// A decode step's one token (gate_route_*), a batch's tokens (gate_route_tokens_*).
-DSV4_KERNEL void __launch_bounds__(128) gate_route_bf16(const float* __restrict__ x, u32 n, u32 d, const u16* __restrict__ w,
-                                            u32 e, float* __restrict__ logits, u32 k,
-                                            const u32* __restrict__ tokens, const u32* __restrict__ tid2eid,
-                                            u32 vocab, const float* __restrict__ bias, float scale,
-                                            int* __restrict__ ids, float* __restrict__ weights,
-                                            u32* __restrict__ counter) {
+DSV4_KERNEL void __launch_bounds__(128) gate_route_bf16(const float* __restrict__ x, u32 n, u32 d,
+                                                        const u16* __restrict__ w, u32 e, float* __restrict__ logits,
+                                                        u32 k, const u32* __restrict__ tokens,
+                                                        const u32* __restrict__ tid2eid, u32 vocab,
+                                                        const float* __restrict__ bias, float scale,
+                                                        int* __restrict__ ids, float* __restrict__ weights,
+                                                        u32* __restrict__ counter) {
     pdl_enter();
-    gate_route<false>(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
+    gate_route(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
 }
 
-DSV4_KERNEL void __launch_bounds__(128) gate_route_f32(const float* __restrict__ x, u32 n, u32 d, const float* __restrict__ w,
-                                            u32 e, float* __restrict__ logits, u32 k,
-                                            const u32* __restrict__ tokens, const u32* __restrict__ tid2eid,
-                                            u32 vocab, const float* __restrict__ bias, float scale,
-                                            int* __restrict__ ids, float* __restrict__ weights,
-                                            u32* __restrict__ counter) {
+DSV4_KERNEL void __launch_bounds__(128) gate_route_f32(const float* __restrict__ x, u32 n, u32 d,
+                                                       const float* __restrict__ w, u32 e, float* __restrict__ logits,
+                                                       u32 k, const u32* __restrict__ tokens,
+                                                       const u32* __restrict__ tid2eid, u32 vocab,
+                                                       const float* __restrict__ bias, float scale,
+                                                       int* __restrict__ ids, float* __restrict__ weights,
+                                                       u32* __restrict__ counter) {
     pdl_enter();
-    gate_route<false>(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
-}
-
-DSV4_KERNEL void __launch_bounds__(128) gate_route_tokens_bf16(const float* __restrict__ x, u32 n, u32 d, const u16* __restrict__ w,
-                                            u32 e, float* __restrict__ logits, u32 k,
-                                            const u32* __restrict__ tokens, const u32* __restrict__ tid2eid,
-                                            u32 vocab, const float* __restrict__ bias, float scale,
-                                            int* __restrict__ ids, float* __restrict__ weights,
-                                            u32* __restrict__ counter) {
-    pdl_enter();
-    gate_route<true>(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
-}
-
-DSV4_KERNEL void __launch_bounds__(128) gate_route_tokens_f32(const float* __restrict__ x, u32 n, u32 d, const float* __restrict__ w,
-                                            u32 e, float* __restrict__ logits, u32 k,
-                                            const u32* __restrict__ tokens, const u32* __restrict__ tid2eid,
-                                            u32 vocab, const float* __restrict__ bias, float scale,
-                                            int* __restrict__ ids, float* __restrict__ weights,
-                                            u32* __restrict__ counter) {
-    pdl_enter();
-    gate_route<true>(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
+    gate_route(x, n, d, w, e, logits, k, tokens, tid2eid, vocab, bias, scale, ids, weights, counter);
 }

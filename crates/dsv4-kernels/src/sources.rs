@@ -151,8 +151,6 @@ pub const FAMILIES: &[KernelFamily] = &[
             "gate_logits_rows_f32",
             "gate_route_bf16",
             "gate_route_f32",
-            "gate_route_tokens_bf16",
-            "gate_route_tokens_f32",
         ],
     },
     KernelFamily {

@@ -1832,7 +1832,7 @@ fn moe_layer(
     };
     let (mut ids, mut wts) = (a.ids.rows(n)?, a.weights.rows(n)?);
     let (xn, scale) = (a.xn.rows(n)?, c.routed_scaling_factor);
-    if n <= MAX_CHUNK {
+    if n == 1 {
         let ticket = &mut a.route_counter;
         let (ids, wts) = (&mut ids, &mut wts);
         gate_route(
@@ -1848,7 +1848,8 @@ fn moe_layer(
             wts,
         )?;
     } else {
-        // A long chunk routes with a block per token, not in the gate's last block.
+        // Several tokens (a batch, a chunk) route a block each, not one after another in the
+        // gate's last block: a 16-row decode step 39 -> 19 us a layer (H100).
         gate_logits(dev, &xn, m.gate.weight(), &mut logits)?;
         route_topk(dev, &logits, tokens, by, scale, &mut ids, &mut wts)?;
     }

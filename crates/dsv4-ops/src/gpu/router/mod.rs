@@ -152,10 +152,10 @@ pub enum GateWeight<'a> {
     F32(&'a DeviceTensor<f32>),
 }
 
-/// A checked gate projection: the kernels for its weight format (alone, with one token's
-/// routing, with several tokens'), the weight's address, the launch grid and `[t, d, e]`.
+/// A checked gate projection: the kernels for its weight format (alone, with the routing),
+/// the weight's address, the launch grid and `[t, d, e]`.
 struct Gate {
-    kernels: (&'static str, &'static str, &'static str),
+    kernels: (&'static str, &'static str),
     w: u64,
     cfg: LaunchConfig,
     dims: [u32; 3],
@@ -169,12 +169,12 @@ fn check_gate(
     let (t, d) = x.dims2("gate input x", DType::F32)?;
     let (kernels, (e, wd), w_addr) = match w {
         GateWeight::Bf16(w) => (
-            ("gate_logits_bf16", "gate_route_bf16", "gate_route_tokens_bf16"),
+            ("gate_logits_bf16", "gate_route_bf16"),
             w.dims2("gate weight", DType::BF16)?,
             w.device_address(),
         ),
         GateWeight::F32(w) => (
-            ("gate_logits_f32", "gate_route_f32", "gate_route_tokens_f32"),
+            ("gate_logits_f32", "gate_route_f32"),
             w.dims2("gate weight", DType::F32)?,
             w.device_address(),
         ),
@@ -268,7 +268,7 @@ pub fn gate_logits(
 }
 
 /// [`gate_logits`] then [`route_topk`] in one launch: the last gate block to finish routes
-/// every token (one token with all its threads, several a warp each). `counter` (U32 `[1]`, zero before the first launch, e.g. from a sealed pool) is
+/// every token. `counter` (U32 `[1]`, zero before the first launch, e.g. from a sealed pool) is
 /// that block's ticket; the launch leaves it at zero. Outputs as the two launches give.
 #[allow(clippy::too_many_arguments)]
 pub fn gate_route(
@@ -293,8 +293,6 @@ pub fn gate_route(
     let mut args = g.args(x, logits);
     r.push_args(&mut args);
     args.ptr(counter);
-    // One token is routed by the whole last block, several by a warp each.
-    let kernel = if n == 1 { g.kernels.1 } else { g.kernels.2 };
     // SAFETY: as gate_logits and route_topk; counter [1], checked above.
-    unsafe { launch(dev, kernel, g.cfg, &args) }
+    unsafe { launch(dev, g.kernels.1, g.cfg, &args) }
 }

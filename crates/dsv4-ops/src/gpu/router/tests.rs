@@ -312,8 +312,7 @@ fn gpu_gate_logits_rejects_bad_shapes() {
 fn gpu_gate_route_is_gate_logits_then_route_topk() {
     // One launch against the two: the same logits, ids and weights bit for bit, over several
     // launches on one counter (the last block leaves it at zero), learned and hash routing,
-    // BF16 and F32 gates, one token (routed by the whole block) and several (a warp each), token
-    // counts past one gate block's 64.
+    // BF16 and F32 gates, token counts from one to past one gate block's 64.
     let dev = device();
     let mut rng = rng("gpu_gate_route_is_gate_logits_then_route_topk");
     let mut counter = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
