@@ -148,8 +148,7 @@ impl Backend for Cpu {
                     let sampler = Sampler::new(s.temperature, s.top_p, s.seed)?;
                     self.runs[p.slot] = Some((self.model.new_state(), sampler, 0));
                 }
-                let (state, sampler, next) =
-                    self.runs[p.slot].as_mut().expect("a started slot");
+                let (state, sampler, next) = self.runs[p.slot].as_mut().expect("a started slot");
                 let logits = self.model.forward(state, p.tokens, Logits::Last)?;
                 Ok(p.last.then(|| {
                     *next = sampler.sample(&logits);
@@ -629,10 +628,14 @@ fn settle(
 mod tests {
     use super::*;
 
-    fn running(max_tokens: usize) -> (Running, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+    /// A greedy request for `prompt`, and the stream its events go to.
+    fn job(
+        prompt: Vec<u32>,
+        max_tokens: usize,
+    ) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>) {
         let (events, rx) = tokio::sync::mpsc::unbounded_channel();
         let job = Job {
-            prompt: vec![1, 2],
+            prompt,
             max_tokens,
             sampling: Sampling {
                 temperature: 0.0,
@@ -642,6 +645,11 @@ mod tests {
             events,
             text_end: Arc::new(TextEnd::default()),
         };
+        (job, rx)
+    }
+
+    fn running(max_tokens: usize) -> (Running, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+        let (job, rx) = job(vec![1, 2], max_tokens);
         (Running::new(job, 0, 1), rx)
     }
 
@@ -693,7 +701,9 @@ mod tests {
             8
         }
         fn prefill(&mut self, parts: &[Part]) -> Result<Vec<Option<u32>>> {
-            let pass = parts.iter().map(|p| (p.slot, p.tokens.len(), p.first, p.last));
+            let pass = parts
+                .iter()
+                .map(|p| (p.slot, p.tokens.len(), p.first, p.last));
             self.seen.lock().unwrap().push(pass.collect());
             Ok(parts.iter().map(|p| p.last.then_some(7)).collect())
         }
@@ -712,18 +722,7 @@ mod tests {
         let metrics = Arc::new(Metrics::default());
         let mut streams = Vec::new();
         for len in [5, 7, 3] {
-            let (events, stream) = tokio::sync::mpsc::unbounded_channel();
-            let job = Job {
-                prompt: vec![1; len],
-                max_tokens: 2,
-                sampling: Sampling {
-                    temperature: 0.0,
-                    top_p: 1.0,
-                    seed: 0,
-                },
-                events,
-                text_end: Arc::new(TextEnd::default()),
-            };
+            let (job, stream) = job(vec![1; len], 2);
             metrics.queued.fetch_add(1, Ordering::Relaxed);
             jobs.send(job).unwrap();
             streams.push(stream);
