@@ -434,7 +434,13 @@ fn gpu_prompts_read_together_decode_as_each_alone() {
     let vocab = model.config().vocab_size;
     assert!(model.chunk() >= 148, "chunk {}", model.chunk());
     let alone = decode_sequences(&mut model, &seqs, steps, Run::Alone, false);
-    let packed = decode_sequences(&mut model, &seqs, steps, Run::Together { packed: true }, false);
+    let packed = decode_sequences(
+        &mut model,
+        &seqs,
+        steps,
+        Run::Together { packed: true },
+        false,
+    );
     assert_as_alone(&packed, &alone, &seqs, vocab);
 }
 
@@ -656,7 +662,10 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
     let err = two.prefill_parts(&twice).unwrap_err().to_string();
     assert!(err.contains("slot 0 twice"), "{err}");
     let long = vec![1; two.chunk() + 1];
-    let err = two.prefill_parts(&[part(0, &long[..], Some(&s))]).unwrap_err().to_string();
+    let err = two
+        .prefill_parts(&[part(0, &long[..], Some(&s))])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("at most"), "{err}");
     let bad = Sampling {
         temperature: f32::NAN,

@@ -1644,7 +1644,13 @@ fn attention_layer(
     // launch, then wo_b.
     let mut z = a.z.rows(n)?;
     gemv_grouped(dev, &ob, &at.wo_a, c.o_groups, &mut z, &mut a.ws)?;
-    gemv(dev, &z, &at.wo_b, &mut row_range(&a.y, rows.first, n)?, &mut a.ws)?;
+    gemv(
+        dev,
+        &z,
+        &at.wo_b,
+        &mut row_range(&a.y, rows.first, n)?,
+        &mut a.ws,
+    )?;
     dev.join()
 }
 

@@ -27,7 +27,11 @@ const WARPS: usize = 8;
 /// Shared memory of a block of `rows`: two slabs of 256 bf16 a row, rows 32 (BF16) or 8 more
 /// apart (`KS`, `row_stride` in gemm.cu).
 fn shared_bytes(rows: usize, format: &GemvFormat) -> usize {
-    let pad = if matches!(format, GemvFormat::Bf16) { 32 } else { 8 };
+    let pad = if matches!(format, GemvFormat::Bf16) {
+        32
+    } else {
+        8
+    };
     2 * rows * (256 + pad) * 2
 }
 
