@@ -468,6 +468,12 @@ fn pass_tokens(
     }
 }
 
+/// Sampling settings as the sampler reads them on the device, or the setting at fault.
+fn sampling_words(s: &Sampling) -> Result<[u32; 4], GpuError> {
+    s.device_words()
+        .map_err(|e| GpuError::invalid("sampling", e.to_string()))
+}
+
 /// One part of a sequence's prompt for [`GpuModel::prefill_parts`]: `tokens` after what slot
 /// `slot` holds; with `sampling`, the prompt's last part, whose next token is sampled.
 #[derive(Clone, Copy, Debug)]
@@ -942,13 +948,8 @@ impl GpuModel {
         }
         self.check_tokens(slot, prompt)?;
         if let Some(s) = s {
-            let words = s
-                .device_words()
-                .map_err(|e| GpuError::invalid("sampling", e.to_string()))?;
-            for r in &mut self.ranks {
-                let mut row = r.bufs.acts.sample_params.view(4 * slot, &[1, 4])?;
-                r.dev.write(&mut row, &words)?;
-            }
+            let words = sampling_words(s)?;
+            self.write_sampling(slot, &words)?;
         }
         self.unpark(slot)?;
         self.ready[slot] = false;
@@ -956,23 +957,8 @@ impl GpuModel {
         let mut reported = 0;
         for (i, chunk) in chunks.iter().enumerate() {
             let n = chunk.len();
-            for r in 0..self.ranks.len() {
-                self.write_tokens(r, chunk)?;
-            }
-            self.launch_layers_all(n, Pass::Parts(&[Part::whole(slot, n)]))?;
-            for r in 0..self.ranks.len() {
-                if i + 1 == chunks.len() && s.is_some() {
-                    // Only the last prompt token's logits, sampled with its position as the
-                    // key, as a decode step samples with its own token's.
-                    self.launch_head(r, n - 1, 1)?;
-                    if n > 1 {
-                        self.launch_advance(r, slot, n - 1)?;
-                    }
-                    self.launch_sample(r, slot, 1, 0)?;
-                } else {
-                    self.launch_advance(r, slot, n)?;
-                }
-            }
+            let ends = i + 1 == chunks.len() && s.is_some();
+            self.launch_pass(chunk, &[Part::whole(slot, n)], &[ends])?;
             self.lens[slot] += n;
             let done = (i + 1) * self.chunk;
             if done - reported >= every && i + 1 < chunks.len() {
@@ -1030,17 +1016,13 @@ impl GpuModel {
         // Every part's settings checked before any slot changes.
         let words = parts
             .iter()
-            .map(|p| p.sampling.map(|s| s.device_words()).transpose())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| GpuError::invalid("sampling", e.to_string()))?;
+            .map(|p| p.sampling.map(sampling_words).transpose())
+            .collect::<Result<Vec<_>, _>>()?;
         let (mut rows, mut first, mut subs_at) = (Vec::new(), 0, 0);
         let mut tokens = Vec::with_capacity(n);
         for (p, words) in parts.iter().zip(&words) {
             if let Some(words) = words {
-                for r in &mut self.ranks {
-                    let mut row = r.bufs.acts.sample_params.view(4 * p.slot, &[1, 4])?;
-                    r.dev.write(&mut row, words)?;
-                }
+                self.write_sampling(p.slot, words)?;
             }
             self.unpark(p.slot)?;
             self.ready[p.slot] = false;
@@ -1057,42 +1039,8 @@ impl GpuModel {
                 subs_at += len.div_ceil(MAX_CHUNK);
             }
         }
-        for r in 0..self.ranks.len() {
-            self.write_tokens(r, &tokens)?;
-        }
-        self.launch_layers_all(n, Pass::Parts(&rows))?;
-        let ends: Vec<&Part> = parts
-            .iter()
-            .zip(&rows)
-            .filter(|(p, _)| p.sampling.is_some())
-            .map(|(_, r)| r)
-            .collect();
-        for r in 0..self.ranks.len() {
-            // The ending parts' last rows, side by side from row 0, through the head (a row
-            // never moves onto a later part's last row, which lies past it).
-            let Rank { dev, bufs, .. } = &self.ranks[r];
-            for (j, p) in ends.iter().enumerate() {
-                let last = p.first + p.len - 1;
-                if last != j {
-                    for t in [&bufs.acts.streams[0], &bufs.acts.mix_partials] {
-                        dev.copy(&row_range(t, last, 1)?, &mut row_range(t, j, 1)?)?;
-                    }
-                }
-            }
-            if !ends.is_empty() {
-                self.launch_head(r, 0, ends.len())?;
-            }
-            for p in &rows {
-                let end = ends.iter().position(|e| e.slot == p.slot);
-                let read = if end.is_some() { p.len - 1 } else { p.len };
-                if read > 0 {
-                    self.launch_advance(r, p.slot, read)?;
-                }
-                if let Some(j) = end {
-                    self.launch_sample(r, p.slot, 1, j)?;
-                }
-            }
-        }
+        let ends: Vec<bool> = parts.iter().map(|p| p.sampling.is_some()).collect();
+        self.launch_pass(&tokens, &rows, &ends)?;
         for (p, row) in parts.iter().zip(&rows) {
             self.lens[p.slot] += row.len;
             if p.sampling.is_none() {
@@ -1100,6 +1048,72 @@ impl GpuModel {
                 self.parked[p.slot] = true;
             }
             self.ready[p.slot] = p.sampling.is_some();
+        }
+        Ok(())
+    }
+
+    /// One pass over prompt parts on every rank: `tokens` (the parts' in row order) through
+    /// the layers; each part that `ends` its prompt samples its next token from its last
+    /// row's logits (keyed by that row's position, as a decode step samples with its own
+    /// token's), and every part's position moves past its tokens.
+    fn launch_pass(
+        &mut self,
+        tokens: &[u32],
+        rows: &[Part],
+        ends: &[bool],
+    ) -> Result<(), GpuError> {
+        for r in 0..self.ranks.len() {
+            self.write_tokens(r, tokens)?;
+        }
+        self.launch_layers_all(tokens.len(), Pass::Parts(rows))?;
+        let last = |p: &Part| p.first + p.len - 1;
+        let ending: Vec<&Part> = rows
+            .iter()
+            .zip(ends)
+            .filter(|e| *e.1)
+            .map(|e| e.0)
+            .collect();
+        for r in 0..self.ranks.len() {
+            // The head over one ending part's last row where it lies, or over several side
+            // by side from row 0 (a row never moves onto a later part's last row, which lies
+            // past it).
+            let first = match ending[..] {
+                [] => None,
+                [p] => Some(last(p)),
+                _ => {
+                    let Rank { dev, bufs, .. } = &self.ranks[r];
+                    for (j, p) in ending.iter().enumerate().filter(|(j, p)| last(p) != *j) {
+                        for t in [&bufs.acts.streams[0], &bufs.acts.mix_partials] {
+                            dev.copy(&row_range(t, last(p), 1)?, &mut row_range(t, j, 1)?)?;
+                        }
+                    }
+                    Some(0)
+                }
+            };
+            if let Some(first) = first {
+                self.launch_head(r, first, ending.len())?;
+            }
+            // Ending part j's logits are row j.
+            let mut j = 0;
+            for (p, &end) in rows.iter().zip(ends) {
+                let read = p.len - usize::from(end);
+                if read > 0 {
+                    self.launch_advance(r, p.slot, read)?;
+                }
+                if end {
+                    self.launch_sample(r, p.slot, 1, j)?;
+                    j += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Slot `slot`'s sampling settings (as [`sampling_words`] gives them) on every rank.
+    fn write_sampling(&mut self, slot: usize, words: &[u32; 4]) -> Result<(), GpuError> {
+        for r in &mut self.ranks {
+            let mut row = r.bufs.acts.sample_params.view(4 * slot, &[1, 4])?;
+            r.dev.write(&mut row, words)?;
         }
         Ok(())
     }
