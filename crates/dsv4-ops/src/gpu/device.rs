@@ -56,6 +56,17 @@ pub struct Device {
     facts: Mutex<HashMap<String, KernelFacts>>,
 }
 
+/// A tensor of `holds` elements takes `got` of them: an error naming `what` otherwise.
+fn same_len(what: &str, holds: usize, got: usize) -> Result<(), GpuError> {
+    if holds == got {
+        return Ok(());
+    }
+    Err(GpuError::invalid(
+        what,
+        format!("tensor holds {holds} elements, got {got}"),
+    ))
+}
+
 impl Device {
     /// Number of CUDA devices; 0 when there is no driver.
     pub fn count() -> Result<usize, GpuError> {
@@ -378,12 +389,7 @@ impl Device {
         data: &[T],
     ) -> Result<(), GpuError> {
         self.refuse_in_capture("copying host data to the device")?;
-        if dst.len() != data.len() {
-            return Err(GpuError::invalid(
-                "write",
-                format!("tensor holds {} elements, got {}", dst.len(), data.len()),
-            ));
-        }
+        same_len("write", dst.len(), data.len())?;
         let mut view = dst.view_mut();
         self.stream
             .memcpy_htod(data, &mut view)
@@ -397,12 +403,7 @@ impl Device {
         src: &DeviceTensor<T>,
         dst: &mut DeviceTensor<T>,
     ) -> Result<(), GpuError> {
-        if dst.len() != src.len() {
-            return Err(GpuError::invalid(
-                "copy",
-                format!("tensor holds {} elements, got {}", dst.len(), src.len()),
-            ));
-        }
+        same_len("copy", dst.len(), src.len())?;
         let mut view = dst.view_mut();
         self.stream
             .memcpy_dtod(src.slice(), &mut view)
@@ -554,6 +555,29 @@ mod tests {
         let err = dev.read(&src, &mut two).unwrap_err().to_string();
         assert!(
             err.contains("3 elements") && err.contains("host buffer 2"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+    fn gpu_copy_and_write_take_their_tensor_s_length_only() {
+        let dev = device();
+        let src = dev.upload(DType::U32, &[4], &[1u32, 2, 3, 4]).unwrap();
+        let mut dst = dev.alloc::<u32>(DType::U32, &[4]).unwrap();
+        dev.copy(&src.view(1, &[2]).unwrap(), &mut dst.view(2, &[2]).unwrap())
+            .unwrap();
+        dev.write(&mut dst.view(0, &[2]).unwrap(), &[5, 6]).unwrap();
+        assert_eq!(dev.download(&dst).unwrap(), [5, 6, 2, 3]);
+        let err = dev.copy(&src, &mut dst.view(0, &[3]).unwrap());
+        let err = err.unwrap_err().to_string();
+        assert!(
+            err.contains("copy") && err.contains("holds 3 elements, got 4"),
+            "{err}"
+        );
+        let err = dev.write(&mut dst, &[1, 2]).unwrap_err().to_string();
+        assert!(
+            err.contains("write") && err.contains("holds 4 elements, got 2"),
             "{err}"
         );
     }
