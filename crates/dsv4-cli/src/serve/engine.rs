@@ -450,39 +450,35 @@ pub fn run(mut backend: Box<dyn Backend>, eos: &[u32], jobs: Receiver<Job>, metr
                 });
             }
             let read: Vec<usize> = parts.iter().map(|p| p.tokens.len()).collect();
-            match backend.prefill(&parts) {
-                Ok(firsts) => {
-                    let taken = std::mem::take(&mut prefilling);
-                    for (i, mut p) in taken.into_iter().enumerate() {
-                        if let Some(&n) = read.get(i) {
-                            p.done += n;
-                        }
-                        // Not in the pass, or a prompt's earlier part: it reads on.
-                        let Some(t) = firsts.get(i).copied().flatten() else {
-                            prefilling.push(p);
-                            continue;
-                        };
-                        metrics.observe_ttft(p.start.elapsed().as_secs_f64());
-                        next_id += 1;
-                        let mut seq = Running::new(p.job, p.slot, next_id);
-                        let after = seq.take(t, eos, metrics.stopping.load(Ordering::Relaxed));
-                        if let Some(seq) = settle(seq, after, &metrics, &mut free) {
-                            running.push(seq);
-                        }
-                    }
-                }
-                // A failed pass fails every prompt in it.
-                Err(e) => {
-                    let taken = std::mem::take(&mut prefilling);
-                    for (i, p) in taken.into_iter().enumerate() {
-                        if i >= read.len() {
-                            prefilling.push(p);
-                            continue;
-                        }
+            let pass = backend.prefill(&parts);
+            for (i, mut p) in std::mem::take(&mut prefilling).into_iter().enumerate() {
+                // Not in the pass: it waits for the next.
+                let Some(&n) = read.get(i) else {
+                    prefilling.push(p);
+                    continue;
+                };
+                let first = match &pass {
+                    Ok(firsts) => firsts.get(i).copied().flatten(),
+                    // A failed pass fails every prompt in it.
+                    Err(e) => {
                         let _ = p.job.events.send(Event::Failed(format!("{e:#}")));
                         metrics.running.fetch_sub(1, Ordering::Relaxed);
                         free.push(p.slot);
+                        continue;
                     }
+                };
+                p.done += n;
+                // A prompt's earlier part: it reads on.
+                let Some(t) = first else {
+                    prefilling.push(p);
+                    continue;
+                };
+                metrics.observe_ttft(p.start.elapsed().as_secs_f64());
+                next_id += 1;
+                let mut seq = Running::new(p.job, p.slot, next_id);
+                let after = seq.take(t, eos, metrics.stopping.load(Ordering::Relaxed));
+                if let Some(seq) = settle(seq, after, &metrics, &mut free) {
+                    running.push(seq);
                 }
             }
         }
