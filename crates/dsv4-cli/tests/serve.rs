@@ -414,12 +414,23 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_frees_its_slot() {
         "Long",
         json!({"max_tokens": 100000, "stream": true, "temperature": 0}),
     );
-    let r = Api::agent()
-        .post(&format!("{}/v1/completions", s.url))
-        .header("Content-Type", "application/json")
-        .send(body.to_string())
-        .unwrap();
-    let mut reader = BufReader::new(r.into_body().into_reader());
+    // The engine takes it once it waits for work, a moment after the server answers.
+    let t = Instant::now();
+    let mut reader = loop {
+        let r = Api::agent()
+            .post(&format!("{}/v1/completions", s.url))
+            .header("Content-Type", "application/json")
+            .send(body.to_string())
+            .unwrap();
+        if r.status() != 429 {
+            break BufReader::new(r.into_body().into_reader());
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the idle engine did not take the request"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
     let mut line = String::new();
     reader.read_line(&mut line).unwrap();
     assert!(line.starts_with("data: "), "{line}");
