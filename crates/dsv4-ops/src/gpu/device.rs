@@ -563,8 +563,15 @@ mod tests {
     #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
     fn gpu_copy_and_write_take_their_tensor_s_length_only() {
         let dev = device();
-        let src = dev.upload(DType::U32, &[4], &[1u32, 2, 3, 4]).unwrap();
-        let mut dst = dev.alloc::<u32>(DType::U32, &[4]).unwrap();
+        // Pool tensors, whose views are tensors too.
+        let mut pool = crate::gpu::BufferPool::new();
+        let (a, b) = (
+            pool.reserve::<u32>("src", DType::U32, &[4]).unwrap(),
+            pool.reserve::<u32>("dst", DType::U32, &[4]).unwrap(),
+        );
+        pool.seal(&dev).unwrap();
+        let (mut src, mut dst) = (pool.take(a).unwrap(), pool.take(b).unwrap());
+        dev.write(&mut src, &[1, 2, 3, 4]).unwrap();
         dev.copy(&src.view(1, &[2]).unwrap(), &mut dst.view(2, &[2]).unwrap())
             .unwrap();
         dev.write(&mut dst.view(0, &[2]).unwrap(), &[5, 6]).unwrap();
