@@ -444,3 +444,9 @@ DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_nvfp4_m32(const GemmAr
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_mxfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 4, false>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_nvfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 4, true>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_mxfp4_m32(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 4, true>(a); }
+// 16-row blocks for lists of a few rows (a short prompt's tokens over all the experts): half
+// the MMAs and staging of a 32-row block per weight byte.
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_nvfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 2, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_mxfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 2, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_nvfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 2, true>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_mxfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 2, true>(a); }

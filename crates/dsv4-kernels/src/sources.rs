@@ -89,6 +89,10 @@ pub const FAMILIES: &[KernelFamily] = &[
             "gemm_mxfp4_m32",
             "gemm_swiglu_nvfp4_m32",
             "gemm_swiglu_mxfp4_m32",
+            "gemm_nvfp4_m16",
+            "gemm_mxfp4_m16",
+            "gemm_swiglu_nvfp4_m16",
+            "gemm_swiglu_mxfp4_m16",
         ],
     },
     KernelFamily {

@@ -383,17 +383,25 @@ fn run_chunk(
 fn gpu_moe_chunk_matches_reference_and_rows_stay_independent() {
     // Chunks of 17 to 300 tokens over a dozen to 48 experts (some with no tokens; one with
     // every token), invalid slots included; then the chunk's first 40 tokens alone give the
-    // same bits.
+    // same bits. The first chunk averages at most 8 rows an expert (16-row blocks), the
+    // second 9 to 60 (32-row blocks).
     let dev = device();
     let mut rng = rng("gpu_moe_chunk_matches_reference_and_rows_stay_independent");
     for format in [MoeFormat::Nvfp4, MoeFormat::Mxfp4] {
         for case in 0..3 {
-            let e = rng.random_range(12..=48);
+            let e = match case {
+                0 => rng.random_range(13..=48),
+                1 => rng.random_range(12..=19),
+                _ => rng.random_range(12..=48),
+            };
             let d = 32 * rng.random_range(2..=16);
             let inter = 32 * rng.random_range(1..=12);
             let ex = make_experts(&dev, &mut rng, format, e, d, inter);
             let m = [17, rng.random_range(40..=120), 300][case];
-            let topk = rng.random_range(1..=6);
+            let topk = match case {
+                1 => rng.random_range(4..=6),
+                _ => rng.random_range(1..=6),
+            };
             let (mut ids, wts) = routing(&mut rng, m, topk, e, case == 0);
             if case == 2 {
                 // Every token's first slot on expert 0: 300 rows, several row blocks of one
