@@ -21,11 +21,12 @@ const SHORT_ROWS: usize = 32;
 /// share a multiprocessor, and at 48 rows an expert (2048 tokens) two 32-row blocks beat one
 /// of 64 (12 Flash layers, 8k prompt on an H100: 11,743 against 10,823 tok/s).
 const SHORT_LISTS: usize = 64;
-/// Lists averaging at most this many rows (a prompt of up to about 340 tokens over 256
-/// experts) take the `_m16` kernels: 4 Flash layers, a 150-token prompt on an H100, the
-/// experts' launches 6.20 -> 5.04 ms (Nsight Compute).
+/// Lists averaging at most this many rows (a prompt of up to about 420 tokens over 256
+/// experts) take the `_m16` kernels. The experts' launches of 4 Flash layers on an H100
+/// (Nsight Compute), `_m16` against `_m32`: 150-token prompt 5.04 / 6.20 ms, 384 tokens (9
+/// rows an expert) 6.88 / 7.32, 512 (12) 7.78 / 7.74, 680 (16) 9.12 / 8.56.
 const FEW_ROWS: usize = 16;
-const FEW_LISTS: usize = 8;
+const FEW_LISTS: usize = 10;
 /// Warps of a block, one 16-row weight tile each (`WARPS` in gemm.cu).
 const WARPS: usize = 8;
 
