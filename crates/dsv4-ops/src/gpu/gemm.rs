@@ -144,7 +144,8 @@ pub(crate) fn launch_stacks(
             div,
             per_stack,
         } => {
-            // The `_m32` kernels exist for the FP4 formats (32-element chunks), the experts'.
+            // The `_m16` and `_m32` kernels exist for the FP4 formats (32-element chunks), the
+            // experts'.
             let fp4 = w.format.chunk_elems() == 32;
             let block_rows = match per_stack {
                 _ if !fp4 => ROWS,
