@@ -13,10 +13,11 @@ use super::launch::{dim_u32, launch_struct};
 use super::{Device, DeviceTensor, GpuError};
 use half::bf16;
 
-/// Activation rows of one block (eight MMA column blocks of 8), and of the `_m32` kernels'
-/// (four) for expert lists of few rows.
+/// Activation rows of one block (eight MMA column blocks of 8), and of the `_m32` (four) and
+/// `_m16` (two) kernels' for expert lists of few rows.
 const ROWS: usize = 64;
 const SHORT_ROWS: usize = 32;
+const FEW_ROWS: usize = 16;
 /// Lists averaging at most this many rows a stack take the `_m32` kernels: two of their blocks
 /// share a multiprocessor, and at 48 rows an expert (2048 tokens) two 32-row blocks beat one
 /// of 64 (12 Flash layers, 8k prompt on an H100: 11,743 against 10,823 tok/s).
@@ -25,7 +26,6 @@ const SHORT_LISTS: usize = 64;
 /// experts) take the `_m16` kernels. The experts' launches of 4 Flash layers on an H100
 /// (Nsight Compute), `_m16` against `_m32`: 150-token prompt 5.04 / 6.20 ms, 384 tokens (9
 /// rows an expert) 6.88 / 7.32, 512 (12) 7.78 / 7.74, 680 (16) 9.12 / 8.56.
-const FEW_ROWS: usize = 16;
 const FEW_LISTS: usize = 10;
 /// Warps of a block, one 16-row weight tile each (`WARPS` in gemm.cu).
 const WARPS: usize = 8;
