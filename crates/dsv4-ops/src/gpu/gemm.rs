@@ -147,11 +147,12 @@ pub(crate) fn launch_stacks(
             // The `_m16` and `_m32` kernels exist for the FP4 formats (32-element chunks), the
             // experts'.
             let fp4 = w.format.chunk_elems() == 32;
-            let block_rows = match per_stack {
-                _ if !fp4 => ROWS,
-                0..=FEW_LISTS => FEW_ROWS,
-                0..=SHORT_LISTS => SHORT_ROWS,
-                _ => ROWS,
+            let block_rows = if !fp4 || per_stack > SHORT_LISTS {
+                ROWS
+            } else if per_stack > FEW_LISTS {
+                SHORT_ROWS
+            } else {
+                FEW_ROWS
             };
             (
                 0,
