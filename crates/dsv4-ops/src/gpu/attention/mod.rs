@@ -225,7 +225,8 @@ pub fn compressor_update(
             1,
             1,
         ),
-        block_dim: (256, 1, 1),
+        // A thread a channel, 512 at most (the kernel's bound).
+        block_dim: (dims[2].div_ceil(32).clamp(1, 16) * 32, 1, 1),
         shared_mem_bytes: dims[2] * 4,
     };
     // SAFETY: proj [t, 2·kc], ape [ratio, kc], norm [c], inv_freq [half] with
