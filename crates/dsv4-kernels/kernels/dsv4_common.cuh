@@ -156,20 +156,22 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 #define NORM_HELD 8u
 
 // held[k] without dynamic indexing (which would put the array in local memory).
-__device__ __forceinline__ float held_at(const float (&held)[NORM_HELD], u32 k) {
+template <u32 N>
+__device__ __forceinline__ float held_at(const float (&held)[N], u32 k) {
     float v = held[0];
 #pragma unroll
-    for (u32 i = 1; i < NORM_HELD; i++) v = k == i ? held[i] : v;
+    for (u32 i = 1; i < N; i++) v = k == i ? held[i] : v;
     return v;
 }
 
 // The norm weight of a thread's held columns c = threadIdx.x + k * threads (1 past d), loaded
 // before the kernel waits for its predecessor: a weight does not depend on it, so its DRAM
 // round trip overlaps the predecessor's end instead of following the wait.
-__device__ __forceinline__ void load_held_weight(float (&w)[NORM_HELD], const float* __restrict__ weight, u32 d,
+template <u32 N>
+__device__ __forceinline__ void load_held_weight(float (&w)[N], const float* __restrict__ weight, u32 d,
                                                  u32 threads) {
 #pragma unroll
-    for (u32 k = 0; k < NORM_HELD; k++) {
+    for (u32 k = 0; k < N; k++) {
         const u32 c = threadIdx.x + k * threads;
         w[k] = c < d ? weight[c] : 1.0f;
     }

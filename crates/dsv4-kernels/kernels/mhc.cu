@@ -215,40 +215,58 @@ __device__ __forceinline__ float collapse_sum(float v, float* scratch, u32 threa
     return warp_sum(lane < threads / 32u ? scratch[lane] : 0.0f);
 }
 
+// Columns a collapse thread holds in registers, with their weight and their streams' values:
+// all of them for widths up to COLLAPSE_HELD * 992 (V4-Flash's 4096; more would spill at 1024
+// threads), the rest through xn.
+#define COLLAPSE_HELD 5u
+
+// The streams' values of a thread's held columns (columns threadIdx.x + k * threads of each of
+// the HC streams), loaded at once so that their round trip overlaps the mix's (token_pre)
+// instead of following it.
+__device__ __forceinline__ void load_held_streams(float (&sv)[COLLAPSE_HELD][HC], const float* __restrict__ s, u32 d,
+                                                  u32 threads) {
+#pragma unroll
+    for (u32 k = 0; k < COLLAPSE_HELD; k++) {
+        const u32 c = threadIdx.x + k * threads;
+#pragma unroll
+        for (u32 i = 0; i < HC; i++) sv[k][i] = c < d ? s[(u64)i * d + c] : 0.0f;
+    }
+}
+
 // One token's sub-layer input, collapsed and RMS-normalized by the block's first `threads`
 // threads: thread i takes columns i, i + threads, ... of x = sum_i pre[i] * s[i * d + c]
-// (accumulated from stream 0 up), keeping its first NORM_HELD in registers (the rest go
-// through xn), then xn = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps), and its bf16 copy
-// xb; `wh` holds the weight of the held columns (load_held_weight). The sum of squares runs
-// over each thread's columns in order, then collapse_sum.
-__device__ __forceinline__ void collapse_norm(const float* __restrict__ s, u32 d, const float* pre,
-                                              const float* __restrict__ weight, const float (&wh)[NORM_HELD],
-                                              float eps, float* __restrict__ xn, u16* __restrict__ xb,
-                                              float* scratch, u32 threads) {
-    const auto x_at = [&](u32 c) {
-        float acc = 0.0f;
-#pragma unroll
-        for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(pre[i], s[(u64)i * d + c]));
-        return acc;
-    };
-    float held[NORM_HELD];
+// (accumulated from stream 0 up), keeping its first COLLAPSE_HELD in registers (from their
+// streams' values in `sv`, load_held_streams; the rest go through xn), then xn = weight * (x *
+// r), r = 1 / sqrt(mean(x^2) + eps), and its bf16 copy xb; `wh` holds the weight of the held
+// columns (load_held_weight). The sum of squares runs over each thread's columns in order,
+// then collapse_sum.
+__device__ __forceinline__ void collapse_norm(const float* __restrict__ s, const float (&sv)[COLLAPSE_HELD][HC], u32 d,
+                                              const float* pre, const float* __restrict__ weight,
+                                              const float (&wh)[COLLAPSE_HELD], float eps, float* __restrict__ xn,
+                                              u16* __restrict__ xb, float* scratch, u32 threads) {
+    float held[COLLAPSE_HELD];
     float sq = 0.0f;
 #pragma unroll
-    for (u32 k = 0; k < NORM_HELD; k++) {
+    for (u32 k = 0; k < COLLAPSE_HELD; k++) {
         const u32 c = threadIdx.x + k * threads;
-        held[k] = c < d ? x_at(c) : 0.0f;
+        float acc = 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(pre[i], sv[k][i]));
+        held[k] = c < d ? acc : 0.0f;
         if (c < d) sq = __fadd_rn(sq, __fmul_rn(held[k], held[k]));
     }
-    for (u32 c = threadIdx.x + NORM_HELD * threads; c < d; c += threads) {
-        const float v = x_at(c);
+    for (u32 c = threadIdx.x + COLLAPSE_HELD * threads; c < d; c += threads) {
+        float v = 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < HC; i++) v = __fadd_rn(v, __fmul_rn(pre[i], s[(u64)i * d + c]));
         xn[c] = v;
         sq = __fadd_rn(sq, __fmul_rn(v, v));
     }
     sq = collapse_sum(sq, scratch, threads);
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sq, (float)d), eps)));
     for (u32 c = threadIdx.x, k = 0; c < d; c += threads, k++) {
-        const float w = k < NORM_HELD ? held_at(wh, k) : weight[c];
-        const float y = __fmul_rn(w, __fmul_rn(k < NORM_HELD ? held_at(held, k) : xn[c], inv));
+        const float w = k < COLLAPSE_HELD ? held_at(wh, k) : weight[c];
+        const float y = __fmul_rn(w, __fmul_rn(k < COLLAPSE_HELD ? held_at(held, k) : xn[c], inv));
         xn[c] = y;
         xb[c] = f32_to_bf16(y);
     }
@@ -298,7 +316,7 @@ struct SiteShared {
 // Before the wait (they are weights): the norm weight of the thread's held columns (among the
 // first `threads`) into wh, the site's `mix` biases and `scales` scales into sh (visible to all
 // after token_pre's barriers).
-__device__ __forceinline__ void load_site(SiteShared& sh, float (&wh)[NORM_HELD], const float* __restrict__ weight,
+__device__ __forceinline__ void load_site(SiteShared& sh, float (&wh)[COLLAPSE_HELD], const float* __restrict__ weight,
                                           u32 d, u32 threads, const float* __restrict__ base,
                                           const float* __restrict__ scale, u32 mix, u32 scales) {
     load_held_weight(wh, weight, d, threads);
@@ -327,10 +345,12 @@ DSV4_KERNEL void __launch_bounds__(1024) hc_pre(const float* __restrict__ stream
                         float* __restrict__ comb) {
     __shared__ SiteShared sh;
     const u32 width = HC * d, collapse_threads = blockDim.x - 32u;
-    float wh[NORM_HELD];
+    float wh[COLLAPSE_HELD];
     load_site(sh, wh, weight, d, collapse_threads, base, scale, MIX, 3u);
     pdl_enter();
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
+        float sv[COLLAPSE_HELD][HC];
+        if (threadIdx.x < collapse_threads) load_held_streams(sv, streams + (u64)t * width, d, collapse_threads);
         token_pre(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, hc_eps, sh);
         if (threadIdx.x >= collapse_threads) {
             // The last warp: lanes 0..3 the post weights, lanes 0..15 one comb element each.
@@ -342,8 +362,8 @@ DSV4_KERNEL void __launch_bounds__(1024) hc_pre(const float* __restrict__ stream
             const float m = sinkhorn_lane(c, lane, sinkhorn_iters, hc_eps);
             if (lane < HC * HC) comb[(u64)t * HC * HC + lane] = m;
         } else {
-            collapse_norm(streams + (u64)t * width, d, sh.pre, weight, wh, eps, xn + (u64)t * d, xb + (u64)t * d,
-                          sh.scratch, collapse_threads);
+            collapse_norm(streams + (u64)t * width, sv, d, sh.pre, weight, wh, eps, xn + (u64)t * d,
+                          xb + (u64)t * d, sh.scratch, collapse_threads);
         }
         __syncthreads();  // pre and mu are rewritten for the next token
     }
@@ -357,14 +377,16 @@ DSV4_KERNEL void __launch_bounds__(1024) hc_head(const float* __restrict__ strea
                          u16* __restrict__ xb) {
     __shared__ SiteShared sh;
     const u32 width = HC * d, collapse_threads = blockDim.x - 32u;
-    float wh[NORM_HELD];
+    float wh[COLLAPSE_HELD];
     load_site(sh, wh, weight, d, collapse_threads, base, scale, HC, 1u);
     pdl_enter();
     for (u32 t = blockIdx.x; t < n; t += gridDim.x) {
+        float sv[COLLAPSE_HELD][HC];
+        if (threadIdx.x < collapse_threads) load_held_streams(sv, streams + (u64)t * width, d, collapse_threads);
         token_pre(partials + (u64)t * splits * PART, splits, HC, width, norm_eps, hc_eps, sh);
         if (threadIdx.x < collapse_threads)
-            collapse_norm(streams + (u64)t * width, d, sh.pre, weight, wh, eps, xn + (u64)t * d, xb + (u64)t * d,
-                          sh.scratch, collapse_threads);
+            collapse_norm(streams + (u64)t * width, sv, d, sh.pre, weight, wh, eps, xn + (u64)t * d,
+                          xb + (u64)t * d, sh.scratch, collapse_threads);
         __syncthreads();
     }
 }
