@@ -151,8 +151,8 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
-// Columns of a row an RMSNorm thread keeps in registers (rms_norm_rows, hc_pre, hc_head);
-// wider rows read the rest again.
+// Columns of a row an RMSNorm thread of rms_norm_rows keeps in registers (hc_pre and hc_head
+// keep COLLAPSE_HELD, mhc.cu); wider rows read the rest again.
 #define NORM_HELD 8u
 
 // held[k] without dynamic indexing (which would put the array in local memory).
