@@ -233,6 +233,15 @@ __device__ __forceinline__ void load_held_streams(float (&sv)[COLLAPSE_HELD][HC]
     }
 }
 
+// x = sum_i pre[i] * stream(i) of one column, from stream 0 up.
+template <class Stream>
+__device__ __forceinline__ float collapse_column(const float* pre, Stream stream) {
+    float acc = 0.0f;
+#pragma unroll
+    for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(pre[i], stream(i)));
+    return acc;
+}
+
 // One token's sub-layer input, collapsed and RMS-normalized by the block's first `threads`
 // threads: thread i takes columns i, i + threads, ... of x = sum_i pre[i] * s[i * d + c]
 // (accumulated from stream 0 up), keeping its first COLLAPSE_HELD in registers (from their
@@ -249,16 +258,12 @@ __device__ __forceinline__ void collapse_norm(const float* __restrict__ s, const
 #pragma unroll
     for (u32 k = 0; k < COLLAPSE_HELD; k++) {
         const u32 c = threadIdx.x + k * threads;
-        float acc = 0.0f;
-#pragma unroll
-        for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(pre[i], sv[k][i]));
-        held[k] = c < d ? acc : 0.0f;
+        const float v = collapse_column(pre, [&](u32 i) { return sv[k][i]; });
+        held[k] = c < d ? v : 0.0f;
         if (c < d) sq = __fadd_rn(sq, __fmul_rn(held[k], held[k]));
     }
     for (u32 c = threadIdx.x + COLLAPSE_HELD * threads; c < d; c += threads) {
-        float v = 0.0f;
-#pragma unroll
-        for (u32 i = 0; i < HC; i++) v = __fadd_rn(v, __fmul_rn(pre[i], s[(u64)i * d + c]));
+        const float v = collapse_column(pre, [&](u32 i) { return s[(u64)i * d + c]; });
         xn[c] = v;
         sq = __fadd_rn(sq, __fmul_rn(v, v));
     }

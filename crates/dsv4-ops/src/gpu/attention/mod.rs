@@ -124,6 +124,9 @@ pub struct CompressorBuffers {
     pub entries: DeviceTensor<f32>,
 }
 
+/// Most threads of a `compressor_emit` block (its `__launch_bounds__`): one a channel.
+const EMIT_THREADS: u32 = 512;
+
 /// Feeds T tokens' compressor projections (`proj` F32 `[T, 2·κ·c]`: each row the κ·c values,
 /// then the κ·c gate logits, as one GEMV of the stacked wkv and wgate writes them; κ = 2 with
 /// overlap (CSA), 1 without (HCA)) at positions pos[0].. into the state, token by token as
@@ -225,8 +228,8 @@ pub fn compressor_update(
             1,
             1,
         ),
-        // A thread a channel, 512 at most (the kernel's bound).
-        block_dim: (dims[2].div_ceil(32).clamp(1, 16) * 32, 1, 1),
+        // A thread a channel, whole warps, up to the kernel's bound.
+        block_dim: (dims[2].next_multiple_of(32).clamp(32, EMIT_THREADS), 1, 1),
         shared_mem_bytes: dims[2] * 4,
     };
     // SAFETY: proj [t, 2·kc], ape [ratio, kc], norm [c], inv_freq [half] with
