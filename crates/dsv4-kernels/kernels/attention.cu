@@ -95,15 +95,18 @@ __device__ __forceinline__ void comp_slot(u32 i, u32 j, u32 ws, u32 ratio, u32 c
 // operations (max, then the sum of exp, then the sum of value * (exp / sum)). Then the
 // weighted RMSNorm over c channels and the forward RoPE at position e * ratio on the last
 // rope_dim channels. Entries past `cap` are not written. Dynamic shared memory: c floats.
-DSV4_KERNEL void __launch_bounds__(512) compressor_emit(const float* __restrict__ proj, u32 tokens,
-                                                        const float* __restrict__ ape, u32 ratio, u32 c, u32 overlap,
-                                                        const float* __restrict__ norm, float eps,
-                                                        const float* __restrict__ inv_freq, u32 rope_dim,
-                                                        const u32* __restrict__ pos, const float* __restrict__ st_kv,
-                                                        const float* __restrict__ st_gate,
-                                                        const float* __restrict__ prev_kv,
-                                                        const float* __restrict__ prev_gate, u32 cap,
-                                                        float* __restrict__ entries, u32 batch) {
+// compressor_emit stores the entries as F32, compressor_emit_f16 rounds them to f16 (the
+// indexer's keys: half the bytes to score, and the MMAs take them as they are).
+__device__ __forceinline__ void store_entry(float* dst, float v) { *dst = v; }
+__device__ __forceinline__ void store_entry(u16* dst, float v) { *dst = f32_to_f16(v); }
+
+template <typename E>
+__device__ __forceinline__ void emit(const float* __restrict__ proj, u32 tokens, const float* __restrict__ ape,
+                                     u32 ratio, u32 c, u32 overlap, const float* __restrict__ norm, float eps,
+                                     const float* __restrict__ inv_freq, u32 rope_dim, const u32* __restrict__ pos,
+                                     const float* __restrict__ st_kv, const float* __restrict__ st_gate,
+                                     const float* __restrict__ prev_kv, const float* __restrict__ prev_gate, u32 cap,
+                                     E* __restrict__ entries, u32 batch) {
     pdl_enter();
     extern __shared__ float pooled[];
     __shared__ float scratch[32];
@@ -181,9 +184,22 @@ DSV4_KERNEL void __launch_bounds__(512) compressor_emit(const float* __restrict_
     for (u32 i = threadIdx.x; i < rope_dim / 2u; i += blockDim.x)
         rope_pair(pooled + rope_start + 2u * i, ws, inv_freq[i], 1.0f);
     __syncthreads();
-    float* dst = entries + (u64)e * c;
-    for (u32 j = threadIdx.x; j < c; j += blockDim.x) dst[j] = pooled[j];
+    E* dst = entries + (u64)e * c;
+    for (u32 j = threadIdx.x; j < c; j += blockDim.x) store_entry(dst + j, pooled[j]);
 }
+
+#define COMPRESSOR_EMIT(name, E)                                                                          \
+    DSV4_KERNEL void __launch_bounds__(512)                                                              \
+        name(const float* __restrict__ proj, u32 tokens, const float* __restrict__ ape, u32 ratio, u32 c, \
+             u32 overlap, const float* __restrict__ norm, float eps, const float* __restrict__ inv_freq,   \
+             u32 rope_dim, const u32* __restrict__ pos, const float* __restrict__ st_kv,                  \
+             const float* __restrict__ st_gate, const float* __restrict__ prev_kv,                        \
+             const float* __restrict__ prev_gate, u32 cap, E* __restrict__ entries, u32 batch) {          \
+        emit<E>(proj, tokens, ape, ratio, c, overlap, norm, eps, inv_freq, rope_dim, pos, st_kv, st_gate,  \
+                prev_kv, prev_gate, cap, entries, batch);                                                 \
+    }
+COMPRESSOR_EMIT(compressor_emit, float)
+COMPRESSOR_EMIT(compressor_emit_f16, u16)
 
 // After compressor_emit: one thread per state element (row r, channel j of the κc-wide rows).
 // With overlap, when a window closed inside the chunk, prev_* (j < c) takes the A-half of
@@ -247,13 +263,13 @@ DSV4_KERNEL void compressor_store(const float* __restrict__ proj, u32 tokens, co
 // Block (x, t): steps of 16 entries x, x + gridDim.x, ... below n_vis for token t, so that the
 // visible entries spread over the whole grid however few of the capacity they are. q_t sits
 // in shared memory as [c][nh + 1] (the pad keeps the transposing stores off one bank); a warp
-// stages 4 entries as [c][4] and each lane computes, for heads lane and lane + 32, the four dot
+// stages 4 entries (f16 keys, widened exactly) as [c][4] and each lane computes, for heads lane and lane + 32, the four dot
 // products sequentially over the channels (the CPU's order). The terms
 // max(dot, 0) * scale * w_h (w_h = weight * wscale, rounded as on the CPU) go to shared memory
 // and lanes 0..3 sum one entry's terms in head order, so scores are bit-identical to the CPU.
 DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __restrict__ q,
                                                              const float* __restrict__ weights,
-                                                             const float* __restrict__ entries, u32 cap, u32 nh,
+                                                             const u16* __restrict__ entries, u32 cap, u32 nh,
                                                              u32 c, u32 ratio, const u32* __restrict__ pos,
                                                              float scale, float wscale, float* __restrict__ scores,
                                                              u32 batch) {
@@ -299,7 +315,7 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
         for (u32 ch = lane; ch < c; ch += 32u) {
             float v[IDX_EPW];
 #pragma unroll
-            for (u32 x = 0; x < IDX_EPW; x++) v[x] = e0 + x < n_vis ? entries[(u64)(e0 + x) * c + ch] : 0.0f;
+            for (u32 x = 0; x < IDX_EPW; x++) v[x] = e0 + x < n_vis ? f16_to_f32(entries[(u64)(e0 + x) * c + ch]) : 0.0f;
             k_s[warp][ch] = make_float4(v[0], v[1], v[2], v[3]);
         }
         __syncwarp();
@@ -1216,13 +1232,19 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // Indexer scores on tensor cores
 // ---------------------------------------------------------------------------------------------
 //
-// index_scores_mma: index_scores' scores (its arguments, then T) for T tokens on the f16 MMAs,
-// with attention_mma's split (x = hi + lo, products as hi·hi + hi·lo + lo·hi with f32 sums:
-// about 22 significant bits), so they agree with the CPU's closely, not bit for bit.
+// index_scores_mma: index_scores' scores (its arguments, then T) for T tokens on the f16 MMAs.
+// The keys are f16 already; each query value is split as attention_mma's (q = hi + lo, about
+// 22 significant bits) and each product is two MMAs (k·hi + k·lo) with f32 sums, so the scores
+// agree with the CPU's closely, not bit for bit.
+// The dot products run over the channels in an order of the kernel's own (a sum's order does
+// not matter to the MMA, only that keys and queries agree): k-step 2 kk + s of lane (g, qd)
+// takes channels 32 kk + 8 qd + 4 s + {0, 1} as its k pair 2 qd (+1) and + {2, 3} as 2 qd + 8
+// (+9), so a lane reads a key row's 16 bytes at 32 kk + 8 qd for two k-steps at once.
 // Block (x, y) takes tokens [IMMA_TOKENS y, + IMMA_TOKENS). Their queries go to shared memory
-// once, as f16 parts [token][hi, lo][head][c + 8], each token's scaled by the power of two
-// that brings its largest |value| just under 2^14 (inside f16's range, and its large values'
-// lo parts clear of f16's subnormals; the head weights take the inverse, and a power of two
+// once, as f16 parts laid out as the lanes' B fragments ([token][hi, lo][head tile nt][kk]
+// [lane], 16 bytes each: conflict-free reads), each token's scaled by the power of two that
+// brings its largest |value| just under 2^14 (inside f16's range, and its large values' lo
+// parts clear of f16's subnormals; the head weights take the inverse, and a power of two
 // rounds nothing). Then the block takes steps of 128 entries (x, x + gridDim.x, ...: a short
 // context keeps most blocks idle rather than every block staging queries for a few entries),
 // warp w their w-th 16, below the last token's visible count: the tile's keys stay in
@@ -1230,22 +1252,25 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // takes the heads eight at a time (B, from shared memory) over all c channels, then sums
 // max(dot, 0) · scale · w_h over the heads in registers and across the quad. So an entry's
 // score depends only on its key and its token's queries and weights, whichever tile, block or
-// launch computes it. Keys are not scaled: they must lie inside f16's range, and channels
-// below about 2^-5 lose bits of their lo parts to f16's subnormals (the model's keys are
-// RMS-normalised, about 1). c % 16 == 0, nh <= 64.
+// launch computes it. c % 16 == 0, nh <= 64.
 #define IMMA_TOKENS 4u
 #define IMMA_WARPS 8u
-#define IMMA_KSTEPS (IDX_MAX_C / 16u)
 #define IMMA_NTILES (IDX_MAX_HEADS / 8u)
-#define IMMA_LD (IDX_MAX_C + 8u)                       // query row stride (f16)
-#define IMMA_PART (IDX_MAX_HEADS * IMMA_LD)            // one f16 part of one token's queries
+#define IMMA_KK (IDX_MAX_C / 32u)                       // 32-channel steps (two k-steps each)
+#define IMMA_PART (IDX_MAX_HEADS * IDX_MAX_C)            // one f16 part of one token's queries
+
+// Where query (h, ch) of a part sits (in f16): the B fragment of head tile h / 8, channel step
+// ch / 32 and lane 4 (h % 8) + ch % 32 / 8, element ch % 8.
+__device__ __forceinline__ u32 imma_query_at(u32 h, u32 ch) {
+    return (((h / 8u) * IMMA_KK + ch / 32u) * 32u + 4u * (h % 8u) + ch % 32u / 8u) * 8u + ch % 8u;
+}
 
 // Every shape runs the full 64 heads x 128 channels, the missing ones zero, so the MMA loops
 // unroll whole with no bounds to test (with runtime bounds the kernel took 40 us for a
 // 16-token launch over a few hundred entries).
 DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
     index_scores_mma(const float* __restrict__ q, const float* __restrict__ weights,
-                     const float* __restrict__ entries, u32 cap, u32 nh, u32 c, u32 ratio,
+                     const u16* __restrict__ entries, u32 cap, u32 nh, u32 c, u32 ratio,
                      const u32* __restrict__ pos, float scale, float wscale, float* __restrict__ scores,
                      u32 tokens, u32 batch) {
     pdl_enter();
@@ -1304,54 +1329,48 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (h < nh && ch < c) v = *reinterpret_cast<const float4*>(qg + tb * qn + h * c + ch);
             v = make_float4(v.x * f[tb], v.y * f[tb], v.z * f[tb], v.w * f[tb]);
-            u16* hi = imma + tb * 2u * IMMA_PART;
-            store_split(v, hi + h * IMMA_LD + ch, hi + IMMA_PART + h * IMMA_LD + ch);
+            u16* hi = imma + tb * 2u * IMMA_PART + imma_query_at(h, ch);
+            store_split(v, hi, hi + IMMA_PART);
         }
     }
     __syncthreads();
 
-    auto ld32 = [](const u16* p) { return *reinterpret_cast<const u32*>(p); };
+    auto ld128 = [](const u16* p) { return *reinterpret_cast<const uint4*>(p); };
     for (u32 i = blockIdx.x;; i += gridDim.x) {
         const u32 e0 = 16u * (IMMA_WARPS * i + warp);
         if (e0 >= n_max) break;
-        // Keys of rows e0 + g (a0, a2) and e0 + g + 8 (a1, a3), channels 16 ks + 2 qd (+1)
-        // and + 8; rows past n_max and channels past c zero.
-        float2 x[IMMA_KSTEPS][4];
+        // Keys of rows e0 + g and e0 + g + 8, channels 32 kk + 8 qd .. + 7 (the A fragments of
+        // k-steps 2 kk and 2 kk + 1); rows past n_max and channels past c zero.
+        uint4 k0[IMMA_KK], k1[IMMA_KK];
         const bool v0 = e0 + g < n_max, v1 = e0 + g + 8u < n_max;
-        const float* r0 = entries + (u64)(e0 + g) * c + 2u * qd;
-        const float* r1 = r0 + 8u * c;
+        const u16* r0 = entries + (u64)(e0 + g) * c + 8u * qd;
+        const u16* r1 = r0 + 8u * c;
+        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (u32 ks = 0; ks < IMMA_KSTEPS; ks++) {
-            const bool in = 16u * ks < c;
-            const float2 z = make_float2(0.0f, 0.0f);
-            x[ks][0] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks) : z;
-            x[ks][1] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks) : z;
-            x[ks][2] = v0 && in ? *reinterpret_cast<const float2*>(r0 + 16u * ks + 8u) : z;
-            x[ks][3] = v1 && in ? *reinterpret_cast<const float2*>(r1 + 16u * ks + 8u) : z;
+        for (u32 kk = 0; kk < IMMA_KK; kk++) {
+            const bool in = 32u * kk + 8u * qd < c;
+            k0[kk] = v0 && in ? ld128(r0 + 32u * kk) : z;
+            k1[kk] = v1 && in ? ld128(r1 + 32u * kk) : z;
         }
-        u32 ah[IMMA_KSTEPS][4], al[IMMA_KSTEPS][4];
-#pragma unroll
-        for (u32 ks = 0; ks < IMMA_KSTEPS; ks++)
-#pragma unroll
-            for (u32 j = 0; j < 4u; j++) f16x2_split(x[ks][j].x, x[ks][j].y, ah[ks][j], al[ks][j]);
         for (u32 tb = 0; tb < tb_n; tb++) {
             const u32 t = t0 + tb, n_vis = visible(t);
             if (e0 >= n_vis) continue;
             float acc[IMMA_NTILES][4];
 #pragma unroll
             for (u32 nt = 0; nt < IMMA_NTILES; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-            const u16* qh = imma + tb * 2u * IMMA_PART + g * IMMA_LD + 2u * qd;
+            const u16* qh = imma + tb * 2u * IMMA_PART + 8u * lane;
             const u16* ql = qh + IMMA_PART;
 #pragma unroll
-            for (u32 ks = 0; ks < IMMA_KSTEPS; ks++) {
+            for (u32 kk = 0; kk < IMMA_KK; kk++) {
+                const uint4 a = k0[kk], b = k1[kk];
 #pragma unroll
                 for (u32 nt = 0; nt < IMMA_NTILES; nt++) {
-                    const u32 o = nt * 8u * IMMA_LD + 16u * ks;
-                    const u32 b0 = ld32(qh + o), b1 = ld32(qh + o + 8u);
-                    const u32 c0 = ld32(ql + o), c1 = ld32(ql + o + 8u);
-                    mma_f16(acc[nt], ah[ks][0], ah[ks][1], ah[ks][2], ah[ks][3], b0, b1);
-                    mma_f16(acc[nt], ah[ks][0], ah[ks][1], ah[ks][2], ah[ks][3], c0, c1);
-                    mma_f16(acc[nt], al[ks][0], al[ks][1], al[ks][2], al[ks][3], b0, b1);
+                    const u32 o = (nt * IMMA_KK + kk) * 32u * 8u;
+                    const uint4 h = ld128(qh + o), l = ld128(ql + o);
+                    mma_f16(acc[nt], a.x, b.x, a.y, b.y, h.x, h.y);
+                    mma_f16(acc[nt], a.x, b.x, a.y, b.y, l.x, l.y);
+                    mma_f16(acc[nt], a.z, b.z, a.w, b.w, h.z, h.w);
+                    mma_f16(acc[nt], a.z, b.z, a.w, b.w, l.z, l.w);
                 }
             }
             // Rows g and g + 8; heads 8 nt + 2 qd (+1).

@@ -27,6 +27,24 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)(x >> 16);
 }
 
+// ---- f16 (IEEE half, stored as raw u16) ----
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("{ .reg .b16 x; mov.b16 x, %1; cvt.f32.f16 %0, x; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Round to nearest even, past 65504 to infinity; NaN keeps its top mantissa bits and becomes
+// quiet (as the `half` crate; the conversion instruction would give one canonical NaN).
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    const u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)(((x >> 16) & 0x8000u) | 0x7e00u | ((x >> 13) & 0x3ffu));
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
 // ---- e4m3fn: bias 7, max 448, NaN = 0x7f/0xff, no infinity ----
 
 __device__ __forceinline__ float e4m3_to_f32(u8 b) {

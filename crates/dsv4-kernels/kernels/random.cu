@@ -34,6 +34,14 @@ DSV4_KERNEL void random_bf16(u16* __restrict__ out, u64 n, u64 seed, float mean,
         out[i] = f32_to_bf16(uniform_value(seed, i, mean, half_range));
 }
 
+// out[i] = f16(uniform_value(seed, i)): a benchmark's stand-in sequence state in half
+// precision.
+DSV4_KERNEL void random_f16(u16* __restrict__ out, u64 n, u64 seed, float mean, float half_range) {
+    pdl_enter();
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = f32_to_f16(uniform_value(seed, i, mean, half_range));
+}
+
 // out[i] = uniform_value(seed, i): a benchmark's stand-in sequence state.
 DSV4_KERNEL void random_f32(float* __restrict__ out, u64 n, u64 seed, float mean, float half_range) {
     pdl_enter();

@@ -163,6 +163,7 @@ pub const FAMILIES: &[KernelFamily] = &[
         source: include_str!("../kernels/attention.cu"),
         functions: &[
             "compressor_emit",
+            "compressor_emit_f16",
             "compressor_store",
             "index_scores",
             "index_select",
@@ -194,7 +195,7 @@ pub const FAMILIES: &[KernelFamily] = &[
         name: "random",
         file: "random.cu",
         source: include_str!("../kernels/random.cu"),
-        functions: &["random_bytes", "random_bf16", "random_f32"],
+        functions: &["random_bytes", "random_bf16", "random_f16", "random_f32"],
     },
 ];
 

@@ -6,13 +6,13 @@
 //! capacity, so the same code runs twice: a sizing pass reserves every buffer by name in the
 //! open pool, and after sealing a second pass takes them (fixed addresses for graph replays).
 
-use dsv4_ops::gpu::attention::{AttentionSplits, CompressorBuffers};
+use dsv4_ops::gpu::attention::{AttentionSplits, CompressorBuffers, StateElem};
 use dsv4_ops::gpu::collective::{self, RankBuffers};
 use dsv4_ops::gpu::gemv::GemvWorkspace;
 use dsv4_ops::gpu::mhc::mix_partials_shape;
-use dsv4_ops::gpu::random::{fill_f32, Uniform};
+use dsv4_ops::gpu::random::{fill_uniform, Uniform, UniformElem};
 use dsv4_ops::gpu::{BufferPool, Device, DeviceElem, DeviceTensor, GpuError};
-use half::bf16;
+use half::{bf16, f16};
 
 use crate::config::{Config, LayerKind};
 
@@ -86,16 +86,17 @@ impl Stage for Taking {
     }
 }
 
-/// One compressor's state (see [`CompressorBuffers`]).
-pub struct CompState<S: Stage> {
+/// One compressor's state (see [`CompressorBuffers`]), its entries stored as `E` (F16 for the
+/// indexer's keys).
+pub struct CompState<S: Stage, E: StateElem = f32> {
     kv: S::Buf<f32>,
     gate: S::Buf<f32>,
     prev_kv: S::Buf<f32>,
     prev_gate: S::Buf<f32>,
-    entries: S::Buf<f32>,
+    entries: S::Buf<E>,
 }
 
-impl<S: Stage> CompState<S> {
+impl<S: Stage, E: StateElem> CompState<S, E> {
     fn build(
         s: &mut S,
         name: &str,
@@ -115,9 +116,9 @@ impl<S: Stage> CompState<S> {
     }
 }
 
-impl CompState<Taking> {
+impl<E: StateElem + UniformElem> CompState<Taking, E> {
     /// The launchers' view of the sequences' state (the same memory).
-    pub fn buffers(&self, seqs: Seqs) -> Result<CompressorBuffers, GpuError> {
+    pub fn buffers(&self, seqs: Seqs) -> Result<CompressorBuffers<E>, GpuError> {
         Ok(CompressorBuffers {
             kv: seqs.view(&self.kv)?,
             gate: seqs.view(&self.gate)?,
@@ -127,15 +128,21 @@ impl CompState<Taking> {
         })
     }
 
-    /// Every state row, for [`LayerState::fill_random`].
-    fn tensors(&mut self) -> [&mut DeviceTensor<f32>; 5] {
-        [
+    /// Fills every state row as [`LayerState::fill_random`] says, from seeds `seed`,
+    /// `seed + 1`, ...
+    fn fill_random(&mut self, dev: &Device, seed: u64, dist: Uniform) -> Result<(), GpuError> {
+        for (k, t) in [
             &mut self.kv,
             &mut self.gate,
             &mut self.prev_kv,
             &mut self.prev_gate,
-            &mut self.entries,
         ]
+        .into_iter()
+        .enumerate()
+        {
+            fill_uniform(dev, t, seed.wrapping_add(k as u64), dist)?;
+        }
+        fill_uniform(dev, &mut self.entries, seed.wrapping_add(4), dist)
     }
 }
 
@@ -148,15 +155,12 @@ impl LayerState<Taking> {
             mean: 0.0,
             half_range: 1.0,
         };
-        let mut rows = vec![&mut self.window];
+        fill_uniform(dev, &mut self.window, seed, dist)?;
         if let Some(c) = &mut self.comp {
-            rows.extend(c.tensors());
+            c.fill_random(dev, seed.wrapping_add(1), dist)?;
         }
         if let Some(i) = &mut self.index {
-            rows.extend(i.comp.tensors());
-        }
-        for (k, t) in rows.into_iter().enumerate() {
-            fill_f32(dev, t, seed.wrapping_add(k as u64), dist)?;
+            i.comp.fill_random(dev, seed.wrapping_add(6), dist)?;
         }
         Ok(())
     }
@@ -224,7 +228,7 @@ impl Seqs {
 pub struct LayerView {
     pub window: DeviceTensor<f32>,
     pub comp: Option<CompressorBuffers>,
-    pub index: Option<(CompressorBuffers, DeviceTensor<i32>)>,
+    pub index: Option<(CompressorBuffers<f16>, DeviceTensor<i32>)>,
 }
 
 impl LayerState<Taking> {
@@ -242,7 +246,7 @@ impl LayerState<Taking> {
 
 /// The Lightning Indexer's compressor and choice.
 pub struct IndexState<S: Stage> {
-    pub comp: CompState<S>,
+    pub comp: CompState<S, f16>,
     pub selected: S::Buf<i32>,
 }
 

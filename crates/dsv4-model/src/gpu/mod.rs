@@ -36,7 +36,9 @@ use dsv4_ops::gpu::rows::{
 };
 use dsv4_ops::gpu::sample::{sample, Sampling};
 use dsv4_ops::gpu::stager::SLOT_BYTES;
-use dsv4_ops::gpu::{BufferPool, DType, Device, DeviceTensor, GpuError, Readback, Stager};
+use dsv4_ops::gpu::{
+    BufferPool, DType, Device, DeviceElem, DeviceTensor, GpuError, Readback, Stager,
+};
 use half::bf16;
 
 use crate::checkpoint::{Checkpoint, LoadError};
@@ -402,7 +404,7 @@ fn sub_chunks(n: usize) -> Vec<(usize, usize)> {
 
 /// Rows of one sequence's `[rows, width]` state in `t` (`[rows, width]` or a batch's `[n, rows,
 /// width]`).
-fn per_sequence_rows(t: &DeviceTensor<f32>) -> usize {
+fn per_sequence_rows<E: DeviceElem>(t: &DeviceTensor<E>) -> usize {
     let shape = t.shape();
     shape[shape.len() - 2]
 }
@@ -1671,12 +1673,12 @@ fn attention_layer(
 /// One compressor's projections of `xb` (one GEMV into the front of `proj`) and its state
 /// update.
 #[allow(clippy::too_many_arguments)]
-fn compressor_step(
+fn compressor_step<E: attention::StateElem>(
     dev: &Device,
     c: &Config,
     w: &DevWeights,
     cw: &DevCompressor,
-    st: &mut attention::CompressorBuffers,
+    st: &mut attention::CompressorBuffers<E>,
     xb: &DeviceTensor<bf16>,
     proj: &DeviceTensor<f32>,
     pos: &DeviceTensor<u32>,

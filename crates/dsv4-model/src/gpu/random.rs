@@ -313,7 +313,7 @@ pub(super) fn random_weights(
         mean: 0.0,
         half_range: 3f32.sqrt(),
     };
-    random::fill_bf16(dev, &mut embed, draw.seed("embed"), unit)?;
+    random::fill_uniform(dev, &mut embed, draw.seed("embed"), unit)?;
     Ok(DevWeights {
         embed,
         // The head's rows may be a slice of the vocabulary (one rank's).

@@ -2,7 +2,7 @@ use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaViewMut, DevicePtr, DeviceRepr, ValidAsZeroBits};
-use half::bf16;
+use half::{bf16, f16};
 
 use super::GpuError;
 
@@ -10,6 +10,8 @@ use super::GpuError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     BF16,
+    /// IEEE half precision.
+    F16,
     F32,
     I32,
     U32,
@@ -25,7 +27,7 @@ pub enum DType {
 impl DType {
     pub fn size_bytes(self) -> usize {
         match self {
-            DType::BF16 => 2,
+            DType::BF16 | DType::F16 => 2,
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::U8 | DType::E4M3 | DType::E8M0 | DType::E2M1x2 => 1,
         }
@@ -52,6 +54,7 @@ macro_rules! elem {
     };
 }
 elem!(bf16, DType::BF16);
+elem!(f16, DType::F16);
 elem!(f32, DType::F32);
 elem!(i32, DType::I32);
 elem!(u32, DType::U32);
@@ -288,10 +291,20 @@ mod tests {
         assert!(check_elem::<u8>("t", DType::E4M3).is_ok());
         assert!(check_elem::<u8>("t", DType::BF16).is_err());
         assert!(check_elem::<bf16>("t", DType::BF16).is_ok());
+        assert!(check_elem::<f16>("t", DType::F16).is_ok());
+        assert!(check_elem::<f16>("t", DType::BF16).is_err());
         assert!(check_elem::<f32>("t", DType::I32).is_err());
-        for d in [DType::BF16, DType::F32, DType::I32, DType::U32, DType::U8] {
+        for d in [
+            DType::BF16,
+            DType::F16,
+            DType::F32,
+            DType::I32,
+            DType::U32,
+            DType::U8,
+        ] {
             let size = match d {
                 DType::BF16 => std::mem::size_of::<bf16>(),
+                DType::F16 => std::mem::size_of::<f16>(),
                 DType::F32 | DType::I32 | DType::U32 => 4,
                 _ => 1,
             };

@@ -15,7 +15,7 @@ mod tests;
 
 use cudarc::driver::LaunchConfig;
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::gemv::tuning;
 use super::launch::{self, batch_flag, dim_u32, elementwise, Args};
@@ -60,17 +60,18 @@ fn dims_u32<const N: usize>(dims: [(&str, usize); N]) -> Result<[u32; N], GpuErr
     Ok(out)
 }
 
-/// `(rows, cols)` of one sequence's state `x` (F32): `[rows, cols]` for a chunk, `[T, rows,
-/// cols]` for a batch of T sequences (`batch`: `Some(T)`), slice t sequence t's.
-fn state_dims(
-    x: &DeviceTensor<f32>,
+/// `(rows, cols)` of one sequence's state `x` (F32, or F16 entries): `[rows, cols]` for a
+/// chunk, `[T, rows, cols]` for a batch of T sequences (`batch`: `Some(T)`), slice t sequence
+/// t's.
+fn state_dims<T: StateElem>(
+    x: &DeviceTensor<T>,
     what: &str,
     batch: Option<usize>,
 ) -> Result<(usize, usize), GpuError> {
     match (batch, x.shape()) {
-        (None, _) => x.dims2(what, DType::F32),
+        (None, _) => x.dims2(what, T::DTYPE),
         (Some(b), &[n, r, c]) if n == b => {
-            x.expect(what, DType::F32, &[n, r, c])?;
+            x.expect(what, T::DTYPE, &[n, r, c])?;
             Ok((r, c))
         }
         (Some(b), shape) => Err(GpuError::invalid(
@@ -111,17 +112,33 @@ pub const MAX_INDEX_DIM: usize = 128;
 /// The widest compressor entry (its pooled row lives in shared memory).
 pub const MAX_COMPRESSOR_WIDTH: usize = 8192;
 
-/// One compressor's per-sequence device state (all F32, zero-initialized from the pool):
-/// `kv`, `gate` `[ratio, κ·c]` (the open window's projections; gate already + ape, row p % ratio),
-/// `prev_kv`, `prev_gate` `[ratio, c]` (A-halves of the last closed window; used only with
-/// overlap, still present (any shape) without), `entries [capacity, c]` (emitted entries in
-/// order; entry e pools window e).
-pub struct CompressorBuffers {
+/// The types a sequence's state is kept in: F32, and F16 for the indexer's keys (half the
+/// bytes to score over a long context, and the scoring MMAs take them as they are).
+pub trait StateElem: DeviceElem {
+    const DTYPE: DType;
+    /// The `compressor_emit` kernel that writes entries of this type.
+    const EMIT: &'static str;
+}
+impl StateElem for f32 {
+    const DTYPE: DType = DType::F32;
+    const EMIT: &'static str = "compressor_emit";
+}
+impl StateElem for f16 {
+    const DTYPE: DType = DType::F16;
+    const EMIT: &'static str = "compressor_emit_f16";
+}
+
+/// One compressor's per-sequence device state (zero-initialized from the pool), F32 but for
+/// the entries (`E`): `kv`, `gate` `[ratio, κ·c]` (the open window's projections; gate already
+/// + ape, row p % ratio), `prev_kv`, `prev_gate` `[ratio, c]` (A-halves of the last closed
+/// window; used only with overlap, still present (any shape) without), `entries [capacity, c]`
+/// (emitted entries in order, each rounded to `E`; entry e pools window e).
+pub struct CompressorBuffers<E: StateElem = f32> {
     pub kv: DeviceTensor<f32>,
     pub gate: DeviceTensor<f32>,
     pub prev_kv: DeviceTensor<f32>,
     pub prev_gate: DeviceTensor<f32>,
-    pub entries: DeviceTensor<f32>,
+    pub entries: DeviceTensor<E>,
 }
 
 /// Most threads of a `compressor_emit` block (its `__launch_bounds__`): one a channel.
@@ -137,9 +154,10 @@ const EMIT_THREADS: u32 = 512;
 /// B-half (channels [c, 2c)), the previous window absent for window 0 — then RMSNorm with
 /// `norm [c]` and `eps`, then RoPE (interleaved pairs on the last 2·inv_freq.len() channels,
 /// forward) at position (p + 1 − ratio); with overlap the current A-halves then become prev.
-/// ratio = ape.shape[0]. Two launches: the entries, then the state.
+/// ratio = ape.shape[0]. Two launches: the entries (rounded to `E` as they are stored), then
+/// the state.
 #[allow(clippy::too_many_arguments)]
-pub fn compressor_update(
+pub fn compressor_update<E: StateElem>(
     dev: &Device,
     proj: &DeviceTensor<f32>,
     ape: &DeviceTensor<f32>,
@@ -148,7 +166,7 @@ pub fn compressor_update(
     eps: f32,
     overlap: bool,
     pos: &DeviceTensor<u32>,
-    state: &mut CompressorBuffers,
+    state: &mut CompressorBuffers<E>,
 ) -> Result<(), GpuError> {
     let (t, kc2) = proj.dims2("compressor projection", DType::F32)?;
     let kc = kc2 / 2;
@@ -237,7 +255,7 @@ pub fn compressor_update(
     // only with overlap), entries [cap, c] (entries >= cap are skipped), each [t, ...] in a
     // batch, checked above; c floats of dynamic shared memory (c <= 8192).
     unsafe {
-        launch(dev, "compressor_emit", cfg, |b| {
+        launch(dev, E::EMIT, cfg, |b| {
             compressor_projections(b, proj, ape, &dims, ov);
             b.ptr(norm)
                 .arg(eps)
@@ -306,10 +324,11 @@ fn index_blocks(cap: usize, sms: usize) -> usize {
 pub enum IndexScoring {
     /// On CUDA cores in [`reference::index_scores`]' operation order: bit-identical scores.
     Exact,
-    /// On f16 tensor-core MMAs with every operand split in two f16 parts (about 22 significant
-    /// bits, as `attention_mma`): within 2e-5 of the terms' magnitude (the tests' bound), not
-    /// bit for bit, and several times faster over a long context (what the model takes).
-    /// Needs c a multiple of 16 and 136 KiB of shared memory a block for T of 4 or more; other
+    /// On f16 tensor-core MMAs, the keys as they are and the queries split in two f16 parts
+    /// (about 22 significant bits, as `attention_mma`): within 2e-5 of the terms' magnitude
+    /// (the tests' bound), not bit for bit, and several times faster over a long context (what
+    /// the model takes).
+    /// Needs c a multiple of 16 and 128 KiB of shared memory a block for T of 4 or more; other
     /// widths, and GPUs with less, are scored [`IndexScoring::Exact`]ly.
     TensorCores,
 }
@@ -319,7 +338,8 @@ const INDEX_MMA_TOKENS: usize = 4;
 
 /// Lightning Indexer (spec §7) for T queries: `q [T, nh·c]` (already rotated), `weights [T, nh]`
 /// (raw weights_proj outputs: the kernel multiplies them by 1/sqrt(nh) exactly as the CPU does
-/// before use), over the visible entries of the indexer compressor `entries [capacity, c]`:
+/// before use), over the visible entries of the indexer compressor `entries [capacity, c]` (F16,
+/// as [`compressor_update`] rounds them; the scores are those of these keys widened to F32):
 /// token t sees n_vis = min((p + 1) / ratio, capacity) entries. Score of entry w:
 /// Σ_h (max(q_h·K_w, 0) · (1/sqrt(c)) · w_h), computed as `scoring` says; an entry's score
 /// depends only on its key and its token's queries and weights either way. `scores` F32
@@ -332,7 +352,7 @@ pub fn index_topk(
     dev: &Device,
     q: &DeviceTensor<f32>,
     weights: &DeviceTensor<f32>,
-    entries: &DeviceTensor<f32>,
+    entries: &DeviceTensor<f16>,
     ratio: usize,
     pos: &DeviceTensor<u32>,
     scoring: IndexScoring,
@@ -383,25 +403,25 @@ pub fn index_topk(
     ])?;
     let scale = 1.0 / (c as f32).sqrt();
     let wscale = 1.0 / (nh as f32).sqrt();
-    // Each MMA block's tokens' queries as two f16 parts of 64 heads x (128 + 8) channels (a
-    // batch's blocks take one token each: their keys differ).
+    // Each MMA block's tokens' queries as two f16 parts of 64 heads x 128 channels (a batch's
+    // blocks take one token each: their keys differ).
     let per_block = if seqs.is_some() { 1 } else { INDEX_MMA_TOKENS };
-    let mma_shared = t.min(per_block) * 2 * MAX_INDEX_HEADS * (MAX_INDEX_DIM + 8) * 2;
+    let mma_shared = t.min(per_block) * 2 * MAX_INDEX_HEADS * MAX_INDEX_DIM * 2;
     let mma = scoring == IndexScoring::TensorCores
         && c.is_multiple_of(16)
         && dev.kernel_limits("index_scores_mma")?.static_shared + mma_shared
             <= dev.max_block_shared();
     if cap > 0 {
         let cfg = if mma {
-            // The keys are read as 8-byte pairs.
-            if !entries.device_address().is_multiple_of(8) {
+            // The keys are read 16 bytes at a time.
+            if !entries.device_address().is_multiple_of(16) {
                 return Err(GpuError::invalid(
                     "indexer",
-                    "entries not on an 8-byte boundary",
+                    "entries not on a 16-byte boundary",
                 ));
             }
             let groups = t.div_ceil(per_block);
-            // One block an SM (the queries fill its shared memory), steps of 128 entries dealt
+            // At most one block an SM, steps of 128 entries dealt
             // over the blocks by the visible count: at most one wave while there are fewer
             // token groups than SMs (rounding up gave 160 blocks to 132 SMs for 128 tokens, a
             // second wave a fifth full).
@@ -431,7 +451,7 @@ pub fn index_topk(
         } else {
             "index_scores"
         };
-        // SAFETY: q [t, nh·c] (16-byte aligned), weights [t, nh], entries [cap, c] (8-byte
+        // SAFETY: q [t, nh·c] (16-byte aligned), weights [t, nh], entries [cap, c] F16 (16-byte
         // aligned for the MMA kernel, whose c % 16 == 0) with nh <= 64, c <= 128 (the
         // kernels' shared arrays; the MMA kernel's dynamic shared memory holds a block's
         // tokens' queries), pos [1] (a batch: [t], entries [t, cap, c], its blocks one token

@@ -18,6 +18,7 @@
 //!   order);
 //! - the window ring bit-exact.
 
+use half::f16;
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -440,13 +441,39 @@ mod gpu {
         t
     }
 
+    /// A compressor's zeroed state: `ratio` rows of its κ·c-wide projections (κ = 2 with
+    /// overlap) and room for `cap` entries of `c`, stored as `E`.
+    fn comp_buffers<E: StateElem>(
+        dev: &Device,
+        ratio: usize,
+        c: usize,
+        overlap: bool,
+        cap: usize,
+    ) -> CompressorBuffers<E> {
+        let kc = if overlap { 2 * c } else { c };
+        CompressorBuffers {
+            kv: dev.alloc(DType::F32, &[ratio, kc]).unwrap(),
+            gate: dev.alloc(DType::F32, &[ratio, kc]).unwrap(),
+            prev_kv: dev.alloc(DType::F32, &[ratio, c]).unwrap(),
+            prev_gate: dev.alloc(DType::F32, &[ratio, c]).unwrap(),
+            entries: dev.alloc(E::DTYPE, &[cap, c]).unwrap(),
+        }
+    }
+
     fn position(dev: &Device, p: usize) -> DeviceTensor<u32> {
         dev.upload(DType::U32, &[1], &[p as u32]).unwrap()
     }
 
-    /// [`index_topk`] over host `q [T, nh·c]`, raw `w [T, nh]` and `entries [cap, c]` (scores
-    /// and selection poisoned first), with `[nh, c, ratio, pos0, k]` as [`cpu::index_topk`]
-    /// takes them: the downloaded scores `[T, cap]` and selection `[T, k]`.
+    /// Uniform values in [lo, hi) rounded to f16, as the indexer's keys are stored.
+    fn f16_uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        let v = uniform(rng, n, lo, hi);
+        v.into_iter().map(|x| f16::from_f32(x).to_f32()).collect()
+    }
+
+    /// [`index_topk`] over host `q [T, nh·c]`, raw `w [T, nh]` and `entries [cap, c]` (f16
+    /// values, uploaded as F16; scores and selection poisoned first), with
+    /// `[nh, c, ratio, pos0, k]` as [`cpu::index_topk`] takes them: the downloaded scores
+    /// `[T, cap]` and selection `[T, k]`.
     fn device_index_topk(
         dev: &Device,
         (q, w, entries): (&[f32], &[f32], &[f32]),
@@ -456,7 +483,12 @@ mod gpu {
         let (t, cap) = (w.len() / nh, entries.len() / c);
         let qd = dev.upload(DType::F32, &[t, nh * c], q).unwrap();
         let wd = dev.upload(DType::F32, &[t, nh], w).unwrap();
-        let ed = dev.upload(DType::F32, &[cap, c], entries).unwrap();
+        let keys: Vec<f16> = entries.iter().map(|&v| f16::from_f32(v)).collect();
+        assert!(
+            keys.iter().zip(entries).all(|(h, v)| h.to_f32() == *v),
+            "the test's keys must be f16 values"
+        );
+        let ed = dev.upload(DType::F16, &[cap, c], &keys).unwrap();
         let pos = position(dev, pos0);
         let mut scores = poisoned::<f32>(dev, DType::F32, &[t, cap]);
         let mut sel = poisoned::<i32>(dev, DType::I32, &[t, k]);
@@ -520,13 +552,10 @@ mod gpu {
             let ape_d = dev.upload(DType::F32, &[ratio, kc], &ape).unwrap();
             let norm_d = dev.upload(DType::F32, &[c], &norm).unwrap();
             let f_d = dev.upload(DType::F32, &[half], &f).unwrap();
-            let mut st = CompressorBuffers {
-                kv: dev.alloc(DType::F32, &[ratio, kc]).unwrap(),
-                gate: dev.alloc(DType::F32, &[ratio, kc]).unwrap(),
-                prev_kv: dev.alloc(DType::F32, &[ratio, c]).unwrap(),
-                prev_gate: dev.alloc(DType::F32, &[ratio, c]).unwrap(),
-                entries: dev.alloc(DType::F32, &[cap, c]).unwrap(),
-            };
+            let mut st = comp_buffers::<f32>(&dev, ratio, c, overlap, cap);
+            // The same compressor with its entries stored as f16 (the indexer's).
+            let mut st16 = comp_buffers::<f16>(&dev, ratio, c, overlap, cap);
+            st16.entries = poisoned(&dev, DType::F16, &[cap, c]);
             let mut host = CompressorHost::new(ratio, c, overlap, cap);
             let mut pos0 = 0;
             for t in chunks(&mut rng, total) {
@@ -540,6 +569,10 @@ mod gpu {
                     &dev, &proj, &ape_d, &norm_d, &f_d, eps, overlap, &pos, &mut st,
                 )
                 .unwrap();
+                compressor_update(
+                    &dev, &proj, &ape_d, &norm_d, &f_d, eps, overlap, &pos, &mut st16,
+                )
+                .unwrap();
                 cpu::compressor_update(&kv, &gate, &ape, &norm, &f, eps, overlap, pos0, &mut host);
                 let what = format!("ratio {ratio} c {c} overlap {overlap} chunk {pos0}+{t}");
                 let mut state = vec![("kv", &st.kv, &host.kv), ("gate", &st.gate, &host.gate)];
@@ -551,11 +584,18 @@ mod gpu {
                     let got = dev.download(got).unwrap();
                     assert_bits_eq(&format!("{what} {name}"), &got, want);
                 }
-                assert_close(
-                    &format!("{what} entries"),
-                    &dev.download(&st.entries).unwrap(),
-                    &host.entries,
-                    1e-5,
+                let entries = dev.download(&st.entries).unwrap();
+                assert_close(&format!("{what} entries"), &entries, &host.entries, 1e-5);
+                // The f16 entries are the F32 ones rounded, each written once it exists.
+                let written = ((pos0 + t) / ratio).min(cap) * c;
+                let rounded: Vec<f16> = entries[..written]
+                    .iter()
+                    .map(|&v| f16::from_f32(v))
+                    .collect();
+                assert_bits_eq(
+                    &format!("{what} f16 entries"),
+                    &dev.download(&st16.entries).unwrap()[..written],
+                    &rounded,
                 );
                 pos0 += t;
             }
@@ -596,7 +636,7 @@ mod gpu {
                 };
                 let q = uniform(&mut rng, t * nh * c, -1.0, 1.0);
                 let w = uniform(&mut rng, t * nh, -1.0, 1.0);
-                let entries = uniform(&mut rng, cap * c, -1.0, 1.0);
+                let entries = f16_uniform(&mut rng, cap * c, -1.0, 1.0);
                 let (got_scores, got_sel) = device_index_topk(
                     &dev,
                     (&q, &w, &entries),
@@ -685,7 +725,7 @@ mod gpu {
                 };
                 let q = uniform(&mut rng, t * nh * c, -amp, amp);
                 let w = uniform(&mut rng, t * nh, -1.0, 1.0);
-                let entries = uniform(&mut rng, cap * c, -1.0, 1.0);
+                let entries = f16_uniform(&mut rng, cap * c, -1.0, 1.0);
                 let dims = [nh, c, ratio, pos0, k];
                 let tc = IndexScoring::TensorCores;
                 let (got, sel) = device_index_topk(&dev, (&q, &w, &entries), dims, tc);
@@ -703,7 +743,7 @@ mod gpu {
                         let (g, s) = (row[e], want[e]);
                         // Within 2e-5 of the size of the entry's terms, Σ_h |w_h| Σ |q k| / √c
                         // (an operand rounded once to f16 is off by up to 2^-11, about 5e-4,
-                        // of itself).
+                        // of itself; the keys are f16 values already).
                         let key = &entries[e * c..(e + 1) * c];
                         let size: f64 = qt
                             .chunks_exact(c)
@@ -1144,14 +1184,8 @@ mod gpu {
         let up = |v: &[f32], s: &[usize]| dev.upload(DType::F32, s, v).unwrap();
         let (aped, normd) = (up(&ape, &[ratio, 2 * d]), up(&norm, &[d]));
         let (iaped, inormd) = (up(&iape, &[ratio, 2 * ic]), up(&inorm, &[ic]));
-        let bufs = |c: usize, cap: usize| CompressorBuffers {
-            kv: dev.alloc(DType::F32, &[ratio, 2 * c]).unwrap(),
-            gate: dev.alloc(DType::F32, &[ratio, 2 * c]).unwrap(),
-            prev_kv: dev.alloc(DType::F32, &[ratio, c]).unwrap(),
-            prev_gate: dev.alloc(DType::F32, &[ratio, c]).unwrap(),
-            entries: dev.alloc(DType::F32, &[cap, c]).unwrap(),
-        };
-        let (mut st, mut ist) = (bufs(d, cap), bufs(ic, icap));
+        let mut st = comp_buffers::<f32>(&dev, ratio, d, true, cap);
+        let mut ist = comp_buffers::<f16>(&dev, ratio, ic, true, icap);
         let mut ring_d = dev.alloc::<f32>(DType::F32, &[w, d]).unwrap();
         let mut splits = scratch(&dev, SPLIT_ROWS, d);
         let mut host = CompressorHost::new(ratio, d, true, cap);
@@ -1170,13 +1204,11 @@ mod gpu {
             let ig = uniform(&mut rng, t * 2 * ic, -2.0, 2.0);
             let pos = position(&dev, pos0);
             // The main compressor, then the indexer's.
-            for (kv, gate, ape, norm, st) in [
-                (&ckv, &cg, &aped, &normd, &mut st),
-                (&ikv, &ig, &iaped, &inormd, &mut ist),
-            ] {
-                let proj = up(&stacked(kv, gate, kv.len() / t), &[t, 2 * kv.len() / t]);
-                compressor_update(&dev, &proj, ape, norm, &fd, eps, true, &pos, st).unwrap();
-            }
+            let proj = up(&stacked(&ckv, &cg, 2 * d), &[t, 4 * d]);
+            compressor_update(&dev, &proj, &aped, &normd, &fd, eps, true, &pos, &mut st).unwrap();
+            let proj = up(&stacked(&ikv, &ig, 2 * ic), &[t, 4 * ic]);
+            compressor_update(&dev, &proj, &iaped, &inormd, &fd, eps, true, &pos, &mut ist)
+                .unwrap();
             let mut scores = poisoned::<f32>(&dev, DType::F32, &[t, icap]);
             let mut sel = poisoned::<i32>(&dev, DType::I32, &[t, k]);
             index_topk(
@@ -1215,10 +1247,17 @@ mod gpu {
 
             cpu::compressor_update(&ckv, &cg, &ape, &norm, &f, eps, true, pos0, &mut host);
             cpu::compressor_update(&ikv, &ig, &iape, &inorm, &f, eps, true, pos0, &mut ihost);
-            let want_sel = cpu::index_topk(&iq, &iw, &ihost.entries, nh, ic, ratio, pos0, k);
+            // The indexer's keys as the device keeps them, in f16.
+            let ikeys: Vec<f32> = ihost
+                .entries
+                .iter()
+                .map(|&v| f16::from_f32(v).to_f32())
+                .collect();
+            let want_sel = cpu::index_topk(&iq, &iw, &ikeys, nh, ic, ratio, pos0, k);
             let got_sel = dev.download(&sel).unwrap();
-            // The entries differ from the CPU's by ulps, so a near-tie at the cut may pick
-            // differently; such chunks are checked with the device's own selection.
+            // The entries differ from the CPU's by ulps (and may round to f16 differently), so
+            // a near-tie at the cut may pick differently; such chunks are checked with the
+            // device's own selection.
             let what = format!("chunk {pos0}+{t}");
             if got_sel != want_sel {
                 println!("{what}: selection differs from the CPU's (near-tie), using the device's");
@@ -1259,39 +1298,52 @@ mod gpu {
     /// sequence's slice can be viewed alone).
     struct SeqStates {
         comp: CompressorBuffers,
-        icomp: CompressorBuffers,
+        icomp: CompressorBuffers<f16>,
         ring: DeviceTensor<f32>,
         _pool: crate::gpu::BufferPool,
     }
 
     impl SeqStates {
-        /// Every buffer filled from `host` (one vector a buffer, in field order).
+        /// Every buffer filled from `host` (one vector a buffer, in field order; the indexer's
+        /// entries, buffer [`KEYS`], rounded to f16).
         fn upload(dev: &Device, shapes: &[Vec<usize>; 11], host: &[Vec<f32>]) -> SeqStates {
             let mut pool = crate::gpu::BufferPool::new();
-            let held: Vec<_> = shapes
-                .iter()
-                .enumerate()
-                .map(|(i, s)| {
-                    pool.reserve::<f32>(&format!("state.{i}"), DType::F32, s)
-                        .unwrap()
+            let held: Vec<_> = (0..shapes.len())
+                .filter(|&i| i != KEYS)
+                .map(|i| {
+                    let r = pool.reserve::<f32>(&format!("state.{i}"), DType::F32, &shapes[i]);
+                    (r.unwrap(), &host[i])
                 })
                 .collect();
+            let keys = pool
+                .reserve::<f16>("state.keys", DType::F16, &shapes[KEYS])
+                .unwrap();
             pool.seal(dev).unwrap();
-            let mut bufs = held.into_iter().zip(host).map(|(r, h)| {
+            let mut bufs = held.into_iter().map(|(r, h)| {
                 let mut t = pool.take(r).unwrap();
                 dev.write(&mut t, h).unwrap();
                 t
             });
-            let mut comp = || CompressorBuffers {
-                kv: bufs.next().unwrap(),
-                gate: bufs.next().unwrap(),
-                prev_kv: bufs.next().unwrap(),
-                prev_gate: bufs.next().unwrap(),
-                entries: bufs.next().unwrap(),
+            let mut next = || bufs.next().unwrap();
+            let comp = CompressorBuffers {
+                kv: next(),
+                gate: next(),
+                prev_kv: next(),
+                prev_gate: next(),
+                entries: next(),
             };
-            let (comp, icomp) = (comp(), comp());
-            let ring = bufs.next().unwrap();
-            drop(bufs);
+            let (kv, gate, prev_kv, prev_gate) = (next(), next(), next(), next());
+            let ring = next();
+            let mut entries = pool.take(keys).unwrap();
+            let rounded: Vec<f16> = host[KEYS].iter().map(|&v| f16::from_f32(v)).collect();
+            dev.write(&mut entries, &rounded).unwrap();
+            let icomp = CompressorBuffers {
+                kv,
+                gate,
+                prev_kv,
+                prev_gate,
+                entries,
+            };
             SeqStates {
                 comp,
                 icomp,
@@ -1300,26 +1352,32 @@ mod gpu {
             }
         }
 
-        /// Every buffer, downloaded in field order.
+        /// Every buffer, downloaded in field order (the indexer's entries widened).
         fn download(&self, dev: &Device) -> Vec<Vec<f32>> {
-            let c = |b: &CompressorBuffers| {
-                [&b.kv, &b.gate, &b.prev_kv, &b.prev_gate, &b.entries]
-                    .map(|t| dev.download(t).unwrap())
-            };
-            let mut out: Vec<Vec<f32>> = c(&self.comp).into();
-            out.extend(c(&self.icomp));
-            out.push(dev.download(&self.ring).unwrap());
+            let state = |b: &DeviceTensor<f32>| dev.download(b).unwrap();
+            let c = &self.comp;
+            let mut out: Vec<Vec<f32>> = [&c.kv, &c.gate, &c.prev_kv, &c.prev_gate, &c.entries]
+                .map(state)
+                .into();
+            let i = &self.icomp;
+            out.extend([&i.kv, &i.gate, &i.prev_kv, &i.prev_gate].map(state));
+            let keys = dev.download(&i.entries).unwrap();
+            out.push(keys.iter().map(|h| h.to_f32()).collect());
+            out.push(state(&self.ring));
             out
         }
     }
 
+    /// Which of [`SeqStates`]' buffers holds the indexer's entries.
+    const KEYS: usize = 9;
+
     /// Slice `i` of a `[n, ...]` buffer, as one sequence's `[...]`.
-    fn slot(t: &DeviceTensor<f32>, i: usize) -> DeviceTensor<f32> {
+    fn slot<T: crate::gpu::DeviceElem>(t: &DeviceTensor<T>, i: usize) -> DeviceTensor<T> {
         let one = &t.shape()[1..];
         t.view(i * one.iter().product::<usize>(), one).unwrap()
     }
 
-    fn slot_bufs(b: &CompressorBuffers, i: usize) -> CompressorBuffers {
+    fn slot_bufs<E: StateElem>(b: &CompressorBuffers<E>, i: usize) -> CompressorBuffers<E> {
         CompressorBuffers {
             kv: slot(&b.kv, i),
             gate: slot(&b.gate, i),
@@ -1672,9 +1730,13 @@ mod gpu {
         let wide_out = pool
             .reserve::<bf16>("wide output", DType::BF16, &[2 * 4 * 32 + 1])
             .unwrap();
+        let wide_keys = pool
+            .reserve::<f16>("wide keys", DType::F16, &[10 * 16 + 4])
+            .unwrap();
         pool.seal(&dev).unwrap();
         let wide = pool.take(wide).unwrap();
         let wide_out = pool.take(wide_out).unwrap();
+        let wide_keys = pool.take(wide_keys).unwrap();
         // The output a BF16 past a 4-byte boundary (it is written a channel pair at a time).
         let mut skewed_out = wide_out.view(1, &[2, 4 * 32]).unwrap();
         let err = run(good, &mut sp, &mut skewed_out).unwrap_err().to_string();
@@ -1741,7 +1803,8 @@ mod gpu {
         let err = run(ratio_0, &mut sp, &mut out).unwrap_err().to_string();
         assert!(err.contains("compression ratio 0"), "{err}");
 
-        let (iq, iw, ie) = (f32s(&[2, 4 * 16]), f32s(&[2, 4]), f32s(&[10, 16]));
+        let f16s = |s: &[usize]| dev.alloc::<f16>(DType::F16, s).unwrap();
+        let (iq, iw, ie) = (f32s(&[2, 4 * 16]), f32s(&[2, 4]), f16s(&[10, 16]));
         let mut scores = f32s(&[2, 10]);
         let mut sel = dev.alloc::<i32>(DType::I32, &[2, 3]).unwrap();
         let ex = IndexScoring::Exact;
@@ -1749,12 +1812,12 @@ mod gpu {
         let mut bad_scores = f32s(&[2, 9]);
         assert!(index_topk(&dev, &iq, &iw, &ie, 4, &pos, ex, &mut bad_scores, &mut sel).is_err());
         assert!(index_topk(&dev, &iq, &iw, &ie, 0, &pos, ex, &mut scores, &mut sel).is_err());
-        let (iq6, ie6) = (f32s(&[2, 4 * 6]), f32s(&[10, 6]));
+        let (iq6, ie6) = (f32s(&[2, 4 * 6]), f16s(&[10, 6]));
         let err =
             index_topk(&dev, &iq6, &iw, &ie6, 4, &pos, ex, &mut scores, &mut sel).unwrap_err();
         assert!(err.to_string().contains("multiple of 4"), "{err}");
-        // The tensor-core kernel reads the entries in 8-byte pairs.
-        let skewed_ie = wide.view(1, &[10, 16]).unwrap();
+        // The tensor-core kernel reads the entries 16 bytes at a time.
+        let skewed_ie = wide_keys.view(4, &[10, 16]).unwrap();
         let tc = IndexScoring::TensorCores;
         let err = index_topk(
             &dev,
@@ -1770,7 +1833,7 @@ mod gpu {
         assert!(
             err.unwrap_err()
                 .to_string()
-                .contains("entries not on an 8-byte"),
+                .contains("entries not on a 16-byte"),
             "skewed indexer entries"
         );
         let skewed_iq = wide.view(1, &[2, 4 * 16]).unwrap();

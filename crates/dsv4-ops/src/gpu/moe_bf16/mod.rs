@@ -145,7 +145,7 @@ impl Bf16Experts {
                 mean: 0.0,
                 half_range: (3.0 / fan_in as f32).sqrt(),
             };
-            random::fill_bf16(dev, &mut t, seed, u)?;
+            random::fill_uniform(dev, &mut t, seed, u)?;
             Ok::<_, GpuError>(t)
         };
         Ok(Bf16Experts {

@@ -9,9 +9,9 @@ mod tests;
 use cudarc::driver::LaunchConfig;
 
 use super::launch::{launch, Args};
-use super::{Device, DeviceTensor, GpuError};
+use super::{Device, DeviceElem, DeviceTensor, GpuError};
 use crate::codecs::{e2m1, e4m3};
-use half::bf16;
+use half::{bf16, f16};
 
 /// Bytes `lo + u · span` for u uniform in [0, 1) (span 1 gives the constant `lo`), with the
 /// top bit set at random when `signed`.
@@ -40,7 +40,8 @@ impl Bytes {
     }
 }
 
-/// Uniform values in `[mean - half_range, mean + half_range)` (rounded to BF16 by [`fill_bf16`]).
+/// Uniform values in `[mean - half_range, mean + half_range)` (rounded to the tensor's type by
+/// [`fill_uniform`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Uniform {
     pub mean: f32,
@@ -95,18 +96,35 @@ pub fn fill_bytes(
     }
 }
 
-/// Fills `out` with [`reference::bf16_value`]`(seed, i, dist)`.
-pub fn fill_bf16(
+/// The element types a uniform fill writes, each with the kernel that rounds
+/// [`reference::f32_value`] to it.
+pub trait UniformElem: DeviceElem {
+    const KERNEL: &'static str;
+}
+impl UniformElem for bf16 {
+    const KERNEL: &'static str = "random_bf16";
+}
+impl UniformElem for f16 {
+    const KERNEL: &'static str = "random_f16";
+}
+impl UniformElem for f32 {
+    const KERNEL: &'static str = "random_f32";
+}
+
+/// Fills `out` with [`reference::f32_value`]`(seed, i, dist)` rounded to its element type
+/// ([`reference::bf16_value`], [`reference::f16_value`]).
+pub fn fill_uniform<T: UniformElem>(
     dev: &Device,
-    out: &mut DeviceTensor<bf16>,
+    out: &mut DeviceTensor<T>,
     seed: u64,
     dist: Uniform,
 ) -> Result<(), GpuError> {
     let n = out.len();
-    fill_bf16_at(dev, out.device_address(), n, seed, dist)
+    // SAFETY: out holds n values of T, the kernel's type.
+    unsafe { launch_uniform(dev, T::KERNEL, out.device_address(), n, seed, dist) }
 }
 
-/// [`fill_bf16`] over `n` BF16 values at `address` (BF16 codes inside a byte tensor).
+/// [`fill_uniform`] over `n` BF16 values at `address` (BF16 codes inside a byte tensor).
 pub(crate) fn fill_bf16_at(
     dev: &Device,
     address: u64,
@@ -115,34 +133,14 @@ pub(crate) fn fill_bf16_at(
     dist: Uniform,
 ) -> Result<(), GpuError> {
     // SAFETY: the caller's address holds n BF16 values.
-    unsafe { fill_uniform(dev, "random_bf16", address, n, seed, dist) }
+    unsafe { launch_uniform(dev, "random_bf16", address, n, seed, dist) }
 }
 
-/// Fills `out` with [`reference::f32_value`]`(seed, i, dist)`.
-pub fn fill_f32(
-    dev: &Device,
-    out: &mut DeviceTensor<f32>,
-    seed: u64,
-    dist: Uniform,
-) -> Result<(), GpuError> {
-    // SAFETY: out holds out.len() F32 values.
-    unsafe {
-        fill_uniform(
-            dev,
-            "random_f32",
-            out.device_address(),
-            out.len(),
-            seed,
-            dist,
-        )
-    }
-}
-
-/// Launches `kernel` (random_bf16 or random_f32) over `n` values at `address`.
+/// Launches `kernel` (a [`UniformElem::KERNEL`]) over `n` values at `address`.
 ///
 /// # Safety
 /// `address` must hold `n` values of the kernel's type.
-unsafe fn fill_uniform(
+unsafe fn launch_uniform(
     dev: &Device,
     kernel: &str,
     address: u64,

@@ -1,7 +1,7 @@
 //! CPU reference of the random fills, bit for bit.
 
 use super::{Bytes, Uniform};
-use half::bf16;
+use half::{bf16, f16};
 
 /// SplitMix64's output function (also the sampler's draw).
 pub fn splitmix64(mut x: u64) -> u64 {
@@ -34,4 +34,9 @@ pub fn f32_value(seed: u64, i: u64, d: Uniform) -> f32 {
 /// Value `i` of a BF16 fill: [`f32_value`] rounded.
 pub fn bf16_value(seed: u64, i: u64, d: Uniform) -> bf16 {
     bf16::from_f32(f32_value(seed, i, d))
+}
+
+/// Value `i` of an F16 fill: [`f32_value`] rounded.
+pub fn f16_value(seed: u64, i: u64, d: Uniform) -> f16 {
+    f16::from_f32(f32_value(seed, i, d))
 }

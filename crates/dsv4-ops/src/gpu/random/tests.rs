@@ -45,15 +45,23 @@ fn gpu_random_fills_match_reference() {
             half_range: rng.random_range(0.0..3.0),
         };
         let mut t = dev.alloc::<bf16>(DType::BF16, &[n]).unwrap();
-        fill_bf16(&dev, &mut t, seed, u).unwrap();
+        fill_uniform(&dev, &mut t, seed, u).unwrap();
         let want: Vec<bf16> = (0..n as u64).map(|i| cpu::bf16_value(seed, i, u)).collect();
         assert_bits_eq(
             &format!("bf16 {u:?}, n {n}"),
             &dev.download(&t).unwrap(),
             &want,
         );
+        let mut t = dev.alloc::<f16>(DType::F16, &[n]).unwrap();
+        fill_uniform(&dev, &mut t, seed, u).unwrap();
+        let want: Vec<f16> = (0..n as u64).map(|i| cpu::f16_value(seed, i, u)).collect();
+        assert_bits_eq(
+            &format!("f16 {u:?}, n {n}"),
+            &dev.download(&t).unwrap(),
+            &want,
+        );
         let mut t = dev.alloc::<f32>(DType::F32, &[n]).unwrap();
-        fill_f32(&dev, &mut t, seed, u).unwrap();
+        fill_uniform(&dev, &mut t, seed, u).unwrap();
         let want: Vec<u32> = (0..n as u64)
             .map(|i| cpu::f32_value(seed, i, u).to_bits())
             .collect();
@@ -84,14 +92,14 @@ fn gpu_random_fills_refuse_bad_distributions() {
         mean: f32::NAN,
         half_range: 1.0,
     };
-    let err = fill_bf16(&dev, &mut t, 1, bad).unwrap_err().to_string();
+    let err = fill_uniform(&dev, &mut t, 1, bad).unwrap_err().to_string();
     assert!(err.contains("finite"), "{err}");
     let mut t = dev.alloc::<f32>(DType::F32, &[16]).unwrap();
     let bad = Uniform {
         mean: 0.0,
         half_range: f32::INFINITY,
     };
-    let err = fill_f32(&dev, &mut t, 1, bad).unwrap_err().to_string();
+    let err = fill_uniform(&dev, &mut t, 1, bad).unwrap_err().to_string();
     assert!(err.contains("finite"), "{err}");
 }
 
