@@ -129,10 +129,11 @@ impl StateElem for f16 {
 }
 
 /// One compressor's per-sequence device state (zero-initialized from the pool), F32 but for
-/// the entries (`E`): `kv`, `gate` `[ratio, κ·c]` (the open window's projections; gate already
-/// + ape, row p % ratio), `prev_kv`, `prev_gate` `[ratio, c]` (A-halves of the last closed
-/// window; used only with overlap, still present (any shape) without), `entries [capacity, c]`
-/// (emitted entries in order, each rounded to `E`; entry e pools window e).
+/// the entries (`E`): `kv`, `gate` `[ratio, κ·c]` (the open window's projections; the gate
+/// with ape added, row p % ratio), `prev_kv`, `prev_gate` `[ratio, c]` (A-halves of the last
+/// closed window; used only with overlap, still present (any shape) without),
+/// `entries [capacity, c]` (emitted entries in order, each rounded to `E`; entry e pools
+/// window e).
 pub struct CompressorBuffers<E: StateElem = f32> {
     pub kv: DeviceTensor<f32>,
     pub gate: DeviceTensor<f32>,
