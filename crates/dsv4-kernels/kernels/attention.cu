@@ -95,18 +95,17 @@ __device__ __forceinline__ void comp_slot(u32 i, u32 j, u32 ws, u32 ratio, u32 c
 // operations (max, then the sum of exp, then the sum of value * (exp / sum)). Then the
 // weighted RMSNorm over c channels and the forward RoPE at position e * ratio on the last
 // rope_dim channels. Entries past `cap` are not written. Dynamic shared memory: c floats.
-// compressor_emit stores the entries as F32, compressor_emit_f16 rounds them to f16 (the
-// indexer's keys: half the bytes to score, and the MMAs take them as they are).
-__device__ __forceinline__ void store_entry(float* dst, float v) { *dst = v; }
-__device__ __forceinline__ void store_entry(u16* dst, float v) { *dst = f32_to_f16(v); }
-
-template <typename E>
-__device__ __forceinline__ void emit(const float* __restrict__ proj, u32 tokens, const float* __restrict__ ape,
-                                     u32 ratio, u32 c, u32 overlap, const float* __restrict__ norm, float eps,
-                                     const float* __restrict__ inv_freq, u32 rope_dim, const u32* __restrict__ pos,
-                                     const float* __restrict__ st_kv, const float* __restrict__ st_gate,
-                                     const float* __restrict__ prev_kv, const float* __restrict__ prev_gate, u32 cap,
-                                     E* __restrict__ entries, u32 batch) {
+// The entries are F32, or with `half` set f16 (the indexer's keys: half the bytes to score,
+// and the MMAs take them as they are).
+DSV4_KERNEL void __launch_bounds__(512) compressor_emit(const float* __restrict__ proj, u32 tokens,
+                                                        const float* __restrict__ ape, u32 ratio, u32 c, u32 overlap,
+                                                        const float* __restrict__ norm, float eps,
+                                                        const float* __restrict__ inv_freq, u32 rope_dim,
+                                                        const u32* __restrict__ pos, const float* __restrict__ st_kv,
+                                                        const float* __restrict__ st_gate,
+                                                        const float* __restrict__ prev_kv,
+                                                        const float* __restrict__ prev_gate, u32 cap,
+                                                        void* __restrict__ entries, u32 half, u32 batch) {
     pdl_enter();
     extern __shared__ float pooled[];
     __shared__ float scratch[32];
@@ -120,7 +119,7 @@ __device__ __forceinline__ void emit(const float* __restrict__ proj, u32 tokens,
         st_gate += (u64)block * ratio * kc;
         prev_kv += (u64)block * ratio * c;
         prev_gate += (u64)block * ratio * c;
-        entries += (u64)block * cap * c;
+        entries = static_cast<u8*>(entries) + (u64)block * cap * c * (half ? 2u : 4u);
         tokens = 1u;
         block = 0u;
     }
@@ -184,22 +183,12 @@ __device__ __forceinline__ void emit(const float* __restrict__ proj, u32 tokens,
     for (u32 i = threadIdx.x; i < rope_dim / 2u; i += blockDim.x)
         rope_pair(pooled + rope_start + 2u * i, ws, inv_freq[i], 1.0f);
     __syncthreads();
-    E* dst = entries + (u64)e * c;
-    for (u32 j = threadIdx.x; j < c; j += blockDim.x) store_entry(dst + j, pooled[j]);
-}
-
-#define COMPRESSOR_EMIT(name, E)                                                                          \
-    DSV4_KERNEL void __launch_bounds__(512)                                                              \
-        name(const float* __restrict__ proj, u32 tokens, const float* __restrict__ ape, u32 ratio, u32 c, \
-             u32 overlap, const float* __restrict__ norm, float eps, const float* __restrict__ inv_freq,   \
-             u32 rope_dim, const u32* __restrict__ pos, const float* __restrict__ st_kv,                  \
-             const float* __restrict__ st_gate, const float* __restrict__ prev_kv,                        \
-             const float* __restrict__ prev_gate, u32 cap, E* __restrict__ entries, u32 batch) {          \
-        emit<E>(proj, tokens, ape, ratio, c, overlap, norm, eps, inv_freq, rope_dim, pos, st_kv, st_gate,  \
-                prev_kv, prev_gate, cap, entries, batch);                                                 \
+    const u64 at = (u64)e * c;
+    for (u32 j = threadIdx.x; j < c; j += blockDim.x) {
+        if (half) static_cast<u16*>(entries)[at + j] = f32_to_f16(pooled[j]);
+        else static_cast<float*>(entries)[at + j] = pooled[j];
     }
-COMPRESSOR_EMIT(compressor_emit, float)
-COMPRESSOR_EMIT(compressor_emit_f16, u16)
+}
 
 // After compressor_emit: one thread per state element (row r, channel j of the κc-wide rows).
 // With overlap, when a window closed inside the chunk, prev_* (j < c) takes the A-half of

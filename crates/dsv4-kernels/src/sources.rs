@@ -163,7 +163,6 @@ pub const FAMILIES: &[KernelFamily] = &[
         source: include_str!("../kernels/attention.cu"),
         functions: &[
             "compressor_emit",
-            "compressor_emit_f16",
             "compressor_store",
             "index_scores",
             "index_select",

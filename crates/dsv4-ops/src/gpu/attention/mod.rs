@@ -116,16 +116,12 @@ pub const MAX_COMPRESSOR_WIDTH: usize = 8192;
 /// bytes to score over a long context, and the scoring MMAs take them as they are).
 pub trait StateElem: DeviceElem {
     const DTYPE: DType;
-    /// The `compressor_emit` kernel that writes entries of this type.
-    const EMIT: &'static str;
 }
 impl StateElem for f32 {
     const DTYPE: DType = DType::F32;
-    const EMIT: &'static str = "compressor_emit";
 }
 impl StateElem for f16 {
     const DTYPE: DType = DType::F16;
-    const EMIT: &'static str = "compressor_emit_f16";
 }
 
 /// One compressor's per-sequence device state (zero-initialized from the pool), F32 but for
@@ -253,10 +249,11 @@ pub fn compressor_update<E: StateElem>(
     };
     // SAFETY: proj [t, 2·kc], ape [ratio, kc], norm [c], inv_freq [half] with
     // 2·half <= c, pos [1] (a batch: [t]), state kv and gate [ratio, kc], prev [ratio, c] (read
-    // only with overlap), entries [cap, c] (entries >= cap are skipped), each [t, ...] in a
-    // batch, checked above; c floats of dynamic shared memory (c <= 8192).
+    // only with overlap), entries [cap, c] of E, F32 or F16 as the flag passed says (entries
+    // >= cap are skipped), each [t, ...] in a batch, checked above; c floats of dynamic shared
+    // memory (c <= 8192).
     unsafe {
-        launch(dev, E::EMIT, cfg, |b| {
+        launch(dev, "compressor_emit", cfg, |b| {
             compressor_projections(b, proj, ape, &dims, ov);
             b.ptr(norm)
                 .arg(eps)
@@ -269,6 +266,7 @@ pub fn compressor_update<E: StateElem>(
                 .ptr(&state.prev_gate)
                 .arg(dims[4])
                 .ptr(&state.entries)
+                .arg(u32::from(E::DTYPE == DType::F16))
                 .arg(batch);
         })
     }?;
