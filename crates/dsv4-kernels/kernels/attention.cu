@@ -252,8 +252,9 @@ DSV4_KERNEL void compressor_store(const float* __restrict__ proj, u32 tokens, co
 // Block (x, t): steps of 16 entries x, x + gridDim.x, ... below n_vis for token t, so that the
 // visible entries spread over the whole grid however few of the capacity they are. q_t sits
 // in shared memory as [c][nh + 1] (the pad keeps the transposing stores off one bank); a warp
-// stages 4 entries (f16 keys, widened exactly) as [c][4] and each lane computes, for heads lane and lane + 32, the four dot
-// products sequentially over the channels (the CPU's order). The terms
+// stages 4 entries (f16 keys, widened exactly) as [c][4] and each lane computes, for heads
+// lane and lane + 32, the four dot products sequentially over the channels (the CPU's order).
+// The terms
 // max(dot, 0) * scale * w_h (w_h = weight * wscale, rounded as on the CPU) go to shared memory
 // and lanes 0..3 sum one entry's terms in head order, so scores are bit-identical to the CPU.
 DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __restrict__ q,

@@ -338,7 +338,8 @@ const INDEX_MMA_TOKENS: usize = 4;
 /// Lightning Indexer (spec §7) for T queries: `q [T, nh·c]` (already rotated), `weights [T, nh]`
 /// (raw weights_proj outputs: the kernel multiplies them by 1/sqrt(nh) exactly as the CPU does
 /// before use), over the visible entries of the indexer compressor `entries [capacity, c]` (F16,
-/// as [`compressor_update`] rounds them; the scores are those of these keys widened to F32):
+/// as [`compressor_update`] rounds them: a key past f16's range (|x| > 65504) is infinite, the
+/// model's RMS-normalised keys are about 1; the scores are those of these keys widened to F32):
 /// token t sees n_vis = min((p + 1) / ratio, capacity) entries. Score of entry w:
 /// Σ_h (max(q_h·K_w, 0) · (1/sqrt(c)) · w_h), computed as `scoring` says; an entry's score
 /// depends only on its key and its token's queries and weights either way. `scores` F32
