@@ -133,7 +133,7 @@ pub(crate) fn fill_bf16_at(
     dist: Uniform,
 ) -> Result<(), GpuError> {
     // SAFETY: the caller's address holds n BF16 values.
-    unsafe { launch_uniform(dev, "random_bf16", address, n, seed, dist) }
+    unsafe { launch_uniform(dev, <bf16 as UniformElem>::KERNEL, address, n, seed, dist) }
 }
 
 /// Launches `kernel` (a [`UniformElem::KERNEL`]) over `n` values at `address`.

@@ -8,6 +8,21 @@ use super::*;
 use crate::gpu::testing::{assert_bits_eq, device, rng};
 use crate::gpu::DType;
 
+/// [`fill_uniform`] of `n` values of `T` against the reference `value`, bit for bit.
+fn check_uniform<T: UniformElem + std::fmt::Debug>(
+    dev: &Device,
+    n: usize,
+    seed: u64,
+    u: Uniform,
+    value: impl Fn(u64, u64, Uniform) -> T,
+) {
+    let mut t = dev.alloc::<T>(T::DTYPES[0], &[n]).unwrap();
+    fill_uniform(dev, &mut t, seed, u).unwrap();
+    let want: Vec<T> = (0..n as u64).map(|i| value(seed, i, u)).collect();
+    let what = format!("{} {u:?}, n {n}", std::any::type_name::<T>());
+    assert_bits_eq(&what, &dev.download(&t).unwrap(), &want);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_random_fills_match_reference() {
@@ -44,34 +59,9 @@ fn gpu_random_fills_match_reference() {
             mean: rng.random_range(-2.0..2.0),
             half_range: rng.random_range(0.0..3.0),
         };
-        let mut t = dev.alloc::<bf16>(DType::BF16, &[n]).unwrap();
-        fill_uniform(&dev, &mut t, seed, u).unwrap();
-        let want: Vec<bf16> = (0..n as u64).map(|i| cpu::bf16_value(seed, i, u)).collect();
-        assert_bits_eq(
-            &format!("bf16 {u:?}, n {n}"),
-            &dev.download(&t).unwrap(),
-            &want,
-        );
-        let mut t = dev.alloc::<f16>(DType::F16, &[n]).unwrap();
-        fill_uniform(&dev, &mut t, seed, u).unwrap();
-        let want: Vec<f16> = (0..n as u64).map(|i| cpu::f16_value(seed, i, u)).collect();
-        assert_bits_eq(
-            &format!("f16 {u:?}, n {n}"),
-            &dev.download(&t).unwrap(),
-            &want,
-        );
-        let mut t = dev.alloc::<f32>(DType::F32, &[n]).unwrap();
-        fill_uniform(&dev, &mut t, seed, u).unwrap();
-        let want: Vec<u32> = (0..n as u64)
-            .map(|i| cpu::f32_value(seed, i, u).to_bits())
-            .collect();
-        let got: Vec<u32> = dev
-            .download(&t)
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect();
-        assert_bits_eq(&format!("f32 {u:?}, n {n}"), &got, &want);
+        check_uniform(&dev, n, seed, u, cpu::bf16_value);
+        check_uniform(&dev, n, seed, u, cpu::f16_value);
+        check_uniform(&dev, n, seed, u, cpu::f32_value);
     }
 }
 
