@@ -94,9 +94,9 @@ __device__ __forceinline__ void comp_slot(u32 i, u32 j, u32 ws, u32 ratio, u32 c
 // B-half rows; no previous half for e = 0) weighting the values, with the CPU's order of
 // operations (max, then the sum of exp, then the sum of value * (exp / sum)). Then the
 // weighted RMSNorm over c channels and the forward RoPE at position e * ratio on the last
-// rope_dim channels. Entries past `cap` are not written. Dynamic shared memory: c floats.
-// The entries are F32, or with `half` set f16 (the indexer's keys: half the bytes to score,
-// and the MMAs take them as they are).
+// rope_dim channels, rounded to f16 (half the bytes of F32 to keep and to read; the
+// attention's and the indexer's MMAs take them as they are). Entries past `cap` are not
+// written. Dynamic shared memory: c floats.
 DSV4_KERNEL void __launch_bounds__(512) compressor_emit(const float* __restrict__ proj, u32 tokens,
                                                         const float* __restrict__ ape, u32 ratio, u32 c, u32 overlap,
                                                         const float* __restrict__ norm, float eps,
@@ -105,7 +105,7 @@ DSV4_KERNEL void __launch_bounds__(512) compressor_emit(const float* __restrict_
                                                         const float* __restrict__ st_gate,
                                                         const float* __restrict__ prev_kv,
                                                         const float* __restrict__ prev_gate, u32 cap,
-                                                        void* __restrict__ entries, u32 half, u32 batch) {
+                                                        u16* __restrict__ entries, u32 batch) {
     pdl_enter();
     extern __shared__ float pooled[];
     __shared__ float scratch[32];
@@ -119,7 +119,7 @@ DSV4_KERNEL void __launch_bounds__(512) compressor_emit(const float* __restrict_
         st_gate += (u64)block * ratio * kc;
         prev_kv += (u64)block * ratio * c;
         prev_gate += (u64)block * ratio * c;
-        entries = static_cast<u8*>(entries) + (u64)block * cap * c * (half ? 2u : 4u);
+        entries += (u64)block * cap * c;
         tokens = 1u;
         block = 0u;
     }
@@ -183,11 +183,8 @@ DSV4_KERNEL void __launch_bounds__(512) compressor_emit(const float* __restrict_
     for (u32 i = threadIdx.x; i < rope_dim / 2u; i += blockDim.x)
         rope_pair(pooled + rope_start + 2u * i, ws, inv_freq[i], 1.0f);
     __syncthreads();
-    const u64 at = (u64)e * c;
-    for (u32 j = threadIdx.x; j < c; j += blockDim.x) {
-        if (half) static_cast<u16*>(entries)[at + j] = f32_to_f16(pooled[j]);
-        else static_cast<float*>(entries)[at + j] = pooled[j];
-    }
+    u16* dst = entries + (u64)e * c;
+    for (u32 j = threadIdx.x; j < c; j += blockDim.x) dst[j] = f32_to_f16(pooled[j]);
 }
 
 // After compressor_emit: one thread per state element (row r, channel j of the κc-wide rows).
@@ -553,7 +550,7 @@ __device__ __forceinline__ void write_output_pair(u16* dst, u32 c, float x, floa
 // key is row t of kv, its ring and entries slice t (the pointers are moved there).
 __device__ __forceinline__ u32 att_token(u32 t, const u32* __restrict__ pos, u32 batch, u32 d, u32 wsize, u32 cap,
                                          const float* __restrict__& kv, const float* __restrict__& window,
-                                         const float* __restrict__& entries) {
+                                         const u16* __restrict__& entries) {
     if (!batch) return pos[0];
     kv += (u64)t * d;
     window += (u64)t * wsize * d;
@@ -562,12 +559,13 @@ __device__ __forceinline__ u32 att_token(u32 t, const u32* __restrict__ pos, u32
 }
 
 // Key j of token t (at p; the chunk starts at pos0): window position p + 1 - n_w + j from the
-// chunk's kv or the ring, else compressed entry j - n_w (mode 1) or the selected id (mode 2),
-// null when that selection slot holds none (-1 or an id >= cap).
-__device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0, u32 wsize, u32 d, u32 mode,
-                                                const float* __restrict__ kv, const float* __restrict__ window,
-                                                const float* __restrict__ entries, const int* __restrict__ sel_t,
-                                                u32 cap) {
+// chunk's kv or the ring (F32), else compressed entry j - n_w (mode 1) or the selected id
+// (mode 2; f16), null when that selection slot holds none (-1 or an id >= cap). Keys j >= n_w
+// are f16.
+__device__ __forceinline__ const void* att_key(u32 j, u32 n_w, u32 p, u32 pos0, u32 wsize, u32 d, u32 mode,
+                                               const float* __restrict__ kv, const float* __restrict__ window,
+                                               const u16* __restrict__ entries, const int* __restrict__ sel_t,
+                                               u32 cap) {
     if (j < n_w) {
         const u32 kp = p + 1u - n_w + j;
         return kp >= pos0 ? kv + (u64)(kp - pos0) * d : window + (u64)(kp % wsize) * d;
@@ -586,7 +584,9 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 // slots of selected[t] (-1 or an id >= cap: none; index_select leaves -1 in the slots past
 // them). The n keys are cut into S = gridDim.y consecutive splits of ceil(n / S), the S blocks
 // of (x, t) one cluster (S <= 16). Dynamic shared memory: 8 · ring · 4 · d floats, each warp's
-// ring of buffers of four keys (two where the GPU's shared memory holds them), later the
+// ring of buffers of four keys (two where the GPU's shared memory holds them; a compressed
+// entry, f16, is copied as it is into the first half of its key's buffer and widened as it is
+// read), later the
 // warps' states (8 · 4 · d). Warp w takes its split's keys w, w + 8, ... four at a time: the
 // next four copy into a buffer while it scores these. Per batch the lanes hold d / 32 channels
 // of each key, the 16 (head, key) dot products are summed over the warp together, and each head's running max,
@@ -598,7 +598,7 @@ __device__ __forceinline__ const float* att_key(u32 j, u32 n_w, u32 p, u32 pos0,
 // A token with mma_from keys or more is left to attention_mma (launched after this kernel).
 DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
-    const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
+    const u16* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, u16* __restrict__ out, u32 ring, u32 batch, u32 mma_from) {
     const u32 h0 = blockIdx.x * ATT_HEADS;
@@ -640,18 +640,26 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
     float* keybuf = stage + warp * ring * ATT_BATCH * d;
     const u32 j_first = split * per + warp;
+    // Key r of batch b, and whether it is a compressed entry (f16, copied as it is into the
+    // first half of its slot).
+    auto key_of = [&](u32 b, u32 r) { return j_first + (b * ATT_BATCH + r) * ATT_WARPS; };
     // Issues batch b's copies into its buffer and returns its mask of present keys.
     auto load_batch = [&](u32 b) {
         u32 mask = 0u;
         float* buf = keybuf + (ring == 2u ? b & 1u : 0u) * ATT_BATCH * d;
 #pragma unroll
         for (u32 r = 0; r < ATT_BATCH; r++) {
-            const u32 jr = j_first + (b * ATT_BATCH + r) * ATT_WARPS;
-            const float* key =
+            const u32 jr = key_of(b, r);
+            const void* key =
                 jr < j_end ? att_key(jr, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
             if (!key) continue;  // warp-uniform
             mask |= 1u << r;
-            for (u32 i = 4u * lane; i < d; i += 128u) cp_async16(buf + r * d + i, key + i);
+            if (jr >= n_w) {
+                u16* slot = reinterpret_cast<u16*>(buf + r * d);
+                for (u32 i = 8u * lane; i < d; i += 256u) cp_async16(slot + i, static_cast<const u16*>(key) + i);
+            } else {
+                for (u32 i = 4u * lane; i < d; i += 128u) cp_async16(buf + r * d + i, static_cast<const float*>(key) + i);
+            }
         }
         cp_async_commit();
         return mask;
@@ -681,12 +689,20 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         else cp_async_wait<0>();  // batch b
         __syncwarp();
         const float* buf = keybuf + (ring == 2u ? b & 1u : 0u) * ATT_BATCH * d;
+        // A compressed entry (f16) sits in the first half of its buffer (warp-uniform test).
         float kr[ATT_BATCH][ATT_MAX_CPL];
 #pragma unroll
-        for (u32 r = 0; r < ATT_BATCH; r++)
+        for (u32 r = 0; r < ATT_BATCH; r++) {
+            const bool present = (mask >> r) & 1u;
+            if (present && key_of(b, r) >= n_w) {
+                const u16* slot = reinterpret_cast<const u16*>(buf + r * d);
 #pragma unroll
-            for (u32 x = 0; x < ATT_MAX_CPL; x++)
-                kr[r][x] = (mask >> r) & 1u && x < cpl ? buf[r * d + lane + 32u * x] : 0.0f;
+                for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[r][x] = x < cpl ? f16_to_f32(slot[lane + 32u * x]) : 0.0f;
+            } else {
+#pragma unroll
+                for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[r][x] = present && x < cpl ? buf[r * d + lane + 32u * x] : 0.0f;
+            }
+        }
         __syncwarp();  // every lane has read the buffer: a later batch may overwrite it
         if (ring == 1u && more) next_mask = load_batch(b + 1u);
         // The lane's share of the 16 dot products (head h, key r at v[4 h + r]).
@@ -843,17 +859,20 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // parts, x = hi + lo (hi = x rounded to f16, lo = the rest rounded again: about 22
 // significant bits), and a product of two is taken as hi·hi + hi·lo + lo·hi on the MMAs, with
 // f32 sums: one f16 rounding of the queries moved logits enough to change a router's choice in
-// a later layer of the tiny fixtures. Queries and keys must lie inside f16's range (|x| <
-// 65504; the model's are RMS-normalised). The block's queries go to shared memory once, its keys
-// (in attention_heads' order: window, then compressed) 32 at a time. 16 warps: warp w scores
+// a later layer of the tiny fixtures. The compressed entries are f16 already: a product with
+// one is hi·k + lo·k. Queries and keys must lie inside f16's range (|x| < 65504; the model's
+// are RMS-normalised). The block's queries go to shared memory once, its keys (in
+// attention_heads' order: window, then compressed) 32 at a time: a tile holding window keys
+// split into hi and lo rows as it is staged, a tile of entries copied as it is (cp.async) while
+// the tile before it is scored. 16 warps: warp w scores
 // heads 16 (w % 4) .. + 16 against keys 8 (w / 4) .. + 8 over the whole head width, the block
 // shares the scores through shared memory, and each warp then keeps the online softmax of its
 // 16 heads (the four warps of a head group keep the same one) and accumulates probabilities
 // times keys into its quarter of the head width. Then the sink joins each head's
 // denominator, the output is rotated back and written in bf16, as attention_heads does.
 // Splits (gridDim.z = S > 1, for launches of few tokens): the token's tiles of 32 keys are
-// dealt out ceil(tiles / S) to a split, so `used` <= S splits hold keys (the others return at
-// once). Each used block writes its heads' unnormalised sums and softmax states to `part`
+// dealt out in contiguous runs of about equal cost (a window tile costs two entry tiles), so
+// `used` <= S splits take part (the others return at once). Each used block writes its heads' unnormalised sums and softmax states to `part`
 // ([t][h][S][d] sums, [t][h][S][2] max and denominator), they meet at token t's counter (the
 // launcher keeps every block of the grid resident at once, so the wait ends), and the used
 // blocks then merge the heads' splits, each a share of the heads' channels, in a fixed order:
@@ -863,6 +882,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 #define AMMA_HEADS 64u
 #define AMMA_KEYS 32u
 #define AMMA_WARPS 16u
+#define AMMA_WINDOW_COST 2u  // a tile of window keys against a tile of entries, in split units
 
 __device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -887,6 +907,13 @@ __device__ __forceinline__ void f16x2_split(float a, float b, u32& hi, u32& lo) 
     lo = f16x2(a - ha, b - hb);
 }
 
+// Four f16 values at p (8 bytes) as f32.
+__device__ __forceinline__ float4 f16x4_to_f32(const u16* p) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    return make_float4(f16_to_f32((u16)w.x), f16_to_f32((u16)(w.x >> 16)), f16_to_f32((u16)w.y),
+                       f16_to_f32((u16)(w.y >> 16)));
+}
+
 // Four f32 values to hi and lo f16 parts at hi_dst and lo_dst (8 bytes each).
 __device__ __forceinline__ void store_split(float4 v, u16* hi_dst, u16* lo_dst) {
     u32 h0, l0, h1, l1;
@@ -905,11 +932,12 @@ __device__ __forceinline__ float amma_factor(float m, float l, float sk) {
 }
 
 
-// Dynamic shared memory: queries [2][64][d + 8] f16 (hi, lo), keys [2][32][d + 8] f16,
-// scores [64][33] f32; the split merge's factors and group sums in the keys' place.
+// Dynamic shared memory: queries [2][64][d + 8] f16 (hi, lo), keys [2][32][d + 8] f16 (a
+// window tile's hi and lo parts, or two entry tiles), scores [64][33] f32; the split merge's
+// factors and group sums in the keys' place.
 DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
-    const float* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
+    const u16* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
     u32* __restrict__ counters, u16* __restrict__ out, u32 batch, u32 mma_from) {
@@ -917,9 +945,9 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     extern __shared__ __align__(16) u16 amma[];
     const u32 ld = d + 8u;  // row stride (f16): rows 16 bytes apart in banks
     u16* q_s = amma;                          // hi, then lo at + AMMA_HEADS * ld
-    u16* k_s = q_s + 2u * AMMA_HEADS * ld;    // hi, then lo at + AMMA_KEYS * ld
+    u16* k_s = q_s + 2u * AMMA_HEADS * ld;    // slot 0, then slot 1 at + AMMA_KEYS * ld
     float* s_s = reinterpret_cast<float*>(k_s + 2u * AMMA_KEYS * ld);
-    __shared__ bool present_s[AMMA_KEYS];
+    __shared__ bool present_s[2][AMMA_KEYS];
     const u32 q_lo = AMMA_HEADS * ld, k_lo = AMMA_KEYS * ld;
     const u32 t = blockIdx.y, h0 = blockIdx.x * AMMA_HEADS;
     const u32 hv = min(AMMA_HEADS, heads - h0);
@@ -929,17 +957,49 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
     const u32 n = n_w + (mode == 2u ? min(k, n_vis) : n_vis);
     if (n < mma_from) return;  // attention_heads' token
-    // This split's keys [j_begin, j_end): whole tiles, ceil(tiles / S) a split (a parked
-    // token sees no keys: one split, which writes zeros).
+    // This split's keys [j_begin, j_end): whole tiles. A tile holding window keys (F32, split
+    // at staging, three MMAs a product) weighs AMMA_WINDOW_COST units, a tile of entries (f16,
+    // copied as they are while the tile before is scored, two MMAs) one; split s takes the
+    // tiles that start in units [s per, (s + 1) per), per = ceil(units / S). A split in the
+    // window's units may get no tile: it takes part in the merge with an empty state. (A
+    // parked token sees no keys: one split, which writes zeros.)
     const u32 tiles = max(1u, (n + AMMA_KEYS - 1u) / AMMA_KEYS);
-    const u32 per = (tiles + gridDim.z - 1u) / gridDim.z;
-    const u32 used = (tiles + per - 1u) / per, split = blockIdx.z;
+    const u32 wt = min(tiles, (n_w + AMMA_KEYS - 1u) / AMMA_KEYS);
+    const u32 units = AMMA_WINDOW_COST * wt + (tiles - wt);
+    const u32 per = (units + gridDim.z - 1u) / gridDim.z;
+    const u32 used = (units + per - 1u) / per, split = blockIdx.z;
     if (split >= used) return;
-    const u32 j_begin = split * per * AMMA_KEYS, j_end = min(n, j_begin + per * AMMA_KEYS);
+    // The first tile starting at unit x or later.
+    auto tile_at = [&](u32 x) {
+        return x <= AMMA_WINDOW_COST * wt ? (x + AMMA_WINDOW_COST - 1u) / AMMA_WINDOW_COST
+                                          : x - (AMMA_WINDOW_COST - 1u) * wt;
+    };
+    const u32 j_begin = min(n, tile_at(split * per) * AMMA_KEYS);
+    const u32 j_end = min(n, tile_at((split + 1u) * per) * AMMA_KEYS);
     const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3u;
     const u32 hg = warp & 3u, kq = warp >> 2;  // head group (16 heads), key quarter / dim quarter
     const u32 dq = d / 4u, ntiles = dq / 8u;   // this warp's output columns
+
+    // Entry tile j0's rows (f16, as stored) into key slot sl by cp.async, 16 bytes a piece
+    // (absent rows zero), and which are present; one commit group.
+    auto issue = [&](u32 j0, u32 sl) {
+        u16* dst = k_s + sl * k_lo;
+        const u32 ppr = d / 8u;
+        for (u32 i = threadIdx.x; i < AMMA_KEYS * ppr; i += blockDim.x) {
+            const u32 r = i / ppr, c8 = 8u * (i % ppr), j = j0 + r;
+            const u16* key = j < j_end ? static_cast<const u16*>(
+                                             att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap))
+                                       : nullptr;
+            if (key) cp_async16(dst + r * ld + c8, key + c8);
+            else *reinterpret_cast<uint4*>(dst + r * ld + c8) = make_uint4(0u, 0u, 0u, 0u);
+            if (c8 == 0u) present_s[sl][r] = key != nullptr;
+        }
+        cp_async_commit();
+    };
+    // A first tile of entries is on its way while the queries are staged.
+    bool issued = j_begin >= n_w && j_begin < j_end;
+    if (issued) issue(j_begin, 0u);
 
     // Staging: thread i takes channels 4 (i % tpr) .. + 4 of rows i / tpr, i / tpr + rpp, ...
     // (tpr = d / 4 <= 128 threads a row, so rpp >= 4 rows a pass and eight passes cover 32
@@ -966,19 +1026,51 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     for (u32 i = 0; i < 16u; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     // Running max and denominator of rows g and g + 8 of the warp's head group.
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    // Fragments by ldmatrix (one instruction for four 8x8 matrices, a lane naming a row of
+    // one): the queries' (heads 16 hg + 0..15, channels c, c + 8; hi or lo).
+    const u32 a_row = 16u * hg + (lane & 7u) + 8u * ((lane >> 3) & 1u);
+    const u32 qa = (u32)__cvta_generic_to_shared(q_s + a_row * ld + 8u * (lane >> 4));
+    auto ldm4 = [](u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(addr));
+    };
+    auto ldm4t = [](u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(addr));
+    };
+    u32 et = 0u;  // entry tiles begun: tile et goes to slot et % 2
     for (u32 j0 = j_begin; j0 < j_end; j0 += AMMA_KEYS) {
+        const bool entry = j0 >= n_w;
+        const u32 sl = entry ? et & 1u : 0u;
         __syncthreads();  // the previous tile's keys and scores are read
-        // Keys j0 .. j0 + 31 as f16 rows (absent ones zero), and which are present.
-        if (stager) {
+        if (entry) {
+            // This tile's copies (unless issued before), the next tile's into the other slot
+            // (the tile before, which held it, is read), then this tile's landed.
+            if (!issued) issue(j0, sl);
+            issued = j0 + AMMA_KEYS < j_end;
+            if (issued) {
+                issue(j0 + AMMA_KEYS, sl ^ 1u);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            et++;
+        } else if (stager) {
+            // Keys j0 .. j0 + 31 split into f16 hi (slot 0) and lo (slot 1) rows (absent ones
+            // zero; an entry in the tile has no lo part), and which are present.
             float4 v[8];
             u32 present = 0u;
 #pragma unroll
             for (u32 b = 0; b < 8u; b++) {
                 const u32 r = r0 + b * rpp, j = j0 + r;
-                const float* key = r < AMMA_KEYS && j < j_end
-                                       ? att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap)
-                                       : nullptr;
-                v[b] = key ? *reinterpret_cast<const float4*>(key + c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const void* key = r < AMMA_KEYS && j < j_end
+                                      ? att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap)
+                                      : nullptr;
+                v[b] = !key       ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                       : j >= n_w ? f16x4_to_f32(static_cast<const u16*>(key) + c4)
+                                  : *reinterpret_cast<const float4*>(static_cast<const float*>(key) + c4);
                 present |= key ? 1u << b : 0u;
             }
 #pragma unroll
@@ -986,7 +1078,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                 const u32 r = r0 + b * rpp;
                 if (r >= AMMA_KEYS) continue;
                 store_split(v[b], k_s + r * ld + c4, k_s + k_lo + r * ld + c4);
-                if (c4 == 0u) present_s[r] = (present >> b) & 1u;
+                if (c4 == 0u) present_s[0][r] = (present >> b) & 1u;
             }
         }
         __syncthreads();
@@ -994,39 +1086,49 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         // 16-channel steps in two chains of MMAs, added at the end.
         {
             float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-            // Fragments by ldmatrix (one instruction for four 8x8 matrices, a lane naming a
-            // row of one): the queries' (heads 16 hg + 0..15, channels c, c + 8; hi or lo),
-            // and the keys' (keys 8 kq + 0..7, channels c, c + 8, hi then lo).
-            const u32 a_row = 16u * hg + (lane & 7u) + 8u * ((lane >> 3) & 1u);
-            const u32 qa = (u32)__cvta_generic_to_shared(q_s + a_row * ld + 8u * (lane >> 4));
-            const u32 kb = (u32)__cvta_generic_to_shared(k_s + (lane >> 4) * k_lo + (8u * kq + (lane & 7u)) * ld +
-                                                        8u * ((lane >> 3) & 1u));
-            auto ldm4 = [](u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                             : "r"(addr));
-            };
-            // hi·hi + hi·lo + lo·hi of channels c .. c + 15 into acc.
-            auto step = [&](float(&acc)[4], u32 c) {
-                u32 a0, a1, a2, a3, e0, e1, e2, e3, b0, b1, l0, l1;
-                ldm4(qa + 2u * c, a0, a1, a2, a3);
-                ldm4(kb + 2u * c, b0, b1, l0, l1);
-                ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
-                mma_f16(acc, a0, a1, a2, a3, b0, b1);
-                mma_f16(acc, a0, a1, a2, a3, l0, l1);
-                mma_f16(acc, e0, e1, e2, e3, b0, b1);
-            };
             // d is a multiple of 32 (the launcher's check).
-            for (u32 c = 0; c < d; c += 32u) {
-                step(sc[0], c);
-                step(sc[1], c + 16u);
+            if (entry) {
+                // Key fragments of channels c, c + 8, c + 16, c + 24 (keys 8 kq + 0..7) in one
+                // load: q·k = hi·k + lo·k.
+                const u32 kb = (u32)__cvta_generic_to_shared(k_s + sl * k_lo + (8u * kq + (lane & 7u)) * ld +
+                                                            8u * (lane >> 3));
+                for (u32 c = 0; c < d; c += 32u) {
+                    u32 b0, b1, b2, b3, a0, a1, a2, a3, e0, e1, e2, e3;
+                    ldm4(kb + 2u * c, b0, b1, b2, b3);
+                    ldm4(qa + 2u * c, a0, a1, a2, a3);
+                    ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
+                    mma_f16(sc[0], a0, a1, a2, a3, b0, b1);
+                    mma_f16(sc[0], e0, e1, e2, e3, b0, b1);
+                    ldm4(qa + 2u * (c + 16u), a0, a1, a2, a3);
+                    ldm4(qa + 2u * (q_lo + c + 16u), e0, e1, e2, e3);
+                    mma_f16(sc[1], a0, a1, a2, a3, b2, b3);
+                    mma_f16(sc[1], e0, e1, e2, e3, b2, b3);
+                }
+            } else {
+                // The keys' fragments (keys 8 kq + 0..7, channels c, c + 8, hi then lo):
+                // hi·hi + hi·lo + lo·hi.
+                const u32 kb = (u32)__cvta_generic_to_shared(k_s + (lane >> 4) * k_lo + (8u * kq + (lane & 7u)) * ld +
+                                                            8u * ((lane >> 3) & 1u));
+                auto step = [&](float(&acc)[4], u32 c) {
+                    u32 a0, a1, a2, a3, e0, e1, e2, e3, b0, b1, l0, l1;
+                    ldm4(qa + 2u * c, a0, a1, a2, a3);
+                    ldm4(kb + 2u * c, b0, b1, l0, l1);
+                    ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
+                    mma_f16(acc, a0, a1, a2, a3, b0, b1);
+                    mma_f16(acc, a0, a1, a2, a3, l0, l1);
+                    mma_f16(acc, e0, e1, e2, e3, b0, b1);
+                };
+                for (u32 c = 0; c < d; c += 32u) {
+                    step(sc[0], c);
+                    step(sc[1], c + 16u);
+                }
             }
             // Absent keys (past n, or a selection slot holding none) score -inf.
 #pragma unroll
             for (u32 i = 0; i < 4u; i++) {
                 const u32 col = 8u * kq + 2u * qd + (i & 1u);
                 s_s[(16u * hg + g + 8u * (i >> 1)) * (AMMA_KEYS + 1u) + col] =
-                    present_s[col] ? (sc[0][i] + sc[1][i]) * scale : NEG_INF;
+                    present_s[sl][col] ? (sc[0][i] + sc[1][i]) * scale : NEG_INF;
             }
         }
         __syncthreads();
@@ -1070,21 +1172,39 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
             f16x2_split(pr[1][4u * ks], pr[1][4u * ks + 1u], a1, e1);
             f16x2_split(pr[0][4u * ks + 2u], pr[0][4u * ks + 3u], a2, e2);
             f16x2_split(pr[1][4u * ks + 2u], pr[1][4u * ks + 3u], a3, e3);
-            // B: keys 16 ks + (2 qd, 2 qd + 1) and + 8, column g of each 8-column tile, hi and
-            // lo, by one ldmatrix.trans from the key rows (lanes 0-15 name rows 16 ks + lane %
-            // 16 of the hi keys, lanes 16-31 the same rows of the lo keys).
-            const u16* rowp = k_s + (lane >> 4) * k_lo + (16u * ks + (lane & 15u)) * ld + dq * kq;
-            const u32 base = (u32)__cvta_generic_to_shared(rowp);
+            if (entry) {
+                // B of two 8-column tiles by one ldmatrix.trans (lanes 0-15 name rows 16 ks +
+                // lane % 16 at tile nt's columns, lanes 16-31 the same rows at tile nt + 1's;
+                // past the last tile its reads are not used): p·v = hi·v + lo·v.
+                const u16* rowp = k_s + sl * k_lo + (16u * ks + (lane & 15u)) * ld + dq * kq + 8u * (lane >> 4);
+                const u32 base = (u32)__cvta_generic_to_shared(rowp);
 #pragma unroll
-            for (u32 nt = 0; nt < 16u; nt++) {
-                if (nt >= ntiles) break;
-                u32 b0, b1, c0, c1;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(b0), "=r"(b1), "=r"(c0), "=r"(c1)
-                             : "r"(base + nt * 16u));
-                mma_f16(o[nt], a0, a1, a2, a3, b0, b1);
-                mma_f16(o[nt], a0, a1, a2, a3, c0, c1);
-                mma_f16(o[nt], e0, e1, e2, e3, b0, b1);
+                for (u32 nt = 0; nt < 16u; nt += 2u) {
+                    if (nt >= ntiles) break;
+                    u32 b0, b1, c0, c1;
+                    ldm4t(base + nt * 16u, b0, b1, c0, c1);
+                    mma_f16(o[nt], a0, a1, a2, a3, b0, b1);
+                    mma_f16(o[nt], e0, e1, e2, e3, b0, b1);
+                    if (nt + 1u < ntiles) {
+                        mma_f16(o[nt + 1u], a0, a1, a2, a3, c0, c1);
+                        mma_f16(o[nt + 1u], e0, e1, e2, e3, c0, c1);
+                    }
+                }
+            } else {
+                // B: keys 16 ks + (2 qd, 2 qd + 1) and + 8, column g of each 8-column tile, hi
+                // and lo, by one ldmatrix.trans from the key rows (lanes 0-15 name rows 16 ks +
+                // lane % 16 of the hi keys, lanes 16-31 the same rows of the lo keys).
+                const u16* rowp = k_s + (lane >> 4) * k_lo + (16u * ks + (lane & 15u)) * ld + dq * kq;
+                const u32 base = (u32)__cvta_generic_to_shared(rowp);
+#pragma unroll
+                for (u32 nt = 0; nt < 16u; nt++) {
+                    if (nt >= ntiles) break;
+                    u32 b0, b1, c0, c1;
+                    ldm4t(base + nt * 16u, b0, b1, c0, c1);
+                    mma_f16(o[nt], a0, a1, a2, a3, b0, b1);
+                    mma_f16(o[nt], a0, a1, a2, a3, c0, c1);
+                    mma_f16(o[nt], e0, e1, e2, e3, b0, b1);
+                }
             }
         }
     }
@@ -1238,7 +1358,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // rounds nothing). Then the block takes steps of 128 entries (x, x + gridDim.x, ...: a short
 // context keeps most blocks idle rather than every block staging queries for a few entries),
 // warp w their w-th 16, below the last token's visible count: the tile's keys stay in
-// registers as the A operand, and for each token whose visible entries reach the tile the warp
+// registers as the A operand (the warp's next tile's loads in flight meanwhile), and for each token whose visible entries reach the tile the warp
 // takes the heads eight at a time (B, from shared memory) over all c channels, then sums
 // max(dot, 0) · scale · w_h over the heads in registers and across the quad. So an entry's
 // score depends only on its key and its token's queries and weights, whichever tile, block or
@@ -1326,12 +1446,9 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
     __syncthreads();
 
     auto ld128 = [](const u16* p) { return *reinterpret_cast<const uint4*>(p); };
-    for (u32 i = blockIdx.x;; i += gridDim.x) {
-        const u32 e0 = 16u * (IMMA_WARPS * i + warp);
-        if (e0 >= n_max) break;
-        // Keys of rows e0 + g and e0 + g + 8, channels 32 kk + 8 qd .. + 7 (the A fragments of
-        // k-steps 2 kk and 2 kk + 1); rows past n_max and channels past c zero.
-        uint4 k0[IMMA_KK], k1[IMMA_KK];
+    // Keys of rows e0 + g and e0 + g + 8, channels 32 kk + 8 qd .. + 7 (the A fragments of
+    // k-steps 2 kk and 2 kk + 1); rows past n_max and channels past c zero.
+    auto load_keys = [&](u32 e0, uint4(&k0)[IMMA_KK], uint4(&k1)[IMMA_KK]) {
         const bool v0 = e0 + g < n_max, v1 = e0 + g + 8u < n_max;
         const u16* r0 = entries + (u64)(e0 + g) * c + 8u * qd;
         const u16* r1 = r0 + 8u * c;
@@ -1342,6 +1459,19 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
             k0[kk] = v0 && in ? ld128(r0 + 32u * kk) : z;
             k1[kk] = v1 && in ? ld128(r1 + 32u * kk) : z;
         }
+    };
+    // The warp's next step's keys are in flight while it scores this one's.
+    const u32 stride = 16u * IMMA_WARPS * gridDim.x;
+    uint4 k0[IMMA_KK], k1[IMMA_KK], n0[IMMA_KK], n1[IMMA_KK];
+    u32 e0 = 16u * (IMMA_WARPS * blockIdx.x + warp);
+    if (e0 < n_max) load_keys(e0, n0, n1);
+    for (; e0 < n_max; e0 += stride) {
+#pragma unroll
+        for (u32 kk = 0; kk < IMMA_KK; kk++) {
+            k0[kk] = n0[kk];
+            k1[kk] = n1[kk];
+        }
+        if (e0 + stride < n_max) load_keys(e0 + stride, n0, n1);
         for (u32 tb = 0; tb < tb_n; tb++) {
             const u32 t = t0 + tb, n_vis = visible(t);
             if (e0 >= n_vis) continue;

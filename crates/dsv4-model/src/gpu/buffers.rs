@@ -6,11 +6,11 @@
 //! capacity, so the same code runs twice: a sizing pass reserves every buffer by name in the
 //! open pool, and after sealing a second pass takes them (fixed addresses for graph replays).
 
-use dsv4_ops::gpu::attention::{AttentionSplits, CompressorBuffers, StateElem};
+use dsv4_ops::gpu::attention::{AttentionSplits, CompressorBuffers};
 use dsv4_ops::gpu::collective::{self, RankBuffers};
 use dsv4_ops::gpu::gemv::GemvWorkspace;
 use dsv4_ops::gpu::mhc::mix_partials_shape;
-use dsv4_ops::gpu::random::{fill_uniform, Uniform, UniformElem};
+use dsv4_ops::gpu::random::{fill_uniform, Uniform};
 use dsv4_ops::gpu::{BufferPool, Device, DeviceElem, DeviceTensor, GpuError};
 use half::{bf16, f16};
 
@@ -86,17 +86,16 @@ impl Stage for Taking {
     }
 }
 
-/// One compressor's state (see [`CompressorBuffers`]), its entries stored as `E` (F16 for the
-/// indexer's keys).
-pub struct CompState<S: Stage, E: StateElem = f32> {
+/// One compressor's state (see [`CompressorBuffers`]).
+pub struct CompState<S: Stage> {
     kv: S::Buf<f32>,
     gate: S::Buf<f32>,
     prev_kv: S::Buf<f32>,
     prev_gate: S::Buf<f32>,
-    entries: S::Buf<E>,
+    entries: S::Buf<f16>,
 }
 
-impl<S: Stage, E: StateElem> CompState<S, E> {
+impl<S: Stage> CompState<S> {
     fn build(
         s: &mut S,
         name: &str,
@@ -116,9 +115,9 @@ impl<S: Stage, E: StateElem> CompState<S, E> {
     }
 }
 
-impl<E: StateElem + UniformElem> CompState<Taking, E> {
+impl CompState<Taking> {
     /// The launchers' view of the sequences' state (the same memory).
-    pub fn buffers(&self, seqs: Seqs) -> Result<CompressorBuffers<E>, GpuError> {
+    pub fn buffers(&self, seqs: Seqs) -> Result<CompressorBuffers, GpuError> {
         Ok(CompressorBuffers {
             kv: seqs.view(&self.kv)?,
             gate: seqs.view(&self.gate)?,
@@ -228,7 +227,7 @@ impl Seqs {
 pub struct LayerView {
     pub window: DeviceTensor<f32>,
     pub comp: Option<CompressorBuffers>,
-    pub index: Option<(CompressorBuffers<f16>, DeviceTensor<i32>)>,
+    pub index: Option<(CompressorBuffers, DeviceTensor<i32>)>,
 }
 
 impl LayerState<Taking> {
@@ -246,7 +245,7 @@ impl LayerState<Taking> {
 
 /// The Lightning Indexer's compressor and choice.
 pub struct IndexState<S: Stage> {
-    pub comp: CompState<S, f16>,
+    pub comp: CompState<S>,
     pub selected: S::Buf<i32>,
 }
 

@@ -1673,12 +1673,12 @@ fn attention_layer(
 /// One compressor's projections of `xb` (one GEMV into the front of `proj`) and its state
 /// update.
 #[allow(clippy::too_many_arguments)]
-fn compressor_step<E: attention::StateElem>(
+fn compressor_step(
     dev: &Device,
     c: &Config,
     w: &DevWeights,
     cw: &DevCompressor,
-    st: &mut attention::CompressorBuffers<E>,
+    st: &mut attention::CompressorBuffers,
     xb: &DeviceTensor<bf16>,
     proj: &DeviceTensor<f32>,
     pos: &DeviceTensor<u32>,

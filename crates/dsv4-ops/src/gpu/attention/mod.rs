@@ -60,18 +60,19 @@ fn dims_u32<const N: usize>(dims: [(&str, usize); N]) -> Result<[u32; N], GpuErr
     Ok(out)
 }
 
-/// `(rows, cols)` of one sequence's state `x` (F32, or F16 entries): `[rows, cols]` for a
-/// chunk, `[T, rows, cols]` for a batch of T sequences (`batch`: `Some(T)`), slice t sequence
-/// t's.
-fn state_dims<T: StateElem>(
+/// `(rows, cols)` of one sequence's state `x` (of `dtype`: F32, or F16 entries): `[rows, cols]`
+/// for a chunk, `[T, rows, cols]` for a batch of T sequences (`batch`: `Some(T)`), slice t
+/// sequence t's.
+fn state_dims<T: DeviceElem>(
     x: &DeviceTensor<T>,
     what: &str,
+    dtype: DType,
     batch: Option<usize>,
 ) -> Result<(usize, usize), GpuError> {
     match (batch, x.shape()) {
-        (None, _) => x.dims2(what, T::DTYPE),
+        (None, _) => x.dims2(what, dtype),
         (Some(b), &[n, r, c]) if n == b => {
-            x.expect(what, T::DTYPE, &[n, r, c])?;
+            x.expect(what, dtype, &[n, r, c])?;
             Ok((r, c))
         }
         (Some(b), shape) => Err(GpuError::invalid(
@@ -112,30 +113,17 @@ pub const MAX_INDEX_DIM: usize = 128;
 /// The widest compressor entry (its pooled row lives in shared memory).
 pub const MAX_COMPRESSOR_WIDTH: usize = 8192;
 
-/// The types a sequence's state is kept in: F32, and F16 for the indexer's keys (half the
-/// bytes to score over a long context, and the scoring MMAs take them as they are).
-pub trait StateElem: DeviceElem {
-    const DTYPE: DType;
-}
-impl StateElem for f32 {
-    const DTYPE: DType = DType::F32;
-}
-impl StateElem for f16 {
-    const DTYPE: DType = DType::F16;
-}
-
-/// One compressor's per-sequence device state (zero-initialized from the pool), F32 but for
-/// the entries (`E`): `kv`, `gate` `[ratio, κ·c]` (the open window's projections; the gate
-/// with ape added, row p % ratio), `prev_kv`, `prev_gate` `[ratio, c]` (A-halves of the last
-/// closed window; used only with overlap, still present (any shape) without),
-/// `entries [capacity, c]` (emitted entries in order, each rounded to `E`; entry e pools
-/// window e).
-pub struct CompressorBuffers<E: StateElem = f32> {
+/// One compressor's per-sequence device state (zero-initialized from the pool): `kv`, `gate`
+/// `[ratio, κ·c]` F32 (the open window's projections; the gate with ape added, row p % ratio),
+/// `prev_kv`, `prev_gate` `[ratio, c]` F32 (A-halves of the last closed window; used only with
+/// overlap, still present (any shape) without), `entries [capacity, c]` F16 (emitted entries
+/// in order, each rounded to f16 as it is written; entry e pools window e).
+pub struct CompressorBuffers {
     pub kv: DeviceTensor<f32>,
     pub gate: DeviceTensor<f32>,
     pub prev_kv: DeviceTensor<f32>,
     pub prev_gate: DeviceTensor<f32>,
-    pub entries: DeviceTensor<E>,
+    pub entries: DeviceTensor<f16>,
 }
 
 /// Most threads of a `compressor_emit` block (its `__launch_bounds__`): one a channel.
@@ -151,10 +139,10 @@ const EMIT_THREADS: u32 = 512;
 /// B-half (channels [c, 2c)), the previous window absent for window 0 — then RMSNorm with
 /// `norm [c]` and `eps`, then RoPE (interleaved pairs on the last 2·inv_freq.len() channels,
 /// forward) at position (p + 1 − ratio); with overlap the current A-halves then become prev.
-/// ratio = ape.shape[0]. Two launches: the entries (rounded to `E` as they are stored), then
+/// ratio = ape.shape[0]. Two launches: the entries (rounded to f16 as they are stored), then
 /// the state.
 #[allow(clippy::too_many_arguments)]
-pub fn compressor_update<E: StateElem>(
+pub fn compressor_update(
     dev: &Device,
     proj: &DeviceTensor<f32>,
     ape: &DeviceTensor<f32>,
@@ -163,7 +151,7 @@ pub fn compressor_update<E: StateElem>(
     eps: f32,
     overlap: bool,
     pos: &DeviceTensor<u32>,
-    state: &mut CompressorBuffers<E>,
+    state: &mut CompressorBuffers,
 ) -> Result<(), GpuError> {
     let (t, kc2) = proj.dims2("compressor projection", DType::F32)?;
     let kc = kc2 / 2;
@@ -213,7 +201,7 @@ pub fn compressor_update<E: StateElem>(
         };
         prev.expect(what, DType::F32, &shape)?;
     }
-    let (cap, width) = state_dims(&state.entries, "compressor entries", seqs)?;
+    let (cap, width) = state_dims(&state.entries, "compressor entries", DType::F16, seqs)?;
     if width != c {
         return Err(GpuError::invalid(
             "compressor entries",
@@ -249,9 +237,8 @@ pub fn compressor_update<E: StateElem>(
     };
     // SAFETY: proj [t, 2·kc], ape [ratio, kc], norm [c], inv_freq [half] with
     // 2·half <= c, pos [1] (a batch: [t]), state kv and gate [ratio, kc], prev [ratio, c] (read
-    // only with overlap), entries [cap, c] of E, F32 or F16 as the flag passed says (entries
-    // >= cap are skipped), each [t, ...] in a batch, checked above; c floats of dynamic shared
-    // memory (c <= 8192).
+    // only with overlap), entries [cap, c] F16 (entries >= cap are skipped), each [t, ...] in a
+    // batch, checked above; c floats of dynamic shared memory (c <= 8192).
     unsafe {
         launch(dev, "compressor_emit", cfg, |b| {
             compressor_projections(b, proj, ape, &dims, ov);
@@ -266,7 +253,6 @@ pub fn compressor_update<E: StateElem>(
                 .ptr(&state.prev_gate)
                 .arg(dims[4])
                 .ptr(&state.entries)
-                .arg(u32::from(E::DTYPE == DType::F16))
                 .arg(batch);
         })
     }?;
@@ -362,7 +348,7 @@ pub fn index_topk(
     let (t, nhc) = q.dims2("indexer queries", DType::F32)?;
     let (_, nh) = matrix(weights, "indexer weights", DType::F32, Some(t), None)?;
     let (batch, seqs) = batch_of(pos, t, "indexer position")?;
-    let (cap, c) = state_dims(entries, "indexer entries", seqs)?;
+    let (cap, c) = state_dims(entries, "indexer entries", DType::F16, seqs)?;
     if nh == 0
         || nh > MAX_INDEX_HEADS
         || c == 0
@@ -532,7 +518,7 @@ pub enum Compressed<'a> {
     None,
     /// HCA: every visible entry, entries [0, min((p + 1) / ratio, capacity)).
     All {
-        entries: &'a DeviceTensor<f32>,
+        entries: &'a DeviceTensor<f16>,
         ratio: usize,
     },
     /// CSA: the indexer's choice among `entries`, `selected` I32 [T, k], as [`index_topk`]
@@ -540,7 +526,7 @@ pub enum Compressed<'a> {
     /// min((p + 1) / ratio, capacity of `entries`); the slots past those hold −1 and are not
     /// read. So the indexer's entries must have the same capacity as these.
     Selected {
-        entries: &'a DeviceTensor<f32>,
+        entries: &'a DeviceTensor<f16>,
         selected: &'a DeviceTensor<i32>,
         ratio: usize,
     },
@@ -604,13 +590,14 @@ const MMA_KEYS: usize = 32;
 /// logit `sink [H]`, scale 1/sqrt(d), as [`reference::attend`]: keys are the window positions
 /// max(0, p − W + 1) ..= p in order — a position ≥ pos[0] is read from this chunk's `kv [T, d]`
 /// (row p − pos[0]), an older one from the ring `window [W, d]` (slot position % W, written by
-/// earlier chunks) — then the compressed keys. A selected id ≥ the entries' capacity counts as
-/// none. Each head's output is rotated back to the token's position (the inverse RoPE on its
-/// last `2·inv_freq.len()` channels, as [`super::rows::rope_rows`] backwards) and written as
-/// BF16 to `out [T, H·d]`, the output projection's input. A launch of 17 tokens or more (a
-/// prompt chunk) runs every token's heads on f16 MMAs, each f32 operand as a pair of f16 parts
-/// and each product as three MMAs (about 22 significant bits), the sums in f32: queries and
-/// keys must lie inside f16's range (|x| < 65504), as the model's RMS-normalised ones do. In a
+/// earlier chunks) — then the compressed keys (F16, as [`compressor_update`] stores them). A
+/// selected id ≥ the entries' capacity counts as none. Each head's output is rotated back to
+/// the token's position (the inverse RoPE on its last `2·inv_freq.len()` channels, as
+/// [`super::rows::rope_rows`] backwards) and written as BF16 to `out [T, H·d]`, the output
+/// projection's input. A launch of 17 tokens or more (a prompt chunk) runs every token's heads
+/// on f16 MMAs, each f32 operand as a pair of f16 parts and each product as three MMAs (about
+/// 22 significant bits; two where the key is an f16 entry), the sums in f32: queries and keys
+/// must lie inside f16's range (|x| < 65504), as the model's RMS-normalised ones do. In a
 /// launch of fewer tokens (decode), each token's keys are split over blocks that fill the SMs
 /// (the split count depends on the device and the shapes only, so a captured launch replays at
 /// any position); a token that sees at least [`tuning::attention_mma_keys`] keys (decided on
@@ -648,14 +635,23 @@ pub fn attention(
             format!("a batch of {t} sequences (at most {})", MMA_MIN_TOKENS - 1),
         ));
     }
-    let state = |x: &DeviceTensor<f32>, what: &str| match state_dims(x, what, seqs)? {
-        (rows, width) if width == d => Ok(rows),
-        (_, width) => Err(GpuError::invalid(
-            what,
-            format!("rows of {width} for heads of {d}"),
-        )),
-    };
-    let w = state(window, "attention window")?;
+    // Rows of one sequence's state, rows of d channels.
+    fn rows_of<T: DeviceElem>(
+        x: &DeviceTensor<T>,
+        what: &str,
+        dtype: DType,
+        seqs: Option<usize>,
+        d: usize,
+    ) -> Result<usize, GpuError> {
+        match state_dims(x, what, dtype, seqs)? {
+            (rows, width) if width == d => Ok(rows),
+            (_, width) => Err(GpuError::invalid(
+                what,
+                format!("rows of {width} for heads of {d}"),
+            )),
+        }
+    }
+    let w = rows_of(window, "attention window", DType::F32, seqs, d)?;
     if w == 0 {
         return Err(GpuError::invalid("attention", "an empty window ring"));
     }
@@ -691,7 +687,7 @@ pub fn attention(
     let (mode, entries_ptr, cap, ratio, sel_ptr, k) = match compressed {
         Compressed::None => (0u32, 0u64, 0usize, 1usize, 0u64, 0usize),
         Compressed::All { entries, ratio } => {
-            let cap = state(entries, "attention entries")?;
+            let cap = rows_of(entries, "attention entries", DType::F16, seqs, d)?;
             if ratio == 0 {
                 return Err(GpuError::invalid("attention", "compression ratio 0"));
             }
@@ -702,7 +698,7 @@ pub fn attention(
             selected,
             ratio,
         } => {
-            let cap = state(entries, "attention entries")?;
+            let cap = rows_of(entries, "attention entries", DType::F16, seqs, d)?;
             let (_, k) = matrix(selected, "attention selection", DType::I32, Some(t), None)?;
             if ratio == 0 {
                 return Err(GpuError::invalid("attention", "compression ratio 0"));
@@ -913,7 +909,7 @@ pub fn window_write(
 ) -> Result<(), GpuError> {
     let (t, d) = kv.dims2("window keys", DType::F32)?;
     let (batch, seqs) = batch_of(pos, t, "window position")?;
-    let (w, width) = state_dims(window, "window ring", seqs)?;
+    let (w, width) = state_dims(window, "window ring", DType::F32, seqs)?;
     if width != d || w == 0 {
         return Err(GpuError::invalid(
             "window ring",

@@ -9,11 +9,11 @@
 //!
 //! GPU tests (`#[ignore]`d: `cargo xtask gpu-test`), launcher against reference on fresh random
 //! inputs and shapes, state carried over consecutive chunks:
-//! - compressor state rows and prev halves bit-exact (copies and one addition); entries within
-//!   1e-5 of the entries' largest magnitude (expf, the norm's block sum and sincospi differ by
-//!   ulps from the CPU);
-//! - indexer scores of the visible entries bit-exact (the kernel keeps the CPU's operation
-//!   order), so `selected` is exactly equal, ties included;
+//! - compressor state rows and prev halves bit-exact (copies and one addition); entries (f16)
+//!   within 1e-5 of the entries' largest magnitude and one f16 step of the CPU's value (expf,
+//!   the norm's block sum and sincospi differ by ulps from the CPU);
+//! - indexer scores of the visible entries bit-exact given the same f16 keys (the kernel keeps
+//!   the CPU's operation order), so `selected` is exactly equal, ties included;
 //! - attention outputs within 1e-5 of the output's largest magnitude (online softmax in another
 //!   order);
 //! - the window ring bit-exact.
@@ -442,21 +442,44 @@ mod gpu {
     }
 
     /// A compressor's zeroed state: `ratio` rows of its κ·c-wide projections (κ = 2 with
-    /// overlap) and room for `cap` entries of `c`, stored as `E`.
-    fn comp_buffers<E: StateElem>(
+    /// overlap) and room for `cap` entries of `c`.
+    fn comp_buffers(
         dev: &Device,
         ratio: usize,
         c: usize,
         overlap: bool,
         cap: usize,
-    ) -> CompressorBuffers<E> {
+    ) -> CompressorBuffers {
         let kc = if overlap { 2 * c } else { c };
         CompressorBuffers {
             kv: dev.alloc(DType::F32, &[ratio, kc]).unwrap(),
             gate: dev.alloc(DType::F32, &[ratio, kc]).unwrap(),
             prev_kv: dev.alloc(DType::F32, &[ratio, c]).unwrap(),
             prev_gate: dev.alloc(DType::F32, &[ratio, c]).unwrap(),
-            entries: dev.alloc(E::DTYPE, &[cap, c]).unwrap(),
+            entries: dev.alloc(DType::F16, &[cap, c]).unwrap(),
+        }
+    }
+
+    /// F16 values as f32.
+    fn widen(v: &[f16]) -> Vec<f32> {
+        v.iter().map(|h| h.to_f32()).collect()
+    }
+
+    /// `got` (f16 entries) is `want` (the CPU's f32 entries) rounded: within `rel` of the
+    /// largest |want| and one f16 step of each value (the rounding boundary may fall between
+    /// the two computations).
+    fn assert_f16_close(what: &str, got: &[f16], want: &[f32], rel: f32) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        let top = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (i, (g, &w)) in got.iter().zip(want).enumerate() {
+            let r = f16::from_f32(w.abs());
+            let step = f16::from_bits(r.to_bits() + 1).to_f32() - r.to_f32();
+            let err = (g.to_f32() - w).abs();
+            assert!(
+                err <= rel * top + step,
+                "{what}: entry value {i} is {g} against {w} (off by {err}, bound {})",
+                rel * top + step
+            );
         }
     }
 
@@ -468,6 +491,16 @@ mod gpu {
     fn f16_uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
         let v = uniform(rng, n, lo, hi);
         v.into_iter().map(|x| f16::from_f32(x).to_f32()).collect()
+    }
+
+    /// `v` (f16 values) uploaded as an F16 tensor of `shape`.
+    fn upload_f16(dev: &Device, shape: &[usize], v: &[f32]) -> DeviceTensor<f16> {
+        let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        assert!(
+            h.iter().zip(v).all(|(h, x)| h.to_f32() == *x),
+            "the test's keys must be f16 values"
+        );
+        dev.upload(DType::F16, shape, &h).unwrap()
     }
 
     /// [`index_topk`] over host `q [T, nh·c]`, raw `w [T, nh]` and `entries [cap, c]` (f16
@@ -483,12 +516,7 @@ mod gpu {
         let (t, cap) = (w.len() / nh, entries.len() / c);
         let qd = dev.upload(DType::F32, &[t, nh * c], q).unwrap();
         let wd = dev.upload(DType::F32, &[t, nh], w).unwrap();
-        let keys: Vec<f16> = entries.iter().map(|&v| f16::from_f32(v)).collect();
-        assert!(
-            keys.iter().zip(entries).all(|(h, v)| h.to_f32() == *v),
-            "the test's keys must be f16 values"
-        );
-        let ed = dev.upload(DType::F16, &[cap, c], &keys).unwrap();
+        let ed = upload_f16(dev, &[cap, c], entries);
         let pos = position(dev, pos0);
         let mut scores = poisoned::<f32>(dev, DType::F32, &[t, cap]);
         let mut sel = poisoned::<i32>(dev, DType::I32, &[t, k]);
@@ -514,11 +542,6 @@ mod gpu {
             .zip(gate.chunks(width))
             .flat_map(|(k, g)| k.iter().chain(g).copied())
             .collect()
-    }
-
-    /// |got − want| ≤ rel · max |want| (and no NaN).
-    fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
-        assert_within_bf16_steps(what, got, want, rel, 0.0);
     }
 
     #[test]
@@ -552,10 +575,8 @@ mod gpu {
             let ape_d = dev.upload(DType::F32, &[ratio, kc], &ape).unwrap();
             let norm_d = dev.upload(DType::F32, &[c], &norm).unwrap();
             let f_d = dev.upload(DType::F32, &[half], &f).unwrap();
-            let mut st = comp_buffers::<f32>(&dev, ratio, c, overlap, cap);
-            // The same compressor with its entries stored as f16 (the indexer's).
-            let mut st16 = comp_buffers::<f16>(&dev, ratio, c, overlap, cap);
-            st16.entries = poisoned(&dev, DType::F16, &[cap, c]);
+            let mut st = comp_buffers(&dev, ratio, c, overlap, cap);
+            st.entries = poisoned(&dev, DType::F16, &[cap, c]);
             let mut host = CompressorHost::new(ratio, c, overlap, cap);
             let mut pos0 = 0;
             for t in chunks(&mut rng, total) {
@@ -567,10 +588,6 @@ mod gpu {
                 let pos = position(&dev, pos0);
                 compressor_update(
                     &dev, &proj, &ape_d, &norm_d, &f_d, eps, overlap, &pos, &mut st,
-                )
-                .unwrap();
-                compressor_update(
-                    &dev, &proj, &ape_d, &norm_d, &f_d, eps, overlap, &pos, &mut st16,
                 )
                 .unwrap();
                 cpu::compressor_update(&kv, &gate, &ape, &norm, &f, eps, overlap, pos0, &mut host);
@@ -585,19 +602,19 @@ mod gpu {
                     assert_bits_eq(&format!("{what} {name}"), &got, want);
                 }
                 let entries = dev.download(&st.entries).unwrap();
-                assert_close(&format!("{what} entries"), &entries, &host.entries, 1e-5);
-                // The f16 entries are the F32 ones rounded, each written once it exists.
+                // Each entry is written once it exists (the f16 rounding of the CPU's), the rest
+                // left as they were.
                 let written = ((pos0 + t) / ratio).min(cap) * c;
-                let rounded: Vec<f16> = entries[..written]
-                    .iter()
-                    .map(|&v| f16::from_f32(v))
-                    .collect();
-                let got16 = dev.download(&st16.entries).unwrap();
-                assert_bits_eq(&format!("{what} f16 entries"), &got16[..written], &rounded);
+                assert_f16_close(
+                    &format!("{what} entries"),
+                    &entries[..written],
+                    &host.entries[..written],
+                    1e-5,
+                );
                 let poison = u16::from_ne_bytes([POISON; 2]);
                 assert!(
-                    got16[written..].iter().all(|h| h.to_bits() == poison),
-                    "{what}: f16 entries written past the closed windows"
+                    entries[written..].iter().all(|h| h.to_bits() == poison),
+                    "{what}: entries written past the closed windows"
                 );
                 pos0 += t;
             }
@@ -816,7 +833,7 @@ mod gpu {
         kv: DeviceTensor<f32>,
         ring: DeviceTensor<f32>,
         sink: DeviceTensor<f32>,
-        entries_d: DeviceTensor<f32>,
+        entries_d: DeviceTensor<f16>,
         selected_d: DeviceTensor<i32>,
         pos: DeviceTensor<u32>,
         freq: DeviceTensor<f32>,
@@ -830,7 +847,7 @@ mod gpu {
             let kv = uniform(rng, t * d, -s.amp, s.amp);
             let ring = uniform(rng, w * d, -s.amp, s.amp);
             let sink = uniform(rng, h, -2.0, 4.0);
-            let entries = uniform(rng, s.cap * d, -s.amp, s.amp);
+            let entries = f16_uniform(rng, s.cap * d, -s.amp, s.amp);
             let selected: Vec<i32> = (0..t)
                 .flat_map(|tt| {
                     let n = cpu::visible_entries(s.pos0 + tt, s.ratio, s.cap);
@@ -868,7 +885,7 @@ mod gpu {
                 kv: dev.upload(DType::F32, &[t, d], &kv).unwrap(),
                 ring: dev.upload(DType::F32, &[w, d], &ring).unwrap(),
                 sink: dev.upload(DType::F32, &[h], &sink).unwrap(),
-                entries_d: dev.upload(DType::F32, &[s.cap, d], &entries).unwrap(),
+                entries_d: upload_f16(dev, &[s.cap, d], &entries),
                 selected_d: dev.upload(DType::I32, &[t, s.k], &selected).unwrap(),
                 pos: position(dev, s.pos0),
                 freq: dev.upload(DType::F32, &[s.half], &f).unwrap(),
@@ -1186,8 +1203,8 @@ mod gpu {
         let up = |v: &[f32], s: &[usize]| dev.upload(DType::F32, s, v).unwrap();
         let (aped, normd) = (up(&ape, &[ratio, 2 * d]), up(&norm, &[d]));
         let (iaped, inormd) = (up(&iape, &[ratio, 2 * ic]), up(&inorm, &[ic]));
-        let mut st = comp_buffers::<f32>(&dev, ratio, d, true, cap);
-        let mut ist = comp_buffers::<f16>(&dev, ratio, ic, true, icap);
+        let mut st = comp_buffers(&dev, ratio, d, true, cap);
+        let mut ist = comp_buffers(&dev, ratio, ic, true, icap);
         let mut ring_d = dev.alloc::<f32>(DType::F32, &[w, d]).unwrap();
         let mut splits = scratch(&dev, SPLIT_ROWS, d);
         let mut host = CompressorHost::new(ratio, d, true, cap);
@@ -1248,18 +1265,20 @@ mod gpu {
 
             cpu::compressor_update(&ckv, &cg, &ape, &norm, &f, eps, true, pos0, &mut host);
             cpu::compressor_update(&ikv, &ig, &iape, &inorm, &f, eps, true, pos0, &mut ihost);
-            // The CPU selects over the indexer's keys as the device keeps them (f16; the
-            // compressor is checked against the CPU's in its own test), with exact scores: the
-            // same selection, ties included.
-            let ikeys: Vec<f32> = dev
-                .download(&ist.entries)
-                .unwrap()
-                .iter()
-                .map(|h| h.to_f32())
-                .collect();
+            // The entries as the device keeps them (f16), so that the CPU's selection and
+            // attention read the device's keys; the compressors against the CPU's here and in
+            // their own test.
+            let (keys, ikeys) = (
+                dev.download(&st.entries).unwrap(),
+                dev.download(&ist.entries).unwrap(),
+            );
+            assert_f16_close("entries", &keys, &host.entries, 1e-5);
+            assert_f16_close("indexer entries", &ikeys, &ihost.entries, 1e-5);
+            let (keys, ikeys) = (widen(&keys), widen(&ikeys));
             let want_sel = cpu::index_topk(&iq, &iw, &ikeys, nh, ic, ratio, pos0, k);
             let got_sel = dev.download(&sel).unwrap();
             let what = format!("chunk {pos0}+{t}");
+            // Exact scores of the same keys: the same selection.
             assert_eq!(got_sel, want_sel, "{what} selection");
             let mut want = cpu::attention(
                 &q,
@@ -1267,7 +1286,7 @@ mod gpu {
                 &ring,
                 d,
                 HostCompressed::Selected {
-                    entries: &host.entries,
+                    entries: &keys,
                     selected: &got_sel,
                     k,
                 },
@@ -1294,52 +1313,59 @@ mod gpu {
     /// sequence's slice can be viewed alone).
     struct SeqStates {
         comp: CompressorBuffers,
-        icomp: CompressorBuffers<f16>,
+        icomp: CompressorBuffers,
         ring: DeviceTensor<f32>,
         _pool: crate::gpu::BufferPool,
     }
 
     impl SeqStates {
-        /// Every buffer filled from `host` (one vector a buffer, in field order; the indexer's
-        /// entries, buffer [`KEYS`], rounded to f16).
+        /// Every buffer filled from `host` (one vector a buffer, in field order; the entries,
+        /// buffers [`ENTRIES`], rounded to f16).
         fn upload(dev: &Device, shapes: &[Vec<usize>; 11], host: &[Vec<f32>]) -> SeqStates {
             let mut pool = crate::gpu::BufferPool::new();
-            let held: Vec<_> = (0..shapes.len())
-                .filter(|&i| i != KEYS)
-                .map(|i| {
-                    let r = pool.reserve::<f32>(&format!("state.{i}"), DType::F32, &shapes[i]);
-                    (r.unwrap(), &host[i])
+            let mut f32s = Vec::new();
+            let mut f16s = Vec::new();
+            for (i, shape) in shapes.iter().enumerate() {
+                let name = format!("state.{i}");
+                if ENTRIES.contains(&i) {
+                    let r = pool.reserve::<f16>(&name, DType::F16, shape).unwrap();
+                    let rounded: Vec<f16> = host[i].iter().map(|&v| f16::from_f32(v)).collect();
+                    f16s.push((r, rounded));
+                } else {
+                    f32s.push((
+                        pool.reserve::<f32>(&name, DType::F32, shape).unwrap(),
+                        &host[i],
+                    ));
+                }
+            }
+            pool.seal(dev).unwrap();
+            let f32s: Vec<_> = f32s
+                .into_iter()
+                .map(|(r, h)| {
+                    let mut t = pool.take(r).unwrap();
+                    dev.write(&mut t, h).unwrap();
+                    t
                 })
                 .collect();
-            let keys = pool
-                .reserve::<f16>("state.keys", DType::F16, &shapes[KEYS])
-                .unwrap();
-            pool.seal(dev).unwrap();
-            let mut bufs = held.into_iter().map(|(r, h)| {
-                let mut t = pool.take(r).unwrap();
-                dev.write(&mut t, h).unwrap();
-                t
-            });
-            let mut next = || bufs.next().unwrap();
-            let comp = CompressorBuffers {
-                kv: next(),
-                gate: next(),
-                prev_kv: next(),
-                prev_gate: next(),
-                entries: next(),
+            let f16s: Vec<_> = f16s
+                .into_iter()
+                .map(|(r, h)| {
+                    let mut t = pool.take(r).unwrap();
+                    dev.write(&mut t, &h).unwrap();
+                    t
+                })
+                .collect();
+            let (mut f32s, mut f16s) = (f32s.into_iter(), f16s.into_iter());
+            let mut comp = || CompressorBuffers {
+                kv: f32s.next().unwrap(),
+                gate: f32s.next().unwrap(),
+                prev_kv: f32s.next().unwrap(),
+                prev_gate: f32s.next().unwrap(),
+                entries: f16s.next().unwrap(),
             };
-            let (kv, gate, prev_kv, prev_gate) = (next(), next(), next(), next());
-            let ring = next();
-            let mut entries = pool.take(keys).unwrap();
-            let rounded: Vec<f16> = host[KEYS].iter().map(|&v| f16::from_f32(v)).collect();
-            dev.write(&mut entries, &rounded).unwrap();
-            let icomp = CompressorBuffers {
-                kv,
-                gate,
-                prev_kv,
-                prev_gate,
-                entries,
-            };
+            let (comp, icomp) = (comp(), comp());
+            let ring = f32s.next().unwrap();
+            drop(f32s);
             SeqStates {
                 comp,
                 icomp,
@@ -1348,24 +1374,24 @@ mod gpu {
             }
         }
 
-        /// Every buffer, downloaded in field order (the indexer's entries widened).
+        /// Every buffer, downloaded in field order (the entries widened).
         fn download(&self, dev: &Device) -> Vec<Vec<f32>> {
-            let state = |b: &DeviceTensor<f32>| dev.download(b).unwrap();
-            let c = &self.comp;
-            let mut out: Vec<Vec<f32>> = [&c.kv, &c.gate, &c.prev_kv, &c.prev_gate, &c.entries]
-                .map(state)
-                .into();
-            let i = &self.icomp;
-            out.extend([&i.kv, &i.gate, &i.prev_kv, &i.prev_gate].map(state));
-            let keys = dev.download(&i.entries).unwrap();
-            out.push(keys.iter().map(|h| h.to_f32()).collect());
-            out.push(state(&self.ring));
+            let c = |b: &CompressorBuffers| {
+                let mut v: Vec<Vec<f32>> = [&b.kv, &b.gate, &b.prev_kv, &b.prev_gate]
+                    .map(|t| dev.download(t).unwrap())
+                    .into();
+                v.push(widen(&dev.download(&b.entries).unwrap()));
+                v
+            };
+            let mut out = c(&self.comp);
+            out.extend(c(&self.icomp));
+            out.push(dev.download(&self.ring).unwrap());
             out
         }
     }
 
-    /// Which of [`SeqStates`]' buffers holds the indexer's entries.
-    const KEYS: usize = 9;
+    /// Which of [`SeqStates`]' buffers hold compressed entries.
+    const ENTRIES: [usize; 2] = [4, 9];
 
     /// Slice `i` of a `[n, ...]` buffer, as one sequence's `[...]`.
     fn slot<T: crate::gpu::DeviceElem>(t: &DeviceTensor<T>, i: usize) -> DeviceTensor<T> {
@@ -1373,7 +1399,7 @@ mod gpu {
         t.view(i * one.iter().product::<usize>(), one).unwrap()
     }
 
-    fn slot_bufs<E: StateElem>(b: &CompressorBuffers<E>, i: usize) -> CompressorBuffers<E> {
+    fn slot_bufs(b: &CompressorBuffers, i: usize) -> CompressorBuffers {
         CompressorBuffers {
             kv: slot(&b.kv, i),
             gate: slot(&b.gate, i),
@@ -1495,7 +1521,7 @@ mod gpu {
             let mut attend = |q: &DeviceTensor<f32>,
                               kv: &DeviceTensor<f32>,
                               ring: &DeviceTensor<f32>,
-                              entries: &DeviceTensor<f32>,
+                              entries: &DeviceTensor<f16>,
                               selected: &DeviceTensor<i32>,
                               pos: &DeviceTensor<u32>,
                               mma_keys: usize| {
@@ -1640,6 +1666,7 @@ mod gpu {
         let dev = device();
         let pos = position(&dev, 0);
         let f32s = |s: &[usize]| dev.alloc::<f32>(DType::F32, s).unwrap();
+        let f16s = |s: &[usize]| dev.alloc::<f16>(DType::F16, s).unwrap();
         let (q, kv, ring, sink) = (
             f32s(&[2, 4 * 32]),
             f32s(&[2, 32]),
@@ -1727,7 +1754,7 @@ mod gpu {
             .reserve::<bf16>("wide output", DType::BF16, &[2 * 4 * 32 + 1])
             .unwrap();
         let wide_keys = pool
-            .reserve::<f16>("wide keys", DType::F16, &[10 * 16 + 4])
+            .reserve::<f16>("wide keys", DType::F16, &[10 * 32 + 8])
             .unwrap();
         pool.seal(&dev).unwrap();
         let wide = pool.take(wide).unwrap();
@@ -1763,7 +1790,7 @@ mod gpu {
         };
         let err = run(skewed_call, &mut sp, &mut out).unwrap_err().to_string();
         assert!(err.contains("keys not on a 16-byte"), "{err}");
-        let skewed_entries = wide.view(1, &[10, 32]).unwrap();
+        let skewed_entries = wide_keys.view(1, &[10, 32]).unwrap();
         let skewed_call = Call {
             comp: Compressed::All {
                 entries: &skewed_entries,
@@ -1774,7 +1801,7 @@ mod gpu {
         let err = run(skewed_call, &mut sp, &mut out).unwrap_err().to_string();
         assert!(err.contains("compressed entries not on a 16-byte"), "{err}");
         let sel = dev.alloc::<i32>(DType::I32, &[3, 8]).unwrap();
-        let entries = f32s(&[10, 32]);
+        let entries = f16s(&[10, 32]);
         let sel_3 = Call {
             comp: Compressed::Selected {
                 entries: &entries,
@@ -1799,7 +1826,6 @@ mod gpu {
         let err = run(ratio_0, &mut sp, &mut out).unwrap_err().to_string();
         assert!(err.contains("compression ratio 0"), "{err}");
 
-        let f16s = |s: &[usize]| dev.alloc::<f16>(DType::F16, s).unwrap();
         let (iq, iw, ie) = (f32s(&[2, 4 * 16]), f32s(&[2, 4]), f16s(&[10, 16]));
         let mut scores = f32s(&[2, 10]);
         let mut sel = dev.alloc::<i32>(DType::I32, &[2, 3]).unwrap();
@@ -1856,7 +1882,7 @@ mod gpu {
             gate: f32s(&[4, 32]),
             prev_kv: f32s(&[4, 16]),
             prev_gate: f32s(&[4, 16]),
-            entries: f32s(&[8, 16]),
+            entries: f16s(&[8, 16]),
         };
         let (proj, ape, norm) = (f32s(&[3, 64]), f32s(&[4, 32]), f32s(&[16]));
         compressor_update(&dev, &proj, &ape, &norm, &fr, 1e-6, true, &pos, &mut st).unwrap();
