@@ -853,7 +853,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // ---------------------------------------------------------------------------------------------
 //
 // attention_mma: the same attention as attention_heads on tensor cores, with the token's 64
-// heads as the M side of f16 MMAs (the heads share one key/value head): block (x, t, s) takes
+// heads as the M side of f16 MMAs (the heads share one key/value head): block (x, s, t) takes
 // heads [64x, 64x + 64) of token t (a batch's token t at pos[t], over its own sequence's
 // state, as attention_heads) and split s of its keys. Every f32 operand is split into two f16
 // parts, x = hi + lo (hi = x rounded to f16, lo = the rest rounded again: about 22
@@ -873,7 +873,9 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // Splits (gridDim.z = S > 1, for launches of few tokens): the token's tiles of 32 keys are
 // dealt out in contiguous runs of about equal cost (a window tile costs two entry tiles), so
 // `used` <= S splits take part (the others return at once). Each used block writes its heads' unnormalised sums and softmax states to `part`
-// ([t][h][S][d] sums, [t][h][S][2] max and denominator), they meet at token t's counter (the
+// ([t][h][S][d] sums, [t][h][S][2] max and denominator; with `pairs`, S even and each pair of
+// splits one cluster, the pair's states merged through distributed shared memory first and
+// written as one), they meet at token t's counter (the
 // launcher keeps every block of the grid resident at once, so the wait ends), and the used
 // blocks then merge the heads' splits, each a share of the heads' channels, in a fixed order:
 // the result depends on S and the position, not on timing. The last block to leave sets the
@@ -940,7 +942,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const u16* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    u32* __restrict__ counters, u16* __restrict__ out, u32 batch, u32 mma_from) {
+    u32* __restrict__ counters, u16* __restrict__ out, u32 batch, u32 mma_from, u32 pairs) {
     pdl_enter();
     extern __shared__ __align__(16) u16 amma[];
     const u32 ld = d + 8u;  // row stride (f16): rows 16 bytes apart in banks
@@ -949,7 +951,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     float* s_s = reinterpret_cast<float*>(k_s + 2u * AMMA_KEYS * ld);
     __shared__ bool present_s[2][AMMA_KEYS];
     const u32 q_lo = AMMA_HEADS * ld, k_lo = AMMA_KEYS * ld;
-    const u32 t = blockIdx.y, h0 = blockIdx.x * AMMA_HEADS;
+    const u32 t = blockIdx.z, h0 = blockIdx.x * AMMA_HEADS;
     const u32 hv = min(AMMA_HEADS, heads - h0);
     const u32 pos0 = att_token(t, pos, batch, d, wsize, cap, kv, window, entries);
     const u32 p = batch ? pos0 : pos0 + t;
@@ -966,8 +968,11 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const u32 tiles = max(1u, (n + AMMA_KEYS - 1u) / AMMA_KEYS);
     const u32 wt = min(tiles, (n_w + AMMA_KEYS - 1u) / AMMA_KEYS);
     const u32 units = AMMA_WINDOW_COST * wt + (tiles - wt);
-    const u32 per = (units + gridDim.z - 1u) / gridDim.z;
-    const u32 used = (units + per - 1u) / per, split = blockIdx.z;
+    const u32 splits = gridDim.y, split = blockIdx.y;
+    const u32 per = (units + splits - 1u) / splits;
+    // In pairs, whole pairs take part (the odd one out's partner with no keys).
+    u32 used = (units + per - 1u) / per;
+    if (pairs) used = min(splits, used + (used & 1u));
     if (split >= used) return;
     // The first tile starting at unit x or later.
     auto tile_at = [&](u32 x) {
@@ -1225,21 +1230,82 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         }
         return;
     }
-    // This split's state out, then the token's used splits meet.
-    const u32 splits = gridDim.z;
+    // This split's state out (with pairs, the pair's: states = used / 2), then the token's used
+    // splits meet.
     const u64 row0 = (u64)t * heads + h0;  // (token, head) row of the block's first head
+    const u32 states = pairs ? used / 2u : used;
+    bool writes = true;  // whether this warp writes its columns' state
+    if (pairs) {
+        // The pair (2i, 2i + 1), one cluster, merges through distributed shared memory: the
+        // even block takes the columns of key quarters 0 and 1, the odd one 2 and 3. Each block
+        // puts its maxima and denominators and, from the warps whose columns the other block
+        // takes, their sums (the queries' place, [value][thread]) in its shared memory; the
+        // states meet at the even split's, then the odd's, common maximum, the same arithmetic
+        // whichever block does it.
+        __shared__ float ml_s[AMMA_HEADS][2];
+        const u32 rank = split & 1u, peer = rank ^ 1u;
+        writes = (kq >> 1) == rank;
+        float4* o_s = reinterpret_cast<float4*>(amma);
+        __syncthreads();  // the queries are read (or, in a split with no keys, staged)
+        if (kq == 0u && qd == 0u)
+#pragma unroll
+            for (u32 r = 0; r < 2u; r++) {
+                ml_s[16u * hg + g + 8u * r][0] = m[r];
+                ml_s[16u * hg + g + 8u * r][1] = l[r];
+            }
+        if (!writes)
+#pragma unroll
+            for (u32 nt = 0; nt < 16u; nt++)
+                if (nt < ntiles) o_s[nt * blockDim.x + threadIdx.x] = make_float4(o[nt][0], o[nt][1], o[nt][2], o[nt][3]);
+        cluster_sync();
+        if (writes) {
+            float fe[2], fo[2];  // the even and odd split's factors of rows g and g + 8
+#pragma unroll
+            for (u32 r = 0; r < 2u; r++) {
+                const u32 h = 16u * hg + g + 8u * r;
+                const float pm = cluster_peer(&ml_s[h][0], peer), pl = cluster_peer(&ml_s[h][1], peer);
+                const float me = rank ? pm : m[r], le = rank ? pl : l[r];  // the even split's
+                const float mo = rank ? m[r] : pm, lo = rank ? l[r] : pl;  // the odd split's
+                const float mx = fmaxf(me, mo);
+                fe[r] = me == mx ? 1.0f : expf(me - mx);
+                fo[r] = mo == mx ? 1.0f : expf(mo - mx);
+                m[r] = mx;
+                l[r] = fmaf(lo, fo[r], le * fe[r]);
+            }
+            // The other block's sums, four column tiles' loads in flight at a time.
+#pragma unroll
+            for (u32 n0 = 0; n0 < 16u; n0 += 4u) {
+                float4 po[4];
+#pragma unroll
+                for (u32 i = 0; i < 4u; i++)
+                    if (n0 + i < ntiles) po[i] = cluster_peer(o_s + (n0 + i) * blockDim.x + threadIdx.x, peer);
+#pragma unroll
+                for (u32 i = 0; i < 4u; i++) {
+                    if (n0 + i >= ntiles) break;
+                    const float pv[4] = {po[i].x, po[i].y, po[i].z, po[i].w};
+#pragma unroll
+                    for (u32 c = 0; c < 4u; c++) {
+                        const float ev = rank ? pv[c] : o[n0 + i][c], ov = rank ? o[n0 + i][c] : pv[c];
+                        o[n0 + i][c] = fmaf(ov, fo[c >> 1], ev * fe[c >> 1]);
+                    }
+                }
+            }
+        }
+        cluster_sync();  // the other block has read this one's shared memory
+    }
+    const u32 state = pairs ? split / 2u : split;
 #pragma unroll
     for (u32 r = 0; r < 2u; r++) {
         const u32 h = 16u * hg + g + 8u * r;
-        if (h >= hv) continue;
-        float* dst = part_acc + ((row0 + h) * splits + split) * d + dq * kq;
+        if (h >= hv || !writes) continue;
+        float* dst = part_acc + ((row0 + h) * splits + state) * d + dq * kq;
 #pragma unroll
         for (u32 nt = 0; nt < 16u; nt++) {
             if (nt >= ntiles) break;
             *reinterpret_cast<float2*>(dst + nt * 8u + 2u * qd) = make_float2(o[nt][2u * r], o[nt][2u * r + 1u]);
         }
         if (kq == 0u && qd == 0u) {
-            float* ml = part_ml + ((row0 + h) * splits + split) * 2u;
+            float* ml = part_ml + ((row0 + h) * splits + state) * 2u;
             ml[0] = m[r];
             ml[1] = l[r];
         }
@@ -1257,16 +1323,16 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     __syncthreads();
     // The merge in units of a head's channels (a head, or a half or quarter of it when the used
     // splits outnumber the heads, so every block takes part): block `split` takes units split,
-    // split + used, ... For each, warp 0 brings the head's split states to their common maximum
-    // (lane l takes splits l, l + 32, ...; the lanes' parts combined by a fixed butterfly) and
-    // the sink joins; then groups of threads sum the sums of splits g, g + G, ... (read from L2:
+    // split + used, ... For each, warp 0 brings the head's states to their common maximum
+    // (lane l takes states l, l + 32, ...; the lanes' parts combined by a fixed butterfly) and
+    // the sink joins; then groups of threads sum the sums of states g, g + G, ... (read from L2:
     // the other blocks' writes are not in this SM's L1), four channels a thread, and the groups'
     // sums are added in group order.
     const u32 per_head = used / hv;
     const u32 chunks = per_head >= 4u && d % 512u == 0u ? 4u : per_head >= 2u && d % 256u == 0u ? 2u : 1u;
     const u32 width = d / chunks, quads = width / 4u, groups = blockDim.x / quads;
-    float* f_s = reinterpret_cast<float*>(k_s);  // [used] each split's factor
-    float4* sum_s = reinterpret_cast<float4*>(f_s + ((used + 3u) & ~3u));  // [groups][quads]
+    float* f_s = reinterpret_cast<float*>(k_s);  // [states] each state's factor
+    float4* sum_s = reinterpret_cast<float4*>(f_s + ((states + 3u) & ~3u));  // [groups][quads]
     __shared__ float head_f;
     for (u32 u = split; u < hv * chunks; u += used) {
         const u32 h = u / chunks, c0 = (u % chunks) * width;
@@ -1274,10 +1340,10 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         __syncthreads();  // the previous unit's factors and sums are read
         if (warp == 0u) {
             float mx = NEG_INF;
-            for (u32 i = lane; i < used; i += 32u) mx = fmaxf(mx, __ldcg(part_ml + (row * splits + i) * 2u));
+            for (u32 i = lane; i < states; i += 32u) mx = fmaxf(mx, __ldcg(part_ml + (row * splits + i) * 2u));
             mx = warp_max(mx);
             float den = 0.0f;
-            for (u32 i = lane; i < used; i += 32u) {
+            for (u32 i = lane; i < states; i += 32u) {
                 const float* ml = part_ml + (row * splits + i) * 2u;
                 const float mi = __ldcg(ml);
                 const float f = mi == mx ? 1.0f : expf(mi - mx);
@@ -1292,17 +1358,17 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         if (grp < groups) {
             const float4* src = reinterpret_cast<const float4*>(part_acc + row * splits * d + c0) + q;
             float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (u32 s0 = grp; s0 < used; s0 += 8u * groups) {
+            for (u32 s0 = grp; s0 < states; s0 += 8u * groups) {
                 float4 v[8];
 #pragma unroll
                 for (u32 j = 0; j < 8u; j++) {
                     const u32 sp = s0 + j * groups;
-                    v[j] = sp < used ? __ldcg(src + (u64)sp * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    v[j] = sp < states ? __ldcg(src + (u64)sp * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
 #pragma unroll
                 for (u32 j = 0; j < 8u; j++) {
                     const u32 sp = s0 + j * groups;
-                    if (sp < used) {
+                    if (sp < states) {
                         const float f = f_s[sp];
                         a.x = fmaf(v[j].x, f, a.x);
                         a.y = fmaf(v[j].y, f, a.y);

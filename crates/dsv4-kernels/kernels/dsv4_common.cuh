@@ -263,7 +263,8 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// The u32, float or float2 at `p` (this block's shared memory) in block `rank` of the cluster.
+// The u32, float, float2 or float4 at `p` (this block's shared memory) in block `rank` of the
+// cluster.
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ u32 cluster_addr(const void* p, u32 rank) {
     u32 a;
@@ -283,6 +284,14 @@ __device__ __forceinline__ float cluster_peer(const float* p, u32 rank) {
 __device__ __forceinline__ float2 cluster_peer(const float2* p, u32 rank) {
     float2 v;
     asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(cluster_addr(p, rank)) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 cluster_peer(const float4* p, u32 rank) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(cluster_addr(p, rank))
+                 : "memory");
     return v;
 }
 #else

@@ -863,7 +863,7 @@ pub fn attention(
     let head_blocks = heads.div_ceil(MMA_HEADS);
     // Every block of a split launch is resident at once (its splits wait for each other): at
     // most one block an SM, one wave.
-    let s = if t >= MMA_MIN_TOKENS {
+    let mut s = if t >= MMA_MIN_TOKENS {
         1
     } else {
         (dev.sm_count() / (head_blocks * t))
@@ -872,30 +872,39 @@ pub fn attention(
             .min(room / (2 * t * head_blocks))
             .max(1)
     };
+    // Pairs of splits merge in a cluster of two before the split states go out (half the
+    // states to write and merge), where the GPU holds every pair at once.
+    let pairs = s >= 2
+        && dev.arch().has_clusters()
+        && tuning::ATTENTION_SPLITS.get()
+        && 2 * dev.resident_clusters("attention_mma", 512, mma_shared as u32, 2)? as usize
+            >= head_blocks * t * (s - s % 2);
+    if pairs {
+        s -= s % 2;
+    }
     let cfg = LaunchConfig {
         grid_dim: (
             dim_u32("head blocks", head_blocks)?,
-            tokens,
             dim_u32("splits", s)?,
+            tokens,
         ),
         block_dim: (512, 1, 1),
         shared_mem_bytes: mma_shared as u32,
     };
+    let mut args = Args::new();
+    common(&mut args);
+    args.ptr(&splits.acc)
+        .ptr(&splits.stats)
+        .ptr(&splits.counters)
+        .ptr(out)
+        .arg(batch)
+        .arg(mma_from)
+        .arg(u32::from(pairs));
     // SAFETY: above; with s > 1, t·heads·s <= room rows of the split sums and stats,
     // 2·t·ceil(heads / 64) <= room counters, and the grid's ceil(heads / 64)·t·s blocks at
     // most one an SM (each takes most of an SM's shared memory), so they are resident
-    // together when they wait for each other.
-    unsafe {
-        launch(dev, "attention_mma", cfg, |b| {
-            common(b);
-            b.ptr(&splits.acc)
-                .ptr(&splits.stats)
-                .ptr(&splits.counters)
-                .ptr(out)
-                .arg(batch)
-                .arg(mma_from);
-        })
-    }
+    // together when they wait for each other (in pairs: the clusters, checked above).
+    unsafe { launch::launch_clustered(dev, "attention_mma", cfg, &args, if pairs { 2 } else { 1 }) }
 }
 
 /// After attention: writes this chunk's keys `kv [T, d]` into the ring `window [W, d]` at slots
