@@ -654,12 +654,10 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
                 jr < j_end ? att_key(jr, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
             if (!key) continue;  // warp-uniform
             mask |= 1u << r;
-            if (jr >= n_w) {
-                u16* slot = reinterpret_cast<u16*>(buf + r * d);
-                for (u32 i = 8u * lane; i < d; i += 256u) cp_async16(slot + i, static_cast<const u16*>(key) + i);
-            } else {
-                for (u32 i = 4u * lane; i < d; i += 128u) cp_async16(buf + r * d + i, static_cast<const float*>(key) + i);
-            }
+            // The key's bytes (d f32 or, an entry, d f16) in 16-byte pieces.
+            const u32 bytes = jr >= n_w ? 2u * d : 4u * d;
+            for (u32 i = 16u * lane; i < bytes; i += 512u)
+                cp_async16(reinterpret_cast<u8*>(buf + r * d) + i, static_cast<const u8*>(key) + i);
         }
         cp_async_commit();
         return mask;
