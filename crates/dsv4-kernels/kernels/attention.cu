@@ -640,8 +640,8 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
     float* keybuf = stage + warp * ring * ATT_BATCH * d;
     const u32 j_first = split * per + warp;
-    // Key r of batch b, and whether it is a compressed entry (f16, copied as it is into the
-    // first half of its slot).
+    // Key r of batch b (a compressed entry when >= n_w: f16, copied as it is into the first
+    // half of its buffer).
     auto key_of = [&](u32 b, u32 r) { return j_first + (b * ATT_BATCH + r) * ATT_WARPS; };
     // Issues batch b's copies into its buffer and returns its mask of present keys.
     auto load_batch = [&](u32 b) {
@@ -868,16 +868,16 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // 16 heads (the four warps of a head group keep the same one) and accumulates probabilities
 // times keys into its quarter of the head width. Then the sink joins each head's
 // denominator, the output is rotated back and written in bf16, as attention_heads does.
-// Splits (gridDim.z = S > 1, for launches of few tokens): the token's tiles of 32 keys are
+// Splits (gridDim.y = S > 1, for launches of few tokens): the token's tiles of 32 keys are
 // dealt out in contiguous runs of about equal cost (a window tile costs two entry tiles), so
-// `used` <= S splits take part (the others return at once). Each used block writes its heads' unnormalised sums and softmax states to `part`
-// ([t][h][S][d] sums, [t][h][S][2] max and denominator; with `pairs`, S even and each pair of
-// splits one cluster, the pair's states merged through distributed shared memory first and
-// written as one), they meet at token t's counter (the
-// launcher keeps every block of the grid resident at once, so the wait ends), and the used
-// blocks then merge the heads' splits, each a share of the heads' channels, in a fixed order:
-// the result depends on S and the position, not on timing. The last block to leave sets the
-// counters back to 0.
+// `used` <= S splits take part (the others return at once). Each used block writes its heads'
+// unnormalised sums and softmax states to `part` ([t][h][S][d] sums, [t][h][S][2] max and
+// denominator; with `pairs`, S even and each pair of splits one cluster, the pair's states
+// merged through distributed shared memory first and written as one), they meet at token t's
+// counter (the launcher keeps every block of the grid resident at once, so the wait ends), and
+// the used blocks then merge the heads' states, each a share of the heads' channels, in a
+// fixed order: the result depends on S, `pairs` and the position, not on timing. The last
+// block to leave sets the counters back to 0.
 // A token with fewer than mma_from keys is left to attention_heads (launched before).
 #define AMMA_HEADS 64u
 #define AMMA_KEYS 32u
@@ -962,7 +962,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     // copied as they are while the tile before is scored, two MMAs) one; split s takes the
     // tiles that start in units [s per, (s + 1) per), per = ceil(units / S). A split in the
     // window's units may get no tile: it takes part in the merge with an empty state. (A
-    // parked token sees no keys: one split, which writes zeros.)
+    // parked token sees no keys: one split, or one pair, and its output is zeros.)
     const u32 tiles = max(1u, (n + AMMA_KEYS - 1u) / AMMA_KEYS);
     const u32 wt = min(tiles, (n_w + AMMA_KEYS - 1u) / AMMA_KEYS);
     const u32 units = AMMA_WINDOW_COST * wt + (tiles - wt);
@@ -1235,11 +1235,11 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     bool writes = true;  // whether this warp writes its columns' state
     if (pairs) {
         // The pair (2i, 2i + 1), one cluster, merges through distributed shared memory: the
-        // even block takes the columns of key quarters 0 and 1, the odd one 2 and 3. Each block
-        // puts its maxima and denominators and, from the warps whose columns the other block
-        // takes, their sums (the queries' place, [value][thread]) in its shared memory; the
-        // states meet at the even split's, then the odd's, common maximum, the same arithmetic
-        // whichever block does it.
+        // even block takes the output columns of warps kq = 0 and 1, the odd one 2 and 3. Each
+        // block puts its maxima and denominators and, from the warps whose columns the other
+        // block takes, their sums (the queries' place, [value][thread]) in its shared memory;
+        // the states meet at the even split's, then the odd's, common maximum, the same
+        // arithmetic whichever block does it.
         __shared__ float ml_s[AMMA_HEADS][2];
         const u32 rank = split & 1u, peer = rank ^ 1u;
         writes = (kq >> 1) == rank;
