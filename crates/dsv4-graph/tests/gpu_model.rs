@@ -4,9 +4,10 @@
 //!
 //! Bounds (per position): cosine similarity ≥ 0.999 and max |Δ| ≤ 2e-2 · max |logit| against
 //! the CPU forward on the same (BF16) weights with activations rounded to BF16 where the GPU
-//! rounds them (not the indexer's keys, which the GPU keeps in f16), and against the oracle, on fixtures whose weights are BF16 and whose router
-//! and indexer top-k decisions are not closer than BF16 rounding (the F32 and BF16 CPU
-//! forwards agree within the bounds everywhere). On the others, the GPU may leave the bounds
+//! rounds them (not the compressed entries and indexer keys, which the GPU keeps in f16), and
+//! against the oracle, on fixtures whose weights are BF16 and whose router and indexer top-k
+//! decisions are not closer than BF16 rounding (the F32 and BF16 CPU forwards agree within
+//! the bounds everywhere). On the others, the GPU may leave the bounds
 //! at a number of positions in proportion to where the F32 forward leaves the BF16 one (see
 //! `judge`). Graph replays are bit-identical to the same launches issued eagerly.
 

@@ -114,10 +114,10 @@ impl CpuModel {
     }
 
     /// The same forward with every linear's input rounded to BF16 as the GPU model rounds it
-    /// (not the MoE gate's nor the indexer head weights', which it runs in F32; the indexer's
-    /// keys stay F32 here, f16 on the GPU); outputs stay
-    /// F32 but where they feed another linear: the arithmetic the GPU does, to check it
-    /// position by position where top-k decisions sit closer than BF16 rounding.
+    /// (not the MoE gate's nor the indexer head weights', which it runs in F32; the compressed
+    /// entries and indexer keys stay F32 here, f16 on the GPU); outputs stay F32 but where they
+    /// feed another linear: the arithmetic the GPU does, to check it position by position where
+    /// top-k decisions sit closer than BF16 rounding.
     pub fn with_bf16_activations(mut self) -> CpuModel {
         self.round = round_bf16;
         self
