@@ -862,9 +862,10 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // are RMS-normalised). The block's queries go to shared memory once, its keys (in
 // attention_heads' order: window, then compressed) 32 at a time: a tile holding window keys
 // split into hi and lo rows as it is staged, a tile of entries copied as it is (cp.async) while
-// the tile before it is scored. 16 warps: warp w scores
-// heads 16 (w % 4) .. + 16 against keys 8 (w / 4) .. + 8 over the whole head width, the block
-// shares the scores through shared memory, and each warp then keeps the online softmax of its
+// the tile before it is scored. 16 warps: warp w scores heads 16 (w % 4) .. + 16 against the
+// tile's 32 keys over the 32-channel steps w / 4, w / 4 + 4, ... of the head width (each query
+// fragment it loads serves four key tiles), the four warps' partial scores are added in shared
+// memory in a fixed order, and each warp then keeps the online softmax of its
 // 16 heads (the four warps of a head group keep the same one) and accumulates probabilities
 // times keys into its quarter of the head width. Then the sink joins each head's
 // denominator, the output is rotated back and written in bf16, as attention_heads does.
@@ -933,8 +934,8 @@ __device__ __forceinline__ float amma_factor(float m, float l, float sk) {
 
 
 // Dynamic shared memory: queries [2][64][d + 8] f16 (hi, lo), keys [2][32][d + 8] f16 (a
-// window tile's hi and lo parts, or two entry tiles), scores [64][33] f32; the split merge's
-// factors and group sums in the keys' place.
+// window tile's hi and lo parts, or two entry tiles), scores [2][64][33] f32 (two halves'
+// partial sums); the split merge's factors and group sums in the keys' place.
 DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ window, u32 wsize, u32 mode,
     const u16* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
@@ -947,6 +948,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     u16* q_s = amma;                          // hi, then lo at + AMMA_HEADS * ld
     u16* k_s = q_s + 2u * AMMA_HEADS * ld;    // slot 0, then slot 1 at + AMMA_KEYS * ld
     float* s_s = reinterpret_cast<float*>(k_s + 2u * AMMA_KEYS * ld);
+    float* s_t = s_s + AMMA_HEADS * (AMMA_KEYS + 1u);
     __shared__ bool present_s[2][AMMA_KEYS];
     const u32 q_lo = AMMA_HEADS * ld, k_lo = AMMA_KEYS * ld;
     const u32 t = blockIdx.z, h0 = blockIdx.x * AMMA_HEADS;
@@ -1038,6 +1040,9 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                      : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                      : "r"(addr));
     };
+    auto ldm2 = [](u32 addr, u32& r0, u32& r1) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
+    };
     auto ldm4t = [](u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                      : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -1085,54 +1090,70 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
             }
         }
         __syncthreads();
-        // Scores of heads 16 hg + (g, g + 8) and keys 8 kq + 2 qd + (0, 1): even and odd
-        // 16-channel steps in two chains of MMAs, added at the end.
+        // Partial scores of heads 16 hg + (g, g + 8) and all 32 keys (column tiles nn: keys
+        // 8 nn + 2 qd + (0, 1)) over the 32-channel steps kq, kq + 4, ... of the head width, each
+        // query fragment loaded once for the four key tiles.
         {
-            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            float sc[4][4] = {};
             // d is a multiple of 32 (the launcher's check).
             if (entry) {
-                // Key fragments of channels c, c + 8, c + 16, c + 24 (keys 8 kq + 0..7) in one
-                // load: q·k = hi·k + lo·k.
-                const u32 kb = (u32)__cvta_generic_to_shared(k_s + sl * k_lo + (8u * kq + (lane & 7u)) * ld +
-                                                            8u * (lane >> 3));
-                for (u32 c = 0; c < d; c += 32u) {
-                    u32 b0, b1, b2, b3, a0, a1, a2, a3, e0, e1, e2, e3;
-                    ldm4(kb + 2u * c, b0, b1, b2, b3);
-                    ldm4(qa + 2u * c, a0, a1, a2, a3);
-                    ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
-                    mma_f16(sc[0], a0, a1, a2, a3, b0, b1);
-                    mma_f16(sc[0], e0, e1, e2, e3, b0, b1);
-                    ldm4(qa + 2u * (c + 16u), a0, a1, a2, a3);
-                    ldm4(qa + 2u * (q_lo + c + 16u), e0, e1, e2, e3);
-                    mma_f16(sc[1], a0, a1, a2, a3, b2, b3);
-                    mma_f16(sc[1], e0, e1, e2, e3, b2, b3);
-                }
-            } else {
-                // The keys' fragments (keys 8 kq + 0..7, channels c, c + 8, hi then lo):
-                // hi·hi + hi·lo + lo·hi.
-                const u32 kb = (u32)__cvta_generic_to_shared(k_s + (lane >> 4) * k_lo + (8u * kq + (lane & 7u)) * ld +
+                // Key fragments of channels c, c + 8 (keys 8 nn + 0..7) in one load: q·k =
+                // hi·k + lo·k.
+                const u32 kb = (u32)__cvta_generic_to_shared(k_s + sl * k_lo + (lane & 7u) * ld +
                                                             8u * ((lane >> 3) & 1u));
-                auto step = [&](float(&acc)[4], u32 c) {
-                    u32 a0, a1, a2, a3, e0, e1, e2, e3, b0, b1, l0, l1;
-                    ldm4(qa + 2u * c, a0, a1, a2, a3);
-                    ldm4(kb + 2u * c, b0, b1, l0, l1);
-                    ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
-                    mma_f16(acc, a0, a1, a2, a3, b0, b1);
-                    mma_f16(acc, a0, a1, a2, a3, l0, l1);
-                    mma_f16(acc, e0, e1, e2, e3, b0, b1);
-                };
-                for (u32 c = 0; c < d; c += 32u) {
-                    step(sc[0], c);
-                    step(sc[1], c + 16u);
-                }
-            }
-            // Absent keys (past n, or a selection slot holding none) score -inf.
+                for (u32 c0 = 32u * kq; c0 < d; c0 += 128u)
+#pragma unroll 1
+                    for (u32 c = c0; c < c0 + 32u; c += 16u) {
+                        u32 a0, a1, a2, a3, e0, e1, e2, e3;
+                        ldm4(qa + 2u * c, a0, a1, a2, a3);
+                        ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
 #pragma unroll
-            for (u32 i = 0; i < 4u; i++) {
-                const u32 col = 8u * kq + 2u * qd + (i & 1u);
-                s_s[(16u * hg + g + 8u * (i >> 1)) * (AMMA_KEYS + 1u) + col] =
-                    present_s[sl][col] ? (sc[0][i] + sc[1][i]) * scale : NEG_INF;
+                        for (u32 nn = 0; nn < 4u; nn++) {
+                            u32 b0, b1;
+                            ldm2(kb + 2u * (8u * nn * ld + c), b0, b1);
+                            mma_f16(sc[nn], a0, a1, a2, a3, b0, b1);
+                            mma_f16(sc[nn], e0, e1, e2, e3, b0, b1);
+                        }
+                    }
+            } else {
+                // The keys' fragments (keys 8 nn + 0..7, channels c, c + 8, hi then lo):
+                // hi·hi + hi·lo + lo·hi.
+                const u32 kb = (u32)__cvta_generic_to_shared(k_s + (lane >> 4) * k_lo + (lane & 7u) * ld +
+                                                            8u * ((lane >> 3) & 1u));
+                for (u32 c0 = 32u * kq; c0 < d; c0 += 128u)
+#pragma unroll 1
+                    for (u32 c = c0; c < c0 + 32u; c += 16u) {
+                        u32 a0, a1, a2, a3, e0, e1, e2, e3;
+                        ldm4(qa + 2u * c, a0, a1, a2, a3);
+                        ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
+#pragma unroll
+                        for (u32 nn = 0; nn < 4u; nn++) {
+                            u32 b0, b1, l0, l1;
+                            ldm4(kb + 2u * (8u * nn * ld + c), b0, b1, l0, l1);
+                            mma_f16(sc[nn], a0, a1, a2, a3, b0, b1);
+                            mma_f16(sc[nn], a0, a1, a2, a3, l0, l1);
+                            mma_f16(sc[nn], e0, e1, e2, e3, b0, b1);
+                        }
+                    }
             }
+            // The four channel quarters' partials meet in a fixed order, (kq 0 + kq 2) +
+            // (kq 1 + kq 3): quarters 2 and 3 put theirs in s_s and s_t, then quarters 0 and 1
+            // add theirs to them.
+            auto at = [&](u32 nn, u32 i) {
+                return (16u * hg + g + 8u * (i >> 1)) * (AMMA_KEYS + 1u) + 8u * nn + 2u * qd + (i & 1u);
+            };
+            float* part = kq & 1u ? s_t : s_s;
+            if (kq >= 2u)
+#pragma unroll
+                for (u32 nn = 0; nn < 4u; nn++)
+#pragma unroll
+                    for (u32 i = 0; i < 4u; i++) part[at(nn, i)] = sc[nn][i];
+            __syncthreads();
+            if (kq < 2u)
+#pragma unroll
+                for (u32 nn = 0; nn < 4u; nn++)
+#pragma unroll
+                    for (u32 i = 0; i < 4u; i++) part[at(nn, i)] = sc[nn][i] + part[at(nn, i)];
         }
         __syncthreads();
         // Online softmax of rows g and g + 8 over the tile's 32 keys: the quad's lanes take 8
@@ -1140,11 +1161,13 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         float pr[2][8];
 #pragma unroll
         for (u32 r = 0; r < 2u; r++) {
-            const float* row = s_s + (16u * hg + g + 8u * r) * (AMMA_KEYS + 1u);
+            const u32 row = (16u * hg + g + 8u * r) * (AMMA_KEYS + 1u);
             float mx = NEG_INF;
+            // Absent keys (past n, or a selection slot holding none) score -inf.
 #pragma unroll
             for (u32 i = 0; i < 8u; i++) {
-                pr[r][i] = row[2u * qd + 8u * (i >> 1) + (i & 1u)];
+                const u32 col = 2u * qd + 8u * (i >> 1) + (i & 1u);
+                pr[r][i] = present_s[sl][col] ? (s_s[row + col] + s_t[row + col]) * scale : NEG_INF;
                 mx = fmaxf(mx, pr[r][i]);
             }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));

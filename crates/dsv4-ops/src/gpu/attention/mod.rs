@@ -771,7 +771,7 @@ pub fn attention(
     // On tensor cores: a prompt chunk always (one block per token and 64 heads); of a few
     // tokens, those that see many keys (split over blocks that fill the SMs), where the block
     // fits the GPU's shared memory. The others run on CUDA cores, four heads a block.
-    let mma_shared = 2 * (MMA_HEADS + MMA_KEYS) * (d + 8) * 2 + MMA_HEADS * (MMA_KEYS + 1) * 4;
+    let mma_shared = 2 * (MMA_HEADS + MMA_KEYS) * (d + 8) * 2 + 2 * MMA_HEADS * (MMA_KEYS + 1) * 4;
     let mma_fits =
         dev.kernel_limits("attention_mma")?.static_shared + mma_shared <= dev.max_block_shared();
     if t >= MMA_MIN_TOKENS && !mma_fits {
