@@ -1104,15 +1104,17 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                 for (u32 c0 = 32u * kq; c0 < d; c0 += 128u)
 #pragma unroll 1
                     for (u32 c = c0; c < c0 + 32u; c += 16u) {
-                        u32 a0, a1, a2, a3, e0, e1, e2, e3;
-                        ldm4(qa + 2u * c, a0, a1, a2, a3);
-                        ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
+                        // The query's hi part against the four key tiles, then its lo part.
 #pragma unroll
-                        for (u32 nn = 0; nn < 4u; nn++) {
-                            u32 b0, b1;
-                            ldm2(kb + 2u * (8u * nn * ld + c), b0, b1);
-                            mma_f16(sc[nn], a0, a1, a2, a3, b0, b1);
-                            mma_f16(sc[nn], e0, e1, e2, e3, b0, b1);
+                        for (u32 part = 0; part < 2u; part++) {
+                            u32 a0, a1, a2, a3;
+                            ldm4(qa + 2u * (part * q_lo + c), a0, a1, a2, a3);
+#pragma unroll
+                            for (u32 nn = 0; nn < 4u; nn++) {
+                                u32 b0, b1;
+                                ldm2(kb + 2u * (8u * nn * ld + c), b0, b1);
+                                mma_f16(sc[nn], a0, a1, a2, a3, b0, b1);
+                            }
                         }
                     }
             } else {
@@ -1123,16 +1125,23 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                 for (u32 c0 = 32u * kq; c0 < d; c0 += 128u)
 #pragma unroll 1
                     for (u32 c = c0; c < c0 + 32u; c += 16u) {
-                        u32 a0, a1, a2, a3, e0, e1, e2, e3;
+                        // The query's hi part against the keys' hi and lo, then its lo part
+                        // against their hi.
+                        u32 a0, a1, a2, a3;
                         ldm4(qa + 2u * c, a0, a1, a2, a3);
-                        ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
 #pragma unroll
                         for (u32 nn = 0; nn < 4u; nn++) {
                             u32 b0, b1, l0, l1;
                             ldm4(kb + 2u * (8u * nn * ld + c), b0, b1, l0, l1);
                             mma_f16(sc[nn], a0, a1, a2, a3, b0, b1);
                             mma_f16(sc[nn], a0, a1, a2, a3, l0, l1);
-                            mma_f16(sc[nn], e0, e1, e2, e3, b0, b1);
+                        }
+                        ldm4(qa + 2u * (q_lo + c), a0, a1, a2, a3);
+#pragma unroll
+                        for (u32 nn = 0; nn < 4u; nn++) {
+                            u32 b0, b1;
+                            ldm2(kb + 2u * (8u * nn * ld + c), b0, b1);
+                            mma_f16(sc[nn], a0, a1, a2, a3, b0, b1);
                         }
                     }
             }
