@@ -1454,9 +1454,10 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // rounds nothing). Then the block takes steps of 128 entries (x, x + gridDim.x, ...: a short
 // context keeps most blocks idle rather than every block staging queries for a few entries),
 // warp w their w-th 16, below the last token's visible count: the tile's keys stay in
-// registers as the A operand (the warp's next tile's loads in flight meanwhile), and for each token whose visible entries reach the tile the warp
-// takes the heads eight at a time (B, from shared memory) over all c channels, then sums
-// max(dot, 0) · scale · w_h over the heads in registers and across the quad. So an entry's
+// registers as the A operand (the warp's next tile's loads in flight meanwhile), and for each
+// token whose visible entries reach the tile the warp takes the heads eight at a time (B, from
+// shared memory) over all c channels, then sums max(dot, 0) · scale · w_h over the heads in
+// registers and across the quad. So an entry's
 // score depends only on its key and its token's queries and weights, whichever tile, block or
 // launch computes it. c % 16 == 0, nh <= 64.
 #define IMMA_TOKENS 4u
