@@ -1454,8 +1454,11 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // rounds nothing). Then the block takes steps of 128 entries (x, x + gridDim.x, ...: a short
 // context keeps most blocks idle rather than every block staging queries for a few entries),
 // warp w their w-th 16, below the last token's visible count: the tile's keys stay in
-// registers as the A operand (the warp's next tile's loads in flight meanwhile), and for each token whose visible entries reach the tile the warp
-// takes the heads eight at a time (B, from shared memory) over all c channels, then sums
+// registers as the A operand (the warp's next tile's loads in flight meanwhile), and for each
+// token whose visible entries reach the tile the warp takes the heads eight at a time (B, from
+// shared memory) over all c channels; on sm_90a each group of four warps takes its 64 keys
+// against all 64 heads in one warpgroup MMA a k-step instead (B read by the MMA from shared
+// memory, the accumulators laid out as the eight tiles of mma.sync). Then it sums
 // max(dot, 0) · scale · w_h over the heads in registers and across the quad. So an entry's
 // score depends only on its key and its token's queries and weights, whichever tile, block or
 // launch computes it. c % 16 == 0, nh <= 64.
@@ -1465,10 +1468,26 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 #define IMMA_KK (IDX_MAX_C / 32u)                       // 32-channel steps (two k-steps each)
 #define IMMA_PART (IDX_MAX_HEADS * IDX_MAX_C)            // one f16 part of one token's queries
 
-// Where query (h, ch) of a part sits (in f16): the B fragment of head tile h / 8, channel step
-// ch / 32 and lane 4 (h % 8) + ch % 32 / 8, element ch % 8.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// sm_90a: a warpgroup's four warps take 64 keys (M) against the 64 heads (N) in one warpgroup
+// MMA a k-step, the queries read by the MMA from shared memory.
+#define IMMA_WG 1
+#else
+#define IMMA_WG 0
+#endif
+
+// Where query (h, ch) of a part sits (in f16), for channels ch, ch + 1 (ch even). sm_90a:
+// wgmma's B operand, K-major without swizzle, of k-step S = 2 kk + s (1024 f16 each): k
+// position j of head h at (j / 8) 512 + (h / 8) 64 + (h % 8) 8 + j % 8. Otherwise the B
+// fragment of head tile h / 8, channel step ch / 32 and lane 4 (h % 8) + ch % 32 / 8, element
+// ch % 8.
 __device__ __forceinline__ u32 imma_query_at(u32 h, u32 ch) {
+#if IMMA_WG
+    const u32 r = ch % 32u, qd = r / 8u, s = r % 8u / 4u, u = r % 4u;
+    return (2u * (ch / 32u) + s) * 1024u + u / 2u * 512u + h / 8u * 64u + h % 8u * 8u + 2u * qd + u % 2u;
+#else
     return (((h / 8u) * IMMA_KK + ch / 32u) * 32u + 4u * (h % 8u) + ch % 32u / 8u) * 8u + ch % 8u;
+#endif
 }
 
 // Every shape runs the full 64 heads x 128 channels, the missing ones zero, so the MMA loops
@@ -1535,10 +1554,20 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (h < nh && ch < c) v = *reinterpret_cast<const float4*>(qg + tb * qn + h * c + ch);
             v = make_float4(v.x * f[tb], v.y * f[tb], v.z * f[tb], v.w * f[tb]);
-            u16* hi = imma + tb * 2u * IMMA_PART + imma_query_at(h, ch);
-            store_split(v, hi, hi + IMMA_PART);
+            u16* part = imma + tb * 2u * IMMA_PART;
+            u32 h0, l0, h1, l1;
+            f16x2_split(v.x, v.y, h0, l0);
+            f16x2_split(v.z, v.w, h1, l1);
+            const u32 a0 = imma_query_at(h, ch), a1 = imma_query_at(h, ch + 2u);
+            *reinterpret_cast<u32*>(part + a0) = h0;
+            *reinterpret_cast<u32*>(part + IMMA_PART + a0) = l0;
+            *reinterpret_cast<u32*>(part + a1) = h1;
+            *reinterpret_cast<u32*>(part + IMMA_PART + a1) = l1;
         }
     }
+#if IMMA_WG
+    wg::stores_to_async();
+#endif
     __syncthreads();
 
     auto ld128 = [](const u16* p) { return *reinterpret_cast<const uint4*>(p); };
@@ -1556,24 +1585,44 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
             k1[kk] = v1 && in ? ld128(r1 + 32u * kk) : z;
         }
     };
-    // The warp's next step's keys are in flight while it scores this one's.
+    // The warp's next step's keys are in flight while it scores this one's. Loops run on the
+    // first key of the warp's group of four (a warpgroup's MMAs take all four warps).
     const u32 stride = 16u * IMMA_WARPS * gridDim.x;
     uint4 k0[IMMA_KK], k1[IMMA_KK], n0[IMMA_KK], n1[IMMA_KK];
+    const u32 lead = IMMA_WG ? 16u * (warp % 4u) : 0u;  // the warp's keys past its group's first
     u32 e0 = 16u * (IMMA_WARPS * blockIdx.x + warp);
-    if (e0 < n_max) load_keys(e0, n0, n1);
-    for (; e0 < n_max; e0 += stride) {
+    if (e0 - lead < n_max) load_keys(e0, n0, n1);
+    for (; e0 - lead < n_max; e0 += stride) {
 #pragma unroll
         for (u32 kk = 0; kk < IMMA_KK; kk++) {
             k0[kk] = n0[kk];
             k1[kk] = n1[kk];
         }
-        if (e0 + stride < n_max) load_keys(e0 + stride, n0, n1);
+        if (e0 - lead + stride < n_max) load_keys(e0 + stride, n0, n1);
         for (u32 tb = 0; tb < tb_n; tb++) {
             const u32 t = t0 + tb, n_vis = visible(t);
-            if (e0 >= n_vis) continue;
+            if (e0 - lead >= n_vis) continue;
             float acc[IMMA_NTILES][4];
 #pragma unroll
             for (u32 nt = 0; nt < IMMA_NTILES; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#if IMMA_WG
+            // k-step 2 kk + s: hi, then lo (the same order as the mma.sync form).
+            const u16* qh = imma + tb * 2u * IMMA_PART;
+            wg::hold(acc);
+            wg::fence();
+#pragma unroll
+            for (u32 kk = 0; kk < IMMA_KK; kk++) {
+                const u32 a[4] = {k0[kk].x, k1[kk].x, k0[kk].y, k1[kk].y};
+                const u32 b[4] = {k0[kk].z, k1[kk].z, k0[kk].w, k1[kk].w};
+                wg::mma<true>(acc, a, wg::desc(qh + (2u * kk) * 1024u, 1024u));
+                wg::mma<true>(acc, a, wg::desc(qh + IMMA_PART + (2u * kk) * 1024u, 1024u));
+                wg::mma<true>(acc, b, wg::desc(qh + (2u * kk + 1u) * 1024u, 1024u));
+                wg::mma<true>(acc, b, wg::desc(qh + IMMA_PART + (2u * kk + 1u) * 1024u, 1024u));
+            }
+            wg::commit();
+            wg::wait_all();
+            wg::hold(acc);
+#else
             const u16* qh = imma + tb * 2u * IMMA_PART + 8u * lane;
             const u16* ql = qh + IMMA_PART;
 #pragma unroll
@@ -1589,6 +1638,7 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
                     mma_f16(acc[nt], a.z, b.z, a.w, b.w, l.z, l.w);
                 }
             }
+#endif
             // Rows g and g + 8; heads 8 nt + 2 qd (+1).
             float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
