@@ -243,13 +243,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// A u32 that other blocks of the GPU update, read with acquire semantics (a spin-wait's flag).
-__device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // ---- thread-block clusters (sm_90+; elsewhere, and in a launch without clusters, a block is
 // a cluster of one) ----
 
