@@ -25,7 +25,8 @@
 //   the cluster's shared memory) the splits' states merge in a fixed order (so the result does
 //   not depend on timing), and the output is rotated back and written in bf16.
 // - attention_mma: the same on tensor cores, a block per token and 64 heads: a prompt chunk's
-//   tokens, and a decode token that sees many keys (split over blocks that meet in the launch).
+//   tokens, and a decode token that sees many keys (split over blocks whose states
+//   attention_merge, launched after it, merges).
 // - window_write: the chunk's keys into the sliding-window ring.
 #include "dsv4_common.cuh"
 
@@ -874,11 +875,9 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 // `used` <= S splits take part (the others return at once). Each used block writes its heads'
 // unnormalised sums and softmax states to `part` ([t][h][S][d] sums, [t][h][S][2] max and
 // denominator; with `pairs`, S even and each pair of splits one cluster, the pair's states
-// merged through distributed shared memory first and written as one), they meet at token t's
-// counter (the launcher keeps every block of the grid resident at once, so the wait ends), and
-// the used blocks then merge the heads' states, each a share of the heads' channels, in a
-// fixed order: the result depends on S, `pairs` and the position, not on timing. The last
-// block to leave sets the counters back to 0.
+// merged through distributed shared memory first and written as one), and attention_merge,
+// launched after it, merges them in a fixed order: the result depends on S, `pairs` and the
+// position, not on timing.
 // A token with fewer than mma_from keys is left to attention_heads (launched before).
 #define AMMA_HEADS 64u
 #define AMMA_KEYS 32u
@@ -933,6 +932,23 @@ __device__ __forceinline__ float amma_factor(float m, float l, float sk) {
 }
 
 
+// How attention_mma cuts a token's n keys (n_w of them the window's) over S splits: tiles of
+// AMMA_KEYS keys, a window tile weighing AMMA_WINDOW_COST units and a tile of entries one,
+// split s taking the tiles that start in units [s per, (s + 1) per), per = ceil(units / S);
+// `used` splits take part (in pairs, whole pairs: the odd one out's partner with no keys).
+struct AmmaPlan {
+    u32 wt, per, used;
+};
+__device__ __forceinline__ AmmaPlan amma_plan(u32 n, u32 n_w, u32 splits, u32 pairs) {
+    const u32 tiles = max(1u, (n + AMMA_KEYS - 1u) / AMMA_KEYS);
+    const u32 wt = min(tiles, (n_w + AMMA_KEYS - 1u) / AMMA_KEYS);
+    const u32 units = AMMA_WINDOW_COST * wt + (tiles - wt);
+    const u32 per = (units + splits - 1u) / splits;
+    u32 used = (units + per - 1u) / per;
+    if (pairs) used = min(splits, used + (used & 1u));
+    return {wt, per, used};
+}
+
 // Dynamic shared memory: queries [2][64][d + 8] f16 (hi, lo), keys [2][32][d + 8] f16 (a
 // window tile's hi and lo parts, or two entry tiles), scores [2][64][33] f32 (two halves'
 // partial sums); the split merge's factors and group sums in the keys' place.
@@ -941,7 +957,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const u16* __restrict__ entries, u32 cap, u32 ratio, const int* __restrict__ sel, u32 k,
     const float* __restrict__ sink, const u32* __restrict__ pos, u32 heads, u32 d, float scale,
     const float* __restrict__ inv_freq, u32 rope_half, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    u32* __restrict__ counters, u16* __restrict__ out, u32 batch, u32 mma_from, u32 pairs) {
+    u16* __restrict__ out, u32 batch, u32 mma_from, u32 pairs) {
     pdl_enter();
     extern __shared__ __align__(16) u16 amma[];
     const u32 ld = d + 8u;  // row stride (f16): rows 16 bytes apart in banks
@@ -965,14 +981,9 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     // tiles that start in units [s per, (s + 1) per), per = ceil(units / S). A split in the
     // window's units may get no tile: it takes part in the merge with an empty state. (A
     // parked token sees no keys: one split, or one pair, and its output is zeros.)
-    const u32 tiles = max(1u, (n + AMMA_KEYS - 1u) / AMMA_KEYS);
-    const u32 wt = min(tiles, (n_w + AMMA_KEYS - 1u) / AMMA_KEYS);
-    const u32 units = AMMA_WINDOW_COST * wt + (tiles - wt);
     const u32 splits = gridDim.y, split = blockIdx.y;
-    const u32 per = (units + splits - 1u) / splits;
-    // In pairs, whole pairs take part (the odd one out's partner with no keys).
-    u32 used = (units + per - 1u) / per;
-    if (pairs) used = min(splits, used + (used & 1u));
+    const AmmaPlan plan = amma_plan(n, n_w, splits, pairs);
+    const u32 wt = plan.wt, per = plan.per, used = plan.used;
     if (split >= used) return;
     // The first tile starting at unit x or later.
     auto tile_at = [&](u32 x) {
@@ -1260,10 +1271,8 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         }
         return;
     }
-    // This split's state out (with pairs, the pair's: states = used / 2), then the token's used
-    // splits meet.
+    // This split's state out (with pairs, the pair's), for attention_merge.
     const u64 row0 = (u64)t * heads + h0;  // (token, head) row of the block's first head
-    const u32 states = pairs ? used / 2u : used;
     bool writes = true;  // whether this warp writes its columns' state
     if (pairs) {
         // The pair (2i, 2i + 1), one cluster, merges through distributed shared memory: the
@@ -1340,97 +1349,99 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
             ml[1] = l[r];
         }
     }
-    // The block's writes, seen by thread 0 at the barrier, are released to the GPU by its
-    // fence (fences are cumulative); what it acquires, the block reads after the next barrier.
-    __syncthreads();
-    u32* arrived = counters + 2u * ((u64)t * gridDim.x + blockIdx.x);
-    if (threadIdx.x == 0u) {
-        __threadfence();
-        atomicAdd(arrived, 1u);
-        while (ld_acquire_gpu(arrived) < used) {
-        }
-    }
-    __syncthreads();
-    // The merge in units of a head's channels (a head, or a half or quarter of it when the used
-    // splits outnumber the heads, so every block takes part): block `split` takes units split,
-    // split + used, ... For each, warp 0 brings the head's states to their common maximum
-    // (lane l takes states l, l + 32, ...; the lanes' parts combined by a fixed butterfly) and
-    // the sink joins; then groups of threads sum the sums of states g, g + G, ... (read from L2:
-    // the other blocks' writes are not in this SM's L1), four channels a thread, and the groups'
-    // sums are added in group order.
+}
+
+// attention_mma's merge of a token's split states (its arguments, where attention_mma writes
+// them), after it: block (h, c, t) takes head h's channel chunk c (of 1, 2 or 4 by the used
+// splits a head, so every SM takes part) of token t, when t's keys ran on tensor cores over more
+// than one split. Warp 0 brings the head's states to their common maximum (lane l takes states
+// l, l + 32, ...; the lanes' parts combined by a fixed butterfly) and the sink joins; then
+// groups of threads sum the sums of states g, g + G, ..., four channels a thread, and the
+// groups' sums are added in group order, rotated back and written in bf16. Dynamic shared
+// memory: states + 3 floats and blockDim.x float4s.
+DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
+    const u32* __restrict__ pos, u32 batch, u32 heads, u32 d, u32 wsize, u32 mode, u32 cap, u32 ratio, u32 k,
+    const float* __restrict__ sink, const float* __restrict__ inv_freq, u32 rope_half,
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, u32 splits, u32 pairs, u32 mma_from,
+    u16* __restrict__ out) {
+    pdl_enter();
+    extern __shared__ __align__(16) float merge_s[];
+    __shared__ float head_f;
+    const u32 h = blockIdx.x, chunk = blockIdx.y, t = blockIdx.z;
+    const u32 p = batch ? pos[t] : pos[0] + t;
+    const u32 n_w = min(p + 1u, wsize);
+    const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
+    const u32 n = n_w + (mode == 2u ? min(k, n_vis) : n_vis);
+    if (n < mma_from) return;  // attention_heads' token
+    const u32 used = amma_plan(n, n_w, splits, pairs).used;
+    if (used < 2u) return;  // written by attention_mma
+    const u32 states = pairs ? used / 2u : used;
+    const u32 hv = min(AMMA_HEADS, heads - h / AMMA_HEADS * AMMA_HEADS);
     const u32 per_head = used / hv;
     const u32 chunks = per_head >= 4u && d % 512u == 0u ? 4u : per_head >= 2u && d % 256u == 0u ? 2u : 1u;
+    if (chunk >= chunks) return;
     const u32 width = d / chunks, quads = width / 4u, groups = blockDim.x / quads;
-    float* f_s = reinterpret_cast<float*>(k_s);  // [states] each state's factor
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    float* f_s = merge_s;                                                  // [states] each state's factor
     float4* sum_s = reinterpret_cast<float4*>(f_s + ((states + 3u) & ~3u));  // [groups][quads]
-    __shared__ float head_f;
-    for (u32 u = split; u < hv * chunks; u += used) {
-        const u32 h = u / chunks, c0 = (u % chunks) * width;
-        const u64 row = row0 + h;
-        __syncthreads();  // the previous unit's factors and sums are read
-        if (warp == 0u) {
-            float mx = NEG_INF;
-            for (u32 i = lane; i < states; i += 32u) mx = fmaxf(mx, __ldcg(part_ml + (row * splits + i) * 2u));
-            mx = warp_max(mx);
-            float den = 0.0f;
-            for (u32 i = lane; i < states; i += 32u) {
-                const float* ml = part_ml + (row * splits + i) * 2u;
-                const float mi = __ldcg(ml);
-                const float f = mi == mx ? 1.0f : expf(mi - mx);
-                f_s[i] = f;
-                den = fmaf(__ldcg(ml + 1), f, den);
-            }
-            den = warp_sum(den);
-            if (lane == 0u) head_f = amma_factor(mx, den, sink[h0 + h]);
+    const u32 c0 = chunk * width;
+    const u64 row = (u64)t * heads + h;
+    if (warp == 0u) {
+        float mx = NEG_INF;
+        for (u32 i = lane; i < states; i += 32u) mx = fmaxf(mx, __ldcg(part_ml + (row * splits + i) * 2u));
+        mx = warp_max(mx);
+        float den = 0.0f;
+        for (u32 i = lane; i < states; i += 32u) {
+            const float* ml = part_ml + (row * splits + i) * 2u;
+            const float mi = __ldcg(ml);
+            const float f = mi == mx ? 1.0f : expf(mi - mx);
+            f_s[i] = f;
+            den = fmaf(__ldcg(ml + 1), f, den);
         }
-        __syncthreads();
-        const u32 q = threadIdx.x % quads, grp = threadIdx.x / quads;
-        if (grp < groups) {
-            const float4* src = reinterpret_cast<const float4*>(part_acc + row * splits * d + c0) + q;
-            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (u32 s0 = grp; s0 < states; s0 += 8u * groups) {
-                float4 v[8];
-#pragma unroll
-                for (u32 j = 0; j < 8u; j++) {
-                    const u32 sp = s0 + j * groups;
-                    v[j] = sp < states ? __ldcg(src + (u64)sp * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
-#pragma unroll
-                for (u32 j = 0; j < 8u; j++) {
-                    const u32 sp = s0 + j * groups;
-                    if (sp < states) {
-                        const float f = f_s[sp];
-                        a.x = fmaf(v[j].x, f, a.x);
-                        a.y = fmaf(v[j].y, f, a.y);
-                        a.z = fmaf(v[j].z, f, a.z);
-                        a.w = fmaf(v[j].w, f, a.w);
-                    }
-                }
-            }
-            sum_s[grp * quads + q] = a;
-        }
-        __syncthreads();
-        if (threadIdx.x < quads) {
-            float4 a = sum_s[threadIdx.x];
-            for (u32 g2 = 1u; g2 < groups; g2++) {
-                const float4 b = sum_s[g2 * quads + threadIdx.x];
-                a.x += b.x;
-                a.y += b.y;
-                a.z += b.z;
-                a.w += b.w;
-            }
-            const float f = head_f;
-            u16* dst = out + row * d;
-            const u32 c = c0 + 4u * threadIdx.x;
-            write_output_pair(dst, c, a.x * f, a.y * f, p, inv_freq, d, rope_half);
-            write_output_pair(dst, c + 2u, a.z * f, a.w * f, p, inv_freq, d, rope_half);
-        }
+        den = warp_sum(den);
+        if (lane == 0u) head_f = amma_factor(mx, den, sink[h]);
     }
-    // Every block has passed the wait once all have left: the last one resets the counters.
     __syncthreads();
-    if (threadIdx.x == 0u && atomicAdd(arrived + 1, 1u) == used - 1u) {
-        atomicExch(arrived, 0u);
-        atomicExch(arrived + 1, 0u);
+    const u32 q = threadIdx.x % quads, grp = threadIdx.x / quads;
+    if (grp < groups) {
+        const float4* src = reinterpret_cast<const float4*>(part_acc + row * splits * d + c0) + q;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (u32 s0 = grp; s0 < states; s0 += 8u * groups) {
+            float4 v[8];
+#pragma unroll
+            for (u32 j = 0; j < 8u; j++) {
+                const u32 sp = s0 + j * groups;
+                v[j] = sp < states ? __ldcg(src + (u64)sp * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (u32 j = 0; j < 8u; j++) {
+                const u32 sp = s0 + j * groups;
+                if (sp < states) {
+                    const float f = f_s[sp];
+                    a.x = fmaf(v[j].x, f, a.x);
+                    a.y = fmaf(v[j].y, f, a.y);
+                    a.z = fmaf(v[j].z, f, a.z);
+                    a.w = fmaf(v[j].w, f, a.w);
+                }
+            }
+        }
+        sum_s[grp * quads + q] = a;
+    }
+    __syncthreads();
+    if (threadIdx.x < quads) {
+        float4 a = sum_s[threadIdx.x];
+        for (u32 g2 = 1u; g2 < groups; g2++) {
+            const float4 b = sum_s[g2 * quads + threadIdx.x];
+            a.x += b.x;
+            a.y += b.y;
+            a.z += b.z;
+            a.w += b.w;
+        }
+        const float f = head_f;
+        u16* dst = out + row * d;
+        const u32 c = c0 + 4u * threadIdx.x;
+        write_output_pair(dst, c, a.x * f, a.y * f, p, inv_freq, d, rope_half);
+        write_output_pair(dst, c + 2u, a.z * f, a.w * f, p, inv_freq, d, rope_half);
     }
 }
 
@@ -1456,8 +1467,10 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // warp w their w-th 16, below the last token's visible count: the tile's keys stay in
 // registers as the A operand (the warp's next tile's loads in flight meanwhile), and for each
 // token whose visible entries reach the tile the warp takes the heads eight at a time (B, from
-// shared memory) over all c channels, then sums max(dot, 0) · scale · w_h over the heads in
-// registers and across the quad. So an entry's
+// shared memory) over all c channels; on sm_90a each group of four warps takes its 64 keys
+// against all 64 heads in one warpgroup MMA a k-step instead (B read by the MMA from shared
+// memory, the accumulators laid out as the eight tiles of mma.sync). Then it sums
+// max(dot, 0) · scale · w_h over the heads in registers and across the quad. So an entry's
 // score depends only on its key and its token's queries and weights, whichever tile, block or
 // launch computes it. c % 16 == 0, nh <= 64.
 #define IMMA_TOKENS 4u
@@ -1466,10 +1479,26 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 #define IMMA_KK (IDX_MAX_C / 32u)                       // 32-channel steps (two k-steps each)
 #define IMMA_PART (IDX_MAX_HEADS * IDX_MAX_C)            // one f16 part of one token's queries
 
-// Where query (h, ch) of a part sits (in f16): the B fragment of head tile h / 8, channel step
-// ch / 32 and lane 4 (h % 8) + ch % 32 / 8, element ch % 8.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// sm_90a: a warpgroup's four warps take 64 keys (M) against the 64 heads (N) in one warpgroup
+// MMA a k-step, the queries read by the MMA from shared memory.
+#define IMMA_WG 1
+#else
+#define IMMA_WG 0
+#endif
+
+// Where query (h, ch) of a part sits (in f16), for channels ch, ch + 1 (ch even). sm_90a:
+// wgmma's B operand, K-major without swizzle, of k-step S = 2 kk + s (1024 f16 each): k
+// position j of head h at (j / 8) 512 + (h / 8) 64 + (h % 8) 8 + j % 8. Otherwise the B
+// fragment of head tile h / 8, channel step ch / 32 and lane 4 (h % 8) + ch % 32 / 8, element
+// ch % 8.
 __device__ __forceinline__ u32 imma_query_at(u32 h, u32 ch) {
+#if IMMA_WG
+    const u32 r = ch % 32u, qd = r / 8u, s = r % 8u / 4u, u = r % 4u;
+    return (2u * (ch / 32u) + s) * 1024u + u / 2u * 512u + h / 8u * 64u + h % 8u * 8u + 2u * qd + u % 2u;
+#else
     return (((h / 8u) * IMMA_KK + ch / 32u) * 32u + 4u * (h % 8u) + ch % 32u / 8u) * 8u + ch % 8u;
+#endif
 }
 
 // Every shape runs the full 64 heads x 128 channels, the missing ones zero, so the MMA loops
@@ -1536,10 +1565,20 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (h < nh && ch < c) v = *reinterpret_cast<const float4*>(qg + tb * qn + h * c + ch);
             v = make_float4(v.x * f[tb], v.y * f[tb], v.z * f[tb], v.w * f[tb]);
-            u16* hi = imma + tb * 2u * IMMA_PART + imma_query_at(h, ch);
-            store_split(v, hi, hi + IMMA_PART);
+            u16* part = imma + tb * 2u * IMMA_PART;
+            u32 h0, l0, h1, l1;
+            f16x2_split(v.x, v.y, h0, l0);
+            f16x2_split(v.z, v.w, h1, l1);
+            const u32 a0 = imma_query_at(h, ch), a1 = imma_query_at(h, ch + 2u);
+            *reinterpret_cast<u32*>(part + a0) = h0;
+            *reinterpret_cast<u32*>(part + IMMA_PART + a0) = l0;
+            *reinterpret_cast<u32*>(part + a1) = h1;
+            *reinterpret_cast<u32*>(part + IMMA_PART + a1) = l1;
         }
     }
+#if IMMA_WG
+    wg::stores_to_async();
+#endif
     __syncthreads();
 
     auto ld128 = [](const u16* p) { return *reinterpret_cast<const uint4*>(p); };
@@ -1557,24 +1596,44 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
             k1[kk] = v1 && in ? ld128(r1 + 32u * kk) : z;
         }
     };
-    // The warp's next step's keys are in flight while it scores this one's.
+    // The warp's next step's keys are in flight while it scores this one's. Loops run on the
+    // first key of the warp's group of four (a warpgroup's MMAs take all four warps).
     const u32 stride = 16u * IMMA_WARPS * gridDim.x;
     uint4 k0[IMMA_KK], k1[IMMA_KK], n0[IMMA_KK], n1[IMMA_KK];
+    const u32 lead = IMMA_WG ? 16u * (warp % 4u) : 0u;  // the warp's keys past its group's first
     u32 e0 = 16u * (IMMA_WARPS * blockIdx.x + warp);
-    if (e0 < n_max) load_keys(e0, n0, n1);
-    for (; e0 < n_max; e0 += stride) {
+    if (e0 - lead < n_max) load_keys(e0, n0, n1);
+    for (; e0 - lead < n_max; e0 += stride) {
 #pragma unroll
         for (u32 kk = 0; kk < IMMA_KK; kk++) {
             k0[kk] = n0[kk];
             k1[kk] = n1[kk];
         }
-        if (e0 + stride < n_max) load_keys(e0 + stride, n0, n1);
+        if (e0 - lead + stride < n_max) load_keys(e0 + stride, n0, n1);
         for (u32 tb = 0; tb < tb_n; tb++) {
             const u32 t = t0 + tb, n_vis = visible(t);
-            if (e0 >= n_vis) continue;
+            if (e0 - lead >= n_vis) continue;
             float acc[IMMA_NTILES][4];
 #pragma unroll
             for (u32 nt = 0; nt < IMMA_NTILES; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#if IMMA_WG
+            // k-step 2 kk + s: hi, then lo (the same order as the mma.sync form).
+            const u16* qh = imma + tb * 2u * IMMA_PART;
+            wg::hold(acc);
+            wg::fence();
+#pragma unroll
+            for (u32 kk = 0; kk < IMMA_KK; kk++) {
+                const u32 a[4] = {k0[kk].x, k1[kk].x, k0[kk].y, k1[kk].y};
+                const u32 b[4] = {k0[kk].z, k1[kk].z, k0[kk].w, k1[kk].w};
+                wg::mma<true>(acc, a, wg::desc(qh + (2u * kk) * 1024u, 1024u));
+                wg::mma<true>(acc, a, wg::desc(qh + IMMA_PART + (2u * kk) * 1024u, 1024u));
+                wg::mma<true>(acc, b, wg::desc(qh + (2u * kk + 1u) * 1024u, 1024u));
+                wg::mma<true>(acc, b, wg::desc(qh + IMMA_PART + (2u * kk + 1u) * 1024u, 1024u));
+            }
+            wg::commit();
+            wg::wait_all();
+            wg::hold(acc);
+#else
             const u16* qh = imma + tb * 2u * IMMA_PART + 8u * lane;
             const u16* ql = qh + IMMA_PART;
 #pragma unroll
@@ -1590,6 +1649,7 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
                     mma_f16(acc[nt], a.z, b.z, a.w, b.w, l.z, l.w);
                 }
             }
+#endif
             // Rows g and g + 8; heads 8 nt + 2 qd (+1).
             float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll

@@ -243,13 +243,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// A u32 that other blocks of the GPU update, read with acquire semantics (a spin-wait's flag).
-__device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // ---- thread-block clusters (sm_90+; elsewhere, and in a launch without clusters, a block is
 // a cluster of one) ----
 
@@ -325,6 +318,57 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+
+// ---- Hopper warpgroup MMAs (sm_90a) ----
+
+namespace wg {
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Generic-proxy shared-memory stores made visible to the MMAs' (async proxy) reads.
+__device__ __forceinline__ void stores_to_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Accumulators the asynchronous MMAs write: not to be read or moved across this point.
+template <int MT>
+__device__ __forceinline__ void hold(float (&d)[MT][4]) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[m][i])::"memory");
+}
+
+// Descriptor of a B operand at `smem`, K-major without swizzle: core matrices of 8 rows x 16
+// bytes (8 k values), those of the next 8 rows 128 bytes on, those of the next 8 k `k_stride`
+// bytes on.
+__device__ __forceinline__ u64 desc(const void* smem, u32 k_stride) {
+    const u32 addr = (u32)__cvta_generic_to_shared(smem);
+    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(k_stride >> 4) << 16) | ((u64)(128u >> 4) << 32);
+}
+
+// d += a . B on m64n64k16: a this warp's 16 rows of A (mma.sync's A fragment of m16n8k16), B
+// at `desc`; f16 operands (HALF) or bf16. d[nt] holds rows g, g + 8 of the warp's 16 and
+// columns 8 nt + 2 qd (+1), as mma.sync's m16n8 tile nt.
+template <bool HALF>
+__device__ __forceinline__ void mma(float (&d)[8][4], const u32 (&a)[4], u64 desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (HALF) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+    }
+#endif
+}
+
+}  // namespace wg
 
 // SplitMix64's output function: a counter-based generator (the sampler's draws, the random
 // fills of synthetic weights).

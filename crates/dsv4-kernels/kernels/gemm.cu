@@ -193,52 +193,6 @@ __device__ __forceinline__ void sub_mma(const Frags<F>& r, const u16* xb, int sw
 // bytes apart along the rows, TM * 16 along k), with the k order of `Frags` (chunk 2kb holds
 // block kb's k 0..7, 2kb + 1 its k 8..15). A warp stages 8 rows x 4 lane chunks at a time, so
 // its 4-byte stores hit all 32 banks.
-namespace wg {
-
-__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Generic-proxy shared-memory stores made visible to the MMAs' (async proxy) reads.
-__device__ __forceinline__ void stores_to_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// Accumulators the asynchronous MMAs write: not to be read or moved across this point.
-template <int MT>
-__device__ __forceinline__ void hold(float (&d)[MT][4]) {
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[m][i])::"memory");
-}
-
-// Descriptor of a B operand at `smem` in the layout above (rows of 8 chunks 128 bytes apart,
-// k chunks `k_stride` bytes apart).
-__device__ __forceinline__ u64 desc(const void* smem, u32 k_stride) {
-    const u32 addr = (u32)__cvta_generic_to_shared(smem);
-    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(k_stride >> 4) << 16) | ((u64)(128u >> 4) << 32);
-}
-
-// d += a . B on m64n64k16: a this warp's 16 rows (as `Frags`), B at `desc`; f16 operands for
-// FP8 weights, bf16 otherwise.
-template <int F>
-__device__ __forceinline__ void mma(float (&d)[8][4], const u32 (&a)[4], u64 desc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (F == FP8) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-    }
-#endif
-}
-
-}  // namespace wg
 
 template <int F, int MT, bool SWIGLU>
 __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
@@ -394,7 +348,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
                         wg::fence();
 #pragma unroll
                         for (u32 b = 0; b < E / 4; ++b)
-                            wg::mma<F>(d, r.a[b], wg::desc(slab + 2 * (jj * E / 4 + b) * TM * 8, TM * 16));
+                            wg::mma<F == FP8>(d, r.a[b], wg::desc(slab + 2 * (jj * E / 4 + b) * TM * 8, TM * 16));
                         wg::commit();
                         wg::wait_all();
                         wg::hold(d);

@@ -168,6 +168,7 @@ pub const FAMILIES: &[KernelFamily] = &[
             "index_select",
             "attention_heads",
             "attention_mma",
+            "attention_merge",
             "index_scores_mma",
             "window_write",
         ],

@@ -180,7 +180,6 @@ impl Acts<Taking> {
         Ok(AttentionSplits {
             acc: whole(&self.att_acc)?,
             stats: whole(&self.att_stats)?,
-            counters: whole(&self.att_counters)?,
         })
     }
 }
@@ -294,7 +293,6 @@ pub struct Acts<S: Stage> {
     /// The attention's split states (see [`AttentionSplits`]).
     pub att_acc: S::Buf<f32>,
     pub att_stats: S::Buf<f32>,
-    pub att_counters: S::Buf<u32>,
     /// The gate-and-route launch's ticket (zero between launches).
     pub route_counter: S::Buf<u32>,
     /// The attention output, rotated back, in BF16 for the output projection.
@@ -395,7 +393,6 @@ impl<S: Stage> Buffers<S> {
             att_acc: s.buf("attention.split_sums", &split_shapes[0])?,
             att_stats: s.buf("attention.split_stats", &split_shapes[1])?,
             route_counter: s.buf("router.ticket", &[1])?,
-            att_counters: s.buf("attention.split_counters", &split_shapes[2])?,
             attn_b: s.buf("attn_b", &[m, q_all])?,
             z: s.buf("z", &[m, c.o_groups * c.o_lora_rank])?,
             y: s.buf("y", &[m, d])?,

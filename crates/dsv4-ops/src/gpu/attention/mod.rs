@@ -549,24 +549,20 @@ const ATT_MAX_SPLITS: usize = 16;
 const MIN_SPLIT_KEYS: usize = 16;
 
 /// Scratch of the tensor-core decode attention split over several blocks per (token, head
-/// block): each split's partial state per (token, head) row, and arrival counters,
-/// which must start at zero (as the pool and [`Device::alloc`] give it) and which a completed
-/// launch leaves at zero (after a device error, zero it again). Room for `rows` (token, head,
-/// split) triples; `rows = 0` never splits there. The sums are read as 16-byte vectors: `acc` must
-/// start on a 16-byte boundary.
+/// block): each split's partial state per (token, head) row. Room for `rows` (token, head,
+/// split) triples; `rows = 0` never splits there. The sums are read as 16-byte vectors: `acc`
+/// must start on a 16-byte boundary.
 pub struct AttentionSplits {
     /// `[rows, d]` weighted value sums.
     pub acc: DeviceTensor<f32>,
     /// `[rows, 2]` running maximum and denominator.
     pub stats: DeviceTensor<f32>,
-    /// U32 `[rows]`.
-    pub counters: DeviceTensor<u32>,
 }
 
 impl AttentionSplits {
-    /// The shapes for `rows` triples of heads `d` wide: `[acc, stats, counters]`.
-    pub fn shapes(rows: usize, d: usize) -> [Vec<usize>; 3] {
-        [vec![rows, d], vec![rows, 2], vec![rows]]
+    /// The shapes for `rows` triples of heads `d` wide: `[acc, stats]`.
+    pub fn shapes(rows: usize, d: usize) -> [Vec<usize>; 2] {
+        [vec![rows, d], vec![rows, 2]]
     }
 }
 
@@ -680,9 +676,6 @@ pub fn attention(
     splits
         .stats
         .expect("attention split maxima", DType::F32, &[room, 2])?;
-    splits
-        .counters
-        .expect("attention split counters", DType::U32, &[room])?;
     out.expect("attention output", DType::BF16, &[t, hd])?;
     let (mode, entries_ptr, cap, ratio, sel_ptr, k) = match compressed {
         Compressed::None => (0u32, 0u64, 0usize, 1usize, 0u64, 0usize),
@@ -861,19 +854,17 @@ pub fn attention(
         return Ok(());
     }
     let head_blocks = heads.div_ceil(MMA_HEADS);
-    // Every block of a split launch is resident at once (its splits wait for each other): at
-    // most one block an SM, one wave.
+    // Splits of a decode token fill the SMs: at most one block an SM, one wave.
     let mut s = if t >= MMA_MIN_TOKENS {
         1
     } else {
         (dev.sm_count() / (head_blocks * t))
             .min(max_keys.div_ceil(MMA_KEYS))
             .min(room / (t * heads))
-            .min(room / (2 * t * head_blocks))
             .max(1)
     };
     // Pairs of splits merge in a cluster of two before the split states go out (half the
-    // states to write and merge), where the GPU holds every pair at once.
+    // states to write and merge), where the GPU holds every pair of the wave at once.
     let pairs = s >= 2
         && dev.arch().has_clusters()
         && tuning::ATTENTION_SPLITS.get()
@@ -895,16 +886,47 @@ pub fn attention(
     common(&mut args);
     args.ptr(&splits.acc)
         .ptr(&splits.stats)
-        .ptr(&splits.counters)
         .ptr(out)
         .arg(batch)
         .arg(mma_from)
         .arg(u32::from(pairs));
-    // SAFETY: above; with s > 1, t·heads·s <= room rows of the split sums and stats,
-    // 2·t·ceil(heads / 64) <= room counters, and the grid's ceil(heads / 64)·t·s blocks at
-    // most one an SM (each takes most of an SM's shared memory), so they are resident
-    // together when they wait for each other (in pairs: the clusters, checked above).
-    unsafe { launch::launch_clustered(dev, "attention_mma", cfg, &args, if pairs { 2 } else { 1 }) }
+    // SAFETY: above; with s > 1, t·heads·s <= room rows of the split sums and stats.
+    unsafe {
+        launch::launch_clustered(dev, "attention_mma", cfg, &args, if pairs { 2 } else { 1 })
+    }?;
+    if s == 1 {
+        return Ok(());
+    }
+    // The split tokens' merge: a block per (head, channel chunk of up to 4, token), its
+    // states' factors and the thread groups' sums in shared memory.
+    let splits_u32 = dim_u32("splits", s)?;
+    let cfg = LaunchConfig {
+        grid_dim: (dims[4], 4, tokens),
+        block_dim: (512, 1, 1),
+        shared_mem_bytes: ((s.next_multiple_of(4)) * 4 + 512 * 16) as u32,
+    };
+    let mut args = Args::new();
+    args.ptr(pos)
+        .arg(batch)
+        .arg(dims[4])
+        .arg(dims[5])
+        .arg(dims[0])
+        .arg(mode)
+        .arg(dims[1])
+        .arg(dims[2])
+        .arg(dims[3])
+        .ptr(sink)
+        .ptr(inv_freq)
+        .arg(dims[6])
+        .ptr(&splits.acc)
+        .ptr(&splits.stats)
+        .arg(splits_u32)
+        .arg(u32::from(pairs))
+        .arg(mma_from)
+        .ptr(out);
+    // SAFETY: reads the states attention_mma wrote above (t·heads·s <= room rows) for the
+    // tokens it split, writes their rows of out [t, heads·d].
+    unsafe { launch::launch(dev, "attention_merge", cfg, &args) }
 }
 
 /// After attention: writes this chunk's keys `kv [T, d]` into the ring `window [W, d]` at slots
