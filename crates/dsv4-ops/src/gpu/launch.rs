@@ -135,12 +135,35 @@ unsafe fn launch_params(
     dev: &Device,
     kernel: &str,
     grid: (u32, u32, u32),
-    (block, shared): (u32, u32),
+    block_shared: (u32, u32),
     params: &mut [*mut std::ffi::c_void],
     pdl: bool,
     cluster_y: u32,
 ) -> Result<(), GpuError> {
     let f = dev.function(kernel)?;
+    // SAFETY: the caller's.
+    unsafe { launch_function(dev, f, kernel, grid, block_shared, params, pdl, cluster_y) }
+}
+
+/// Launches the loaded function `f` (named `kernel` in errors) on the device stream, with
+/// programmatic stream serialization when `pdl` is set and clusters of `cluster_y` blocks along
+/// the grid's y when it is above 1: how every launcher launches, open to functions loaded
+/// elsewhere (the benchmarks' own kernels).
+///
+/// # Safety
+/// `params` must point at `f`'s parameters, and every address among them be valid for what the
+/// kernel reads and writes with that grid and `shared` bytes of dynamic shared memory.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_function(
+    dev: &Device,
+    f: &cudarc::driver::CudaFunction,
+    kernel: &str,
+    grid: (u32, u32, u32),
+    (block, shared): (u32, u32),
+    params: &mut [*mut std::ffi::c_void],
+    pdl: bool,
+    cluster_y: u32,
+) -> Result<(), GpuError> {
     let stream = dev.stream();
     stream
         .context()

@@ -33,6 +33,7 @@ mod tensor;
 pub mod testing;
 
 pub use device::{Device, Readback};
+pub use launch::launch_function;
 pub use pool::{BufferInfo, BufferPool, PoolError, Reservation};
 pub use stager::Stager;
 pub use tensor::{DType, DeviceElem, DeviceTensor};
