@@ -145,10 +145,12 @@ unsafe fn launch_params(
     unsafe { launch_function(dev, f, kernel, grid, block_shared, params, pdl, cluster_y) }
 }
 
-/// Launches the loaded function `f` (named `kernel` in errors) on the device stream, with
-/// programmatic stream serialization when `pdl` is set and clusters of `cluster_y` blocks along
-/// the grid's y when it is above 1: how every launcher launches, open to functions loaded
-/// elsewhere (the benchmarks' own kernels).
+/// Launches the loaded function `f` (named `kernel` in errors) on [`Device::stream`] (the side
+/// stream inside [`Device::on_side`]), with programmatic stream serialization when `pdl` is set
+/// and clusters of `cluster_y` blocks along the grid's y when it is above 1: how every launcher
+/// launches, open to functions loaded elsewhere (the benchmarks' own kernels). It sets no
+/// function attribute: a function loaded elsewhere that takes more than 48 KiB of dynamic
+/// shared memory, or clusters past the portable size, must be opted in by its caller.
 ///
 /// # Safety
 /// `params` must point at `f`'s parameters, and every address among them be valid for what the
