@@ -559,6 +559,18 @@ __device__ __forceinline__ u32 att_token(u32 t, const u32* __restrict__ pos, u32
     return pos[t];
 }
 
+// The keys a token at p sees: n_w window positions, then the compressed keys (mode 1 every
+// visible entry, mode 2 the first min(k, visible) slots of its selection, where a selection
+// holds its ids); n in all.
+struct AttKeys {
+    u32 n_w, n;
+};
+__device__ __forceinline__ AttKeys att_keys(u32 p, u32 wsize, u32 mode, u32 ratio, u32 cap, u32 k) {
+    const u32 n_w = min(p + 1u, wsize);
+    const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
+    return {n_w, n_w + (mode == 2u ? min(k, n_vis) : n_vis)};
+}
+
 // Key j of token t (at p; the chunk starts at pos0): window position p + 1 - n_w + j from the
 // chunk's kv or the ring (F32), else compressed entry j - n_w (mode 1) or the selected id
 // (mode 2; f16), null when that selection slot holds none (-1 or an id >= cap). Keys j >= n_w
@@ -618,11 +630,8 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 splits = gridDim.y, split = blockIdx.y;
     const u32 pos0 = att_token(t, pos, batch, d, wsize, cap, kv, window, entries);
     const u32 p = batch ? pos0 : pos0 + t;
-    const u32 n_w = min(p + 1u, wsize);
-    // Visible entries; a selection holds its ids in its first min(k, visible) slots.
-    const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
-    const u32 n_c = mode == 2u ? min(k, n_vis) : n_vis;
-    const u32 n = n_w + n_c;
+    const AttKeys keys = att_keys(p, wsize, mode, ratio, cap, k);
+    const u32 n_w = keys.n_w, n = keys.n;
     if (n >= mma_from) return;  // attention_mma's token
     const u32 per = (n + splits - 1u) / splits;
     const u32 j_end = min(n, (split + 1u) * per);
@@ -971,9 +980,8 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const u32 hv = min(AMMA_HEADS, heads - h0);
     const u32 pos0 = att_token(t, pos, batch, d, wsize, cap, kv, window, entries);
     const u32 p = batch ? pos0 : pos0 + t;
-    const u32 n_w = min(p + 1u, wsize);
-    const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
-    const u32 n = n_w + (mode == 2u ? min(k, n_vis) : n_vis);
+    const AttKeys keys = att_keys(p, wsize, mode, ratio, cap, k);
+    const u32 n_w = keys.n_w, n = keys.n;
     if (n < mma_from) return;  // attention_heads' token
     // This split's keys [j_begin, j_end): whole tiles. A tile holding window keys (F32, split
     // at staging, three MMAs a product) weighs AMMA_WINDOW_COST units, a tile of entries (f16,
@@ -1369,9 +1377,8 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
     __shared__ float head_f;
     const u32 h = blockIdx.x, chunk = blockIdx.y, t = blockIdx.z;
     const u32 p = batch ? pos[t] : pos[0] + t;
-    const u32 n_w = min(p + 1u, wsize);
-    const u32 n_vis = mode == 0u ? 0u : min((p + 1u) / ratio, cap);
-    const u32 n = n_w + (mode == 2u ? min(k, n_vis) : n_vis);
+    const AttKeys keys = att_keys(p, wsize, mode, ratio, cap, k);
+    const u32 n_w = keys.n_w, n = keys.n;
     if (n < mma_from) return;  // attention_heads' token
     const u32 used = amma_plan(n, n_w, splits, pairs).used;
     if (used < 2u) return;  // written by attention_mma

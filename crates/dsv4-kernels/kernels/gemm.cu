@@ -186,13 +186,11 @@ __device__ __forceinline__ void sub_mma(const Frags<F>& r, const u16* xb, int sw
     }
 }
 
-// ---- Hopper warpgroup MMAs ----
-//
-// A slab is stored for wgmma's B operand, K-major without swizzle: 8-element k chunks of every
-// row, chunk c of row r at byte c * TM * 16 + r * 16 (core matrices of 8 rows x 16 bytes, 128
-// bytes apart along the rows, TM * 16 along k), with the k order of `Frags` (chunk 2kb holds
-// block kb's k 0..7, 2kb + 1 its k 8..15). A warp stages 8 rows x 4 lane chunks at a time, so
-// its 4-byte stores hit all 32 banks.
+// On sm_90a a slab is stored for wgmma's B operand (`wg` in dsv4_common.cuh), K-major without
+// swizzle: 8-element k chunks of every row, chunk c of row r at byte c * TM * 16 + r * 16
+// (core matrices of 8 rows x 16 bytes, 128 bytes apart along the rows, TM * 16 along k), with
+// the k order of `Frags` (chunk 2kb holds block kb's k 0..7, 2kb + 1 its k 8..15). A warp
+// stages 8 rows x 4 lane chunks at a time, so its 4-byte stores hit all 32 banks.
 
 template <int F, int MT, bool SWIGLU>
 __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
