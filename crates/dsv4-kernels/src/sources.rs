@@ -96,6 +96,12 @@ pub const FAMILIES: &[KernelFamily] = &[
         ],
     },
     KernelFamily {
+        name: "gemm_fp8",
+        file: "gemm_fp8.cu",
+        source: include_str!("../kernels/gemm_fp8.cu"),
+        functions: &["act_split_e4m3", "gemm_fp8_tc", "gemm_swiglu_fp8_tc"],
+    },
+    KernelFamily {
         name: "moe",
         file: "moe.cu",
         source: include_str!("../kernels/moe.cu"),

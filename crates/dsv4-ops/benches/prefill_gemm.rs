@@ -1,7 +1,8 @@
 //! The prefill GEMM (`gemv` launches of more than 16 rows) on DeepSeek-V4 Flash shapes, at
 //! chunks of 256 to 8192 rows: time per launch (median of 5 runs of 20 back-to-back launches,
 //! timed on the host after a synchronize) and TFLOP/s, beside the decode GEMV's 16-row launches
-//! over the same rows. Weights are drawn on the GPU (`GemvWeight::random`).
+//! over the same rows, and for FP8 on sm_90a beside the f16-MMA kernel that `gemm_fp8_tc`
+//! replaced there. Weights are drawn on the GPU (`GemvWeight::random`).
 //!
 //! `cargo bench -p dsv4-ops --bench prefill_gemm`; `DSV4_BENCH_ROWS=2048,8192` sets the chunks.
 
@@ -9,7 +10,7 @@ use std::time::Instant;
 
 use dsv4_ops::codecs::fp8_block::ScaleFormat;
 use dsv4_ops::gpu::gemv::{self, GemvFormat, GemvWeight, GemvWorkspace};
-use dsv4_ops::gpu::{DType, Device, DeviceTensor};
+use dsv4_ops::gpu::{Arch, DType, Device, DeviceTensor};
 use half::bf16;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -67,8 +68,10 @@ fn main() -> Res<()> {
         ("compressor", GemvFormat::Bf16, 1024, 4096, false),
     ];
     println!("{}", dev.name());
-    println!("| case | format | [n, k] | rows | GEMM | TFLOP/s | 16-row GEMVs | TFLOP/s |");
-    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    println!(
+        "| case | format | [n, k] | rows | GEMM | TFLOP/s | FP8 on f16 MMAs | TFLOP/s | 16-row GEMVs | TFLOP/s |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut ws = GemvWorkspace::alloc(&dev)?;
     for (name, format, n, k, gate_up) in cases {
         let w = GemvWeight::random(&dev, format, n, k, gate_up, 7)?;
@@ -88,6 +91,16 @@ fn main() -> Res<()> {
                 Ok(())
             };
             let t = time(&dev, || run(&x, &mut y, &mut ws))?;
+            // FP8 on sm_90a: the same launch on the f16-MMA kernel (`gemm_fp8`).
+            let fp8_tc = matches!(format, GemvFormat::Fp8 { .. }) && dev.arch() == Arch::Sm90a;
+            let t_f16 = if fp8_tc {
+                gemv::tuning::FP8_TENSOR_GEMM.set(false);
+                let t = time(&dev, || run(&x, &mut y, &mut ws));
+                gemv::tuning::FP8_TENSOR_GEMM.set(true);
+                Some(t?)
+            } else {
+                None
+            };
             // The same number of rows through the decode GEMV, 16 at a time.
             let x16: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[16, k])?;
             let mut y16: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[16, n])?;
@@ -98,8 +111,11 @@ fn main() -> Res<()> {
                 Ok(())
             })?;
             let flop = flop_row * m as f64;
+            let f16 = t_f16.map_or("| |".to_string(), |t| {
+                format!("{:.1} µs | {:.0}", t * 1e6, flop / t / 1e12)
+            });
             println!(
-                "| {name} | {} | [{n}, {k}] | {m} | {:.1} µs | {:.0} | {:.1} µs | {:.0} |",
+                "| {name} | {} | [{n}, {k}] | {m} | {:.1} µs | {:.0} | {f16} | {:.1} µs | {:.0} |",
                 label(format),
                 t * 1e6,
                 flop / t / 1e12,

@@ -274,7 +274,17 @@ fn check_gemm(
     gemv::gemv(dev, &x, &w, &mut y, ws).unwrap();
     let got = dev.download(&y).unwrap();
     let wd = reference::dequantize(owned.host(), n, k).unwrap();
-    check_error(&what, &f64s(&got), &reference::gemv(&xh, m, &wd, n, k));
+    let want = reference::gemv(&xh, m, &wd, n, k);
+    check_error(&what, &f64s(&got), &want);
+    if format.starts_with("fp8") {
+        // The f16-MMA kernel, which FP8 takes off sm_90a.
+        gemv::tuning::FP8_TENSOR_GEMM.set(false);
+        let mut y16 = poisoned(dev, m, n);
+        let r = gemv::gemv(dev, &x, &w, &mut y16, ws);
+        gemv::tuning::FP8_TENSOR_GEMM.set(true);
+        r.unwrap();
+        check_device_error(dev, &format!("{what} on f16 MMAs"), &y16, &want);
+    }
     let mut y32 = dev.alloc(DType::F32, &[m, n]).unwrap();
     dev.fill_bytes(&mut y32, POISON).unwrap();
     gemv::gemv(dev, &x, &w, &mut y32, ws).unwrap();
@@ -534,6 +544,63 @@ fn gpu_gemv_fp8_is_right_for_scales_of_any_magnitude() {
         gemv::gemv_swiglu(&dev, &x, &w13, f32::MAX, &mut h, &mut ws).unwrap();
         by_row_block("swiglu fp8", &dev.download(&h).unwrap(), &want, m);
     }
+}
+
+/// The FP8 prefill GEMM's activations (split into two e4m3 codes under one power-of-two scale a
+/// row on sm_90a) keep each row's products whatever its magnitude: rows 2^-60 to 2^57 of the
+/// usual, a zero row, and a row whose elements spread over 2^24, each within 1e-3 of the
+/// reference on its own in F32 output (FP8 codes of the activations alone would be about 1e-2
+/// off). Then a launch longer than the workspace's split rows (two passes) against the reference.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_gemm_fp8_keeps_activation_rows_of_any_magnitude() {
+    let dev = device();
+    let mut rng = rng("gpu_gemm_fp8_keeps_activation_rows_of_any_magnitude");
+    let mut ws = GemvWorkspace::alloc(&dev).unwrap();
+    let (m, n, k) = (40, 200, 1216);
+    let o = make_weight(&mut rng, "fp8-e8m0", n, k, None);
+    let w = GemvWeight::upload(&dev, o.host(), n, k).unwrap();
+    let wd = reference::dequantize(o.host(), n, k).unwrap();
+    let mut xf = gaussian(&mut rng, m * k, 1.0);
+    for r in 0..m {
+        for c in 0..k {
+            let v = &mut xf[r * k + c];
+            *v = match r {
+                0 => 0.0,
+                1 => *v * (-((c % 25) as f32)).exp2(),
+                _ => *v * ((3 * r) as f32 - 60.0).exp2(),
+            };
+        }
+    }
+    let xh = to_bf16(&xf);
+    let x = dev.upload(DType::BF16, &[m, k], &xh).unwrap();
+    let mut y = dev.alloc(DType::F32, &[m, n]).unwrap();
+    dev.fill_bytes(&mut y, POISON).unwrap();
+    gemv::gemv(&dev, &x, &w, &mut y, &mut ws).unwrap();
+    let got: Vec<f32> = dev.download(&y).unwrap();
+    let want = reference::gemv(&xh, m, &wd, n, k);
+    assert!(
+        got[..n].iter().all(|&v| v == 0.0),
+        "zero row: {:?}",
+        &got[..8]
+    );
+    for r in 1..m {
+        let g: Vec<f64> = got[r * n..(r + 1) * n].iter().map(|&v| v as f64).collect();
+        let err = reference::relative_error(&g, &want[r * n..(r + 1) * n]);
+        assert!(err <= 1e-3, "row {r}: relative error {err:e}");
+    }
+
+    let (m, n, k) = (2100, 40, 8192);
+    assert!(m * 2 * k > GemvWorkspace::ACT_CODE_BYTES);
+    let o = make_weight(&mut rng, "fp8-f32", n, k, None);
+    let w = GemvWeight::upload(&dev, o.host(), n, k).unwrap();
+    let xh = to_bf16(&gaussian(&mut rng, m * k, 1.0));
+    let x = dev.upload(DType::BF16, &[m, k], &xh).unwrap();
+    let mut y = poisoned(&dev, m, n);
+    gemv::gemv(&dev, &x, &w, &mut y, &mut ws).unwrap();
+    let wd = reference::dequantize(o.host(), n, k).unwrap();
+    let what = format!("gemm fp8 m={m} n={n} k={k} (two passes on sm_90a)");
+    check_device_error(&dev, &what, &y, &reference::gemv(&xh, m, &wd, n, k));
 }
 
 #[test]

@@ -8,9 +8,9 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::gemv::{pack, GemvFormat, GemvWeight, Output, MAX_M};
+use super::gemv::{pack, GemvFormat, GemvWeight, GemvWorkspace, Output, MAX_M};
 use super::launch::{dim_u32, launch_struct};
-use super::{Device, DeviceTensor, GpuError};
+use super::{Arch, Device, DeviceTensor, GpuError};
 use half::bf16;
 
 /// Activation rows of one block (eight MMA column blocks of 8), and of the `_m32` (four) and
@@ -120,6 +120,21 @@ pub(crate) enum Rows<'a> {
     },
 }
 
+/// Checks that `kernel` fits `shared` bytes of dynamic shared memory a block on this GPU (and
+/// lets it take them: [`Device::kernel_limits`]).
+fn check_shared(dev: &Device, kernel: &str, shared: usize) -> Result<(), GpuError> {
+    if shared + dev.kernel_limits(kernel)?.static_shared > dev.max_block_shared() {
+        return Err(GpuError::invalid(
+            "gemm",
+            format!(
+                "{kernel} needs {shared} bytes of shared memory a block; this GPU gives {}",
+                dev.max_block_shared()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Launches `prefix` (`gemm_` or `gemm_swiglu_`) for `w`'s `stacks` stacks over `x` into `y`
 /// (rows `y_ld` elements apart; the caller checked every shape against the rows it passes).
 #[allow(clippy::too_many_arguments)]
@@ -172,16 +187,7 @@ pub(crate) fn launch_stacks(
         _ => format!("{prefix}{}_m{block_rows}", w.format.name()),
     };
     let shared = shared_bytes(block_rows, &w.format);
-    let limits = dev.kernel_limits(&kernel)?;
-    if shared + limits.static_shared > dev.max_block_shared() {
-        return Err(GpuError::invalid(
-            "gemm",
-            format!(
-                "{kernel} needs {shared} bytes of shared memory a block; this GPU gives {}",
-                dev.max_block_shared()
-            ),
-        ));
-    }
+    check_shared(dev, &kernel, shared)?;
     let args = GemmArgs {
         x: x.device_address(),
         w: w.codes,
@@ -235,7 +241,8 @@ pub(crate) fn launch_stacks(
 
 /// Launches `prefix` (`gemm_` or `gemm_swiglu_`) for `m > MAX_M` rows of `x [m, groups·K]`
 /// into `y`: `groups` blocks of the weight's rows, group `g` reading x's columns
-/// `[g·K, (g+1)·K)` (the caller checked every shape).
+/// `[g·K, (g+1)·K)` (the caller checked every shape). FP8 weights on sm_90a take
+/// [`launch_fp8_tc`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     dev: &Device,
@@ -246,8 +253,17 @@ pub(crate) fn launch(
     limit: f32,
     y: Output,
     groups: usize,
+    ws: &mut GemvWorkspace,
 ) -> Result<(), GpuError> {
     debug_assert!(m > MAX_M);
+    if let GemvFormat::Fp8 { block, .. } = w.format {
+        // Its steps are 128 columns of one scale block.
+        let whole_steps = block.1.is_multiple_of(FP8_TC_STEP);
+        if whole_steps && dev.arch() == Arch::Sm90a && super::gemv::tuning::FP8_TENSOR_GEMM.get() {
+            let swiglu = prefix == "gemm_swiglu_";
+            return launch_fp8_tc(dev, swiglu, x, m, w, block, limit, y, groups, ws);
+        }
+    }
     let stack = Stack {
         format: w.format,
         n: w.n / groups,
@@ -274,6 +290,174 @@ pub(crate) fn launch(
     )
 }
 
+/// Arguments of `act_split_e4m3` (mirrors `ActSplitArgs` in gemm_fp8.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ActSplitArgs {
+    x: u64,
+    codes: u64,
+    scales: u64,
+    m: u32,
+    k: u32,
+    kp: u32,
+    groups: u32,
+    x_ld: u32,
+    codes_ld: u32,
+}
+
+/// Arguments of `gemm_fp8_tc` (mirrors `GemmFp8Args` in gemm_fp8.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct GemmFp8Args {
+    codes: u64,
+    scales: u64,
+    w: u64,
+    fs0: u64,
+    fs1: u64,
+    y: u64,
+    m: u32,
+    n: u32,
+    k: u32,
+    kp: u32,
+    post0: f32,
+    post1: f32,
+    limit: f32,
+    fp8_br: u32,
+    tiles: u32,
+    y_f32: u32,
+    y_ld: u32,
+    codes_ld: u32,
+}
+
+// SAFETY: plain old data with the CUDA structs' layouts (checked by a test).
+unsafe impl DeviceRepr for ActSplitArgs {}
+unsafe impl DeviceRepr for GemmFp8Args {}
+
+/// `gemm_fp8_tc`'s block: weight rows by activation rows, its K step, and the steps its shared
+/// memory holds (`ROWS`, `TOKENS`, `STEP`, `STAGES` in gemm_fp8.cu).
+const FP8_TC_ROWS: usize = 128;
+const FP8_TC_TOKENS: usize = 128;
+const FP8_TC_STEP: usize = 128;
+const FP8_TC_STAGES: usize = 4;
+
+/// The FP8 prefill GEMM on both operands in e4m3 (`kernels/gemm_fp8.cu`): `act_split_e4m3`
+/// splits x's rows into the workspace, `gemm_fp8_tc` (or `gemm_swiglu_fp8_tc`) multiplies, in
+/// passes of as many rows as the workspace holds (rows are independent, so passes give the
+/// same bits as one launch).
+#[allow(clippy::too_many_arguments)]
+fn launch_fp8_tc(
+    dev: &Device,
+    swiglu: bool,
+    x: &DeviceTensor<bf16>,
+    m: usize,
+    w: &GemvWeight,
+    block: (usize, usize),
+    limit: f32,
+    y: Output,
+    groups: usize,
+    ws: &mut GemvWorkspace,
+) -> Result<(), GpuError> {
+    let n = w.n / groups;
+    let k = w.k;
+    let kp = k.div_ceil(FP8_TC_STEP) * FP8_TC_STEP;
+    let codes_ld = 2 * groups * kp;
+    let x_ld = groups * k;
+    let pass = (ws.act_codes.len() / codes_ld).min(ws.act_scales.len());
+    if pass == 0 {
+        return Err(GpuError::invalid(
+            "gemm",
+            format!(
+                "an FP8 row of {x_ld} columns needs {codes_ld} bytes of split activations; \
+                 the workspace holds {}",
+                ws.act_codes.len()
+            ),
+        ));
+    }
+    let stack = Stack {
+        format: w.format,
+        n,
+        k,
+        gate_up: w.gate_up,
+        codes: 0,
+        scales: 0,
+        fp8: (0, 0),
+        post: (0.0, 0.0),
+        factors: (0, 0),
+    };
+    let tiles = stack.tiles();
+    let (fs0, fs1) = w.fp8_scale_addresses();
+    let y_ld = w.n;
+    let y_elem = if y.mode == 0 { 2 } else { 4 };
+    let kernel = if swiglu {
+        "gemm_swiglu_fp8_tc"
+    } else {
+        "gemm_fp8_tc"
+    };
+    // 1 KB more: the kernel aligns its stages to the swizzle's 1 KB atoms.
+    let shared = FP8_TC_STAGES * FP8_TC_STEP * (FP8_TC_ROWS + 2 * FP8_TC_TOKENS) + 1024;
+    check_shared(dev, kernel, shared)?;
+    let pdl = super::gemv::tuning::PROGRAMMATIC_LAUNCH.get();
+    for r0 in (0..m).step_by(pass) {
+        let rows = pass.min(m - r0);
+        let split = ActSplitArgs {
+            x: x.device_address() + (r0 * x_ld * 2) as u64,
+            codes: ws.act_codes.device_address(),
+            scales: ws.act_scales.device_address(),
+            m: dim_u32("gemm rows", rows)?,
+            k: dim_u32("gemm k", k)?,
+            kp: dim_u32("gemm k", kp)?,
+            groups: dim_u32("gemm groups", groups)?,
+            x_ld: dim_u32("gemm x row", x_ld)?,
+            codes_ld: dim_u32("gemm split row", codes_ld)?,
+        };
+        // SAFETY: ActSplitArgs mirrors the kernel's argument; x holds `m` rows of x_ld; the
+        // workspace `rows` rows of codes_ld bytes and `rows` scales (`pass`).
+        unsafe {
+            launch_struct(
+                dev,
+                "act_split_e4m3",
+                (dim_u32("gemm rows", rows)?, 1, 1),
+                (256, 0),
+                &split,
+                pdl,
+                1,
+            )?;
+        }
+        let args = GemmFp8Args {
+            codes: split.codes,
+            scales: split.scales,
+            w: w.codes.device_address(),
+            fs0,
+            fs1,
+            y: y.address + (r0 * y_ld * y_elem) as u64,
+            m: split.m,
+            n: dim_u32("gemm n", n)?,
+            k: split.k,
+            kp: split.kp,
+            post0: w.post.0,
+            post1: w.post.1,
+            limit,
+            fp8_br: dim_u32("gemm scale rows", block.0)?,
+            tiles: dim_u32("gemm tiles", tiles)?,
+            y_f32: y.mode,
+            y_ld: dim_u32("gemm y row", y_ld)?,
+            codes_ld: split.codes_ld,
+        };
+        let grid = (
+            dim_u32("gemm row blocks", rows.div_ceil(FP8_TC_TOKENS))?,
+            dim_u32("gemm tile blocks", (tiles * 16).div_ceil(FP8_TC_ROWS))?,
+            dim_u32("gemm groups", groups)?,
+        );
+        // SAFETY: GemmFp8Args mirrors the kernel's argument; the weight holds `groups * tiles`
+        // packed tiles and its FP8 scale rows; the codes and scales of `rows` rows were just
+        // written; y holds `m` rows of y_ld.
+        unsafe {
+            launch_struct(dev, kernel, grid, (256, shared as u32), &args, pdl, 1)?;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,5 +467,8 @@ mod tests {
         // 10 pointers, 3 u32, 3 f32, 9 u32 = 140 bytes, padded to 144.
         assert_eq!(std::mem::size_of::<GemmArgs>(), 144);
         assert_eq!(std::mem::align_of::<GemmArgs>(), 8);
+        // 3 pointers, 6 u32 = 48 bytes; 6 pointers, 4 u32, 3 f32, 5 u32 = 96 bytes.
+        assert_eq!(std::mem::size_of::<ActSplitArgs>(), 48);
+        assert_eq!(std::mem::size_of::<GemmFp8Args>(), 96);
     }
 }

@@ -96,6 +96,12 @@ pub mod tuning {
     /// tile one block of 5..=15 warps, one per range (the same bits).
     pub static WHOLE_TILE_BLOCKS: Switch = Switch::on();
 
+    /// An FP8 launch of more than 16 rows on sm_90a (scale blocks of 128 columns or a multiple)
+    /// runs `gemm_fp8_tc` (`kernels/gemm_fp8.cu`:
+    /// activations split into two e4m3 codes, both operands in shared memory on warpgroup
+    /// MMAs; other rounding) instead of `gemm_fp8`.
+    pub static FP8_TENSOR_GEMM: Switch = Switch::on();
+
     /// An FP8 GEMV at M = 1 whose activations are staged may stage them prescaled
     /// (`gemv_*fp8_m1`: the block scales folded into f16 activations; other rounding).
     pub static PRESCALED: Switch = Switch::on();
@@ -954,16 +960,21 @@ pub(crate) fn check_mxfp4_scales(what: &str, scale: &[u8]) -> Result<(), GpuErro
 }
 
 /// Split-K scratch: partial tiles and per-tile arrival counters. The counters must start at
-/// zero (pool and `alloc` memory does) and the kernels leave them at zero.
+/// zero (pool and `alloc` memory does) and the kernels leave them at zero. Also the FP8 prefill
+/// GEMM's split activations (`gemm_fp8_tc`): their e4m3 codes and row scales.
 pub struct GemvWorkspace {
     partials: DeviceTensor<f32>,
     counters: DeviceTensor<u32>,
+    pub(crate) act_codes: DeviceTensor<u8>,
+    pub(crate) act_scales: DeviceTensor<f32>,
 }
 
 /// [`GemvWorkspace`] buffers reserved in a pool, redeemed with [`Self::take`] after sealing.
 pub struct GemvWorkspaceReservation {
     partials: Reservation<f32>,
     counters: Reservation<u32>,
+    act_codes: Reservation<u8>,
+    act_scales: Reservation<f32>,
 }
 
 impl GemvWorkspaceReservation {
@@ -971,6 +982,8 @@ impl GemvWorkspaceReservation {
         Ok(GemvWorkspace {
             partials: pool.take(self.partials)?,
             counters: pool.take(self.counters)?,
+            act_codes: pool.take(self.act_codes)?,
+            act_scales: pool.take(self.act_scales)?,
         })
     }
 }
@@ -981,39 +994,65 @@ impl GemvWorkspace {
     /// Tiles a split launch may have (one counter each).
     pub const COUNTERS: usize = 2048;
     const PARTIAL_FLOATS: usize = 256;
+    /// Bytes of split activations: a 2048-row chunk of 8192 columns (Flash wo_b) in one pass
+    /// (two codes an element); longer chunks or rows run in passes.
+    pub const ACT_CODE_BYTES: usize = 32 << 20;
+    /// Rows of split activations (one scale each).
+    pub const ACT_ROWS: usize = 8192;
 
-    fn shapes() -> ([usize; 1], [usize; 1]) {
-        ([Self::PARTIALS * Self::PARTIAL_FLOATS], [Self::COUNTERS])
+    /// Names, dtypes and shapes of the buffers.
+    fn buffers(name: &str) -> [(String, DType, usize); 4] {
+        [
+            (
+                format!("{name}.partials"),
+                DType::F32,
+                Self::PARTIALS * Self::PARTIAL_FLOATS,
+            ),
+            (format!("{name}.counters"), DType::U32, Self::COUNTERS),
+            (
+                format!("{name}.act_codes"),
+                DType::E4M3,
+                Self::ACT_CODE_BYTES,
+            ),
+            (format!("{name}.act_scales"), DType::F32, Self::ACT_ROWS),
+        ]
     }
 
-    /// Reserves the workspace (`<name>.partials`, `<name>.counters`) in an open pool.
+    /// Reserves the workspace (`<name>.partials`, `.counters`, `.act_codes`, `.act_scales`) in
+    /// an open pool.
     pub fn reserve(
         pool: &mut BufferPool,
         name: &str,
     ) -> Result<GemvWorkspaceReservation, GpuError> {
-        let (p, c) = Self::shapes();
+        let [p, c, a, s] = Self::buffers(name);
         Ok(GemvWorkspaceReservation {
-            partials: pool.reserve(&format!("{name}.partials"), DType::F32, &p)?,
-            counters: pool.reserve(&format!("{name}.counters"), DType::U32, &c)?,
+            partials: pool.reserve(&p.0, p.1, &[p.2])?,
+            counters: pool.reserve(&c.0, c.1, &[c.2])?,
+            act_codes: pool.reserve(&a.0, a.1, &[a.2])?,
+            act_scales: pool.reserve(&s.0, s.1, &[s.2])?,
         })
     }
 
     /// The workspace [`Self::reserve`]d as `name`, from the sealed pool (for a sizing pass
     /// that reserved it and dropped the reservation; see [`BufferPool::take_named`]).
     pub fn take_named(pool: &mut BufferPool, name: &str) -> Result<GemvWorkspace, GpuError> {
-        let (p, c) = Self::shapes();
+        let [p, c, a, s] = Self::buffers(name);
         Ok(GemvWorkspace {
-            partials: pool.take_named(&format!("{name}.partials"), DType::F32, &p)?,
-            counters: pool.take_named(&format!("{name}.counters"), DType::U32, &c)?,
+            partials: pool.take_named(&p.0, p.1, &[p.2])?,
+            counters: pool.take_named(&c.0, c.1, &[c.2])?,
+            act_codes: pool.take_named(&a.0, a.1, &[a.2])?,
+            act_scales: pool.take_named(&s.0, s.1, &[s.2])?,
         })
     }
 
     /// A separately allocated workspace (tests, benchmarks).
     pub fn alloc(dev: &Device) -> Result<GemvWorkspace, GpuError> {
-        let (p, c) = Self::shapes();
+        let [p, c, a, s] = Self::buffers("");
         Ok(GemvWorkspace {
-            partials: dev.alloc(DType::F32, &p)?,
-            counters: dev.alloc(DType::U32, &c)?,
+            partials: dev.alloc(p.1, &[p.2])?,
+            counters: dev.alloc(c.1, &[c.2])?,
+            act_codes: dev.alloc(a.1, &[a.2])?,
+            act_scales: dev.alloc(s.1, &[s.2])?,
         })
     }
 }
@@ -1543,7 +1582,7 @@ fn plain<Y: ActElem>(
         mode,
     };
     if m > MAX_M {
-        return gemm::launch(dev, "gemm_", x, m, w, 0.0, out, groups);
+        return gemm::launch(dev, "gemm_", x, m, w, 0.0, out, groups, ws);
     }
     let kernel = kernel_name("gemv_", w.format, m);
     launch(dev, &kernel, x, m, w, 0.0, out, groups, ws)
@@ -1575,7 +1614,7 @@ pub fn gemv_swiglu(
     let m = check_x(x, w13.k)?;
     h.expect("gemv_swiglu output h", DType::BF16, &[m, w13.n])?;
     if m > MAX_M {
-        return gemm::launch(dev, "gemm_swiglu_", x, m, w13, limit, Output::of(h), 1);
+        return gemm::launch(dev, "gemm_swiglu_", x, m, w13, limit, Output::of(h), 1, ws);
     }
     launch(
         dev,
