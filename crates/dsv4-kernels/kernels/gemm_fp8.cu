@@ -12,14 +12,19 @@
 // conversion of weights or activations inside the loop.
 //
 // A block is two warpgroups and takes 128 weight rows (8 tiles; warpgroup w the rows of tiles
-// 4w..4w+3 as its MMAs' A) by 128 activation rows (the MMAs' N), K in steps of 64 (one weight
-// sub-step, one FP8 scale column). Each step's weight sub-steps and hi and lo slices go into
-// shared memory by 16-byte asynchronous copies, STAGES steps in flight, laid out as wgmma's
-// K-major operands without swizzle: chunk c (16 k) of row r at c * 2048 + r * 16. A packed
-// sub-step already holds 16 contiguous k of a row in each 16 bytes, so the copies only move
-// them. The step's four MMAs (two k32 blocks, hi and lo) sum into zeroed accumulators that are
-// then multiplied by the rows' block scales into the running sums (the FP8 MMAs' own
-// accumulation is short of f32). A row's result depends only on its own activations and K.
+// 4w..4w+3 as its MMAs' A) by 128 activation rows (the MMAs' N), K in steps of 128 (two weight
+// sub-steps, one FP8 scale block). Each step's weights and hi and lo codes go into shared
+// memory by 16-byte asynchronous copies, three steps ahead, laid out as wgmma's K-major
+// operands with the 128-byte swizzle: a packed sub-step already holds 16 contiguous k of a row
+// in each 16 bytes, so the copies only move them. A step's eight MMAs (four k32 blocks, hi and
+// lo) sum into zeroed accumulators that are then multiplied by the rows' block scales into the
+// running sums (the FP8 MMAs' own accumulation is short of f32). A row's result depends only
+// on its own activations and K.
+//
+// H100, `prefill_gemm` at 2048 rows against the f16-MMA kernel (gemm.cu): Flash wo_b 199 ->
+// 448 TFLOP/s, wq_a+wkv 200 -> 276, wq_b 169 -> 274, shared w1+w3 204 -> 356, w2 195 -> 326.
+// Without the swizzle (16-byte core matrices in planes) and with 64-column steps it ran at
+// 125-171, bound by L2 traffic.
 #include "gemv_tile.cu"
 
 // Kernel arguments (layouts mirrored by `ActSplitArgs` and `GemmFp8Args` in
