@@ -338,6 +338,27 @@ __device__ __forceinline__ void hold(float (&d)[MT][4]) {
         for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[m][i])::"memory");
 }
 
+// 16 bytes from global memory into shared memory at `dst` without passing registers (zeros
+// where `full` is false); committed and awaited in groups.
+__device__ __forceinline__ void cp16(u32 dst, const void* src, bool full) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(full ? 16u : 0u) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Byte offset of 16-byte chunk c (0..7) of row r in an operand tile stored K-major with the
+// 128-byte swizzle: rows of 128 bytes, 8-row atoms of 1 KB, the chunks of row r permuted by
+// r % 8 so that the MMAs' reads and the stores' writes spread over all banks.
+__device__ __forceinline__ u32 sw128(u32 r, u32 c) { return r / 8 * 1024 + r % 8 * 128 + ((c ^ (r % 8)) * 16); }
+
+// Descriptor of a K-major operand with the 128-byte swizzle at `addr` (the tile 1 KB aligned,
+// plus the byte offset of a k block inside its 128-byte rows): 8-row atoms 1 KB apart. The low
+// field is the address / 16, so a later offset adds offset / 16.
+__device__ __forceinline__ u64 desc_sw128(u32 addr) {
+    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)1 << 16) | ((u64)(1024u >> 4) << 32) | ((u64)1 << 62);
+}
+
 // Descriptor of a B operand at `smem`, K-major without swizzle: core matrices of 8 rows x 16
 // bytes (8 k values), those of the next 8 rows 128 bytes on, those of the next 8 k `k_stride`
 // bytes on.

@@ -57,13 +57,6 @@ using namespace gemv;
 constexpr u32 THREADS = 256;
 constexpr float E4M3_MAX = 448.0f;
 
-__device__ __forceinline__ void cp16(u32 dst, const void* src, bool full) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(full ? 16u : 0u) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // Two floats to e4m3 codes (first in the low byte), rounded to nearest.
 __device__ __forceinline__ u32 to_e4m3x2(float a, float b) {
     u32 d;
@@ -155,17 +148,6 @@ constexpr u32 X_BYTES = TOKENS * STEP;        // a step's hi (or lo) codes
 constexpr u32 STAGE_BYTES = W_BYTES + 2 * X_BYTES;
 constexpr u32 STAGES = 4;
 
-// Byte offset of 16-byte chunk c (0..7) of row r in an operand tile stored K-major with
-// wgmma's 128-byte swizzle: rows of 128 bytes, 8-row atoms of 1 KB, the chunks of row r
-// permuted by r % 8 so that the MMAs' reads and the copies' writes spread over all banks.
-__device__ __forceinline__ u32 swizzled(u32 r, u32 c) { return r / 8 * 1024 + r % 8 * 128 + ((c ^ (r % 8)) * 16); }
-
-// Descriptor of a K-major operand with the 128-byte swizzle at `addr` (1 KB aligned, plus
-// the byte offset of a k32 block inside the 128-byte rows): 8-row atoms 1 KB apart.
-__device__ __forceinline__ u64 desc(u32 addr) {
-    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)1 << 16) | ((u64)(1024u >> 4) << 32) | ((u64)1 << 62);
-}
-
 // d (+)= A . B on m64n128k32 in e4m3; d zeroed first unless `add`. d[4j + i]: rows g (i < 2)
 // and g + 8 of the warp's 16, columns 8j + 2 (lane % 4) + i % 2.
 __device__ __forceinline__ void mma(float (&d)[64], u64 da, u64 db, bool add) {
@@ -213,7 +195,7 @@ __device__ __forceinline__ void store(const GemmFp8Args& a, u64 i, float v) {
 template <bool SWIGLU>
 __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
     extern __shared__ __align__(1024) u8 smem[];
-    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, wg = warp >> 2;
+    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, group = warp >> 2;
     const u32 g = lane >> 2, z = blockIdx.z;
     const u32 tok0 = blockIdx.x * TOKENS, tile0 = blockIdx.y * (ROWS / 16);
     const u32 steps = a.kp / STEP;
@@ -232,17 +214,17 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
     // token p / 8, chunk p % 8; piece i + 1 is 32 tokens on (4 KB on). Pieces past the tiles
     // or rows are zero-filled.
     const u32 sub = tid / 64 % 2, pp = tid % 64, wr = 8 * (pp / 32) + pp % 32 / 4;
-    const u32 w_dst = swizzled(16 * (tid / 128) + wr, 4 * sub + pp % 4);
+    const u32 w_dst = wg::sw128(16 * (tid / 128) + wr, 4 * sub + pp % 4);
     const u8* w_src = w + (u64)(tid / 128) * tile_b + sub * 1024 + pp * 16;
     const u32 xn = tid / 8;
-    const u32 x_dst = W_BYTES + swizzled(xn, tid % 8);
+    const u32 x_dst = W_BYTES + wg::sw128(xn, tid % 8);
     const u64 x_src = (u64)(tok0 + xn) * a.x8_ld + tid % 8 * 16;
     auto load_weights = [&](u32 j) {
         const u32 slot = base + (j % STAGES) * STAGE_BYTES;
 #pragma unroll
         for (u32 i = 0; i < 4; ++i) {
             const bool ok = tile0 + tid / 128 + 2 * i < a.tiles;
-            cp16(slot + w_dst + i * 4096, ok ? w_src + 2 * i * tile_b + (u64)j * 2048 : a.w, ok);
+            wg::cp16(slot + w_dst + i * 4096, ok ? w_src + 2 * i * tile_b + (u64)j * 2048 : a.w, ok);
         }
     };
     auto load_acts = [&](u32 j) {
@@ -251,14 +233,14 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
         for (u32 i = 0; i < 4; ++i) {
             const bool ok = tok0 + xn + 32 * i < a.m;
             const u64 off = ok ? x_src + (u64)(32 * i) * a.x8_ld + j * STEP : 0;
-            cp16(slot + x_dst + i * 4096, x_hi + off, ok);
-            cp16(slot + x_dst + X_BYTES + i * 4096, x_lo + off, ok);
+            wg::cp16(slot + x_dst + i * 4096, x_hi + off, ok);
+            wg::cp16(slot + x_dst + X_BYTES + i * 4096, x_lo + off, ok);
         }
     };
 
     // The rows' scale rows: plain tile rows g and g + 8 are weight rows 16t + g and 16t + 8 + g;
     // gate+up tile rows g and g + 8 are W1 and W3 rows 8t + g.
-    const u32 t = tile0 + 4 * wg + (warp & 3u);
+    const u32 t = tile0 + 4 * group + (warp & 3u);
     const u32 tr = SWIGLU ? 8 : 16, ho = SWIGLU ? 0 : 8;
     const u32 r_lo = t * tr + g, r_hi = t * tr + ho + g;
     const u32 groups = (a.k + 63) / 64, last = gridDim.z * a.n - 1;
@@ -280,7 +262,7 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
 #pragma unroll
     for (u32 j = 0; j < STAGES - 1; ++j) {
         if (j < steps) load_acts(j);
-        cp_commit();
+        wg::cp_commit();
     }
 
     // A step's MMAs (four k32 blocks, hi and lo) sum into zeroed accumulators, then scaled into
@@ -289,10 +271,10 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     // Descriptors: the low field is the address / 16, so an offset adds offset / 16.
-    const u64 a_desc = desc(base + wg * 64 * 128), b_desc = desc(base + W_BYTES);
+    const u64 a_desc = wg::desc_sw128(base + group * 64 * 128), b_desc = wg::desc_sw128(base + W_BYTES);
 #pragma unroll 1
     for (u32 j = 0; j < steps; ++j) {
-        cp_wait<STAGES - 2>();
+        wg::cp_wait<STAGES - 2>();
         wg::stores_to_async();
         __syncthreads();
         const u32 slot = (j % STAGES) * (STAGE_BYTES / 16);
@@ -310,14 +292,14 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
             load_weights(j + STAGES - 1);
             load_acts(j + STAGES - 1);
         }
-        cp_commit();
+        wg::cp_commit();
         float sl, sh;
         scales(2 * j, sl, sh);
         wg::wait_all();
         hold(tmp);
         promote(acc, tmp, sl, sh);
     }
-    cp_wait<0>();
+    wg::cp_wait<0>();
 
     if (t >= a.tiles) return;
     const float post0 = a.post0 * __ldg(fs_lo + groups), post1 = a.post1 * __ldg(fs_hi + groups);
