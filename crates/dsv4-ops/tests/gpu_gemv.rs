@@ -550,7 +550,7 @@ fn gpu_gemv_fp8_is_right_for_scales_of_any_magnitude() {
 /// row on sm_90a) keep each row's products whatever its magnitude: rows 2^-60 to 2^57 of the
 /// usual, a zero row, and a row whose elements spread over 2^24, each within 1e-3 of the
 /// reference on its own in F32 output (FP8 codes of the activations alone would be about 1e-2
-/// off). Then a launch longer than the workspace's split rows (two passes) against the reference.
+/// off). Then a launch longer than the workspace's split rows (two passes): [`check_gemm`].
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_gemm_fp8_keeps_activation_rows_of_any_magnitude() {
@@ -590,17 +590,10 @@ fn gpu_gemm_fp8_keeps_activation_rows_of_any_magnitude() {
         assert!(err <= 1e-3, "row {r}: relative error {err:e}");
     }
 
+    // Two passes on sm_90a (and rows alone the bits of the same rows in them).
     let (m, n, k) = (2100, 40, 8192);
     assert!(m * 2 * k > GemvWorkspace::ACT_CODE_BYTES);
-    let o = make_weight(&mut rng, "fp8-f32", n, k, None);
-    let w = GemvWeight::upload(&dev, o.host(), n, k).unwrap();
-    let xh = to_bf16(&gaussian(&mut rng, m * k, 1.0));
-    let x = dev.upload(DType::BF16, &[m, k], &xh).unwrap();
-    let mut y = poisoned(&dev, m, n);
-    gemv::gemv(&dev, &x, &w, &mut y, &mut ws).unwrap();
-    let wd = reference::dequantize(o.host(), n, k).unwrap();
-    let what = format!("gemm fp8 m={m} n={n} k={k} (two passes on sm_90a)");
-    check_device_error(&dev, &what, &y, &reference::gemv(&xh, m, &wd, n, k));
+    check_gemm(&dev, &mut ws, &mut rng, "fp8-f32", m, n, k);
 }
 
 #[test]
