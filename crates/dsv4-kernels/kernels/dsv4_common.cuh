@@ -310,6 +310,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(gmem) : "memory");
 }
 
+// cp_async16 to the shared-memory address `to`, or 16 zero bytes there where `full` is false.
+__device__ __forceinline__ void cp_async16_or_zero(u32 to, const void* gmem, bool full) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(gmem), "r"(full ? 16u : 0u) : "memory");
+}
+
 // Closes the thread's pieces issued since the last commit into one group.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
@@ -337,15 +342,11 @@ __device__ __forceinline__ void hold(float (&d)[MT][4]) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[m][i])::"memory");
 }
-
-// 16 bytes from global memory into shared memory at `dst` without passing registers (zeros
-// where `full` is false); committed and awaited in groups.
-__device__ __forceinline__ void cp16(u32 dst, const void* src, bool full) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(full ? 16u : 0u) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void hold(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 
 // Byte offset of 16-byte chunk c (0..7) of row r in an operand tile stored K-major with the
 // 128-byte swizzle: rows of 128 bytes, 8-row atoms of 1 KB, the chunks of row r permuted by

@@ -74,11 +74,6 @@ __device__ __forceinline__ uint4 lds(const u16* p) { return *reinterpret_cast<co
 constexpr u32 PREFETCH = 4;
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
-__device__ __forceinline__ void store(const GemmArgs& a, u64 i, float v) {
-    if (a.y_f32 == 2u) static_cast<float*>(a.y)[i] = __fadd_rn(static_cast<float*>(a.y)[i], v);
-    else if (a.y_f32) static_cast<float*>(a.y)[i] = v;
-    else static_cast<u16*>(a.y)[i] = f32_to_bf16(v);
-}
 
 // One weight sub-step expanded into MMA A fragments: k16 block b of the sub-step is a[b]
 // (rows g and g + 8 of the tile at the lane's k pairs, mma.m16n8k16 order), its k order the
@@ -371,10 +366,10 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
                 if (r >= rows) continue;
                 const u64 y0 = (u64)(list ? list[r] : r) * a.y_ld + y_col;
                 if (SWIGLU) {
-                    if (r_lo < a.n) store(a, y0 + r_lo, swiglu(acc[mt][i] * post0, acc[mt][i + 2] * post1, a.limit));
+                    if (r_lo < a.n) store_y(a, y0 + r_lo, swiglu(acc[mt][i] * post0, acc[mt][i + 2] * post1, a.limit));
                 } else {
-                    if (r_lo < a.n) store(a, y0 + r_lo, acc[mt][i] * post0);
-                    if (r_hi < a.n) store(a, y0 + r_hi, acc[mt][i + 2] * post1);
+                    if (r_lo < a.n) store_y(a, y0 + r_lo, acc[mt][i] * post0);
+                    if (r_hi < a.n) store_y(a, y0 + r_hi, acc[mt][i + 2] * post1);
                 }
             }
     }

@@ -3,10 +3,10 @@
 // groups of a grouped projection (as gemm.cu). The weights stay in the GEMV's packed tiles
 // (gemv_tile.cu); the activations are first split by `act_split_e4m3`.
 //
-// The split: each activation row gets one power-of-two scale s (its amax / s <= 448) and each
-// element v = x / s two e4m3 codes, hi = e4m3(v) and lo = e4m3(v - hi). For a bf16 x with
-// |v| >= 1/4 the pair is exact (v has 8 significant bits, hi takes 4 and the rest fits lo);
-// below that lo's subnormal step 2^-9 bounds the error to 2^-10 s, under 2^-17 of the row's
+// The split: each activation row gets one power-of-two scale s in each group (amax / s <= 448)
+// and each element v = x / s two e4m3 codes, hi = e4m3(v) and lo = e4m3(v - hi). For a bf16 x
+// with |v| >= 1/4 the pair is exact (v has 8 significant bits, hi takes 4 and the rest fits
+// lo); below that lo's subnormal step 2^-9 bounds the error to 2^-10 s, under 2^-17 of the
 // amax. So a row's products are those of the bf16 activations, and W . (hi + lo) runs as two
 // e4m3 MMAs into the same accumulators: half the FP8 MMA rate, the bf16 rate, with no
 // conversion of weights or activations inside the loop.
@@ -24,21 +24,21 @@
 // H100, `prefill_gemm` at 2048 rows against the f16-MMA kernel (gemm.cu): Flash wo_b 199 ->
 // 448 TFLOP/s, wq_a+wkv 200 -> 276, wq_b 169 -> 274, shared w1+w3 204 -> 356, w2 195 -> 326.
 // Without the swizzle (16-byte core matrices in planes) and with 64-column steps it ran at
-// 125-171, bound by L2 traffic.
+// 125-170, bound by L2 traffic.
 #include "gemv_tile.cu"
 
 // Kernel arguments (layouts mirrored by `ActSplitArgs` and `GemmFp8Args` in
 // dsv4_ops::gpu::gemm).
 struct ActSplitArgs {
-    const u16* x;   // [m, x_ld] bf16, groups of k columns
-    u8* x8;         // [m, x8_ld]: per row hi codes of every group (kp each), then lo codes
-    float* xs;      // [m] row scales
-    u32 m, k, kp, groups, x_ld, x8_ld;
+    const u16* x;       // [m, x_ld] bf16, groups of k columns
+    u8* codes;          // [m, codes_ld]: per row the hi codes of every group (kp each), then lo
+    float* scales;      // [m, groups]: each row's scale in each group
+    u32 k, kp, groups, x_ld, codes_ld;
 };
 
 struct GemmFp8Args {
-    const u8* x8;       // as ActSplitArgs
-    const float* xs;
+    const u8* codes;    // as ActSplitArgs
+    const float* scales;
     const u8* w;        // packed tiles of all groups
     const float* fs0;   // FP8 scales (as GemvArgs::fs0) of W (W1) and W3
     const float* fs1;
@@ -47,7 +47,7 @@ struct GemmFp8Args {
     float post0, post1, limit;
     u32 fp8_br, tiles;  // rows of a scale block; tiles of one group
     u32 y_f32;          // as GemvArgs::y_f32
-    u32 y_ld, x8_ld;
+    u32 y_ld, codes_ld;
 };
 
 namespace gemm_fp8 {
@@ -73,48 +73,39 @@ __device__ __forceinline__ float2 from_e4m3x2(u32 c) {
     return f;
 }
 
-// The smallest power of two s with amax / s <= 448 (1 for a zero row), 2^-126 at least.
-__device__ __forceinline__ float row_scale(float amax) {
-    const u32 b = __float_as_uint(amax / E4M3_MAX);
-    u32 e = b >> 23;
-    if (b & 0x7fffffu) ++e;
-    if (amax == 0.0f) e = 127;
-    return __uint_as_float(max(e, 1u) << 23);
-}
-
 }  // namespace gemm_fp8
 
-// One block a row: its amax, scale and hi / lo codes (columns k..kp-1 of each group zero).
+// One block a row and group (grid y): the group's amax, scale and hi / lo codes (columns
+// k..kp-1 zero).
 DSV4_KERNEL void __launch_bounds__(256) act_split_e4m3(const ActSplitArgs a) {
     using namespace gemm_fp8;
     __shared__ float red[8];
-    const u32 row = blockIdx.x;
+    const u32 row = blockIdx.x, z = blockIdx.y;
     pdl_enter();
-    const u16* x = a.x + (u64)row * a.x_ld;
-    const u32 cols = a.groups * a.k;
+    const u16* x = a.x + (u64)row * a.x_ld + (u64)z * a.k;
     float amax = 0.0f;
-    for (u32 c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+    for (u32 c = threadIdx.x * 8; c < a.k; c += blockDim.x * 8) {
         const uint4 v = *reinterpret_cast<const uint4*>(x + c);
         const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[i] << 16)), fabsf(__uint_as_float(w[i] & 0xffff0000u))));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    amax = warp_max(amax);
     if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = amax;
     __syncthreads();
     amax = red[0];
     for (u32 i = 1; i < blockDim.x / 32; ++i) amax = fmaxf(amax, red[i]);
-    const float s = row_scale(amax), inv = 1.0f / s;
-    if (threadIdx.x == 0) a.xs[row] = s;
-    u8* hi = a.x8 + (u64)row * a.x8_ld;
+    // At least 2^-126 (a normal float, so 1 / s is finite); amax / s <= 448 either way.
+    const u8 e = e8m0_scale_for_amax(amax, E4M3_MAX);
+    const float s = e8m0_to_f32(e > 1 ? e : (u8)1), inv = 1.0f / s;
+    if (threadIdx.x == 0) a.scales[(u64)row * a.groups + z] = s;
+    u8* hi = a.codes + (u64)row * a.codes_ld + (u64)z * a.kp;
     u8* lo = hi + (u64)a.groups * a.kp;
-    for (u32 p = threadIdx.x * 8; p < a.groups * a.kp; p += blockDim.x * 8) {
-        const u32 g = p / a.kp, c = p % a.kp;
+    for (u32 c = threadIdx.x * 8; c < a.kp; c += blockDim.x * 8) {
         u32 w[4] = {0, 0, 0, 0};
         if (c < a.k) {
-            const uint4 v = *reinterpret_cast<const uint4*>(x + g * a.k + c);
+            const uint4 v = *reinterpret_cast<const uint4*>(x + c);
             w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
         }
         u32 h[2], l[2];
@@ -132,8 +123,8 @@ DSV4_KERNEL void __launch_bounds__(256) act_split_e4m3(const ActSplitArgs a) {
             h[i] = hc[0] | hc[1] << 16;
             l[i] = lc[0] | lc[1] << 16;
         }
-        *reinterpret_cast<uint2*>(hi + p) = make_uint2(h[0], h[1]);
-        *reinterpret_cast<uint2*>(lo + p) = make_uint2(l[0], l[1]);
+        *reinterpret_cast<uint2*>(hi + c) = make_uint2(h[0], h[1]);
+        *reinterpret_cast<uint2*>(lo + c) = make_uint2(l[0], l[1]);
     }
 }
 
@@ -170,11 +161,6 @@ __device__ __forceinline__ void mma(float (&d)[64], u64 da, u64 db, bool add) {
         : "l"(da), "l"(db), "r"((u32)add));
 }
 
-__device__ __forceinline__ void hold(float (&d)[64]) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // acc += t times the block scales of rows g (sl) and g + 8 (sh).
 __device__ __forceinline__ void promote(float (&acc)[64], const float (&t)[64], float sl, float sh) {
 #pragma unroll
@@ -184,12 +170,6 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&t)[64], 
         acc[i + 2] = fmaf(sh, t[i + 2], acc[i + 2]);
         acc[i + 3] = fmaf(sh, t[i + 3], acc[i + 3]);
     }
-}
-
-__device__ __forceinline__ void store(const GemmFp8Args& a, u64 i, float v) {
-    if (a.y_f32 == 2u) static_cast<float*>(a.y)[i] = __fadd_rn(static_cast<float*>(a.y)[i], v);
-    else if (a.y_f32) static_cast<float*>(a.y)[i] = v;
-    else static_cast<u16*>(a.y)[i] = f32_to_bf16(v);
 }
 
 template <bool SWIGLU>
@@ -203,7 +183,7 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
     const u32 base = ((u32)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
     const u64 tile_b = tile_bytes(a.k / 16);
     const u8* w = a.w + (u64)(z * a.tiles + tile0) * tile_b;
-    const u8* x_hi = a.x8 + (u64)z * a.kp;
+    const u8* x_hi = a.codes + (u64)z * a.kp;
     const u8* x_lo = x_hi + (u64)gridDim.z * a.kp;
 
     // Step j's copies into stage slot j % STAGES, four pieces of 16 bytes a thread for the
@@ -218,13 +198,13 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
     const u8* w_src = w + (u64)(tid / 128) * tile_b + sub * 1024 + pp * 16;
     const u32 xn = tid / 8;
     const u32 x_dst = W_BYTES + wg::sw128(xn, tid % 8);
-    const u64 x_src = (u64)(tok0 + xn) * a.x8_ld + tid % 8 * 16;
+    const u64 x_src = (u64)(tok0 + xn) * a.codes_ld + tid % 8 * 16;
     auto load_weights = [&](u32 j) {
         const u32 slot = base + (j % STAGES) * STAGE_BYTES;
 #pragma unroll
         for (u32 i = 0; i < 4; ++i) {
             const bool ok = tile0 + tid / 128 + 2 * i < a.tiles;
-            wg::cp16(slot + w_dst + i * 4096, ok ? w_src + 2 * i * tile_b + (u64)j * 2048 : a.w, ok);
+            cp_async16_or_zero(slot + w_dst + i * 4096, ok ? w_src + 2 * i * tile_b + (u64)j * 2048 : a.w, ok);
         }
     };
     auto load_acts = [&](u32 j) {
@@ -232,9 +212,9 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
 #pragma unroll
         for (u32 i = 0; i < 4; ++i) {
             const bool ok = tok0 + xn + 32 * i < a.m;
-            const u64 off = ok ? x_src + (u64)(32 * i) * a.x8_ld + j * STEP : 0;
-            wg::cp16(slot + x_dst + i * 4096, x_hi + off, ok);
-            wg::cp16(slot + x_dst + X_BYTES + i * 4096, x_lo + off, ok);
+            const u64 off = ok ? x_src + (u64)(32 * i) * a.codes_ld + j * STEP : 0;
+            cp_async16_or_zero(slot + x_dst + i * 4096, x_hi + off, ok);
+            cp_async16_or_zero(slot + x_dst + X_BYTES + i * 4096, x_lo + off, ok);
         }
     };
 
@@ -246,12 +226,6 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
     const u32 groups = (a.k + 63) / 64, last = gridDim.z * a.n - 1;
     const float* fs_lo = a.fs0 + (u64)(min(z * a.n + r_lo, last) / a.fp8_br) * (groups + 1);
     const float* fs_hi = a.fs1 + (u64)(min(z * a.n + r_hi, last) / a.fp8_br) * (groups + 1);
-    // Scale column c of rows g and g + 8 (past K: zero weights, any finite scale).
-    auto scales = [&](u32 c, float& sl, float& sh) {
-        c = min(c, groups - 1);
-        sl = __ldg(fs_lo + c);
-        sh = __ldg(fs_hi + c);
-    };
 
     // Weights do not depend on the previous kernel: the first steps' are asked for before the
     // wait (they join the first step's copy group).
@@ -262,7 +236,7 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
 #pragma unroll
     for (u32 j = 0; j < STAGES - 1; ++j) {
         if (j < steps) load_acts(j);
-        wg::cp_commit();
+        cp_async_commit();
     }
 
     // A step's MMAs (four k32 blocks, hi and lo) sum into zeroed accumulators, then scaled into
@@ -274,7 +248,7 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
     const u64 a_desc = wg::desc_sw128(base + group * 64 * 128), b_desc = wg::desc_sw128(base + W_BYTES);
 #pragma unroll 1
     for (u32 j = 0; j < steps; ++j) {
-        wg::cp_wait<STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         wg::stores_to_async();
         __syncthreads();
         const u32 slot = (j % STAGES) * (STAGE_BYTES / 16);
@@ -292,14 +266,14 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
             load_weights(j + STAGES - 1);
             load_acts(j + STAGES - 1);
         }
-        wg::cp_commit();
-        float sl, sh;
-        scales(2 * j, sl, sh);
+        cp_async_commit();
+        // Scale column 2j (the same block as 2j + 1) of rows g and g + 8.
+        const float sl = __ldg(fs_lo + 2 * j), sh = __ldg(fs_hi + 2 * j);
         wg::wait_all();
-        hold(tmp);
+        wg::hold(tmp);
         promote(acc, tmp, sl, sh);
     }
-    wg::cp_wait<0>();
+    cp_async_wait<0>();
 
     if (t >= a.tiles) return;
     const float post0 = a.post0 * __ldg(fs_lo + groups), post1 = a.post1 * __ldg(fs_hi + groups);
@@ -311,14 +285,14 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
         for (u32 i = 0; i < 2; ++i) {
             const u32 tok = tok0 + 8 * j + 2 * q + i;
             if (tok >= a.m) continue;
-            const float s = a.xs[tok];
+            const float s = a.scales[(u64)tok * gridDim.z + z];
             const u64 y0 = (u64)tok * a.y_ld + y_col;
             const float lo = acc[4 * j + i] * s, hi = acc[4 * j + 2 + i] * s;
             if (SWIGLU) {
-                if (r_lo < a.n) store(a, y0 + r_lo, swiglu(lo * post0, hi * post1, a.limit));
+                if (r_lo < a.n) store_y(a, y0 + r_lo, swiglu(lo * post0, hi * post1, a.limit));
             } else {
-                if (r_lo < a.n) store(a, y0 + r_lo, lo * post0);
-                if (r_hi < a.n) store(a, y0 + r_hi, hi * post1);
+                if (r_lo < a.n) store_y(a, y0 + r_lo, lo * post0);
+                if (r_hi < a.n) store_y(a, y0 + r_hi, hi * post1);
             }
         }
 }

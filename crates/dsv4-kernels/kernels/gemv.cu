@@ -79,11 +79,6 @@ struct GemvArgs {
                         // x columns [g * k, (g + 1) * k); 0: every row reads columns [0, k)
 };
 
-__device__ __forceinline__ void store_y(const GemvArgs& a, u64 i, float v) {
-    if (a.y_f32 == 2u) static_cast<float*>(a.y)[i] = __fadd_rn(static_cast<float*>(a.y)[i], v);
-    else if (a.y_f32) static_cast<float*>(a.y)[i] = v;
-    else static_cast<u16*>(a.y)[i] = f32_to_bf16(v);
-}
 
 // PS: FP8 at M = 1 with the block scales folded into the staged activations (stage_prescaled).
 template <int F, int MT, bool SWIGLU, bool PS = false>

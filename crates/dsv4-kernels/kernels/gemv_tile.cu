@@ -602,6 +602,15 @@ __device__ __forceinline__ bool cluster_sum(float (&acc)[MT][4], const float4* m
     return true;
 }
 
+// Output element i of a launch whose arguments carry `y` and `y_f32` (0: rounded to bf16, 1:
+// f32, 2: f32 added to what y holds).
+template <class Args>
+__device__ __forceinline__ void store_y(const Args& a, u64 i, float v) {
+    if (a.y_f32 == 2u) static_cast<float*>(a.y)[i] = __fadd_rn(static_cast<float*>(a.y)[i], v);
+    else if (a.y_f32) static_cast<float*>(a.y)[i] = v;
+    else static_cast<u16*>(a.y)[i] = f32_to_bf16(v);
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
 __device__ __forceinline__ float swiglu(float g, float u, float limit) {

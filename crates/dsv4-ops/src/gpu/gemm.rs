@@ -3,8 +3,11 @@
 //! The same weights (the GEMV's packed tiles, every format), the same products on the same
 //! MMAs, but each weight byte is read once per 64 rows and each warp sums its tile's whole K in
 //! registers (no split, no workspace), so a row's result depends only on its own activations,
-//! never on how many rows share the launch. CPU references: [`super::gemv::reference`],
-//! [`super::moe::reference`]; the GPU tests are `tests/gpu_gemv.rs` and `tests/gpu_moe.rs`.
+//! never on how many rows share the launch. On sm_90a, FP8 launches instead split their
+//! activations into the GEMV workspace and run on e4m3 MMAs ([`launch_fp8_tc`],
+//! `kernels/gemm_fp8.cu`: other rounding, the same independence of rows). CPU references:
+//! [`super::gemv::reference`], [`super::moe::reference`]; the GPU tests are `tests/gpu_gemv.rs`
+//! and `tests/gpu_moe.rs`.
 
 use cudarc::driver::DeviceRepr;
 
@@ -241,8 +244,9 @@ pub(crate) fn launch_stacks(
 
 /// Launches `prefix` (`gemm_` or `gemm_swiglu_`) for `m > MAX_M` rows of `x [m, groups·K]`
 /// into `y`: `groups` blocks of the weight's rows, group `g` reading x's columns
-/// `[g·K, (g+1)·K)` (the caller checked every shape). FP8 weights on sm_90a take
-/// [`launch_fp8_tc`].
+/// `[g·K, (g+1)·K)` (the caller checked every shape). FP8 weights with scale blocks of a
+/// multiple of 128 columns take [`launch_fp8_tc`] on sm_90a (unless
+/// [`super::gemv::tuning::FP8_TENSOR_GEMM`] is off).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     dev: &Device,
@@ -297,7 +301,6 @@ struct ActSplitArgs {
     x: u64,
     codes: u64,
     scales: u64,
-    m: u32,
     k: u32,
     kp: u32,
     groups: u32,
@@ -362,7 +365,7 @@ fn launch_fp8_tc(
     let kp = k.div_ceil(FP8_TC_STEP) * FP8_TC_STEP;
     let codes_ld = 2 * groups * kp;
     let x_ld = groups * k;
-    let pass = (ws.act_codes.len() / codes_ld).min(ws.act_scales.len());
+    let pass = (ws.act_codes.len() / codes_ld).min(ws.act_scales.len() / groups);
     if pass == 0 {
         return Err(GpuError::invalid(
             "gemm",
@@ -373,18 +376,12 @@ fn launch_fp8_tc(
             ),
         ));
     }
-    let stack = Stack {
-        format: w.format,
-        n,
-        k,
+    let tiles = pack::Layout {
+        rows: n,
+        chunks: k / w.format.chunk_elems(),
         gate_up: w.gate_up,
-        codes: 0,
-        scales: 0,
-        fp8: (0, 0),
-        post: (0.0, 0.0),
-        factors: (0, 0),
-    };
-    let tiles = stack.tiles();
+    }
+    .tiles();
     let (fs0, fs1) = w.fp8_scale_addresses();
     let y_ld = w.n;
     let y_elem = if y.mode == 0 { 2 } else { 4 };
@@ -403,7 +400,6 @@ fn launch_fp8_tc(
             x: x.device_address() + (r0 * x_ld * 2) as u64,
             codes: ws.act_codes.device_address(),
             scales: ws.act_scales.device_address(),
-            m: dim_u32("gemm rows", rows)?,
             k: dim_u32("gemm k", k)?,
             kp: dim_u32("gemm k", kp)?,
             groups: dim_u32("gemm groups", groups)?,
@@ -411,12 +407,16 @@ fn launch_fp8_tc(
             codes_ld: dim_u32("gemm split row", codes_ld)?,
         };
         // SAFETY: ActSplitArgs mirrors the kernel's argument; x holds `m` rows of x_ld; the
-        // workspace `rows` rows of codes_ld bytes and `rows` scales (`pass`).
+        // workspace `rows` rows of codes_ld bytes and `rows * groups` scales (`pass`).
         unsafe {
             launch_struct(
                 dev,
                 "act_split_e4m3",
-                (dim_u32("gemm rows", rows)?, 1, 1),
+                (
+                    dim_u32("gemm rows", rows)?,
+                    dim_u32("gemm groups", groups)?,
+                    1,
+                ),
                 (256, 0),
                 &split,
                 pdl,
@@ -430,7 +430,7 @@ fn launch_fp8_tc(
             fs0,
             fs1,
             y: y.address + (r0 * y_ld * y_elem) as u64,
-            m: split.m,
+            m: dim_u32("gemm rows", rows)?,
             n: dim_u32("gemm n", n)?,
             k: split.k,
             kp: split.kp,
@@ -467,7 +467,7 @@ mod tests {
         // 10 pointers, 3 u32, 3 f32, 9 u32 = 140 bytes, padded to 144.
         assert_eq!(std::mem::size_of::<GemmArgs>(), 144);
         assert_eq!(std::mem::align_of::<GemmArgs>(), 8);
-        // 3 pointers, 6 u32 = 48 bytes; 6 pointers, 4 u32, 3 f32, 5 u32 = 96 bytes.
+        // 3 pointers, 5 u32 = 44 bytes, padded to 48; 6 pointers, 4 u32, 3 f32, 5 u32 = 96.
         assert_eq!(std::mem::size_of::<ActSplitArgs>(), 48);
         assert_eq!(std::mem::size_of::<GemmFp8Args>(), 96);
     }

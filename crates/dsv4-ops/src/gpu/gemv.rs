@@ -2,7 +2,8 @@
 //! for `M <= 16` bf16 activation rows (more rows run the prefill GEMM of `kernels/gemm.cu` on
 //! the same weights, through the same functions), with weights in BF16, FP8 e4m3 with block scales,
 //! NVFP4 or MXFP4, dequantized in registers (W4A16 / W8A16 on tensor cores; FP8 runs on the f16
-//! MMA with activations converted to f16, exact for `|x|` in `[2^-14, 65504]` and 0). The fused
+//! MMA with activations converted to f16, exact for `|x|` in `[2^-14, 65504]` and 0, but for the
+//! prefill GEMM on sm_90a, which splits each activation into two e4m3 codes). The fused
 //! [`gemv_swiglu`] computes `silu(min(x·W1ᵀ, L)) · clamp(x·W3ᵀ, −L, L)` in one pass.
 //! Weights are repacked once, at upload, into the kernels' tile layout ([`pack`] describes it
 //! and is the CPU reference of the device re-layout in [`super::relayout`]; [`pack::unpack`] is
@@ -997,8 +998,8 @@ impl GemvWorkspace {
     /// Bytes of split activations: a 2048-row chunk of 8192 columns (Flash wo_b) in one pass
     /// (two codes an element); longer chunks or rows run in passes.
     pub const ACT_CODE_BYTES: usize = 32 << 20;
-    /// Rows of split activations (one scale each).
-    pub const ACT_ROWS: usize = 8192;
+    /// Scales of split activations (one a row and group).
+    pub const ACT_SCALES: usize = 8192;
 
     /// Names, dtypes and shapes of the buffers.
     fn buffers(name: &str) -> [(String, DType, usize); 4] {
@@ -1014,7 +1015,7 @@ impl GemvWorkspace {
                 DType::E4M3,
                 Self::ACT_CODE_BYTES,
             ),
-            (format!("{name}.act_scales"), DType::F32, Self::ACT_ROWS),
+            (format!("{name}.act_scales"), DType::F32, Self::ACT_SCALES),
         ]
     }
 
