@@ -56,16 +56,18 @@ fn main() -> Res<()> {
         scale: ScaleFormat::E8m0,
         block: (128, 128),
     };
-    // (name, format, n, k, gate+up)
+    // (name, format, n, k, gate+up, groups: n rows in groups, group g reading x's columns
+    // [g·k, (g+1)·k))
     let cases = [
-        ("attn wq_a+wkv", fp8, 1536, 4096, false),
-        ("attn wq_b", fp8, 32768, 1024, false),
-        ("attn wo_b", fp8, 4096, 8192, false),
-        ("shared w1+w3", fp8, 2048, 4096, true),
-        ("shared w2", fp8, 4096, 2048, false),
-        ("expert w1+w3", GemvFormat::Nvfp4, 2048, 4096, true),
-        ("expert w2", GemvFormat::Nvfp4, 4096, 2048, false),
-        ("compressor", GemvFormat::Bf16, 1024, 4096, false),
+        ("attn wq_a+wkv", fp8, 1536, 4096, false, 1),
+        ("attn wq_b", fp8, 32768, 1024, false, 1),
+        ("attn wo_a, 8 groups", fp8, 8192, 4096, false, 8),
+        ("attn wo_b", fp8, 4096, 8192, false, 1),
+        ("shared w1+w3", fp8, 2048, 4096, true, 1),
+        ("shared w2", fp8, 4096, 2048, false, 1),
+        ("expert w1+w3", GemvFormat::Nvfp4, 2048, 4096, true, 1),
+        ("expert w2", GemvFormat::Nvfp4, 4096, 2048, false, 1),
+        ("compressor", GemvFormat::Bf16, 1024, 4096, false, 1),
     ];
     println!("{}", dev.name());
     println!(
@@ -73,11 +75,11 @@ fn main() -> Res<()> {
     );
     println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut ws = GemvWorkspace::alloc(&dev)?;
-    for (name, format, n, k, gate_up) in cases {
+    for (name, format, n, k, gate_up, groups) in cases {
         let w = GemvWeight::random(&dev, format, n, k, gate_up, 7)?;
         let flop_row = 2.0 * (n * k) as f64 * if gate_up { 2.0 } else { 1.0 };
         for &m in &rows {
-            let x: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[m, k])?;
+            let x: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[m, groups * k])?;
             let mut y: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[m, n])?;
             let run = |x: &DeviceTensor<bf16>,
                        y: &mut DeviceTensor<bf16>,
@@ -85,6 +87,8 @@ fn main() -> Res<()> {
              -> Res<()> {
                 if gate_up {
                     gemv::gemv_swiglu(&dev, x, &w, 10.0, y, ws)?;
+                } else if groups > 1 {
+                    gemv::gemv_grouped(&dev, x, &w, groups, y, ws)?;
                 } else {
                     gemv::gemv(&dev, x, &w, y, ws)?;
                 }
@@ -102,7 +106,7 @@ fn main() -> Res<()> {
                 None
             };
             // The same number of rows through the decode GEMV, 16 at a time.
-            let x16: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[16, k])?;
+            let x16: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[16, groups * k])?;
             let mut y16: DeviceTensor<bf16> = dev.alloc(DType::BF16, &[16, n])?;
             let t16 = time(&dev, || {
                 for _ in 0..m / 16 {
