@@ -74,7 +74,6 @@ __device__ __forceinline__ uint4 lds(const u16* p) { return *reinterpret_cast<co
 constexpr u32 PREFETCH = 4;
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
-
 // One weight sub-step expanded into MMA A fragments: k16 block b of the sub-step is a[b]
 // (rows g and g + 8 of the tile at the lane's k pairs, mma.m16n8k16 order), its k order the
 // lane-chunk order of the packed tile: block b holds elements 4b..4b+3 of each lane's chunk

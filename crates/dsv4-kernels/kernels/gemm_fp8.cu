@@ -64,15 +64,6 @@ __device__ __forceinline__ u32 to_e4m3x2(float a, float b) {
     return d;
 }
 
-// The value of each of two e4m3 codes (low byte first).
-__device__ __forceinline__ float2 from_e4m3x2(u32 c) {
-    u32 h;
-    asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(c));
-    float2 f;
-    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }" : "=f"(f.x), "=f"(f.y) : "r"(h));
-    return f;
-}
-
 }  // namespace gemm_fp8
 
 // One block a row and group (grid y): the group's amax, scale and hi / lo codes (columns
@@ -117,7 +108,7 @@ DSV4_KERNEL void __launch_bounds__(256) act_split_e4m3(const ActSplitArgs a) {
                 const u32 pair = w[2 * i + j];
                 const float v0 = __uint_as_float(pair << 16) * inv, v1 = __uint_as_float(pair & 0xffff0000u) * inv;
                 hc[j] = to_e4m3x2(v0, v1);
-                const float2 back = from_e4m3x2(hc[j]);
+                const float2 back = e4m3x2_to_f32(hc[j]);
                 lc[j] = to_e4m3x2(v0 - back.x, v1 - back.y);
             }
             h[i] = hc[0] | hc[1] << 16;

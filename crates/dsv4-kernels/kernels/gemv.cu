@@ -79,7 +79,6 @@ struct GemvArgs {
                         // x columns [g * k, (g + 1) * k); 0: every row reads columns [0, k)
 };
 
-
 // PS: FP8 at M = 1 with the block scales folded into the staged activations (stage_prescaled).
 template <int F, int MT, bool SWIGLU, bool PS = false>
 __device__ __forceinline__ void gemv_kernel(const GemvArgs& a) {

@@ -115,17 +115,22 @@ __device__ __forceinline__ u32 bf16x2_to_f16x2(u32 x) {
     return h;
 }
 
+// The values of two e4m3 codes (bytes 0 and 1 of c), exact (through f16, which holds every
+// e4m3 value; the hardware conversion handles subnormals).
+__device__ __forceinline__ float2 e4m3x2_to_f32(u32 c) {
+    u32 h;
+    asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(c));
+    float2 f;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }" : "=f"(f.x), "=f"(f.y) : "r"(h));
+    return f;
+}
+
 // The two NVFP4 block scales of a chunk (e4m3 bytes 0 and 1) as bf16 pairs worth
 // scale * 2^110 (exact: 4 significant bits; the hardware e4m3 conversion handles subnormals).
 __device__ __forceinline__ void nvfp4_scales_bf16x2(u32 two, u32& s0, u32& s1) {
-    u32 h;
-    asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(two));
-    float f0, f1;
-    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }"
-        : "=f"(f0), "=f"(f1)
-        : "r"(h));
-    s0 = prmt(__float_as_uint(__fmul_rn(f0, 0x1p110f)), 0u, 0x3232u);
-    s1 = prmt(__float_as_uint(__fmul_rn(f1, 0x1p110f)), 0u, 0x3232u);
+    const float2 f = e4m3x2_to_f32(two);
+    s0 = prmt(__float_as_uint(__fmul_rn(f.x, 0x1p110f)), 0u, 0x3232u);
+    s1 = prmt(__float_as_uint(__fmul_rn(f.y, 0x1p110f)), 0u, 0x3232u);
 }
 
 // MXFP4 block scale (e8m0 byte e <= 144, checked when the weight is created) as a bf16 pair

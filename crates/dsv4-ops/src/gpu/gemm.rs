@@ -245,8 +245,8 @@ pub(crate) fn launch_stacks(
 /// Launches `prefix` (`gemm_` or `gemm_swiglu_`) for `m > MAX_M` rows of `x [m, groups·K]`
 /// into `y`: `groups` blocks of the weight's rows, group `g` reading x's columns
 /// `[g·K, (g+1)·K)` (the caller checked every shape). FP8 weights with scale blocks of a
-/// multiple of 128 columns take [`launch_fp8_tc`] on sm_90a (unless
-/// [`super::gemv::tuning::FP8_TENSOR_GEMM`] is off).
+/// multiple of 128 columns, whose rows' split codes fit the workspace, take [`launch_fp8_tc`]
+/// on sm_90a (unless [`super::gemv::tuning::FP8_TENSOR_GEMM`] is off).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     dev: &Device,
@@ -261,11 +261,17 @@ pub(crate) fn launch(
 ) -> Result<(), GpuError> {
     debug_assert!(m > MAX_M);
     if let GemvFormat::Fp8 { block, .. } = w.format {
-        // Its steps are 128 columns of one scale block.
+        // Its steps are 128 columns of one scale block, and at least one row's split codes
+        // must fit the workspace.
         let whole_steps = block.1.is_multiple_of(FP8_TC_STEP);
-        if whole_steps && dev.arch() == Arch::Sm90a && super::gemv::tuning::FP8_TENSOR_GEMM.get() {
+        let pass = fp8_tc_pass(ws, w.k, groups);
+        if whole_steps
+            && pass > 0
+            && dev.arch() == Arch::Sm90a
+            && super::gemv::tuning::FP8_TENSOR_GEMM.get()
+        {
             let swiglu = prefix == "gemm_swiglu_";
-            return launch_fp8_tc(dev, swiglu, x, m, w, block, limit, y, groups, ws);
+            return launch_fp8_tc(dev, swiglu, x, m, w, block, limit, y, groups, ws, pass);
         }
     }
     let stack = Stack {
@@ -343,10 +349,17 @@ const FP8_TC_TOKENS: usize = 128;
 const FP8_TC_STEP: usize = 128;
 const FP8_TC_STAGES: usize = 4;
 
+/// Rows of x whose split codes (`groups` groups of `k` columns, each padded to whole steps) and
+/// scales the workspace holds at once: a pass of [`launch_fp8_tc`].
+fn fp8_tc_pass(ws: &GemvWorkspace, k: usize, groups: usize) -> usize {
+    let codes_ld = 2 * groups * k.div_ceil(FP8_TC_STEP) * FP8_TC_STEP;
+    (ws.act_codes.len() / codes_ld).min(ws.act_scales.len() / groups)
+}
+
 /// The FP8 prefill GEMM on both operands in e4m3 (`kernels/gemm_fp8.cu`): `act_split_e4m3`
 /// splits x's rows into the workspace, `gemm_fp8_tc` (or `gemm_swiglu_fp8_tc`) multiplies, in
-/// passes of as many rows as the workspace holds (rows are independent, so passes give the
-/// same bits as one launch).
+/// passes of `pass` rows ([`fp8_tc_pass`]; rows are independent, so passes give the same bits
+/// as one launch).
 #[allow(clippy::too_many_arguments)]
 fn launch_fp8_tc(
     dev: &Device,
@@ -359,23 +372,13 @@ fn launch_fp8_tc(
     y: Output,
     groups: usize,
     ws: &mut GemvWorkspace,
+    pass: usize,
 ) -> Result<(), GpuError> {
     let n = w.n / groups;
     let k = w.k;
     let kp = k.div_ceil(FP8_TC_STEP) * FP8_TC_STEP;
     let codes_ld = 2 * groups * kp;
     let x_ld = groups * k;
-    let pass = (ws.act_codes.len() / codes_ld).min(ws.act_scales.len() / groups);
-    if pass == 0 {
-        return Err(GpuError::invalid(
-            "gemm",
-            format!(
-                "an FP8 row of {x_ld} columns needs {codes_ld} bytes of split activations; \
-                 the workspace holds {}",
-                ws.act_codes.len()
-            ),
-        ));
-    }
     let tiles = pack::Layout {
         rows: n,
         chunks: k / w.format.chunk_elems(),
@@ -396,6 +399,7 @@ fn launch_fp8_tc(
     let pdl = super::gemv::tuning::PROGRAMMATIC_LAUNCH.get();
     for r0 in (0..m).step_by(pass) {
         let rows = pass.min(m - r0);
+        let rows_u32 = dim_u32("gemm rows", rows)?;
         let split = ActSplitArgs {
             x: x.device_address() + (r0 * x_ld * 2) as u64,
             codes: ws.act_codes.device_address(),
@@ -412,11 +416,7 @@ fn launch_fp8_tc(
             launch_struct(
                 dev,
                 "act_split_e4m3",
-                (
-                    dim_u32("gemm rows", rows)?,
-                    dim_u32("gemm groups", groups)?,
-                    1,
-                ),
+                (rows_u32, dim_u32("gemm groups", groups)?, 1),
                 (256, 0),
                 &split,
                 pdl,
@@ -430,7 +430,7 @@ fn launch_fp8_tc(
             fs0,
             fs1,
             y: y.address + (r0 * y_ld * y_elem) as u64,
-            m: dim_u32("gemm rows", rows)?,
+            m: rows_u32,
             n: dim_u32("gemm n", n)?,
             k: split.k,
             kp: split.kp,

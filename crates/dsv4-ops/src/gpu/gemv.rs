@@ -98,9 +98,8 @@ pub mod tuning {
     pub static WHOLE_TILE_BLOCKS: Switch = Switch::on();
 
     /// An FP8 launch of more than 16 rows on sm_90a (scale blocks of 128 columns or a multiple)
-    /// runs `gemm_fp8_tc` (`kernels/gemm_fp8.cu`:
-    /// activations split into two e4m3 codes, both operands in shared memory on warpgroup
-    /// MMAs; other rounding) instead of `gemm_fp8`.
+    /// runs `gemm_fp8_tc` (`kernels/gemm_fp8.cu`: activations split into two e4m3 codes, both
+    /// operands in shared memory on warpgroup MMAs; other rounding) instead of `gemm_fp8`.
     pub static FP8_TENSOR_GEMM: Switch = Switch::on();
 
     /// An FP8 GEMV at M = 1 whose activations are staged may stage them prescaled
