@@ -204,6 +204,10 @@ struct BenchArgs {
     /// GPUs to split the model over: a number or `all` (default 1).
     #[arg(long, value_parser = parse_gpus)]
     gpus: Option<Gpus>,
+    /// Longest prompt chunk (rounded down to a power of two); default 8192, shorter where
+    /// memory is short.
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// The phase a profiler started with `--profile-from-start off` sees.
     #[arg(long, value_enum, default_value = "decode")]
     profile: Phase,
@@ -590,6 +594,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             let opts = GpuOptions {
                 max_context: a.gpu.max_context.or(Some(needed)),
                 sequences: 1,
+                max_chunk: None,
             };
             let mut model = load_gpu_model(&a.model, opts, a.gpu.gpus, None)?;
             let s = Sampling {
@@ -694,6 +699,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     let opts = GpuOptions {
         max_context: Some(context),
         sequences: a.batch.max(1),
+        max_chunk: a.prefill_chunk,
     };
     let mut model = match &a.model {
         Some(dir) => load_gpu_model(dir, opts, Some(gpus), Some(first))?,
@@ -905,6 +911,7 @@ fn logits(a: LogitsArgs) -> Result<()> {
             let opts = GpuOptions {
                 max_context: a.gpu.max_context.or(Some(ids.len())),
                 sequences: 1,
+                max_chunk: None,
             };
             let mut model = load_gpu_model(&a.model, opts, a.gpu.gpus, None)?;
             let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);

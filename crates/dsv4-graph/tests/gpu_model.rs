@@ -49,6 +49,7 @@ fn gpu_model_of(
     let opts = GpuOptions {
         max_context: Some(context),
         sequences,
+        max_chunk: None,
     };
     GpuModel::load(dir, std::slice::from_ref(dev), opts, |_, _| {})
         .map_err(|e| format!("loading {} onto the GPU: {e}", dir.display()))
@@ -247,6 +248,7 @@ fn gpu_model_matches_cpu_with_every_entry_selected() {
         let opts = GpuOptions {
             max_context: Some(ids.len()),
             sequences: 1,
+            max_chunk: None,
         };
         let mut gpu = GpuModel::new(
             config,
@@ -699,6 +701,7 @@ fn gpu_capacity_and_token_errors_name_the_limit() {
         let opts = GpuOptions {
             max_context: Some(max_context),
             sequences: 1,
+            max_chunk: None,
         };
         GpuModel::new(
             config,
@@ -749,6 +752,7 @@ fn gpu_random_model_reads_what_its_checkpoint_reads_and_decodes() {
         let opts = GpuOptions {
             max_context: Some(80),
             sequences: 1,
+            max_chunk: None,
         };
         let mut model = GpuModel::random(
             config.clone(),
@@ -799,6 +803,7 @@ fn gpu_flash_width_prefill_is_independent_of_chunking() {
     let opts = GpuOptions {
         max_context: Some(n),
         sequences: 2,
+        max_chunk: None,
     };
     let mut model = GpuModel::random(
         config.clone(),
@@ -880,6 +885,7 @@ fn gpu_filled_context_is_attended_to_and_bounded() {
     let opts = GpuOptions {
         max_context: Some(600),
         sequences: 1,
+        max_chunk: None,
     };
     let mut model = GpuModel::random(
         config,

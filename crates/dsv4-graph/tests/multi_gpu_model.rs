@@ -29,6 +29,7 @@ fn load(dir: &Path, devs: &[Arc<Device>], context: usize) -> GpuModel {
     let opts = GpuOptions {
         max_context: Some(context),
         sequences: 1,
+        max_chunk: None,
     };
     GpuModel::load(dir, devs, opts, |_, _| {})
         .unwrap_or_else(|e| panic!("loading {} onto {} GPU(s): {e}", dir.display(), devs.len()))
@@ -65,6 +66,7 @@ fn multi_gpu_model_matches_one_gpu_on_every_fixture_that_splits() {
         let opts = GpuOptions {
             max_context: Some(ids.len()),
             sequences: 1,
+            max_chunk: None,
         };
         let vocab = config.vocab_size;
         let mut one = GpuModel::new(config.clone(), &weights, &devs[..1], opts, |_, _| {}).unwrap();
@@ -231,6 +233,7 @@ fn multi_gpu_shapes_that_do_not_split_are_refused() {
     let opts = GpuOptions {
         max_context: Some(16),
         sequences: 1,
+        max_chunk: None,
     };
     let err = GpuModel::new(config, &weights, &devs[..2], opts, |_, _| {})
         .err()

@@ -331,6 +331,9 @@ namespace wg {
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Until at most N committed groups of MMAs are still running.
+template <int N>
+__device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Generic-proxy shared-memory stores made visible to the MMAs' (async proxy) reads.
 __device__ __forceinline__ void stores_to_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -346,6 +349,14 @@ template <int N>
 __device__ __forceinline__ void hold(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// A-operand registers the asynchronous MMAs read: kept (not reused) up to this point.
+template <int B>
+__device__ __forceinline__ void hold(u32 (&a)[B][4]) {
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[b][i])::"memory");
 }
 
 // Byte offset of 16-byte chunk c (0..7) of row r in an operand tile stored K-major with the

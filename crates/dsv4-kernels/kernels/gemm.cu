@@ -43,6 +43,7 @@ struct GemmArgs {
     u32 x_ld, y_ld;
     u32 x_col_z, y_col_z;  // x and y column offsets per z (grouped: k and n)
     u32 list_stride, row_div;
+    u32 y_perm;        // gate+up on the _tc kernels: h column c stored at fp4_k_pos(c)
 };
 
 namespace gemm {
@@ -376,6 +377,214 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
 
 }  // namespace gemm
 
+// ---- FP4 expert lists on warpgroup MMAs with the weights in registers (sm_90a) ----
+//
+// `gemm_*_nvfp4_tc` / `_mxfp4_tc`: a block of two warpgroups takes 128 weight rows (8 tiles,
+// warp w tile 8 blockIdx.y + w, expanded by `expand` as above into the A operand of its
+// warpgroup's m64 MMAs) by 128 list rows (the MMAs' N), K in the weights' 128-column
+// sub-steps. The activations come permuted inside each 128 columns into the k order of
+// `Frags` (fp4_k_pos: moe_chunk permutes the experts' input by `fp4_k_permute`, and gate+up
+// stores h that way for down), so each 16 bytes of a row are eight consecutive k slots of one
+// MMA and move by 16-byte asynchronous copies into 128-byte-swizzled shared memory, AHEAD
+// sub-steps ahead. A sub-step's eight m64n128k16 MMAs run while the next sub-step is expanded
+// into a second set of registers: a weight is expanded once per 128 rows (the mma.sync kernels:
+// per 16-64), and no activation passes through registers.
+namespace gemm_tc {
+
+using namespace gemv;
+
+// Position of column n inside its 128 in the permuted order: n = 32q + 8w + 2m + s (lane chunk
+// q, word w, pair m, element s) goes to 32w + 8m + 2q + s, slot 2q + s of k16 block 2w + m / 2
+// (half m % 2), where `expand` puts that weight.
+__device__ __forceinline__ u32 fp4_k_pos(u32 n) {
+    return (n & ~127u) | (n >> 3 & 3u) << 5 | (n >> 1 & 3u) << 3 | (n >> 5 & 3u) << 1 | (n & 1u);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr u32 TOKENS = 128;                 // list rows of a block
+constexpr u32 HALF = TOKENS * 128;          // bytes of 64 k of every row
+constexpr u32 STAGE = 2 * HALF;             // a sub-step's 128 k
+constexpr u32 STAGES = 4;
+constexpr u32 AHEAD = STAGES - 2;           // two stages are the MMAs' (running and in flight)
+constexpr u32 NONE = 0xffffffffu;
+
+// d += a . B on m64n128k16 in bf16: a this warp's 16 rows of A (mma.sync's A fragment), B at
+// descriptor db. d[4j + i]: rows g (i < 2) and g + 8, columns 8j + 2 (lane % 4) + i % 2.
+__device__ __forceinline__ void mma(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+template <int F, bool SWIGLU>
+__device__ __forceinline__ void kernel(const GemmArgs& a) {
+    extern __shared__ __align__(1024) u8 smem[];
+    __shared__ u32 x_rows[TOKENS];
+    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const u32 g = lane >> 2, q = lane & 3u, z = blockIdx.z;
+    const u32 tile = blockIdx.y * gemm::WARPS + warp;
+    // Warps past the last tile compute tile 0 (a warpgroup's MMAs take all four warps) and
+    // store nothing.
+    const bool live = tile < a.tiles;
+    const u32 t = live ? tile : 0u;
+    const u32 wt = z * a.tiles + t;
+    const u32 chunks = a.k / 32;
+    const u8* w_tile = a.w + (u64)wt * tile_bytes(chunks);
+    const u8* s_tile = a.s + (u64)wt * tile_scale_bytes<F>(chunks);
+    Lane L;
+    lane_init<F>(L, w_tile, s_tile, chunks, a.x, a.x, lane);
+    const u32 subs = L.subs;
+    constexpr u32 TR = SWIGLU ? 8 : 16, HO = SWIGLU ? 0 : 8;
+    const u32 r_lo = t * TR + g, r_hi = t * TR + HO + g;
+    // Swizzled atoms start on 1 KB (the launch adds 1 KB of slack).
+    const u32 base = ((u32)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
+    const u32* list = a.rows + (u64)z * a.list_stride;
+
+    // Sub-steps j and j + 1 in registers while j - 1's MMAs run.
+    Sub s0, s1;
+    auto first_subs = [&]() {
+        sub_load<F>(L, 0, s0);
+        if (subs > 1) sub_load<F>(L, 1, s1);
+    };
+    first_subs();
+    pdl_wait();
+    pdl_launch_dependents();
+    const u32 rows = a.counts[z];
+    const float post0 = a.post0 * (a.g0 ? a.g0[z] : 1.0f);
+    const float post1 = a.post1 * (a.g1 ? a.g1[z] : 1.0f);
+
+    // This thread's copies: row tid / 2 of the block, 16-byte pieces c = 2i + tid % 2 (eight
+    // permuted k each) of the sub-step, i = 0..7, so a thread pair reads whole 32-byte sectors:
+    // half c / 8 = i / 4 of the stage, chunk c % 8 of the swizzled 128-byte row (its offset
+    // depends on i % 4 only, worked out once).
+    const u32 tk = tid / 2, p = tid % 2;
+    u32 dst[4];
+#pragma unroll
+    for (u32 i = 0; i < 4; ++i) dst[i] = wg::sw128(tk, 2 * i + p);
+#pragma unroll 1
+    for (u32 row0 = blockIdx.x * TOKENS; row0 < rows; row0 += gridDim.x * TOKENS) {
+        if (row0 != blockIdx.x * TOKENS) first_subs();
+        if (tid < TOKENS) x_rows[tid] = row0 + tid < rows ? list[row0 + tid] / a.row_div : NONE;
+        __syncthreads();
+        const u32 xr = x_rows[tk];
+        const bool ok = xr != NONE;
+        const u16* src = ok ? a.x + (u64)xr * a.x_ld + 8 * p : a.x;
+        auto load_stage = [&](u32 j) {
+            const u32 slot = base + (j % STAGES) * STAGE;
+            const u16* from = ok ? src + j * 128 : src;
+#pragma unroll
+            for (u32 i = 0; i < 8; ++i) cp_async16_or_zero(slot + (i / 4) * HALF + dst[i % 4], from + 16 * i, ok);
+        };
+#pragma unroll
+        for (u32 j = 0; j < AHEAD; ++j) {
+            if (j < subs) load_stage(j);
+            cp_async_commit();
+        }
+        float acc[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+        gemm::Frags<F> fa, fb;
+        gemm::expand<F>(s0, fa);
+        s0 = s1;
+        if (subs > 2) sub_load<F>(L, 2, s1);
+        // Sub-step j on `cur` (expanded); `nxt` takes j + 1 once j - 1's MMAs are done.
+        auto step = [&](u32 j, gemm::Frags<F>& cur, gemm::Frags<F>& nxt) {
+            cp_async_wait<AHEAD - 1>();
+            wg::stores_to_async();
+            __syncthreads();
+            const u32 slot = base + (j % STAGES) * STAGE;
+            wg::fence();
+#pragma unroll
+            for (u32 b = 0; b < 8; ++b) mma(acc, cur.a[b], wg::desc_sw128(slot + (b / 4) * HALF) + (b % 4) * 2);
+            wg::commit();
+            // Every warpgroup is past sub-step j - 2's MMAs (the barrier above follows their
+            // waits for it), so its stage takes j + AHEAD.
+            if (j + AHEAD < subs) load_stage(j + AHEAD);
+            cp_async_commit();
+            if (lane < 9 && j + gemm::PREFETCH < subs) {
+                const u32 jp = j + gemm::PREFETCH;
+                if (lane < 8) gemm::prefetch_l1(w_tile + (u64)jp * 1024 + 128 * lane);
+                else gemm::prefetch_l1(s_tile + (u64)jp * (F == NVFP4 ? 128 : 64));
+            }
+            wg::wait<1>();
+            wg::hold(nxt.a);
+            if (j + 1 < subs) {
+                gemm::expand<F>(s0, nxt);
+                s0 = s1;
+                if (j + 3 < subs) sub_load<F>(L, j + 3, s1);
+            }
+        };
+#pragma unroll 1
+        for (u32 j = 0; j < subs; j += 2) {
+            step(j, fa, fb);
+            if (j + 1 < subs) step(j + 1, fb, fa);
+        }
+        wg::wait<0>();
+        wg::hold(acc);
+        cp_async_wait<0>();
+        if (live) {
+#pragma unroll
+            for (u32 j = 0; j < 16; ++j)
+#pragma unroll
+                for (u32 i = 0; i < 2; ++i) {
+                    const u32 r = row0 + 8 * j + 2 * q + i;
+                    if (r >= rows) continue;
+                    const u64 y0 = (u64)list[r] * a.y_ld;
+                    const float lo = acc[4 * j + i], hi = acc[4 * j + 2 + i];
+                    if (SWIGLU) {
+                        if (r_lo < a.n)
+                            store_y(a, y0 + (a.y_perm ? fp4_k_pos(r_lo) : r_lo), swiglu(lo * post0, hi * post1, a.limit));
+                    } else {
+                        if (r_lo < a.n) store_y(a, y0 + r_lo, lo * post0);
+                        if (r_hi < a.n) store_y(a, y0 + r_hi, hi * post1);
+                    }
+                }
+        }
+        // Both warpgroups are done with the stages and x_rows before the next row block's.
+        __syncthreads();
+    }
+}
+#else
+template <int F, bool SWIGLU>
+__device__ __forceinline__ void kernel(const GemmArgs&) {
+    __trap();
+}
+#endif
+
+}  // namespace gemm_tc
+
+// xp[r, fp4_k_pos(c)] = x[r, c] for rows [rows, k] (k a multiple of 128): the `_tc` kernels'
+// activation order. Thread i writes 16 bytes of xp: four pairs from four lane chunks.
+DSV4_KERNEL void fp4_k_permute(const u16* __restrict__ x, u16* __restrict__ xp, u32 rows, u32 k) {
+    pdl_enter();
+    const u32 pieces = k / 8;
+    const u64 total = (u64)rows * pieces;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u64 row = (i / pieces) * k;
+        const u32 p0 = 8 * (u32)(i % pieces);
+        // p0 = 32w + 8m of its 128: the pairs 2q of positions p0 + 2q are natural 32q + 8w + 2m.
+        const u32 n0 = (p0 & ~127u) + 8 * (p0 >> 5 & 3u) + 2 * (p0 >> 3 & 3u);
+        u32 v[4];
+#pragma unroll
+        for (u32 qq = 0; qq < 4; ++qq) v[qq] = *reinterpret_cast<const u32*>(x + row + n0 + 32 * qq);
+        *reinterpret_cast<uint4*>(xp + row + p0) = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_bf16(const GemmArgs a) { gemm::gemm_kernel<gemv::BF16, 8, false>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_fp8(const GemmArgs a) { gemm::gemm_kernel<gemv::FP8, 8, false>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_nvfp4(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 8, false>(a); }
@@ -396,3 +605,8 @@ DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_nvfp4_m16(const GemmAr
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_mxfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 2, false>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_nvfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 2, true>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_mxfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 2, true>(a); }
+// The FP4 expert lists of 64 rows or more on sm_90a (gemm_tc above).
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_nvfp4_tc(const GemmArgs a) { gemm_tc::kernel<gemv::NVFP4, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_mxfp4_tc(const GemmArgs a) { gemm_tc::kernel<gemv::MXFP4, false>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_nvfp4_tc(const GemmArgs a) { gemm_tc::kernel<gemv::NVFP4, true>(a); }
+DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_mxfp4_tc(const GemmArgs a) { gemm_tc::kernel<gemv::MXFP4, true>(a); }

@@ -93,6 +93,11 @@ pub const FAMILIES: &[KernelFamily] = &[
             "gemm_mxfp4_m16",
             "gemm_swiglu_nvfp4_m16",
             "gemm_swiglu_mxfp4_m16",
+            "gemm_nvfp4_tc",
+            "gemm_mxfp4_tc",
+            "gemm_swiglu_nvfp4_tc",
+            "gemm_swiglu_mxfp4_tc",
+            "fp4_k_permute",
         ],
     },
     KernelFamily {

@@ -351,11 +351,13 @@ fn run_chunk(
         counts: dev.alloc(DType::U32, &[e]).unwrap(),
         h: dev.alloc(DType::BF16, &[m, topk, inter]).unwrap(),
         rows: dev.alloc(DType::F32, &[m * topk, d]).unwrap(),
+        xp: dev.alloc(DType::BF16, &[m, d]).unwrap(),
     };
     dev.fill_bytes(&mut scratch.lists, POISON).unwrap();
     dev.fill_bytes(&mut scratch.counts, POISON).unwrap();
     dev.fill_bytes(&mut scratch.h, POISON).unwrap();
     dev.fill_bytes(&mut scratch.rows, POISON).unwrap();
+    dev.fill_bytes(&mut scratch.xp, POISON).unwrap();
     let mut out = dev.upload(DType::F32, &[m, d], base).unwrap();
     moe::moe_chunk(
         dev,
@@ -385,6 +387,8 @@ fn gpu_moe_chunk_matches_reference_and_rows_stay_independent() {
     // every token), invalid slots included; then the chunk's first 40 tokens alone give the
     // same bits. The first chunk averages at most 8 rows an expert (16-row blocks), the
     // second 11 to 60 (32-row blocks).
+    // The mma.sync kernels (sm_90a takes long lists onto the tensor-core kernels, tested below).
+    tuning::FP4_TENSOR_GEMM.set(false);
     let dev = device();
     let mut rng = rng("gpu_moe_chunk_matches_reference_and_rows_stay_independent");
     for format in [MoeFormat::Nvfp4, MoeFormat::Mxfp4] {
@@ -442,6 +446,103 @@ fn gpu_moe_chunk_matches_reference_and_rows_stay_independent() {
             );
             assert_bits_eq(
                 &format!("chunk {format:?} M={m}: the first {part} tokens alone"),
+                &alone,
+                &raw[..part * d],
+            );
+        }
+    }
+    tuning::FP4_TENSOR_GEMM.set(true);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_moe_chunk_on_tensor_cores_matches_reference() {
+    // Lists of more than 64 rows an expert on average, D and I multiples of 128: on sm_90a the
+    // tensor-core kernels (x permuted, h kept permuted between them). Partial 128-row blocks,
+    // an empty expert (case 1), one expert with every token (case 2: a launch block walks
+    // several row blocks); against the f64 reference and the 64-row kernels, and the first
+    // half of the tokens alone (still long lists) give the same bits.
+    let dev = device();
+    let mut rng = rng("gpu_moe_chunk_on_tensor_cores_matches_reference");
+    for format in [MoeFormat::Nvfp4, MoeFormat::Mxfp4] {
+        for case in 0..3 {
+            let e = rng.random_range(4..=6);
+            let d = 128 * rng.random_range(1..=4);
+            let inter = 128 * rng.random_range(1..=3);
+            let ex = make_experts(&dev, &mut rng, format, e, d, inter);
+            let m = [
+                rng.random_range(300..=500),
+                rng.random_range(600..=900),
+                700,
+            ][case];
+            let topk = rng.random_range(3..=4);
+            let (mut ids, wts) = routing(&mut rng, m, topk, e + (case == 1) as usize, case == 0);
+            if case == 2 {
+                for t in ids.chunks_mut(topk) {
+                    match t.iter().position(|&i| i == 0) {
+                        Some(j) => t.swap(0, j),
+                        None => t[0] = 0,
+                    }
+                }
+            }
+            if case == 1 {
+                // Expert e - 1 gets no rows: its slots go to the slot past the experts (dropped).
+                for i in ids.iter_mut().filter(|i| **i == e as i32 - 1) {
+                    *i = e as i32;
+                }
+            }
+            let x: Vec<bf16> = gaussian(&mut rng, m * d, 1.0)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let limit = rng.random_range(0.3f32..3.0);
+            let base: Vec<f32> = (0..m * d).map(|i| (i % 7) as f32 - 3.0).collect();
+            let what = format!("tensor chunk {format:?} E={e} D={d} I={inter} M={m} k={topk}");
+            let part = m / 2;
+            let sm90a = dev.arch() == dsv4_ops::gpu::Arch::Sm90a;
+            assert_eq!(
+                moe::chunk_on_tensor_cores(&dev, m, topk, &ex.gpu),
+                sm90a,
+                "{what}"
+            );
+            assert_eq!(
+                moe::chunk_on_tensor_cores(&dev, part, topk, &ex.gpu),
+                sm90a,
+                "{what}"
+            );
+            let (got, raw) = run_chunk(&dev, &ex, &x, m, &ids, &wts, topk, limit, &base);
+            let deq = ex.reference();
+            let want = reference::moe(&x, m, d, inter, &ids, &wts, topk, &deq, limit as f64);
+            let err = relative_error(&got, &want);
+            println!("  {what}: rel err {err:.2e}");
+            assert!(err <= TOL, "{what}: relative error {err:e}");
+            tuning::FP4_TENSOR_GEMM.set(false);
+            let (rows64, raw64) = run_chunk(&dev, &ex, &x, m, &ids, &wts, topk, limit, &base);
+            tuning::FP4_TENSOR_GEMM.set(true);
+            let apart = relative_error(&got, &rows64);
+            let same = raw
+                .iter()
+                .zip(&raw64)
+                .filter(|(a, b)| a.to_bits() == b.to_bits())
+                .count();
+            println!(
+                "  {what}: against the 64-row kernels {apart:.2e}, {same} of {} bits equal",
+                raw.len()
+            );
+            assert!(apart <= TOL, "{what}: {apart:e} from the 64-row kernels");
+            let (_, alone) = run_chunk(
+                &dev,
+                &ex,
+                &x[..part * d],
+                part,
+                &ids[..part * topk],
+                &wts[..part * topk],
+                topk,
+                limit,
+                &base[..part * d],
+            );
+            assert_bits_eq(
+                &format!("{what}: the first {part} tokens alone"),
                 &alone,
                 &raw[..part * d],
             );

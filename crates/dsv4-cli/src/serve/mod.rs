@@ -134,6 +134,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                     let opts = GpuOptions {
                         max_context: gpu.max_context.or(Some(shared)),
                         sequences: max_batch,
+                        max_chunk: None,
                     };
                     load_gpu_model(&dir, opts, gpu.gpus, None)
                         .map(|model| Box::new(engine::Gpu::new(model)) as Box<dyn engine::Backend>)

@@ -311,6 +311,8 @@ pub struct Acts<S: Stage> {
     pub moe_lists: S::Buf<u32>,
     pub moe_counts: S::Buf<u32>,
     pub moe_rows: S::Buf<f32>,
+    /// The chunk's expert input in the tensor-core expert kernels' k order.
+    pub moe_x: S::Buf<bf16>,
     pub moe: S::Buf<f32>,
     pub shared_h: S::Buf<bf16>,
     /// The whole vocabulary's logits (on several GPUs, gathered from every rank's slice).
@@ -404,6 +406,7 @@ impl<S: Stage> Buffers<S> {
             moe_lists: s.buf("moe.lists", &[c.n_routed_experts, m * k])?,
             moe_counts: s.buf("moe.counts", &[c.n_routed_experts])?,
             moe_rows: s.buf("moe.rows", &[m * k, d])?,
+            moe_x: s.buf("moe.x", &[m, d])?,
             moe: s.buf("moe", &[m, d])?,
             shared_h: s.buf("shared_h", &[m, shared_inter])?,
             logits: s.buf("logits", &[sub, c.vocab_size])?,

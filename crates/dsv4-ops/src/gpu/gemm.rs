@@ -32,6 +32,13 @@ const SHORT_LISTS: usize = 64;
 const FEW_LISTS: usize = 10;
 /// Warps of a block, one 16-row weight tile each (`WARPS` in gemm.cu).
 const WARPS: usize = 8;
+/// List rows of a `_tc` block (`gemm_tc::TOKENS`), and its shared memory: four stages of a
+/// 128-column sub-step of them in bf16, and 1 KB to align the swizzled stages.
+const TC_ROWS: usize = 128;
+const TC_SHARED: usize = 4 * TC_ROWS * 128 * 2 + 1024;
+/// Columns of a weight sub-step of FP4 weights: the `_tc` kernels' K is a multiple of it, and
+/// their activations are permuted inside each of its spans (`fp4_k_pos` in gemm.cu).
+const FP4_SUB_K: usize = 128;
 
 /// Shared memory of a block of `rows`: two slabs of 256 bf16 a row, rows 32 (BF16) or 8 more
 /// apart (`KS`, `row_stride` in gemm.cu).
@@ -73,6 +80,7 @@ struct GemmArgs {
     y_col_z: u32,
     list_stride: u32,
     row_div: u32,
+    y_perm: u32,
 }
 
 // SAFETY: plain old data with the CUDA struct's layout (checked by a test).
@@ -120,7 +128,19 @@ pub(crate) enum Rows<'a> {
         counts: &'a DeviceTensor<u32>,
         div: usize,
         per_stack: usize,
+        /// FP4 weights on the `_tc` kernels (sm_90a, K a multiple of 128): 128-row blocks, x
+        /// in their permuted k order (`fp4_k_permute`), and a gate+up's y written in it.
+        tensor: bool,
     },
+}
+
+/// Whether a chunk's FP4 expert lists (`per_stack` rows each on average; K of each launch in
+/// `ks`) run on the `_tc` kernels: on sm_90a, where the lists would take 64-row blocks.
+pub(crate) fn fp4_tensor_lists(dev: &Device, per_stack: usize, ks: &[usize]) -> bool {
+    dev.arch() == Arch::Sm90a
+        && super::gemv::tuning::FP4_TENSOR_GEMM.get()
+        && per_stack > SHORT_LISTS
+        && ks.iter().all(|k| k.is_multiple_of(FP4_SUB_K))
 }
 
 /// Checks that `kernel` fits `shared` bytes of dynamic shared memory a block on this GPU (and
@@ -154,18 +174,21 @@ pub(crate) fn launch_stacks(
     y_ld: usize,
 ) -> Result<(), GpuError> {
     let tiles = w.tiles();
-    let (m, lists, counts, stride, div, block_rows, blocks, x_col, y_col) = match rows {
-        Rows::Grouped { m } => (m, 0, 0, 0, 1, ROWS, m.div_ceil(ROWS), w.k, w.n),
+    let (m, lists, counts, stride, div, block_rows, blocks, x_col, y_col, tensor) = match rows {
+        Rows::Grouped { m } => (m, 0, 0, 0, 1, ROWS, m.div_ceil(ROWS), w.k, w.n, false),
         Rows::Lists {
             lists,
             counts,
             div,
             per_stack,
+            tensor,
         } => {
-            // The `_m16` and `_m32` kernels exist for the FP4 formats (32-element chunks), the
-            // experts'.
+            // The `_m16`, `_m32` and `_tc` kernels exist for the FP4 formats (32-element
+            // chunks), the experts'.
             let fp4 = w.format.chunk_elems() == 32;
-            let block_rows = if !fp4 || per_stack > SHORT_LISTS {
+            let block_rows = if tensor {
+                TC_ROWS
+            } else if !fp4 || per_stack > SHORT_LISTS {
                 ROWS
             } else if per_stack > FEW_LISTS {
                 SHORT_ROWS
@@ -182,14 +205,30 @@ pub(crate) fn launch_stacks(
                 per_stack.div_ceil(block_rows).max(1),
                 0,
                 0,
+                tensor,
             )
         }
     };
-    let kernel = match block_rows {
-        ROWS => format!("{prefix}{}", w.format.name()),
-        _ => format!("{prefix}{}_m{block_rows}", w.format.name()),
+    if tensor && (w.format.chunk_elems() != 32 || !w.k.is_multiple_of(FP4_SUB_K)) {
+        return Err(GpuError::invalid(
+            "gemm",
+            format!(
+                "the tensor-core expert kernels take FP4 weights with K a multiple of {FP4_SUB_K}, not {:?} with K = {}",
+                w.format, w.k
+            ),
+        ));
+    }
+    let (kernel, shared) = match block_rows {
+        TC_ROWS => (format!("{prefix}{}_tc", w.format.name()), TC_SHARED),
+        ROWS => (
+            format!("{prefix}{}", w.format.name()),
+            shared_bytes(ROWS, &w.format),
+        ),
+        _ => (
+            format!("{prefix}{}_m{block_rows}", w.format.name()),
+            shared_bytes(block_rows, &w.format),
+        ),
     };
-    let shared = shared_bytes(block_rows, &w.format);
     check_shared(dev, &kernel, shared)?;
     let args = GemmArgs {
         x: x.device_address(),
@@ -220,6 +259,7 @@ pub(crate) fn launch_stacks(
         y_col_z: dim_u32("gemm y columns", y_col)?,
         list_stride: dim_u32("gemm list", stride)?,
         row_div: dim_u32("gemm row divisor", div)?,
+        y_perm: (tensor && w.gate_up) as u32,
     };
     let grid = (
         dim_u32("gemm row blocks", blocks.max(1))?,

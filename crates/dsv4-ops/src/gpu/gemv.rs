@@ -102,6 +102,12 @@ pub mod tuning {
     /// operands in shared memory on warpgroup MMAs; other rounding) instead of `gemm_fp8`.
     pub static FP8_TENSOR_GEMM: Switch = Switch::on();
 
+    /// A chunk's FP4 expert lists averaging more than 64 rows on sm_90a (K a multiple of 128)
+    /// run the `_tc` kernels (`kernels/gemm.cu`: the weights expanded in registers as the A
+    /// operand of warpgroup MMAs over 128 rows; other summation order) instead of the 64-row
+    /// blocks.
+    pub static FP4_TENSOR_GEMM: Switch = Switch::on();
+
     /// An FP8 GEMV at M = 1 whose activations are staged may stage them prescaled
     /// (`gemv_*fp8_m1`: the block scales folded into f16 activations; other rounding).
     pub static PRESCALED: Switch = Switch::on();

@@ -19,13 +19,13 @@ use cudarc::driver::DeviceRepr;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::gemm::{launch_stacks, Rows, Stack};
+use super::gemm::{fp4_tensor_lists, launch_stacks, Rows, Stack};
 use super::gemv::pack::{CodeOrder, Layout};
 use super::gemv::{
     check_mxfp4_scales, resident_warps, staging_bytes, tuning, HostWeight, MXFP4_MAX_SCALE_BYTE,
 };
 use super::gemv::{GemvFormat, Output};
-use super::launch::{dim_u32, grid_for, launch, launch_struct, Args};
+use super::launch::{dim_u32, elementwise, grid_for, launch, launch_struct, Args};
 use super::random;
 use super::{DType, Device, DeviceTensor, GpuError, Stager};
 use crate::codecs::mxfp4::Mxfp4Quantized;
@@ -642,13 +642,25 @@ pub struct MoeChunkScratch {
     pub h: DeviceTensor<bf16>,
     /// F32 `[m · top_k, D]`.
     pub rows: DeviceTensor<f32>,
+    /// BF16 `[m, D]`: x in the tensor-core kernels' k order (written where they run).
+    pub xp: DeviceTensor<bf16>,
+}
+
+/// Whether [`moe_chunk`] over `m` tokens routed to `top_k` experts each runs the tensor-core
+/// expert kernels (`_tc`: FP4 lists averaging more than 64 rows on sm_90a, D and I multiples
+/// of 128).
+pub fn chunk_on_tensor_cores(dev: &Device, m: usize, top_k: usize, experts: &MoeExperts) -> bool {
+    let per_stack = (m * top_k).div_ceil(experts.experts).min(m);
+    fp4_tensor_lists(dev, per_stack, &[experts.d, experts.inter])
 }
 
 /// Routed experts for a chunk of `x [M, D]` (any M): as [`moe_decode`] with its output added
 /// onto the F32 `out [M, D]`, on the prefill GEMM. Four launches: the experts' pair lists,
 /// gate+up into `scratch.h`, down into `scratch.rows`, then (after `between`, e.g. a join of
 /// the stream that wrote `out`) each token's rows weighted and summed in slot order onto `out`.
-/// A token's result depends only on its own input and routing.
+/// Where the lists run on the tensor-core kernels (long lists on sm_90a), x is first permuted
+/// into `scratch.xp`, and h is kept in that order between them. A token's result depends only
+/// on its own input and routing (and on which kernels the chunk's list lengths chose).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_chunk(
     dev: &Device,
@@ -717,11 +729,33 @@ pub fn moe_chunk(
     };
     // Row blocks as wide and as many side by side as an expert's share of the pairs needs (a
     // crowded list's blocks walk its further rows).
+    let per_stack = pairs.div_ceil(e).min(m);
+    let tensor = chunk_on_tensor_cores(dev, m, topk, experts);
+    if tensor {
+        scratch
+            .xp
+            .expect("moe permuted input", DType::BF16, &[m, d])?;
+        let pieces = (m * d / 8) as u64;
+        // SAFETY: x and xp [m, d], d a multiple of 128 (fp4_tensor_lists).
+        unsafe {
+            launch(
+                dev,
+                "fp4_k_permute",
+                elementwise(pieces),
+                Args::new()
+                    .ptr(x)
+                    .ptr(&scratch.xp)
+                    .arg(dim_u32("moe tokens", m)?)
+                    .arg(dim_u32("moe width", d)?),
+            )
+        }?;
+    }
     let lists = |div| Rows::Lists {
         lists: &scratch.lists,
         counts: &scratch.counts,
         div,
-        per_stack: pairs.div_ceil(e).min(m),
+        per_stack,
+        tensor,
     };
     let stack =
         |n: usize, k: usize, gate_up, codes: &DeviceTensor<u8>, scales: &DeviceTensor<u8>| Stack {
@@ -747,7 +781,7 @@ pub fn moe_chunk(
     launch_stacks(
         dev,
         "gemm_swiglu_",
-        x,
+        if tensor { &scratch.xp } else { x },
         d,
         &w13,
         e,
