@@ -791,15 +791,17 @@ fn gpu_flash_width_prefill_is_independent_of_chunking() {
     // Flash widths (CSA ratio 4 with top-k 512, HCA ratio 128, window 128), a CSA and an HCA
     // layer, random NVFP4 weights: a prompt past the window, both ratios and more CSA entries
     // than top-k, prefilled as one forward (chunks of the model's length, run per sub-chunk of
-    // 16) and as forwards of 16, 100 and 1 tokens, and with its first part read in one pass
-    // together with another slot's prompt. The last logits agree within the GPU bounds.
+    // 16; its routed experts' lists long enough for the tensor-core kernels on sm_90a, about 70
+    // rows an expert) and as forwards of 16, 100 and 1 tokens, and with its first part read in
+    // one pass together with another slot's prompt. The last logits agree within the GPU
+    // bounds.
     use dsv4_model::config::{Config, LayerKind};
     use dsv4_model::synth::SynthFormat;
     let dev = device();
     let mut config = Config::flash();
     config.layers = vec![LayerKind::Csa { ratio: 4 }, LayerKind::Hca { ratio: 128 }];
     config.num_layers = 2;
-    let n = sanitizer_length(2200, 300);
+    let n = sanitizer_length(3000, 300);
     let opts = GpuOptions {
         max_context: Some(n),
         sequences: 2,
