@@ -7,7 +7,7 @@
 // The stream count is a compile-time 4 (every DeepSeek-V4 model), so the mixing arrays stay
 // in registers. Products and sums the CPU reference rounds one by one use __f*_rn in its
 // order; the mix dot products and the norm's sum of squares are summed in another (fixed)
-// order.
+// order, by fused multiply-adds.
 #include "dsv4_common.cuh"
 
 using namespace dsv4;
@@ -70,26 +70,29 @@ __device__ __forceinline__ float warp_sums(float (&a)[TPB], u32 lane) {
 // Block (c, y)'s part of the mix projection for TPB tokens t0 = y * TPB .. (those below n),
 // with columns [c * MIX_COLS, ...) of each token's streams staged in sv (MIX_COLS apart) and
 // of fn's rows in fs (stage_fn, landed): warp w takes rows w, w + 8, ...: row k < mix is
-// fn[k, cols] . s[cols], row `mix` the sum of squares. Lanes stride the columns; warp_sums
-// adds them up (each token in the same order, however many share the block; the fn values
-// read once for all of them). partials is [n, gridDim.x, PART].
+// fn[k, cols] . s[cols], row `mix` the sum of squares. Lane l takes columns 4l..4l+3 (len is
+// a multiple of 4: the streams are HC * d wide) by fused multiply-adds; warp_sums adds the
+// lanes up (each token in the same order, however many share the block; the fn values read
+// once for all of them). partials is [n, gridDim.x, PART].
 template <u32 TPB>
 __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* fs, u32 mix,
                                          float* __restrict__ partials, u32 n) {
+    static_assert(MIX_COLS == 4 * 32, "a lane's four columns");
     constexpr u32 SHIFT = TPB == 1u ? 5u : TPB == 2u ? 4u : TPB == 4u ? 3u : TPB == 8u ? 2u : TPB == 16u ? 1u : 0u;
     const u32 t0 = blockIdx.y * TPB, c = blockIdx.x;
     const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
+    const u32 i = 4u * lane;
     for (u32 k = warp; k <= mix; k += warps) {
-        const float* w = fs + k * MIX_COLS;
         float acc[TPB];
 #pragma unroll
         for (u32 tt = 0; tt < TPB; tt++) acc[tt] = 0.0f;
-        for (u32 i = lane; i < len; i += 32u) {
-            const float wi = k < mix ? w[i] : 0.0f;
+        if (i < len) {
+            const float4 w = k < mix ? *reinterpret_cast<const float4*>(fs + k * MIX_COLS + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
             for (u32 tt = 0; tt < TPB; tt++) {
-                const float v = sv[tt * MIX_COLS + i];
-                acc[tt] = __fadd_rn(acc[tt], __fmul_rn(k < mix ? wi : v, v));
+                const float4 v = *reinterpret_cast<const float4*>(sv + tt * MIX_COLS + i);
+                const float4 m = k < mix ? w : v;
+                acc[tt] = fmaf(m.w, v.w, fmaf(m.z, v.z, fmaf(m.y, v.y, m.x * v.x)));
             }
         }
         const float sum = warp_sums<TPB>(acc, lane);
@@ -109,7 +112,7 @@ template <u32 TPB, class Value>
 __device__ __forceinline__ void mix_block(const float* __restrict__ fn, u32 mix, u32 width,
                                           float* __restrict__ partials, u32 n, Value value) {
     constexpr u32 LANES = MIX_THREADS / MIX_COLS, PER = (TPB + LANES - 1u) / LANES;
-    __shared__ float sv[TPB * MIX_COLS];
+    __shared__ __align__(16) float sv[TPB * MIX_COLS];
     __shared__ __align__(16) float fs[MIX * MIX_COLS];
     const u32 t0 = blockIdx.y * TPB, j0 = blockIdx.x * MIX_COLS;
     const u32 len = min(MIX_COLS, width - j0);
