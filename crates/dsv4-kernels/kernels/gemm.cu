@@ -454,11 +454,12 @@ __device__ __forceinline__ void kernel(const GemmArgs& a) {
     const u32 base = ((u32)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
     const u32* list = a.rows + (u64)z * a.list_stride;
 
-    // Sub-steps j and j + 1 in registers while j - 1's MMAs run.
-    Sub s0, s1;
+    // Loaded weight sub-steps: even ones in sa, odd ones in sb, each loaded two sub-steps before
+    // its expansion (no register moves, which would wait for the loads).
+    Sub sa, sb;
     auto first_subs = [&]() {
-        sub_load<F>(L, 0, s0);
-        if (subs > 1) sub_load<F>(L, 1, s1);
+        sub_load<F>(L, 0, sa);
+        if (subs > 1) sub_load<F>(L, 1, sb);
     };
     first_subs();
     pdl_wait();
@@ -498,11 +499,11 @@ __device__ __forceinline__ void kernel(const GemmArgs& a) {
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
         gemm::Frags<F> fa, fb;
-        gemm::expand<F>(s0, fa);
-        s0 = s1;
-        if (subs > 2) sub_load<F>(L, 2, s1);
-        // Sub-step j on `cur` (expanded); `nxt` takes j + 1 once j - 1's MMAs are done.
-        auto step = [&](u32 j, gemm::Frags<F>& cur, gemm::Frags<F>& nxt) {
+        gemm::expand<F>(sa, fa);
+        if (subs > 2) sub_load<F>(L, 2, sa);
+        // Sub-step j on `cur` (expanded); `nxt` takes j + 1 from `loaded` once j - 1's MMAs
+        // are done, and `loaded` then takes j + 3.
+        auto step = [&](u32 j, gemm::Frags<F>& cur, gemm::Frags<F>& nxt, Sub& loaded) {
             cp_async_wait<AHEAD - 1>();
             wg::stores_to_async();
             __syncthreads();
@@ -523,15 +524,14 @@ __device__ __forceinline__ void kernel(const GemmArgs& a) {
             wg::wait<1>();
             wg::hold(nxt.a);
             if (j + 1 < subs) {
-                gemm::expand<F>(s0, nxt);
-                s0 = s1;
-                if (j + 3 < subs) sub_load<F>(L, j + 3, s1);
+                gemm::expand<F>(loaded, nxt);
+                if (j + 3 < subs) sub_load<F>(L, j + 3, loaded);
             }
         };
 #pragma unroll 1
         for (u32 j = 0; j < subs; j += 2) {
-            step(j, fa, fb);
-            if (j + 1 < subs) step(j + 1, fb, fa);
+            step(j, fa, fb, sb);
+            if (j + 1 < subs) step(j + 1, fb, fa, sa);
         }
         wg::wait<0>();
         wg::hold(acc);
