@@ -414,19 +414,9 @@ __device__ __forceinline__ void mma(float (&d)[64], const u32 (&a)[4], u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        DSV4_WG_D64_REGS ", "
         "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : DSV4_WG_D64(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
@@ -605,7 +595,7 @@ DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_nvfp4_m16(const GemmAr
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_mxfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 2, false>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_nvfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::NVFP4, 2, true>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 2) gemm_swiglu_mxfp4_m16(const GemmArgs a) { gemm::gemm_kernel<gemv::MXFP4, 2, true>(a); }
-// The FP4 expert lists of 64 rows or more on sm_90a (gemm_tc above).
+// FP4 expert lists averaging more than 64 rows on sm_90a, K a multiple of 128 (gemm_tc above).
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_nvfp4_tc(const GemmArgs a) { gemm_tc::kernel<gemv::NVFP4, false>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_mxfp4_tc(const GemmArgs a) { gemm_tc::kernel<gemv::MXFP4, false>(a); }
 DSV4_KERNEL void __launch_bounds__(gemm::THREADS, 1) gemm_swiglu_nvfp4_tc(const GemmArgs a) { gemm_tc::kernel<gemv::NVFP4, true>(a); }

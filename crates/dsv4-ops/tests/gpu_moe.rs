@@ -328,6 +328,23 @@ fn gpu_moe_edge_routings_match_reference() {
     check(&mut rng, "shared high ids", 6, &ids, &wts, &[0, 15]);
 }
 
+/// The tensor-core expert kernels switched off until dropped (also when a test panics, so the
+/// tests after it in the same binary run with the default).
+struct WithoutTensorLists;
+
+impl WithoutTensorLists {
+    fn new() -> WithoutTensorLists {
+        tuning::FP4_TENSOR_GEMM.set(false);
+        WithoutTensorLists
+    }
+}
+
+impl Drop for WithoutTensorLists {
+    fn drop(&mut self) {
+        tuning::FP4_TENSOR_GEMM.set(true);
+    }
+}
+
 /// [`moe::moe_chunk`] for `x [m, d]` added onto `base`: the sums it added (f64) and the raw
 /// output.
 #[allow(clippy::too_many_arguments)]
@@ -380,6 +397,103 @@ fn run_chunk(
     (sums, got)
 }
 
+/// A chunk's inputs for [`moe::moe_chunk`]: unit-variance activations, a routing, the SwiGLU
+/// limit and a base its output is added onto.
+struct Chunk {
+    x: Vec<bf16>,
+    ids: Vec<i32>,
+    wts: Vec<f32>,
+    d: usize,
+    topk: usize,
+    limit: f32,
+    base: Vec<f32>,
+}
+
+impl Chunk {
+    fn random(rng: &mut StdRng, d: usize, topk: usize, ids: Vec<i32>, wts: Vec<f32>) -> Chunk {
+        let m = ids.len() / topk;
+        let x = gaussian(rng, m * d, 1.0)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let limit = rng.random_range(0.3f32..3.0);
+        let base = (0..m * d).map(|i| (i % 7) as f32 - 3.0).collect();
+        Chunk {
+            x,
+            ids,
+            wts,
+            d,
+            topk,
+            limit,
+            base,
+        }
+    }
+
+    /// [`run_chunk`] over the first `m` tokens.
+    fn run(&self, dev: &Device, ex: &Experts, m: usize) -> (Vec<f64>, Vec<f32>) {
+        let (d, k) = (self.d, self.topk);
+        run_chunk(
+            dev,
+            ex,
+            &self.x[..m * d],
+            m,
+            &self.ids[..m * k],
+            &self.wts[..m * k],
+            k,
+            self.limit,
+            &self.base[..m * d],
+        )
+    }
+
+    /// Checks the sums `got` of all the tokens against the f64 reference.
+    fn check_reference(&self, ex: &Experts, got: &[f64], what: &str) {
+        let (d, inter) = (self.d, ex.gpu.inter());
+        let m = self.ids.len() / self.topk;
+        let deq = ex.reference();
+        let want = reference::moe(
+            &self.x,
+            m,
+            d,
+            inter,
+            &self.ids,
+            &self.wts,
+            self.topk,
+            &deq,
+            self.limit as f64,
+        );
+        let err = relative_error(got, &want);
+        println!("  {what}: rel err {err:.2e}");
+        assert!(err <= TOL, "{what}: relative error {err:e}");
+    }
+
+    /// The first `part` tokens alone give the bits `raw` has for them.
+    fn assert_prefix_alone(
+        &self,
+        dev: &Device,
+        ex: &Experts,
+        raw: &[f32],
+        part: usize,
+        what: &str,
+    ) {
+        let (_, alone) = self.run(dev, ex, part);
+        assert_bits_eq(
+            &format!("{what}: the first {part} tokens alone"),
+            &alone,
+            &raw[..part * self.d],
+        );
+    }
+}
+
+/// Every token's first slot on expert 0 (all of them in one list).
+fn crowd_expert_zero(ids: &mut [i32], topk: usize) {
+    for t in ids.chunks_mut(topk) {
+        match t.iter().position(|&i| i == 0) {
+            Some(j) => t.swap(0, j),
+            None => t[0] = 0,
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_moe_chunk_matches_reference_and_rows_stay_independent() {
@@ -388,7 +502,7 @@ fn gpu_moe_chunk_matches_reference_and_rows_stay_independent() {
     // same bits. The first chunk averages at most 8 rows an expert (16-row blocks), the
     // second 11 to 60 (32-row blocks).
     // The mma.sync kernels (sm_90a takes long lists onto the tensor-core kernels, tested below).
-    tuning::FP4_TENSOR_GEMM.set(false);
+    let _mma = WithoutTensorLists::new();
     let dev = device();
     let mut rng = rng("gpu_moe_chunk_matches_reference_and_rows_stay_independent");
     for format in [MoeFormat::Nvfp4, MoeFormat::Mxfp4] {
@@ -408,50 +522,16 @@ fn gpu_moe_chunk_matches_reference_and_rows_stay_independent() {
             };
             let (mut ids, wts) = routing(&mut rng, m, topk, e, case == 0);
             if case == 2 {
-                // Every token's first slot on expert 0: 300 rows, several row blocks of one
-                // launch block in turn.
-                for t in ids.chunks_mut(topk) {
-                    match t.iter().position(|&i| i == 0) {
-                        Some(j) => t.swap(0, j),
-                        None => t[0] = 0,
-                    }
-                }
+                // 300 rows on expert 0: several row blocks of one launch block in turn.
+                crowd_expert_zero(&mut ids, topk);
             }
-            let x: Vec<bf16> = gaussian(&mut rng, m * d, 1.0)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let limit = rng.random_range(0.3f32..3.0);
-            let base: Vec<f32> = (0..m * d).map(|i| (i % 7) as f32 - 3.0).collect();
-            let (got, raw) = run_chunk(&dev, &ex, &x, m, &ids, &wts, topk, limit, &base);
-            let deq = ex.reference();
-            let want = reference::moe(&x, m, d, inter, &ids, &wts, topk, &deq, limit as f64);
-            let err = relative_error(&got, &want);
-            println!("  chunk {format:?} E={e:2} D={d:4} I={inter:4} M={m:3} k={topk}: rel err {err:.2e}");
-            assert!(
-                err <= TOL,
-                "chunk {format:?} E={e} D={d} I={inter} M={m} k={topk}: relative error {err:e}"
-            );
-            let part = 40.min(m - 1);
-            let (_, alone) = run_chunk(
-                &dev,
-                &ex,
-                &x[..part * d],
-                part,
-                &ids[..part * topk],
-                &wts[..part * topk],
-                topk,
-                limit,
-                &base[..part * d],
-            );
-            assert_bits_eq(
-                &format!("chunk {format:?} M={m}: the first {part} tokens alone"),
-                &alone,
-                &raw[..part * d],
-            );
+            let chunk = Chunk::random(&mut rng, d, topk, ids, wts);
+            let what = format!("chunk {format:?} E={e:2} D={d:4} I={inter:4} M={m:3} k={topk}");
+            let (got, raw) = chunk.run(&dev, &ex, m);
+            chunk.check_reference(&ex, &got, &what);
+            chunk.assert_prefix_alone(&dev, &ex, &raw, 40.min(m - 1), &what);
         }
     }
-    tuning::FP4_TENSOR_GEMM.set(true);
 }
 
 #[test]
@@ -478,12 +558,7 @@ fn gpu_moe_chunk_on_tensor_cores_matches_reference() {
             let topk = rng.random_range(3..=4);
             let (mut ids, wts) = routing(&mut rng, m, topk, e + (case == 1) as usize, case == 0);
             if case == 2 {
-                for t in ids.chunks_mut(topk) {
-                    match t.iter().position(|&i| i == 0) {
-                        Some(j) => t.swap(0, j),
-                        None => t[0] = 0,
-                    }
-                }
+                crowd_expert_zero(&mut ids, topk);
             }
             if case == 1 {
                 // Expert e - 1 gets no rows: its slots go to the slot past the experts (dropped).
@@ -491,34 +566,19 @@ fn gpu_moe_chunk_on_tensor_cores_matches_reference() {
                     *i = e as i32;
                 }
             }
-            let x: Vec<bf16> = gaussian(&mut rng, m * d, 1.0)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let limit = rng.random_range(0.3f32..3.0);
-            let base: Vec<f32> = (0..m * d).map(|i| (i % 7) as f32 - 3.0).collect();
+            let chunk = Chunk::random(&mut rng, d, topk, ids, wts);
             let what = format!("tensor chunk {format:?} E={e} D={d} I={inter} M={m} k={topk}");
             let part = m / 2;
             let sm90a = dev.arch() == dsv4_ops::gpu::Arch::Sm90a;
-            assert_eq!(
-                moe::chunk_on_tensor_cores(&dev, m, topk, &ex.gpu),
-                sm90a,
-                "{what}"
-            );
-            assert_eq!(
-                moe::chunk_on_tensor_cores(&dev, part, topk, &ex.gpu),
-                sm90a,
-                "{what}"
-            );
-            let (got, raw) = run_chunk(&dev, &ex, &x, m, &ids, &wts, topk, limit, &base);
-            let deq = ex.reference();
-            let want = reference::moe(&x, m, d, inter, &ids, &wts, topk, &deq, limit as f64);
-            let err = relative_error(&got, &want);
-            println!("  {what}: rel err {err:.2e}");
-            assert!(err <= TOL, "{what}: relative error {err:e}");
-            tuning::FP4_TENSOR_GEMM.set(false);
-            let (rows64, raw64) = run_chunk(&dev, &ex, &x, m, &ids, &wts, topk, limit, &base);
-            tuning::FP4_TENSOR_GEMM.set(true);
+            for n in [m, part] {
+                let on = moe::chunk_on_tensor_cores(&dev, n, topk, &ex.gpu);
+                assert_eq!(on, sm90a, "{what}: {n} tokens");
+            }
+            let (got, raw) = chunk.run(&dev, &ex, m);
+            chunk.check_reference(&ex, &got, &what);
+            let off = WithoutTensorLists::new();
+            let (rows64, raw64) = chunk.run(&dev, &ex, m);
+            drop(off);
             let apart = relative_error(&got, &rows64);
             let same = raw
                 .iter()
@@ -530,22 +590,7 @@ fn gpu_moe_chunk_on_tensor_cores_matches_reference() {
                 raw.len()
             );
             assert!(apart <= TOL, "{what}: {apart:e} from the 64-row kernels");
-            let (_, alone) = run_chunk(
-                &dev,
-                &ex,
-                &x[..part * d],
-                part,
-                &ids[..part * topk],
-                &wts[..part * topk],
-                topk,
-                limit,
-                &base[..part * d],
-            );
-            assert_bits_eq(
-                &format!("{what}: the first {part} tokens alone"),
-                &alone,
-                &raw[..part * d],
-            );
+            chunk.assert_prefix_alone(&dev, &ex, &raw, part, &what);
         }
     }
 }

@@ -69,6 +69,11 @@ pub struct ServeArgs {
     /// Largest request body, in bytes (413 past it).
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
+    /// Longest prompt chunk an engine step reads on the GPU (rounded down to a power of two):
+    /// a longer one reads a long prompt in fewer steps, but each such step delays the running
+    /// streams' next tokens longer.
+    #[arg(long, default_value_t = 2048)]
+    prefill_chunk: usize,
 }
 
 struct AppState {
@@ -118,6 +123,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         let eos = cfg.eos_token_ids.clone();
         let max_positions = cfg.max_position_embeddings;
         let max_batch = a.max_batch;
+        let prefill_chunk = a.prefill_chunk;
         std::thread::spawn(move || {
             let loaded: Result<Box<dyn engine::Backend>> = match chosen {
                 Backend::Cpu => load_model(&dir).map(|model| {
@@ -134,7 +140,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                     let opts = GpuOptions {
                         max_context: gpu.max_context.or(Some(shared)),
                         sequences: max_batch,
-                        max_chunk: None,
+                        max_chunk: Some(prefill_chunk),
                     };
                     load_gpu_model(&dir, opts, gpu.gpus, None)
                         .map(|model| Box::new(engine::Gpu::new(model)) as Box<dyn engine::Backend>)

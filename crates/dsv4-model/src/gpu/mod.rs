@@ -179,8 +179,8 @@ pub struct GpuOptions {
     /// Sequences the state holds at once, each in its own slot (batched decode): 1 to
     /// [`MAX_CHUNK`]; 0 means 1.
     pub sequences: usize,
-    /// Longest prompt chunk (rounded down to a power of two, at least [`MAX_CHUNK`]); `None`:
-    /// [`PREFILL_CHUNK`]. Shorter ones are still taken where memory is short.
+    /// Longest prompt chunk (rounded down to a power of two, from [`MAX_CHUNK`] to 2^20);
+    /// `None`: [`PREFILL_CHUNK`]. Shorter ones are still taken where memory is short.
     pub max_chunk: Option<usize>,
 }
 
@@ -2089,6 +2089,9 @@ fn step_bytes(c: &Config, w: &DevWeights) -> usize {
 /// expert for Flash). 12 Flash layers, 8k prompt, one H200: chunks of 2048 18,189 tok/s, 4096
 /// 21,083, 8192 22,506-22,706.
 pub const PREFILL_CHUNK: usize = 8192;
+/// Longest chunk [`GpuOptions::max_chunk`] may ask for (past it, its activations' sizes would
+/// leave the range the memory plan counts in).
+const MOST_CHUNK: usize = 1 << 20;
 
 /// A rank's sequence capacity and chunk length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -2108,7 +2111,7 @@ fn choose_layout(
 ) -> Result<Layout, GpuModelError> {
     let asked = opts.max_context;
     let most = opts.max_chunk.map_or(PREFILL_CHUNK, |n| {
-        let n = n.max(MAX_CHUNK);
+        let n = n.clamp(MAX_CHUNK, MOST_CHUNK);
         1 << n.ilog2()
     });
     let longest = asked.map_or(most, |n| n.next_power_of_two().clamp(MAX_CHUNK, most));
@@ -2289,13 +2292,18 @@ mod tests {
             PREFILL_CHUNK
         );
         // A longest chunk asked for, rounded down to a power of two.
-        for (most, chunk) in [(8192, 8192), (5000, 4096), (3, MAX_CHUNK)] {
+        for (most, chunk) in [
+            (8192, 8192),
+            (5000, 4096),
+            (3, MAX_CHUNK),
+            (usize::MAX, 16384),
+        ] {
             let opts = GpuOptions {
                 max_chunk: Some(most),
                 ..context(16384)
             };
             assert_eq!(
-                choose_layout(&c, opts, plan, 80 * gib).unwrap().chunk,
+                choose_layout(&c, opts, plan, 200 * gib).unwrap().chunk,
                 chunk
             );
         }

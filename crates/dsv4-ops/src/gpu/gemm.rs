@@ -5,7 +5,10 @@
 //! registers (no split, no workspace), so a row's result depends only on its own activations,
 //! never on how many rows share the launch. On sm_90a, FP8 launches instead split their
 //! activations into the GEMV workspace and run on e4m3 MMAs ([`launch_fp8_tc`],
-//! `kernels/gemm_fp8.cu`: other rounding, the same independence of rows). CPU references:
+//! `kernels/gemm_fp8.cu`: other rounding, the same independence of rows), and the routed
+//! experts' long FP4 lists run the `_tc` kernels (weights expanded in registers as the A
+//! operand of warpgroup MMAs over 128 rows, each weight read once per 128; [`Rows::Lists`]).
+//! CPU references:
 //! [`super::gemv::reference`], [`super::moe::reference`]; the GPU tests are `tests/gpu_gemv.rs`
 //! and `tests/gpu_moe.rs`.
 
@@ -32,8 +35,8 @@ const SHORT_LISTS: usize = 64;
 const FEW_LISTS: usize = 10;
 /// Warps of a block, one 16-row weight tile each (`WARPS` in gemm.cu).
 const WARPS: usize = 8;
-/// List rows of a `_tc` block (`gemm_tc::TOKENS`), and its shared memory: four stages of a
-/// 128-column sub-step of them in bf16, and 1 KB to align the swizzled stages.
+/// List rows of a `_tc` block (`gemm_tc::TOKENS`), and its shared memory: `gemm_tc::STAGES`
+/// (4) stages of a 128-column sub-step of them in bf16, and 1 KB to align the swizzled stages.
 const TC_ROWS: usize = 128;
 const TC_SHARED: usize = 4 * TC_ROWS * 128 * 2 + 1024;
 /// Columns of a weight sub-step of FP4 weights: the `_tc` kernels' K is a multiple of it, and
@@ -143,6 +146,27 @@ pub(crate) fn fp4_tensor_lists(dev: &Device, per_stack: usize, ks: &[usize]) -> 
         && ks.iter().all(|k| k.is_multiple_of(FP4_SUB_K))
 }
 
+/// The `_tc` kernels' requirements: sm_90a, FP4 weights, K (and a gate+up's N, the permuted h
+/// columns) whole sub-steps.
+fn check_tensor_lists(dev: &Device, w: &Stack) -> Result<(), GpuError> {
+    let why = if dev.arch() != Arch::Sm90a {
+        format!("need sm_90a, not {:?}", dev.arch())
+    } else if w.format.chunk_elems() != 32 {
+        format!("take FP4 weights, not {:?}", w.format)
+    } else if !w.k.is_multiple_of(FP4_SUB_K) || (w.gate_up && !w.n.is_multiple_of(FP4_SUB_K)) {
+        format!(
+            "take K (and a gate+up's N) in multiples of {FP4_SUB_K}, not K = {}, N = {}",
+            w.k, w.n
+        )
+    } else {
+        return Ok(());
+    };
+    Err(GpuError::invalid(
+        "gemm",
+        format!("the tensor-core expert kernels {why}"),
+    ))
+}
+
 /// Checks that `kernel` fits `shared` bytes of dynamic shared memory a block on this GPU (and
 /// lets it take them: [`Device::kernel_limits`]).
 fn check_shared(dev: &Device, kernel: &str, shared: usize) -> Result<(), GpuError> {
@@ -209,14 +233,8 @@ pub(crate) fn launch_stacks(
             )
         }
     };
-    if tensor && (w.format.chunk_elems() != 32 || !w.k.is_multiple_of(FP4_SUB_K)) {
-        return Err(GpuError::invalid(
-            "gemm",
-            format!(
-                "the tensor-core expert kernels take FP4 weights with K a multiple of {FP4_SUB_K}, not {:?} with K = {}",
-                w.format, w.k
-            ),
-        ));
+    if tensor {
+        check_tensor_lists(dev, w)?;
     }
     let (kernel, shared) = match block_rows {
         TC_ROWS => (format!("{prefix}{}_tc", w.format.name()), TC_SHARED),
@@ -504,8 +522,9 @@ mod tests {
 
     #[test]
     fn args_layout_matches_the_cuda_struct() {
-        // 10 pointers, 3 u32, 3 f32, 9 u32 = 140 bytes, padded to 144.
+        // 10 pointers, 3 u32, 3 f32, 10 u32 = 144 bytes.
         assert_eq!(std::mem::size_of::<GemmArgs>(), 144);
+        assert_eq!(std::mem::offset_of!(GemmArgs, y_perm), 140);
         assert_eq!(std::mem::align_of::<GemmArgs>(), 8);
         // 3 pointers, 5 u32 = 44 bytes, padded to 48; 6 pointers, 4 u32, 3 f32, 5 u32 = 96.
         assert_eq!(std::mem::size_of::<ActSplitArgs>(), 48);

@@ -10,8 +10,8 @@
 //!
 //! [`moe_chunk`] does the same for a prompt chunk of any length on the prefill GEMM: each
 //! expert's (token, slot) pairs listed on the device, gate+up and down over each expert's list
-//! (each expert's weights read once per 64 of its rows), each token's weighted rows summed in
-//! slot order.
+//! (each expert's weights read once per 16 to 64 of its rows by the lists' length, on sm_90a
+//! once per 128 for long lists), each token's weighted rows summed in slot order.
 //!
 //! Expert ids outside `[0, experts)` select nothing. CPU reference: [`mod@reference`].
 
@@ -650,12 +650,18 @@ pub struct MoeChunkScratch {
 /// expert kernels (`_tc`: FP4 lists averaging more than 64 rows on sm_90a, D and I multiples
 /// of 128).
 pub fn chunk_on_tensor_cores(dev: &Device, m: usize, top_k: usize, experts: &MoeExperts) -> bool {
-    let per_stack = (m * top_k).div_ceil(experts.experts).min(m);
+    let per_stack = rows_per_expert(m, top_k, experts.experts);
     fp4_tensor_lists(dev, per_stack, &[experts.d, experts.inter])
 }
 
+/// An expert's average share of a chunk's `m · top_k` rows (at most `m`).
+fn rows_per_expert(m: usize, top_k: usize, experts: usize) -> usize {
+    (m * top_k).div_ceil(experts).min(m)
+}
+
 /// Routed experts for a chunk of `x [M, D]` (any M): as [`moe_decode`] with its output added
-/// onto the F32 `out [M, D]`, on the prefill GEMM. Four launches: the experts' pair lists,
+/// onto the F32 `out [M, D]`, on the prefill GEMM. Four launches (five on the tensor-core
+/// kernels): the experts' pair lists,
 /// gate+up into `scratch.h`, down into `scratch.rows`, then (after `between`, e.g. a join of
 /// the stream that wrote `out`) each token's rows weighted and summed in slot order onto `out`.
 /// Where the lists run on the tensor-core kernels (long lists on sm_90a), x is first permuted
@@ -729,7 +735,7 @@ pub fn moe_chunk(
     };
     // Row blocks as wide and as many side by side as an expert's share of the pairs needs (a
     // crowded list's blocks walk its further rows).
-    let per_stack = pairs.div_ceil(e).min(m);
+    let per_stack = rows_per_expert(m, topk, e);
     let tensor = chunk_on_tensor_cores(dev, m, topk, experts);
     if tensor {
         scratch
