@@ -365,12 +365,7 @@ __device__ __forceinline__ void gemm_kernel(const GemmArgs& a) {
                 const u32 r = row0 + mt * 8 + 2 * q + i;
                 if (r >= rows) continue;
                 const u64 y0 = (u64)(list ? list[r] : r) * a.y_ld + y_col;
-                if (SWIGLU) {
-                    if (r_lo < a.n) store_y(a, y0 + r_lo, swiglu(acc[mt][i] * post0, acc[mt][i + 2] * post1, a.limit));
-                } else {
-                    if (r_lo < a.n) store_y(a, y0 + r_lo, acc[mt][i] * post0);
-                    if (r_hi < a.n) store_y(a, y0 + r_hi, acc[mt][i + 2] * post1);
-                }
+                store_rows<SWIGLU>(a, y0, r_lo, r_hi, r_lo, acc[mt][i], acc[mt][i + 2], post0, post1);
             }
     }
 }
@@ -534,14 +529,8 @@ __device__ __forceinline__ void kernel(const GemmArgs& a) {
                     const u32 r = row0 + 8 * j + 2 * q + i;
                     if (r >= rows) continue;
                     const u64 y0 = (u64)list[r] * a.y_ld;
-                    const float lo = acc[4 * j + i], hi = acc[4 * j + 2 + i];
-                    if (SWIGLU) {
-                        if (r_lo < a.n)
-                            store_y(a, y0 + (a.y_perm ? fp4_k_pos(r_lo) : r_lo), swiglu(lo * post0, hi * post1, a.limit));
-                    } else {
-                        if (r_lo < a.n) store_y(a, y0 + r_lo, lo * post0);
-                        if (r_hi < a.n) store_y(a, y0 + r_hi, hi * post1);
-                    }
+                    const u32 c_lo = a.y_perm ? fp4_k_pos(r_lo) : r_lo;
+                    store_rows<SWIGLU>(a, y0, r_lo, r_hi, c_lo, acc[4 * j + i], acc[4 * j + 2 + i], post0, post1);
                 }
         }
         // Both warpgroups are done with the stages and x_rows before the next row block's.

@@ -268,13 +268,7 @@ __device__ __forceinline__ void kernel(const GemmFp8Args& a) {
             if (tok >= a.m) continue;
             const float s = a.scales[(u64)tok * gridDim.z + z];
             const u64 y0 = (u64)tok * a.y_ld + y_col;
-            const float lo = acc[4 * j + i] * s, hi = acc[4 * j + 2 + i] * s;
-            if (SWIGLU) {
-                if (r_lo < a.n) store_y(a, y0 + r_lo, swiglu(lo * post0, hi * post1, a.limit));
-            } else {
-                if (r_lo < a.n) store_y(a, y0 + r_lo, lo * post0);
-                if (r_hi < a.n) store_y(a, y0 + r_hi, hi * post1);
-            }
+            store_rows<SWIGLU>(a, y0, r_lo, r_hi, r_lo, acc[4 * j + i] * s, acc[4 * j + 2 + i] * s, post0, post1);
         }
 }
 #else

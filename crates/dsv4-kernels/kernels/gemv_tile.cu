@@ -622,5 +622,20 @@ __device__ __forceinline__ float swiglu(float g, float u, float limit) {
     return silu(fminf(g, limit)) * fminf(fmaxf(u, -limit), limit);
 }
 
+// A lane's sums of one token for tile rows g (lo) and g + 8 (hi), stored in the token's output
+// row at y0: gate+up tiles (rows g and g + 8 are W1 and W3 row r_lo) their clamped SwiGLU at
+// column c_lo, plain tiles each at its row's column; rows past n are dropped. The prefill
+// GEMMs' epilogue (gemm.cu, gemm_fp8.cu).
+template <bool SWIGLU, class Args>
+__device__ __forceinline__ void store_rows(const Args& a, u64 y0, u32 r_lo, u32 r_hi, u32 c_lo, float lo, float hi,
+                                           float post0, float post1) {
+    if (SWIGLU) {
+        if (r_lo < a.n) store_y(a, y0 + c_lo, swiglu(lo * post0, hi * post1, a.limit));
+    } else {
+        if (r_lo < a.n) store_y(a, y0 + r_lo, lo * post0);
+        if (r_hi < a.n) store_y(a, y0 + r_hi, hi * post1);
+    }
+}
+
 }  // namespace gemv
 

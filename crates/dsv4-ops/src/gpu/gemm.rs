@@ -148,9 +148,9 @@ pub(crate) fn fp4_tensor_lists(dev: &Device, per_stack: usize, ks: &[usize]) -> 
 
 /// The `_tc` kernels' requirements: sm_90a, FP4 weights, K (and a gate+up's N, the permuted h
 /// columns) whole sub-steps.
-fn check_tensor_lists(dev: &Device, w: &Stack) -> Result<(), GpuError> {
-    let why = if dev.arch() != Arch::Sm90a {
-        format!("need sm_90a, not {:?}", dev.arch())
+fn check_tensor_lists(arch: Arch, w: &Stack) -> Result<(), GpuError> {
+    let why = if arch != Arch::Sm90a {
+        format!("need sm_90a, not {arch:?}")
     } else if w.format.chunk_elems() != 32 {
         format!("take FP4 weights, not {:?}", w.format)
     } else if !w.k.is_multiple_of(FP4_SUB_K) || (w.gate_up && !w.n.is_multiple_of(FP4_SUB_K)) {
@@ -234,7 +234,7 @@ pub(crate) fn launch_stacks(
         }
     };
     if tensor {
-        check_tensor_lists(dev, w)?;
+        check_tensor_lists(dev.arch(), w)?;
     }
     let (kernel, shared) = match block_rows {
         TC_ROWS => (format!("{prefix}{}_tc", w.format.name()), TC_SHARED),
@@ -529,5 +529,50 @@ mod tests {
         // 3 pointers, 5 u32 = 44 bytes, padded to 48; 6 pointers, 4 u32, 3 f32, 5 u32 = 96.
         assert_eq!(std::mem::size_of::<ActSplitArgs>(), 48);
         assert_eq!(std::mem::size_of::<GemmFp8Args>(), 96);
+    }
+
+    #[test]
+    fn tensor_lists_refuse_other_gpus_formats_and_shapes_by_name() {
+        let stack = |format, n, k, gate_up| Stack {
+            format,
+            n,
+            k,
+            gate_up,
+            codes: 0,
+            scales: 0,
+            fp8: (0, 0),
+            post: (1.0, 1.0),
+            factors: (0, 0),
+        };
+        let ok = stack(GemvFormat::Nvfp4, 2048, 4096, true);
+        assert!(check_tensor_lists(Arch::Sm90a, &ok).is_ok());
+        assert!(
+            check_tensor_lists(Arch::Sm90a, &stack(GemvFormat::Mxfp4, 4096, 2048, false)).is_ok()
+        );
+        // Plain launches may have N off 128 (their tiles past N store nothing).
+        assert!(
+            check_tensor_lists(Arch::Sm90a, &stack(GemvFormat::Nvfp4, 200, 256, false)).is_ok()
+        );
+        let refused = |arch, w: &Stack, what: &str| {
+            let err = check_tensor_lists(arch, w).unwrap_err().to_string();
+            assert!(err.contains("tensor-core expert kernels"), "{err}");
+            assert!(err.contains(what), "{err} lacks {what}");
+        };
+        refused(Arch::Sm100a, &ok, "need sm_90a, not Sm100a");
+        refused(
+            Arch::Sm90a,
+            &stack(GemvFormat::Bf16, 2048, 4096, true),
+            "FP4 weights, not Bf16",
+        );
+        refused(
+            Arch::Sm90a,
+            &stack(GemvFormat::Nvfp4, 2048, 4000, true),
+            "K = 4000",
+        );
+        refused(
+            Arch::Sm90a,
+            &stack(GemvFormat::Nvfp4, 2000, 4096, true),
+            "N = 2000",
+        );
     }
 }

@@ -661,9 +661,9 @@ fn rows_per_expert(m: usize, top_k: usize, experts: usize) -> usize {
 
 /// Routed experts for a chunk of `x [M, D]` (any M): as [`moe_decode`] with its output added
 /// onto the F32 `out [M, D]`, on the prefill GEMM. Four launches (five on the tensor-core
-/// kernels): the experts' pair lists,
-/// gate+up into `scratch.h`, down into `scratch.rows`, then (after `between`, e.g. a join of
-/// the stream that wrote `out`) each token's rows weighted and summed in slot order onto `out`.
+/// kernels): the experts' pair lists, gate+up into `scratch.h`, down into `scratch.rows`, then
+/// (after `between`, e.g. a join of the stream that wrote `out`) each token's rows weighted and
+/// summed in slot order onto `out`.
 /// Where the lists run on the tensor-core kernels (long lists on sm_90a), x is first permuted
 /// into `scratch.xp`, and h is kept in that order between them. A token's result depends only
 /// on its own input and routing (and on which kernels the chunk's list lengths chose).
@@ -733,9 +733,6 @@ pub fn moe_chunk(
             .as_ref()
             .map_or(0, |g| g[i].device_address())
     };
-    // Row blocks as wide and as many side by side as an expert's share of the pairs needs (a
-    // crowded list's blocks walk its further rows).
-    let per_stack = rows_per_expert(m, topk, e);
     let tensor = chunk_on_tensor_cores(dev, m, topk, experts);
     if tensor {
         scratch
@@ -756,11 +753,13 @@ pub fn moe_chunk(
             )
         }?;
     }
+    // Row blocks as wide and as many side by side as an expert's share of the pairs needs (a
+    // crowded list's blocks walk its further rows).
     let lists = |div| Rows::Lists {
         lists: &scratch.lists,
         counts: &scratch.counts,
         div,
-        per_stack,
+        per_stack: rows_per_expert(m, topk, e),
         tensor,
     };
     let stack =
