@@ -589,14 +589,12 @@ pub fn moe_decode(
             break;
         }
     }
-    // Activations staged in shared memory where that costs no resident blocks: the x rows of
-    // the (at most eight) tokens an expert computes at once for gate_up, all of h
-    // [M, top_k, I] for down.
+    // Gate_up's activations staged in shared memory where that costs no resident blocks: the x
+    // rows of the (at most eight) tokens an expert computes at once.
     let up_threads = (UP_WARPS * 32) as u32;
     let down_threads = (warps * 32) as u32;
     let up_shared = staging_bytes(dev, &gate_up, up_threads, 0, m.min(8) * d * 2)?;
-    let down_shared = staging_bytes(dev, &down, down_threads, 0, m * topk * experts.inter * 2)?;
-    args.stage = u32::from(up_shared > 0) | (u32::from(down_shared > 0) << 1);
+    args.stage = u32::from(up_shared > 0);
     // The down kernel launches with programmatic serialization (as the GEMVs, `tuning`): it
     // builds its routing tables and streams its first weights while gate_up finishes. Gate_up
     // launches plainly: it has nothing to load before its inputs are ready, and its blocks
@@ -622,7 +620,7 @@ pub fn moe_decode(
             dev,
             &down,
             (dim_u32("moe tiles", tiles)?, 1, 1),
-            (down_threads, down_shared),
+            (down_threads, 0),
             &args,
             tuning::PROGRAMMATIC_LAUNCH.get(),
             1,
