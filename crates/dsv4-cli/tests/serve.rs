@@ -373,11 +373,53 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             "temperature",
         ),
         (
+            "/v1/completions",
+            completion("Hi", json!({"temperature": "NaN"})).to_string(),
+            "application/json",
+            400,
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model": "tiny", "prompt": "Hi", "temperature": NaN}"#.into(),
+            "application/json",
+            400,
+            "not valid JSON",
+        ),
+        (
             "/v1/chat/completions",
             chat("Hi", json!({"n": 2})).to_string(),
             "application/json",
             400,
             "`n`",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("Hi", json!({"temprature": 0.5})).to_string(),
+            "application/json",
+            400,
+            "unknown field `temprature`",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("Hi", json!({"prompt": "Hi"})).to_string(),
+            "application/json",
+            400,
+            "unknown field `prompt`",
+        ),
+        (
+            "/v1/completions",
+            completion("Hi", json!({"frequency_penalty": 0.5})).to_string(),
+            "application/json",
+            400,
+            "`frequency_penalty` = 0.5 is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("Hi", json!({"logprobs": true})).to_string(),
+            "application/json",
+            400,
+            "`logprobs` = true is not supported",
         ),
         (
             "/v1/completions",
@@ -404,6 +446,14 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         let (status, ok) = s.post("/v1/completions", &good);
         assert_eq!(status, 200, "after {body:.80}: {ok}");
     }
+    // OpenAI's fields at values that ask for nothing else are accepted.
+    let neutral = json!({
+        "max_tokens": 2, "user": "u1", "frequency_penalty": 0, "presence_penalty": 0.0,
+        "logprobs": false, "tools": [], "tool_choice": "none", "logit_bias": {},
+        "response_format": {"type": "text"}, "metadata": {"k": "v"},
+    });
+    let (status, ok) = s.post("/v1/chat/completions", &chat("Hi", neutral));
+    assert_eq!(status, 200, "{ok}");
 }
 
 #[test]
@@ -561,7 +611,8 @@ fn a_running_stream_keeps_flowing_while_a_long_prompt_is_read() {
 
 #[test]
 fn sixty_four_concurrent_streams_complete_and_sigterm_stops_the_server() {
-    let mut s = Server::start(&[]);
+    // Eight at a time in the batch, the rest waiting their turn.
+    let mut s = Server::start(&["--max-batch", "8"]);
     let clients: Vec<_> = (0..64)
         .map(|i| {
             let server = s.api.clone();
@@ -575,7 +626,13 @@ fn sixty_four_concurrent_streams_complete_and_sigterm_stops_the_server() {
     for c in clients {
         let (_, finish, usage) = c.join().unwrap();
         assert!(finish == "length" || finish == "stop");
-        assert!(usage.unwrap()["completion_tokens"].as_u64().unwrap() <= 6);
+        let usage = usage.unwrap();
+        let done = usage["completion_tokens"].as_u64().unwrap();
+        assert!(
+            done <= 6 && (finish == "stop" || done == 6),
+            "{finish}: {usage}"
+        );
+        assert!(usage["prompt_tokens"].as_u64().unwrap() > 0, "{usage}");
     }
     assert_eq!(s.metric("dsv4_queue_length"), 0.0);
     // SIGTERM while a long stream runs: the stream ends early but whole, then the server exits.

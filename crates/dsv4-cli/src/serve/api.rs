@@ -116,6 +116,64 @@ fn boolean(body: &Map<String, Value>, name: &str) -> Result<bool, ApiError> {
     }
 }
 
+/// The fields [`parse`] reads: both endpoints', then chat's and completions' own.
+const FIELDS: &[&str] = &[
+    "model",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+];
+const CHAT_FIELDS: &[&str] = &["messages", "chat_template_kwargs", "thinking"];
+const COMPLETION_FIELDS: &[&str] = &["prompt"];
+
+/// Every other field of a body. OpenAI's and vLLM's fields that only keep records are
+/// accepted, and so are those whose value asks for what this server does anyway (a zero
+/// penalty, no log probabilities, no tools, plain text); any other value of theirs, and any
+/// field of another name, is refused by name rather than ignored.
+fn check_other_fields(body: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
+    let own = if chat { CHAT_FIELDS } else { COMPLETION_FIELDS };
+    for (name, v) in body {
+        let name = name.as_str();
+        if FIELDS.contains(&name) || own.contains(&name) {
+            continue;
+        }
+        let empty = |v: &Value| match v {
+            Value::Null => true,
+            Value::Array(a) => a.is_empty(),
+            Value::Object(o) => o.is_empty(),
+            Value::String(s) => s.is_empty(),
+            _ => false,
+        };
+        let neutral = match name {
+            "user" | "metadata" | "store" | "service_tier" | "parallel_tool_calls" => true,
+            "frequency_penalty" | "presence_penalty" | "top_logprobs" => {
+                v.is_null() || v.as_f64() == Some(0.0)
+            }
+            "logprobs" | "echo" | "ignore_eos" => v.is_null() || v == &Value::Bool(false),
+            "best_of" => v.is_null() || v.as_u64() == Some(1),
+            "logit_bias" | "tools" | "functions" | "suffix" => empty(v),
+            "tool_choice" | "function_call" => v.is_null() || v == "none",
+            "response_format" => {
+                v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
+            }
+            _ => return Err(ApiError::bad(name, format!("unknown field `{name}`"))),
+        };
+        if !neutral {
+            return Err(ApiError::bad(
+                name,
+                format!("`{name}` = {v} is not supported by this server"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Parses a request body: `chat` selects `messages` (chat completions) over `prompt`.
 pub fn parse(bytes: &[u8], served: &str, chat: bool) -> Result<Request, ApiError> {
     let body: Value = serde_json::from_slice(bytes).map_err(|e| {
@@ -146,6 +204,7 @@ pub fn parse(bytes: &[u8], served: &str, chat: bool) -> Result<Request, ApiError
         }
         None => return Err(ApiError::bad("model", "`model` is required")),
     }
+    check_other_fields(&body, chat)?;
     if let Some(n) = field(&body, "n") {
         if n.as_u64() != Some(1) {
             return Err(ApiError::bad(
