@@ -723,3 +723,43 @@ fn batch_sizes_the_backend_cannot_run_are_refused_before_loading() {
         assert!(err.contains(&format!("--max-batch {batch}")), "{err}");
     }
 }
+
+#[test]
+fn bench_serve_reports_a_row_per_concurrency_against_a_running_server() {
+    let s = Server::start(&["--max-batch", "2"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_dsv4"))
+        .args(["bench-serve", "--url", &s.url, "--concurrency", "1,2"])
+        .args([
+            "--requests",
+            "3",
+            "--prompt-words",
+            "8",
+            "--max-tokens",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains(&format!("model `{MODEL}`")), "{text}");
+    for c in [1, 2] {
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| {c} |")))
+            .unwrap_or_else(|| panic!("no row for concurrency {c}: {text}"));
+        // Concurrency, then output tok/s, requests/s, TTFT and TPOT: real, positive timings.
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        let first = |cell: &str| cell.split(' ').next().unwrap().parse::<f64>().unwrap();
+        for (i, what) in [(2, "tok/s"), (3, "requests/s"), (4, "TTFT p50")] {
+            assert!(first(cells[i]) > 0.0, "{what} in {row}");
+        }
+        assert!(first(cells[8]) <= 4.0, "tokens per request in {row}");
+    }
+    // Every request of both runs reached the server: 3 + 3 completions.
+    let done = r#"dsv4_requests_total{endpoint="/v1/completions",status="200"}"#;
+    assert_eq!(s.metric(done), 6.0);
+}
