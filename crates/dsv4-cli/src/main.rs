@@ -108,8 +108,9 @@ struct GpuArgs {
     /// Where the model runs; default: cuda when a GPU is present, else cpu.
     #[arg(long, value_enum)]
     backend: Option<Backend>,
-    /// Positions the GPU sequence state holds (--backend cuda); default: the prompt plus the
-    /// new tokens (generate), the input (logits).
+    /// Positions the GPU sequence state holds (--backend cuda; `serve` on the CPU: the most a
+    /// prompt and its new tokens may take); default: the prompt plus the new tokens
+    /// (generate), the input (logits).
     #[arg(long)]
     max_context: Option<usize>,
     /// GPUs to split the model over (tensor parallelism): a number or `all`; default: the

@@ -326,9 +326,9 @@ fn serves_chat_and_completions_streaming_or_whole() {
 
 #[test]
 fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
-    let s = Server::start(&["--max-body", "4096"]);
+    let s = Server::start(&["--max-body", "4096", "--max-context", "64"]);
     let good = completion("Hi", json!({"max_tokens": 2}));
-    let limit = Config::tiny().max_position_embeddings;
+    let limit = 64;
     let cases: Vec<(&str, String, &str, u16, &str)> = vec![
         (
             "/v1/completions",
@@ -427,6 +427,20 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             "application/json",
             400,
             "context limit",
+        ),
+        (
+            "/v1/completions",
+            completion(&"word ".repeat(80), json!({"max_tokens": 1})).to_string(),
+            "application/json",
+            400,
+            "exceed the context limit of 64 tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(&"word ".repeat(80), json!({})).to_string(),
+            "application/json",
+            400,
+            "exceed the context limit of 64 tokens",
         ),
         (
             "/v1/completions",
@@ -701,7 +715,7 @@ fn the_openai_python_client_talks_to_the_server() {
 }
 
 #[test]
-fn batch_sizes_the_backend_cannot_run_are_refused_before_loading() {
+fn settings_the_backend_cannot_run_are_refused_before_loading() {
     for (backend, batch) in [("cpu", "0"), ("cuda", "17")] {
         let out = Command::new(env!("CARGO_BIN_EXE_dsv4"))
             .args([
@@ -721,6 +735,23 @@ fn batch_sizes_the_backend_cannot_run_are_refused_before_loading() {
             "{backend} --max-batch {batch} was accepted"
         );
         assert!(err.contains(&format!("--max-batch {batch}")), "{err}");
+    }
+    let past = (Config::tiny().max_position_embeddings + 1).to_string();
+    for (flag, value, says) in [
+        ("--max-context", "0", "--max-context 0: at least 1"),
+        ("--max-context", past.as_str(), "at most the model's"),
+        ("--gpus", "2", "--gpus applies to --backend cuda"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_dsv4"))
+            .args(["serve", "--backend", "cpu", flag, value, "--model"])
+            .arg(checkpoint())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(says),
+            "{flag} {value}: {err}"
+        );
     }
 }
 

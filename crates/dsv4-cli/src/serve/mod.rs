@@ -105,8 +105,16 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             a.max_batch
         );
     }
-    if chosen == Backend::Cpu && (a.gpu.max_context.is_some() || a.gpu.gpus.is_some()) {
-        bail!("--max-context and --gpus apply to --backend cuda");
+    if chosen == Backend::Cpu && a.gpu.gpus.is_some() {
+        bail!("--gpus applies to --backend cuda");
+    }
+    if let Some(c) = a.gpu.max_context {
+        if c == 0 || c > cfg.max_position_embeddings {
+            bail!(
+                "--max-context {c}: at least 1 and at most the model's {} positions",
+                cfg.max_position_embeddings
+            );
+        }
     }
     let think_end = match tokenizer.encode(THINK_END, false)?.as_slice() {
         [id] => Some(*id),
@@ -129,7 +137,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 Backend::Cpu => load_model(&dir).map(|model| {
                     Box::new(engine::Cpu {
                         model,
-                        capacity: max_positions,
+                        capacity: gpu.max_context.unwrap_or(max_positions),
                         runs: (0..max_batch).map(|_| None).collect(),
                         launched: Vec::new(),
                     }) as Box<dyn engine::Backend>
