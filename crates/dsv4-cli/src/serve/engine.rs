@@ -117,13 +117,15 @@ pub trait Backend {
 /// Prompt tokens a CPU sequence reads per engine step.
 const CPU_PREFILL_CHUNK: usize = 64;
 
-/// The f32 CPU reference: one state per slot, a step runs each slot's token in turn.
+/// The f32 CPU reference: one state per slot, a step runs each slot's token in turn. A launch
+/// only records its slots and `collect` runs them, so the engine's host work between steps is
+/// measured apart from the model's, as on the GPU.
 pub struct Cpu {
     pub model: CpuModel,
     pub capacity: usize,
     pub runs: Vec<Option<(SequenceState, Sampler, u32)>>,
-    /// The last launch's tokens.
-    pub launched: Vec<u32>,
+    /// The last launch's slots.
+    pub launched: Vec<usize>,
 }
 
 impl Backend for Cpu {
@@ -159,20 +161,20 @@ impl Backend for Cpu {
     }
 
     fn launch(&mut self, slots: &[usize]) -> Result<()> {
-        self.launched = slots
-            .iter()
-            .map(|&slot| {
+        self.launched = slots.to_vec();
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<u32>> {
+        std::mem::take(&mut self.launched)
+            .into_iter()
+            .map(|slot| {
                 let (state, sampler, last) = self.runs[slot].as_mut().expect("a started slot");
                 let logits = self.model.forward(state, &[*last], Logits::Last)?;
                 *last = sampler.sample(&logits);
                 Ok(*last)
             })
-            .collect::<Result<_>>()?;
-        Ok(())
-    }
-
-    fn collect(&mut self) -> Result<Vec<u32>> {
-        Ok(std::mem::take(&mut self.launched))
+            .collect()
     }
 }
 
