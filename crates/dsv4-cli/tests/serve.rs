@@ -794,3 +794,40 @@ fn bench_serve_reports_a_row_per_concurrency_against_a_running_server() {
     let done = r#"dsv4_requests_total{endpoint="/v1/completions",status="200"}"#;
     assert_eq!(s.metric(done), 6.0);
 }
+
+#[test]
+fn a_request_that_takes_a_cancelled_streams_slot_gives_what_it_gives_alone() {
+    // One slot: B waits while A streams; A's client leaves, and B takes the slot between A's
+    // last step being launched and its tokens being read.
+    let s = Server::start(&["--max-batch", "1"]);
+    let b = completion("Another prompt", json!({"max_tokens": 8, "temperature": 0}));
+    let (status, alone) = s.post("/v1/completions", &b);
+    assert_eq!(status, 200, "{alone}");
+    let a = completion(
+        "Long",
+        json!({"max_tokens": 100000, "stream": true, "temperature": 0}),
+    );
+    let r = Api::agent()
+        .post(&format!("{}/v1/completions", s.url))
+        .header("Content-Type", "application/json")
+        .send(a.to_string())
+        .unwrap();
+    let mut reader = BufReader::new(r.into_body().into_reader());
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert!(line.starts_with("data: "), "{line}");
+    let waiting = {
+        let api = s.api.clone();
+        std::thread::spawn(move || api.post("/v1/completions", &b))
+    };
+    let t = Instant::now();
+    while s.metric("dsv4_queue_length") < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "B did not queue");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(reader);
+    let (status, after) = waiting.join().unwrap();
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(after["choices"][0]["text"], alone["choices"][0]["text"]);
+    assert_eq!(s.metric("dsv4_requests_cancelled_total"), 1.0);
+}

@@ -108,7 +108,8 @@ pub trait Backend {
     fn prefill(&mut self, parts: &[Part]) -> Result<Vec<Option<u32>>>;
     /// Starts the next token of every slot in `slots` (each started); [`Backend::collect`]
     /// returns them, in that order. The device may run it while the host handles the tokens
-    /// of the step before.
+    /// of the step before; a [`Backend::prefill`] issued before the collect runs after it (so
+    /// a slot freed meanwhile may take a new sequence).
     fn launch(&mut self, slots: &[usize]) -> Result<()>;
     /// The tokens of the last launch.
     fn collect(&mut self) -> Result<Vec<u32>>;
@@ -119,13 +120,29 @@ const CPU_PREFILL_CHUNK: usize = 64;
 
 /// The f32 CPU reference: one state per slot, a step runs each slot's token in turn. A launch
 /// only records its slots and `collect` runs them, so the engine's host work between steps is
-/// measured apart from the model's, as on the GPU.
+/// measured apart from the model's, as on the GPU; a `prefill` in between runs them first, as
+/// the GPU's stream would (a freed slot's step must not run on the sequence read into it).
 pub struct Cpu {
     pub model: CpuModel,
     pub capacity: usize,
     pub runs: Vec<Option<(SequenceState, Sampler, u32)>>,
-    /// The last launch's slots.
+    /// The last launch's slots, not run yet.
     pub launched: Vec<usize>,
+    /// The last launch's tokens, once run.
+    pub tokens: Vec<u32>,
+}
+
+impl Cpu {
+    /// Runs the launched step, if it has not run.
+    fn run_launched(&mut self) -> Result<()> {
+        for slot in std::mem::take(&mut self.launched) {
+            let (state, sampler, last) = self.runs[slot].as_mut().expect("a started slot");
+            let logits = self.model.forward(state, &[*last], Logits::Last)?;
+            *last = sampler.sample(&logits);
+            self.tokens.push(*last);
+        }
+        Ok(())
+    }
 }
 
 impl Backend for Cpu {
@@ -142,6 +159,7 @@ impl Backend for Cpu {
     }
 
     fn prefill(&mut self, parts: &[Part]) -> Result<Vec<Option<u32>>> {
+        self.run_launched()?;
         parts
             .iter()
             .map(|p| {
@@ -161,20 +179,14 @@ impl Backend for Cpu {
     }
 
     fn launch(&mut self, slots: &[usize]) -> Result<()> {
+        self.tokens.clear();
         self.launched = slots.to_vec();
         Ok(())
     }
 
     fn collect(&mut self) -> Result<Vec<u32>> {
-        std::mem::take(&mut self.launched)
-            .into_iter()
-            .map(|slot| {
-                let (state, sampler, last) = self.runs[slot].as_mut().expect("a started slot");
-                let logits = self.model.forward(state, &[*last], Logits::Last)?;
-                *last = sampler.sample(&logits);
-                Ok(*last)
-            })
-            .collect()
+        self.run_launched()?;
+        Ok(std::mem::take(&mut self.tokens))
     }
 }
 

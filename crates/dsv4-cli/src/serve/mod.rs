@@ -140,6 +140,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                         capacity: gpu.max_context.unwrap_or(max_positions),
                         runs: (0..max_batch).map(|_| None).collect(),
                         launched: Vec::new(),
+                        tokens: Vec::new(),
                     }) as Box<dyn engine::Backend>
                 }),
                 Backend::Cuda => {
