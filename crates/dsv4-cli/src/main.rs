@@ -108,9 +108,11 @@ struct GpuArgs {
     /// Where the model runs; default: cuda when a GPU is present, else cpu.
     #[arg(long, value_enum)]
     backend: Option<Backend>,
-    /// Positions the GPU sequence state holds (--backend cuda; `serve` on the CPU: the most a
-    /// prompt and its new tokens may take); default: the prompt plus the new tokens
-    /// (generate), the input (logits).
+    /// Positions a sequence may take, prompt and new tokens (per slot): what the GPU sequence
+    /// state holds (--backend cuda), or for `serve` on the CPU the limit alone, at most the
+    /// model's; default: the prompt plus the new tokens (generate), the input (logits),
+    /// 65,536 or the model's limit shared by the slots (serve, cuda), the model's limit
+    /// (serve, cpu).
     #[arg(long)]
     max_context: Option<usize>,
     /// GPUs to split the model over (tensor parallelism): a number or `all`; default: the

@@ -423,6 +423,13 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         ),
         (
             "/v1/completions",
+            completion("Hi", json!({"top_k": 5})).to_string(),
+            "application/json",
+            400,
+            "`top_k` = 5 is not supported",
+        ),
+        (
+            "/v1/completions",
             completion("Hi", json!({"max_tokens": limit})).to_string(),
             "application/json",
             400,
@@ -467,6 +474,13 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         "response_format": {"type": "text"}, "metadata": {"k": "v"},
     });
     let (status, ok) = s.post("/v1/chat/completions", &chat("Hi", neutral));
+    assert_eq!(status, 200, "{ok}");
+    // And what `vllm bench serve` sends besides the fields this server reads.
+    let vllm = json!({
+        "max_tokens": 2, "repetition_penalty": 1.0, "logprobs": null, "ignore_eos": false,
+        "best_of": 1, "top_k": -1, "min_p": 0.0,
+    });
+    let (status, ok) = s.post("/v1/completions", &completion("Hi", vllm));
     assert_eq!(status, 200, "{ok}");
 }
 

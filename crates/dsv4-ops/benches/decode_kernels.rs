@@ -23,8 +23,8 @@
 //! `cargo bench -p dsv4-ops --bench decode_kernels` (criterion); the tables are printed at the
 //! end and written to `$DSV4_BENCH_TABLE` when set. `DSV4_BENCH_ONLY=Pro/attn` keeps the cases
 //! whose `model/kernel` contains the text, or one of several separated by `|` (`quantize`
-//! keeps the format kernels). `DSV4_BENCH_STAGING=off` runs every GEMV and MoE with its
-//! activations read from global memory instead of staged in shared memory;
+//! keeps the format kernels). `DSV4_BENCH_STAGING=off` runs every GEMV and the MoE's gate_up
+//! with its activations read from global memory instead of staged in shared memory;
 //! `DSV4_BENCH_CLUSTER_SUM=off` and `DSV4_BENCH_WHOLE_TILE=off` turn off the GEMV's two
 //! alternatives to summing a tile's blocks through the workspace (a thread-block cluster, one
 //! whole-tile block); `DSV4_BENCH_PRESCALED=off` keeps FP8 GEMVs at M = 1 off the kernels

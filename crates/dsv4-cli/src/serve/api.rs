@@ -134,8 +134,10 @@ const COMPLETION_FIELDS: &[&str] = &["prompt"];
 
 /// Every other field of a body. OpenAI's and vLLM's fields that only keep records are
 /// accepted, and so are those whose value asks for what this server does anyway (a zero
-/// penalty, no log probabilities, no tools, plain text); any other value of theirs, and any
-/// field of another name, is refused by name rather than ignored.
+/// penalty, no log probabilities, no tools, plain text, vLLM's sampling extras at their
+/// defaults, as `vllm bench serve` sends them); any other value of theirs, and any field of
+/// another name, is refused by name rather than ignored. The keys inside
+/// `chat_template_kwargs` and `stream_options` other than those read are not checked.
 fn check_other_fields(body: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
     let own = if chat { CHAT_FIELDS } else { COMPLETION_FIELDS };
     for (name, v) in body {
@@ -152,12 +154,23 @@ fn check_other_fields(body: &Map<String, Value>, chat: bool) -> Result<(), ApiEr
         };
         let neutral = match name {
             "user" | "metadata" | "store" | "service_tier" | "parallel_tool_calls" => true,
-            "frequency_penalty" | "presence_penalty" | "top_logprobs" => {
+            "frequency_penalty" | "presence_penalty" | "top_logprobs" | "min_p" | "min_tokens" => {
                 v.is_null() || v.as_f64() == Some(0.0)
             }
-            "logprobs" | "echo" | "ignore_eos" => v.is_null() || v == &Value::Bool(false),
-            "best_of" => v.is_null() || v.as_u64() == Some(1),
-            "logit_bias" | "tools" | "functions" | "suffix" => empty(v),
+            "repetition_penalty" | "length_penalty" | "best_of" => {
+                v.is_null() || v.as_f64() == Some(1.0)
+            }
+            "top_k" => v.is_null() || v.as_i64() == Some(0) || v.as_i64() == Some(-1),
+            "logprobs"
+            | "echo"
+            | "ignore_eos"
+            | "include_stop_str_in_output"
+            | "use_beam_search" => v.is_null() || v == &Value::Bool(false),
+            "skip_special_tokens" | "spaces_between_special_tokens" => {
+                v.is_null() || v == &Value::Bool(true)
+            }
+            "prompt_logprobs" => v.is_null(),
+            "logit_bias" | "tools" | "functions" | "suffix" | "stop_token_ids" => empty(v),
             "tool_choice" | "function_call" => v.is_null() || v == "none",
             "response_format" => {
                 v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
