@@ -502,4 +502,64 @@ mod tests {
             (vec!["x".to_string()], 3, 1.0, None)
         );
     }
+
+    #[test]
+    fn other_fields_pass_at_neutral_values_and_are_named_otherwise() {
+        let body = |chat: bool, name: &str, v: &str| {
+            let prompt = if chat {
+                r#""messages":[{"role":"user","content":"hi"}]"#
+            } else {
+                r#""prompt":"x""#
+            };
+            format!(r#"{{"model":"m",{prompt},"{name}":{v}}}"#)
+        };
+        let neutral = [
+            ("user", r#""u""#),
+            ("store", "true"),
+            ("service_tier", r#""auto""#),
+            ("frequency_penalty", "0"),
+            ("top_logprobs", "0"),
+            ("min_tokens", "0"),
+            ("repetition_penalty", "1.0"),
+            ("best_of", "1"),
+            ("top_k", "-1"),
+            ("echo", "false"),
+            ("ignore_eos", "false"),
+            ("use_beam_search", "false"),
+            ("skip_special_tokens", "true"),
+            ("prompt_logprobs", "null"),
+            ("suffix", r#""""#),
+            ("stop_token_ids", "[]"),
+            ("function_call", r#""none""#),
+            ("response_format", r#"{"type":"text"}"#),
+        ];
+        for chat in [false, true] {
+            for (name, v) in neutral {
+                let b = body(chat, name, v);
+                assert!(parse(b.as_bytes(), "m", chat).is_ok(), "{b}");
+            }
+        }
+        let refused = [
+            ("repetition_penalty", "1.2", true, "not supported"),
+            ("best_of", "2", false, "not supported"),
+            ("echo", "true", false, "not supported"),
+            ("ignore_eos", "true", false, "not supported"),
+            ("suffix", r#""tail""#, false, "not supported"),
+            ("stop_token_ids", "[5]", true, "not supported"),
+            (
+                "response_format",
+                r#"{"type":"json_object"}"#,
+                true,
+                "not supported",
+            ),
+            ("messages", "[]", false, "unknown field"),
+            ("prompt", r#""x""#, true, "unknown field"),
+            ("temprature", "1", true, "unknown field"),
+        ];
+        for (name, v, chat, says) in refused {
+            let e = err(&body(chat, name, v), chat);
+            assert_eq!(e.param.as_deref(), Some(name), "{name} = {v}");
+            assert!(e.message.contains(says), "{name} = {v}: {}", e.message);
+        }
+    }
 }
