@@ -272,7 +272,6 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     const u32 tile = blockIdx.x;
     const u32 chunks = a.inter / 32u, tiles = (a.d + 15) / 16;
     const u32 steps = (chunks + STEP_CHUNKS - 1) / STEP_CHUNKS;
-    const u16* h = a.h;
 
     constexpr u32 PER_ITEM = 4 * 32;
     const u32 group = max(1u, (PART_FLOATS / PER_ITEM) / steps);
@@ -281,7 +280,7 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
     auto item_lane = [&](u32 g0, u32 it, Lane& L) {
         const u32 u = g0 + it / steps;
         const u64 t = (u64)uniq[unit_rank[u]] * tiles + tile;
-        const u16* hr = h + (u64)unit_h[u * COLS + g] * a.inter;
+        const u16* hr = a.h + (u64)unit_h[u * COLS + g] * a.inter;
         lane_init<F>(L, a.w2 + t * tile_bytes(chunks), a.s2 + t * tile_scale_bytes<F>(chunks), chunks, hr, hr,
                      lane);
     };

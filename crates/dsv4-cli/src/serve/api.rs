@@ -146,7 +146,6 @@ fn check_other_fields(body: &Map<String, Value>, chat: bool) -> Result<(), ApiEr
             continue;
         }
         let empty = |v: &Value| match v {
-            Value::Null => true,
             Value::Array(a) => a.is_empty(),
             Value::Object(o) => o.is_empty(),
             Value::String(s) => s.is_empty(),
@@ -155,29 +154,24 @@ fn check_other_fields(body: &Map<String, Value>, chat: bool) -> Result<(), ApiEr
         let neutral = match name {
             "user" | "metadata" | "store" | "service_tier" | "parallel_tool_calls" => true,
             "frequency_penalty" | "presence_penalty" | "top_logprobs" | "min_p" | "min_tokens" => {
-                v.is_null() || v.as_f64() == Some(0.0)
+                v.as_f64() == Some(0.0)
             }
-            "repetition_penalty" | "length_penalty" | "best_of" => {
-                v.is_null() || v.as_f64() == Some(1.0)
-            }
-            "top_k" => v.is_null() || v.as_i64() == Some(0) || v.as_i64() == Some(-1),
+            "repetition_penalty" | "length_penalty" | "best_of" => v.as_f64() == Some(1.0),
+            "top_k" => v.as_i64() == Some(0) || v.as_i64() == Some(-1),
             "logprobs"
             | "echo"
             | "ignore_eos"
             | "include_stop_str_in_output"
-            | "use_beam_search" => v.is_null() || v == &Value::Bool(false),
-            "skip_special_tokens" | "spaces_between_special_tokens" => {
-                v.is_null() || v == &Value::Bool(true)
-            }
-            "prompt_logprobs" => v.is_null(),
+            | "use_beam_search" => v == &Value::Bool(false),
+            "skip_special_tokens" | "spaces_between_special_tokens" => v == &Value::Bool(true),
+            "prompt_logprobs" => false,
             "logit_bias" | "tools" | "functions" | "suffix" | "stop_token_ids" => empty(v),
-            "tool_choice" | "function_call" => v.is_null() || v == "none",
-            "response_format" => {
-                v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
-            }
+            "tool_choice" | "function_call" => v == "none",
+            "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
             _ => return Err(ApiError::bad(name, format!("unknown field `{name}`"))),
         };
-        if !neutral {
+        // Null is every such field's default.
+        if !(v.is_null() || neutral) {
             return Err(ApiError::bad(
                 name,
                 format!("`{name}` = {v} is not supported by this server"),

@@ -123,16 +123,27 @@ const CPU_PREFILL_CHUNK: usize = 64;
 /// measured apart from the model's, as on the GPU; a `prefill` in between runs them first, as
 /// the GPU's stream would (a freed slot's step must not run on the sequence read into it).
 pub struct Cpu {
-    pub model: CpuModel,
-    pub capacity: usize,
-    pub runs: Vec<Option<(SequenceState, Sampler, u32)>>,
+    model: CpuModel,
+    capacity: usize,
+    runs: Vec<Option<(SequenceState, Sampler, u32)>>,
     /// The last launch's slots, not run yet.
-    pub launched: Vec<usize>,
+    launched: Vec<usize>,
     /// The last launch's tokens, once run.
-    pub tokens: Vec<u32>,
+    tokens: Vec<u32>,
 }
 
 impl Cpu {
+    /// `slots` sequences of at most `capacity` positions each.
+    pub fn new(model: CpuModel, capacity: usize, slots: usize) -> Cpu {
+        Cpu {
+            model,
+            capacity,
+            runs: (0..slots).map(|_| None).collect(),
+            launched: Vec::new(),
+            tokens: Vec::new(),
+        }
+    }
+
     /// Runs the launched step, if it has not run.
     fn run_launched(&mut self) -> Result<()> {
         for slot in std::mem::take(&mut self.launched) {

@@ -135,13 +135,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         std::thread::spawn(move || {
             let loaded: Result<Box<dyn engine::Backend>> = match chosen {
                 Backend::Cpu => load_model(&dir).map(|model| {
-                    Box::new(engine::Cpu {
-                        model,
-                        capacity: gpu.max_context.unwrap_or(max_positions),
-                        runs: (0..max_batch).map(|_| None).collect(),
-                        launched: Vec::new(),
-                        tokens: Vec::new(),
-                    }) as Box<dyn engine::Backend>
+                    let capacity = gpu.max_context.unwrap_or(max_positions);
+                    Box::new(engine::Cpu::new(model, capacity, max_batch))
+                        as Box<dyn engine::Backend>
                 }),
                 Backend::Cuda => {
                     // By default 64k positions in all, shared by the slots.
