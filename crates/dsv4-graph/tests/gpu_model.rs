@@ -406,7 +406,7 @@ fn decode_sequences(
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_batched_sequences_decode_as_each_alone() {
     let steps = sanitizer_length(40, 8);
-    let (mut model, seqs) = eight_sequences(|i| (i, 3 + 11 * i), |i| i % 4 == 1, 1000);
+    let (mut model, seqs) = sequences(8, |i| (i, 3 + 11 * i), |i| i % 4 == 1, 1000);
     let vocab = model.config().vocab_size;
     let together = Run::Together { packed: false };
     let alone = decode_sequences(&mut model, &seqs, steps, Run::Alone, true);
@@ -423,6 +423,34 @@ fn gpu_batched_sequences_decode_as_each_alone() {
     assert_as_alone(&batch, &alone, &seqs, vocab);
 }
 
+/// Every batch-size bucket's decode graph (1, 2, 4, 8 and 16 sequences, the first n of sixteen
+/// of different lengths, greedy and sampled) replays bit-identical to its eager launches:
+/// the same tokens and the same logits' bits, step after step.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_every_batch_bucket_replays_bit_identical_to_eager() {
+    let steps = sanitizer_length(24, 4);
+    let (mut model, all) = sequences(16, |i| (3 * i, 2 + 5 * i), |i| i % 4 == 1, 3000);
+    let together = Run::Together { packed: false };
+    for n in [1, 2, 4, 8, 16] {
+        let seqs = &all[..n];
+        let eager = decode_sequences(&mut model, seqs, steps, together, false);
+        let graph = decode_sequences(&mut model, seqs, steps, together, true);
+        for (i, (g, e)) in graph.iter().zip(&eager).enumerate() {
+            assert_eq!(
+                g.0, e.0,
+                "{n} sequences, sequence {i}: graph and eager tokens"
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&g.1) == bits(&e.1),
+                "{n} sequences, sequence {i}: graph and eager logits' bits"
+            );
+            assert_eq!(g.0.len(), steps + 1, "{n} sequences, sequence {i}: tokens");
+        }
+    }
+}
+
 /// Eight prompts read together (the row-wise work over all their tokens at once, each one's
 /// attention over its own slot), one of them in two parts with its slot parked between, then
 /// decoded together: each sequence gives what it gives alone, as in
@@ -433,7 +461,7 @@ fn gpu_prompts_read_together_decode_as_each_alone() {
     let steps = sanitizer_length(24, 6);
     // 1 to 36 tokens each, 148 in all; parts past 16 tokens run their attention in sub-chunks.
     let lens = [1, 7, 19, 36, 2, 30, 17, 36];
-    let (mut model, seqs) = eight_sequences(|i| (10 * i, lens[i]), |_| false, 2000);
+    let (mut model, seqs) = sequences(8, |i| (10 * i, lens[i]), |_| false, 2000);
     let vocab = model.config().vocab_size;
     assert!(model.chunk() >= 148, "chunk {}", model.chunk());
     let alone = decode_sequences(&mut model, &seqs, steps, Run::Alone, false);
@@ -447,18 +475,19 @@ fn gpu_prompts_read_together_decode_as_each_alone() {
     assert_as_alone(&packed, &alone, &seqs, vocab);
 }
 
-/// The long fixture on the GPU with eight slots of 160 positions, and eight sequences: sequence
-/// i's prompt the `span(i)` = (first, length) of the fixture's ids, greedy for even i, else
-/// drawn at temperature 0.8 (with top-p 0.9 where `top_p(i)`), seeded from `seed`.
-fn eight_sequences(
+/// The long fixture on the GPU with `count` slots of 160 positions, and `count` sequences:
+/// sequence i's prompt the `span(i)` = (first, length) of the fixture's ids, greedy for even i,
+/// else drawn at temperature 0.8 (with top-p 0.9 where `top_p(i)`), seeded from `seed`.
+fn sequences(
+    count: usize,
     span: impl Fn(usize) -> (usize, usize),
     top_p: impl Fn(usize) -> bool,
     seed: u64,
 ) -> (GpuModel, Vec<(Vec<u32>, Sampling)>) {
     let dir = dsv4_tests::fixtures_dir().join("long");
     let ids = load_oracle(&dir).input_ids;
-    let model = gpu_model_of(&dir, &device(), 160, 8).unwrap();
-    let seqs = (0..8)
+    let model = gpu_model_of(&dir, &device(), 160, count).unwrap();
+    let seqs = (0..count)
         .map(|i| {
             let s = Sampling {
                 temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
