@@ -214,6 +214,11 @@ struct BenchArgs {
     /// The phase a profiler started with `--profile-from-start off` sees.
     #[arg(long, value_enum, default_value = "decode")]
     profile: Phase,
+    /// Write a timeline of one decode graph replay here: each launch's start, first
+    /// dependency wait, end and place on the path, from stamps every warp leaves on the GPU's
+    /// clock (GPU 0). The stamps cost time, so the run's other figures are not comparable.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -666,6 +671,37 @@ fn time_decode(
     Ok((total * 1e3 / steps as f64, host * 1e6 / steps as f64))
 }
 
+/// Warp records a timeline keeps for each SM: a 24-layer Flash decode step leaves about 4,000.
+const TIMELINE_RECORDS_PER_SM: u32 = 16384;
+
+/// One replay of `graph` on a timeline device, laid out by `dsv4_ops::gpu::timeline` into `path`.
+fn write_timeline(model: &mut GpuModel, graph: &DecodeGraph, path: &Path) -> Result<()> {
+    use dsv4_ops::gpu::timeline::{kernel_names, launches, report};
+    let dev = model.device().clone();
+    dev.synchronize()?;
+    dev.timeline_clear()?;
+    graph.replay(model)?;
+    let (records, dropped) = dev.timeline_records()?;
+    let spans = launches(&records);
+    let first = spans.iter().map(|s| s.start).min().unwrap_or(0);
+    let last = spans.iter().map(|s| s.end).max().unwrap_or(0);
+    std::fs::write(path, report(&spans, &kernel_names()))
+        .with_context(|| format!("writing the timeline to {}", path.display()))?;
+    println!(
+        "timeline of one decode graph replay: {} launches over {:.1} µs ({} warp records{}) in {}",
+        spans.len(),
+        (last - first) as f64 / 1e3,
+        records.len(),
+        if dropped > 0 {
+            format!(", {dropped} more dropped: the log was full")
+        } else {
+            String::new()
+        },
+        path.display()
+    );
+    Ok(())
+}
+
 /// Decode runs of a bench: eager, graph, graph without programmatic launch.
 const DECODE_RUNS: usize = 3;
 
@@ -683,6 +719,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         .and_then(|d| d.checked_add(batches.len() * (a.decode + 1)))
         .and_then(|d| d.checked_add(a.prompt))
         .and_then(|d| d.checked_add(a.context))
+        .and_then(|d| d.checked_add(usize::from(a.timeline.is_some())))
         .context("--context + --prompt + 3 · --decode overflows")?;
     let context = a.max_context.unwrap_or(needed + 1);
     if needed > context {
@@ -693,8 +730,14 @@ fn bench(a: BenchArgs) -> Result<()> {
             a.decode
         );
     }
+    let first = match a.timeline {
+        Some(_) => Arc::new(
+            Device::with_timeline(0, TIMELINE_RECORDS_PER_SM)
+                .context("opening CUDA device 0 with a timeline")?,
+        ),
+        None => first_device()?,
+    };
     // Before the model takes the memory its 2 GiB of buffers need.
-    let first = first_device()?;
     let bw = dsv4_ops::gpu::bandwidth::measure_copy_bandwidth(&first, 1 << 30, 20)?;
     // The buffers' stream-ordered frees return their memory at a synchronization.
     first.synchronize()?;
@@ -810,6 +853,9 @@ fn bench(a: BenchArgs) -> Result<()> {
     model.device().profile(a.profile == Phase::Decode)?;
     let (graph_ms, graph_host) = time_decode(&mut model, a.decode, |m| Ok(graph.replay(m)?))?;
     model.device().profile(false)?;
+    if let Some(path) = &a.timeline {
+        write_timeline(&mut model, &graph, path)?;
+    }
     let pdl = &dsv4_ops::gpu::gemv::tuning::PROGRAMMATIC_LAUNCH;
     pdl.set(false);
     let plain = DecodeGraph::capture(&mut model, 1);

@@ -71,12 +71,6 @@ __device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ u64 global_ns() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // After the block's pushes: thread r < world tells rank r that this block's part from `rank`
 // for call `seq` has landed.
 __device__ __forceinline__ void coll_signal(const CollPeers& peers, u32 rank, u32 world, u32 seq) {

@@ -226,6 +226,66 @@ __device__ __forceinline__ u32 token_pos(const u32* __restrict__ pos, u32 t, u32
 // compressor rows and entries, position), and it sees no keys.
 #define PARKED 0xffffffffu
 
+// The GPU's global clock, in ns (the same on every SM).
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// ---- timeline (`dsv4 bench --timeline`; dsv4_kernels::timeline) ----
+//
+// In a timeline build (DSV4_TIMELINE) the loader puts DSV4_TIMELINE_SCOPE(tag) at the top of
+// every kernel. As each warp leaves, its lane 0 appends one record to its SM's part of the log
+// the host put in `dsv4_timeline_log`: the kernel's tag, the SM, warp and block, the grid's
+// block count, and in %globaltimer ns the warp's entry, the return from its first
+// griddepcontrol.wait (0 without one) and its exit. The log: TIMELINE_SMS u32 counts, then
+// `dsv4_timeline_per_sm` records of TIMELINE_WORDS u64 per SM; records past that are dropped
+// (the count still grows, so the host sees the overflow).
+#ifdef DSV4_TIMELINE
+extern "C" {
+__device__ u64 dsv4_timeline_log;
+__device__ u32 dsv4_timeline_per_sm;
+}
+constexpr u32 TIMELINE_SMS = 256, TIMELINE_WORDS = 5;
+// Per warp: when its first wait returned (this kernel's static shared memory).
+__device__ __forceinline__ u64* timeline_waits() {
+    __shared__ u64 waits[32];
+    return waits;
+}
+__device__ __forceinline__ void timeline_mark_wait() {
+    if ((threadIdx.x & 31u) == 0u) {
+        u64* w = timeline_waits() + threadIdx.x / 32u;
+        if (*w == 0u) *w = global_ns();
+    }
+}
+struct TimelineScope {
+    u64 entry;
+    u32 tag;
+    __device__ explicit TimelineScope(u32 t) : entry(global_ns()), tag(t) {
+        if ((threadIdx.x & 31u) == 0u) timeline_waits()[threadIdx.x / 32u] = 0u;
+    }
+    __device__ ~TimelineScope() {
+        if ((threadIdx.x & 31u) != 0u || dsv4_timeline_log == 0u) return;
+        const u64 exit = global_ns();
+        u32 sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        sm %= TIMELINE_SMS;
+        const u32 i = atomicAdd(reinterpret_cast<u32*>(dsv4_timeline_log) + sm, 1u);
+        if (i >= dsv4_timeline_per_sm) return;
+        u64* r = reinterpret_cast<u64*>(dsv4_timeline_log + 4u * TIMELINE_SMS) +
+                 ((u64)sm * dsv4_timeline_per_sm + i) * TIMELINE_WORDS;
+        const u32 warp = threadIdx.x / 32u, block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        r[0] = ((u64)tag << 32) | ((u64)sm << 16) | warp;
+        r[1] = ((u64)block << 32) | (gridDim.x * gridDim.y * gridDim.z);
+        r[2] = entry;
+        r[3] = timeline_waits()[warp];
+        r[4] = exit;
+    }
+};
+#define DSV4_TIMELINE_SCOPE(tag) ::dsv4::TimelineScope dsv4_timeline_scope_(tag)
+#endif
+
 // ---- programmatic dependent launch ----
 //
 // Every kernel of a decode step launches with the programmatic-serialization attribute, so it
@@ -237,7 +297,12 @@ __device__ __forceinline__ u32 token_pos(const u32* __restrict__ pos, u32 t, u32
 // other stream writes after it. `pdl_launch_dependents` lets the successor start launching; a
 // kernel calls it after its own wait, so at most two grids of a stream are resident.
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifdef DSV4_TIMELINE
+    timeline_mark_wait();
+#endif
+}
 
 __device__ __forceinline__ void pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -57,6 +57,34 @@ pub fn nvrtc_version() -> Result<(i32, i32), KernelError> {
 /// ranges long enough to fill it.
 pub const GEMV_FP8_RING: u32 = 6;
 
+/// What a family's image is built for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Build {
+    #[default]
+    Plain,
+    /// Every kernel stamps its warps into a device log ([`crate::timeline`]).
+    Timeline,
+}
+
+impl Build {
+    /// The family's source as this build compiles it.
+    pub fn source(self, family: &KernelFamily) -> std::borrow::Cow<'static, str> {
+        match self {
+            Build::Plain => family.source.into(),
+            Build::Timeline => crate::timeline::instrument(family.source).into(),
+        }
+    }
+
+    /// NVRTC options for a target in this build.
+    pub fn options(self, arch: Arch) -> Vec<String> {
+        let mut opts = compile_options(arch);
+        if self == Build::Timeline {
+            opts.push("-DDSV4_TIMELINE".to_string());
+        }
+        opts
+    }
+}
+
 /// NVRTC options for a target. Identical for run-time loading and `check-kernels`, so a clean
 /// check means a clean run-time build.
 pub fn compile_options(arch: Arch) -> Vec<String> {
@@ -156,6 +184,15 @@ fn read_sized(
 
 /// Compiles one family for `arch` with [`compile_options`] and the embedded headers.
 pub fn compile_family(family: &KernelFamily, arch: Arch) -> Result<CompiledImage, KernelError> {
+    compile_family_as(family, arch, Build::Plain)
+}
+
+/// [`compile_family`] for a build.
+pub fn compile_family_as(
+    family: &KernelFamily,
+    arch: Arch,
+    build: Build,
+) -> Result<CompiledImage, KernelError> {
     require_nvrtc()?;
     let name = family.name;
     let cstr = |s: &str| {
@@ -167,7 +204,7 @@ pub fn compile_family(family: &KernelFamily, arch: Arch) -> Result<CompiledImage
             log: String::new(),
         })
     };
-    let src = cstr(family.source)?;
+    let src = cstr(&build.source(family))?;
     let file = cstr(family.file)?;
     let header_contents = HEADERS
         .iter()
@@ -179,7 +216,8 @@ pub fn compile_family(family: &KernelFamily, arch: Arch) -> Result<CompiledImage
         .collect::<Result<Vec<_>, _>>()?;
     let contents_ptrs: Vec<*const c_char> = header_contents.iter().map(|c| c.as_ptr()).collect();
     let name_ptrs: Vec<*const c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
-    let options = compile_options(arch)
+    let options = build
+        .options(arch)
         .into_iter()
         .map(|o| cstr(&o))
         .collect::<Result<Vec<_>, _>>()?;
@@ -301,6 +339,18 @@ mod tests {
                 assert!(log.contains("undefined_name"), "log: {log}");
             }
             other => panic!("expected a compile error, got {other:?}"),
+        }
+    }
+
+    /// Every family's timeline build compiles (the scopes and the log's stores).
+    #[test]
+    #[ignore = "needs NVRTC on the loader path; cargo xtask check-kernels runs it"]
+    fn nvrtc_compiles_every_family_for_a_timeline() {
+        assert!(nvrtc_available(), "NVRTC is not on the loader path");
+        for family in crate::FAMILIES {
+            let img = compile_family_as(family, Arch::Sm90a, Build::Timeline)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(&img.image[..4], b"\x7fELF", "{}", family.name);
         }
     }
 

@@ -15,14 +15,15 @@ mod cache;
 mod compile;
 mod registry;
 mod sources;
+pub mod timeline;
 
 pub use arch::{Arch, ImageKind};
 pub use cache::{
     decode_entry, encode_entry, CacheKey, CacheLookup, EntryError, KernelCache, KeyInputs,
 };
 pub use compile::{
-    compile_family, compile_options, driver_available, nvrtc_available, nvrtc_version,
-    CompiledImage, GEMV_FP8_RING,
+    compile_family, compile_family_as, compile_options, driver_available, nvrtc_available,
+    nvrtc_version, Build, CompiledImage, GEMV_FP8_RING,
 };
 pub use cudarc;
 pub use cudarc::driver::CudaFunction;

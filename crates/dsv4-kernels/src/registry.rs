@@ -4,11 +4,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 
 use crate::cache::{CacheKey, CacheLookup, KernelCache, KeyInputs};
-use crate::compile::{compile_family, compile_options, nvrtc_version};
+use crate::compile::{compile_family, compile_family_as, nvrtc_version, Build};
 use crate::{Arch, ImageKind, KernelError, KernelFamily, FAMILIES, HEADERS};
 
 /// Where a family's image came from.
@@ -46,20 +46,15 @@ pub struct Kernels {
     functions: HashMap<&'static str, CudaFunction>,
     loads: Vec<FamilyLoad>,
     // Functions borrow their module's handle; keep the modules alive with them.
-    _modules: Vec<Arc<CudaModule>>,
+    modules: Vec<Arc<CudaModule>>,
 }
 
-fn key_for(
-    family: &KernelFamily,
-    arch: Arch,
-    options: &[String],
-    nvrtc_version: (i32, i32),
-) -> CacheKey {
+fn key_for(family: &KernelFamily, arch: Arch, build: Build, nvrtc_version: (i32, i32)) -> CacheKey {
     CacheKey::compute(&KeyInputs {
         family: family.name,
-        source: family.source,
+        source: &build.source(family),
         headers: HEADERS,
-        options,
+        options: &build.options(arch),
         arch,
         nvrtc_version,
     })
@@ -69,10 +64,11 @@ fn key_for(
 fn obtain(
     family: &'static KernelFamily,
     arch: Arch,
+    build: Build,
     nvrtc: (i32, i32),
     cache: &KernelCache,
 ) -> Result<(Vec<u8>, FamilyLoad), KernelError> {
-    let key = key_for(family, arch, &compile_options(arch), nvrtc);
+    let key = key_for(family, arch, build, nvrtc);
     let t = Instant::now();
     let lookup = cache.lookup(&key)?;
     let lookup_time = t.elapsed();
@@ -95,7 +91,7 @@ fn obtain(
                 CacheLookup::Miss => ImageSource::Compiled,
             };
             let t = Instant::now();
-            let compiled = compile_family(family, arch)?;
+            let compiled = compile_family_as(family, arch, build)?;
             load.compile = t.elapsed();
             load.log = compiled.log;
             if let Err(e) = cache.store(&key, compiled.kind, &compiled.image) {
@@ -116,6 +112,15 @@ impl Kernels {
     }
 
     pub fn load_with(ctx: &Arc<CudaContext>, cache: &KernelCache) -> Result<Kernels, KernelError> {
+        Kernels::load_as(ctx, cache, Build::Plain)
+    }
+
+    /// [`Kernels::load_with`] for a build.
+    pub fn load_as(
+        ctx: &Arc<CudaContext>,
+        cache: &KernelCache,
+        build: Build,
+    ) -> Result<Kernels, KernelError> {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| KernelError::driver("querying the compute capability", e))?;
@@ -125,7 +130,7 @@ impl Kernels {
         let mut modules = Vec::with_capacity(FAMILIES.len());
         let mut loads = Vec::with_capacity(FAMILIES.len());
         for family in FAMILIES {
-            let (image, mut load) = obtain(family, arch, nvrtc, cache)?;
+            let (image, mut load) = obtain(family, arch, build, nvrtc, cache)?;
             let t = Instant::now();
             let ptx = match arch.image_kind() {
                 ImageKind::Cubin => Ptx::from_binary(image),
@@ -149,7 +154,7 @@ impl Kernels {
             nvrtc_version: nvrtc,
             functions,
             loads,
-            _modules: modules,
+            modules,
         })
     }
 
@@ -169,6 +174,28 @@ impl Kernels {
 
     pub fn loads(&self) -> &[FamilyLoad] {
         &self.loads
+    }
+
+    /// Points every module of a timeline build at its log: `log` (device address) holding
+    /// `per_sm` records for each SM (`DSV4_TIMELINE` in dsv4_common.cuh).
+    pub fn set_timeline_log(
+        &self,
+        stream: &Arc<CudaStream>,
+        log: u64,
+        per_sm: u32,
+    ) -> Result<(), KernelError> {
+        let err = |e| KernelError::driver("setting the timeline log", e);
+        let (log, per_sm) = (log.to_ne_bytes(), per_sm.to_ne_bytes());
+        for module in &self.modules {
+            for (name, value) in [
+                ("dsv4_timeline_log", &log[..]),
+                ("dsv4_timeline_per_sm", &per_sm[..]),
+            ] {
+                let mut at = module.get_global(name, stream).map_err(err)?;
+                stream.memcpy_htod(value, &mut at).map_err(err)?;
+            }
+        }
+        stream.synchronize().map_err(err)
     }
 }
 
@@ -196,10 +223,9 @@ pub struct PrecompileReport {
 /// entry back, timing both. Needs NVRTC but no GPU (`dsv4 kernels --precompile`).
 pub fn precompile(arch: Arch, cache: &KernelCache) -> Result<PrecompileReport, KernelError> {
     let nvrtc = nvrtc_version()?;
-    let options = compile_options(arch);
     let mut families = Vec::with_capacity(FAMILIES.len());
     for family in FAMILIES {
-        let key = key_for(family, arch, &options, nvrtc);
+        let key = key_for(family, arch, Build::Plain, nvrtc);
         let t = Instant::now();
         let compiled = compile_family(family, arch)?;
         cache.store(&key, compiled.kind, &compiled.image)?;
@@ -250,12 +276,7 @@ mod tests {
         let report = precompile(Arch::Sm90a, &cache).unwrap();
         assert_eq!(report.families.len(), FAMILIES.len());
         for (f, t) in FAMILIES.iter().zip(&report.families) {
-            let key = key_for(
-                f,
-                Arch::Sm90a,
-                &compile_options(Arch::Sm90a),
-                report.nvrtc_version,
-            );
+            let key = key_for(f, Arch::Sm90a, Build::Plain, report.nvrtc_version);
             assert!(matches!(
                 cache.lookup(&key).unwrap(),
                 CacheLookup::Hit {
@@ -317,7 +338,7 @@ mod tests {
         let key = key_for(
             &FAMILIES[0],
             cold.arch(),
-            &compile_options(cold.arch()),
+            Build::Plain,
             cold.nvrtc_version(),
         );
         let path = cache.path_for(&key);

@@ -3,11 +3,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute, CUstreamCaptureStatus};
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, PinnedHostSlice};
-use dsv4_kernels::{driver_available, Arch, KernelCache, Kernels};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice,
+};
+use dsv4_kernels::{driver_available, Arch, Build, KernelCache, Kernels};
 
 use super::launch::cluster_attribute;
 use super::tensor::{check_elem, numel};
+use super::timeline::{self, WarpRecord};
 use super::{DType, DeviceElem, DeviceTensor, GpuError};
 
 /// A kernel's launch limits, read from the driver once.
@@ -54,6 +57,9 @@ pub struct Device {
     /// The launchers size every eager launch with kernel limits and occupancy answers, which
     /// the driver computes anew on each call: they are kept here, by kernel name.
     facts: Mutex<HashMap<String, KernelFacts>>,
+    /// A timeline build's log, its device address and its records per SM
+    /// ([`Device::with_timeline`]).
+    timeline: Option<(CudaSlice<u8>, u64, u32)>,
 }
 
 /// A tensor of `holds` elements takes `got` of them: an error naming `what` otherwise.
@@ -84,6 +90,21 @@ impl Device {
     }
 
     pub fn with_kernel_cache(ordinal: usize, cache: &KernelCache) -> Result<Device, GpuError> {
+        Device::open(ordinal, cache, None)
+    }
+
+    /// Opens device `ordinal` with the kernels' timeline build, whose every launch stamps its
+    /// warps into a log of `per_sm` records an SM ([`Device::timeline_clear`],
+    /// [`Device::timeline_records`]). The stamps cost time: for a timeline, not for timings.
+    pub fn with_timeline(ordinal: usize, per_sm: u32) -> Result<Device, GpuError> {
+        Device::open(ordinal, &KernelCache::from_env()?, Some(per_sm))
+    }
+
+    fn open(
+        ordinal: usize,
+        cache: &KernelCache,
+        timeline: Option<u32>,
+    ) -> Result<Device, GpuError> {
         if !driver_available() {
             return Err(GpuError::NoDriver);
         }
@@ -124,7 +145,26 @@ impl Device {
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             "shared memory limit per block",
         )?;
-        let kernels = Kernels::load_with(&ctx, cache)?;
+        let build = if timeline.is_some() {
+            Build::Timeline
+        } else {
+            Build::Plain
+        };
+        let kernels = Kernels::load_as(&ctx, cache, build)?;
+        let timeline = match timeline {
+            Some(per_sm) => {
+                let log = stream
+                    .alloc_zeros::<u8>(timeline::log_bytes(per_sm))
+                    .map_err(GpuError::driver("allocating the timeline log"))?;
+                let addr = {
+                    let (addr, _sync) = log.device_ptr(&stream);
+                    addr
+                };
+                kernels.set_timeline_log(&stream, addr, per_sm)?;
+                Some((log, addr, per_sm))
+            }
+            None => None,
+        };
         Ok(Device {
             ordinal,
             name,
@@ -138,7 +178,51 @@ impl Device {
             sm_count,
             max_block_shared,
             facts: Mutex::default(),
+            timeline,
         })
+    }
+
+    /// Empties the timeline log (after the work issued so far): the launches from here on
+    /// fill it.
+    pub fn timeline_clear(&self) -> Result<(), GpuError> {
+        let (_, addr, _) = self.timeline_log()?;
+        // SAFETY: the log's first COUNT_BYTES, alive as long as the device, ordered on its
+        // stream.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                addr,
+                0,
+                timeline::COUNT_BYTES,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(GpuError::driver("clearing the timeline log"))
+    }
+
+    /// The timeline log's records since [`Device::timeline_clear`] (waits for the stream), and
+    /// how many were dropped past its room.
+    pub fn timeline_records(&self) -> Result<(Vec<WarpRecord>, usize), GpuError> {
+        let (log, _, per_sm) = self.timeline_log()?;
+        let bytes = self
+            .stream
+            .clone_dtoh(log)
+            .map_err(GpuError::driver("reading the timeline log"))?;
+        self.stream
+            .synchronize()
+            .map_err(GpuError::driver("reading the timeline log"))?;
+        Ok(timeline::parse(&bytes, per_sm))
+    }
+
+    fn timeline_log(&self) -> Result<(&CudaSlice<u8>, u64, u32), GpuError> {
+        self.timeline
+            .as_ref()
+            .map(|(log, addr, n)| (log, *addr, *n))
+            .ok_or_else(|| {
+                GpuError::invalid(
+                    "timeline",
+                    "the device was not opened with a timeline".to_string(),
+                )
+            })
     }
 
     pub fn ordinal(&self) -> usize {

@@ -31,6 +31,7 @@ pub mod stager;
 mod tensor;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
+pub mod timeline;
 
 pub use device::{Device, Readback};
 pub use launch::launch_function;
