@@ -24,20 +24,34 @@ pub fn names() -> HashMap<u32, &'static str> {
 }
 
 /// `source` with `DSV4_TIMELINE_SCOPE(<tag>u);` right after the opening brace of every kernel
-/// declared with `DSV4_KERNEL` (not in comments or in the macro's own definition).
+/// defined with `DSV4_KERNEL` (not in comments, in the macro's own definition or in a
+/// declaration without a body).
 pub fn instrument(source: &str) -> String {
+    const MACRO: &str = "DSV4_KERNEL";
     let mut out = String::with_capacity(source.len() + 4096);
     let mut copied = 0;
     let mut from = 0;
-    while let Some(at) = source[from..].find("DSV4_KERNEL").map(|i| from + i) {
-        from = at + "DSV4_KERNEL".len();
+    while let Some(at) = source[from..].find(MACRO).map(|i| from + i) {
+        from = at + MACRO.len();
         let line = &source[source[..at].rfind('\n').map_or(0, |i| i + 1)..at];
-        if line.contains("//") || line.trim_start().starts_with('#') {
+        let in_block_comment = source[..at].rfind("/*") > source[..at].rfind("*/");
+        let word_goes_on = source[from..]
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+        if line.contains("//")
+            || line.trim_start().starts_with('#')
+            || in_block_comment
+            || word_goes_on
+        {
             continue;
         }
         let Some(brace) = source[from..].find('{').map(|i| from + i) else {
             break;
         };
+        if source[from..brace].contains(';') {
+            continue;
+        }
         let Some(name) = kernel_name(&source[from..brace]) else {
             continue;
         };
@@ -117,5 +131,16 @@ mod tests {
             tag("copy")
         )));
         assert!(out.contains("// DSV4_KERNEL void old(float* x) { }\n"));
+        // A block comment, a longer name and a declaration without a body are no kernels.
+        let src = "/* DSV4_KERNEL void a(float* x) { } */\n\
+                   #define DSV4_KERNEL_BOUNDS 128\n\
+                   DSV4_KERNEL void ahead(float* x);\n\
+                   DSV4_KERNEL void ahead(float* x) { x[0] = 0.0f; }\n";
+        let out = instrument(src);
+        assert_eq!(out.matches("DSV4_TIMELINE_SCOPE(").count(), 1, "{out}");
+        assert!(out.contains(&format!(
+            "ahead(float* x) {{ DSV4_TIMELINE_SCOPE({}u);",
+            tag("ahead")
+        )));
     }
 }

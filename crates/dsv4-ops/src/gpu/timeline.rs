@@ -78,8 +78,9 @@ pub struct LaunchSpan {
 
 /// The records grouped into launches, in order of their ends. A launch is told from the
 /// kernel's other launches of the same grid by order: the k-th stamp of a (block, warp) in
-/// entry order belongs to its k-th launch (launches of one kernel and grid run one after the
-/// other on a stream; such launches on the two streams at once can be mixed up).
+/// entry order belongs to its k-th launch. That holds for launches of one kernel and grid one
+/// after the other on a stream with the same block size; such launches on the two streams at
+/// once, or with different block sizes, can be mixed up.
 pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
     let mut order: Vec<&WarpRecord> = records.iter().collect();
     order.sort_by_key(|r| (r.entry, r.exit));
@@ -184,6 +185,19 @@ mod tests {
             wait,
             exit,
         }
+    }
+
+    #[test]
+    fn the_log_layout_is_the_kernels() {
+        let common = dsv4_kernels::HEADERS
+            .iter()
+            .find(|h| h.name == "dsv4_common.cuh")
+            .unwrap();
+        let want = format!("TIMELINE_SMS = {SMS}, TIMELINE_WORDS = {WORDS};");
+        assert!(
+            common.contents.contains(&want),
+            "dsv4_common.cuh lacks `{want}`"
+        );
     }
 
     #[test]
