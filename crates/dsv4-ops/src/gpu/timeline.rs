@@ -128,7 +128,9 @@ pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
 /// A table of `spans` (from [`launches`]), µs from the first launch's start: each launch's
 /// start, first wait return and end, its place on the path (its end minus the previous end),
 /// its hand-over (its first wait return minus the latest end before it), blocks, SMs and
-/// kernel name (`names`: by tag).
+/// kernel name (`names`: by tag). Then the split of the whole span by kernel: each kernel's
+/// launches and their places on the path summed (together the span from the first start to
+/// the last end), largest first.
 pub fn report(spans: &[LaunchSpan], names: &HashMap<u32, &str>) -> String {
     let t0 = spans.iter().map(|s| s.start).min().unwrap_or(0);
     let us = |t: u64| (t as f64 - t0 as f64) / 1e3;
@@ -158,6 +160,28 @@ pub fn report(spans: &[LaunchSpan], names: &HashMap<u32, &str>) -> String {
             names.get(&s.tag).copied().unwrap_or("?"),
         );
         prev = s.end;
+    }
+    let mut by_kernel: HashMap<&str, (usize, u64)> = HashMap::new();
+    let mut prev = t0;
+    for s in spans {
+        let k = by_kernel
+            .entry(names.get(&s.tag).copied().unwrap_or("?"))
+            .or_default();
+        k.0 += 1;
+        k.1 += s.end - prev;
+        prev = s.end;
+    }
+    let total = (prev - t0).max(1) as f64;
+    let mut split: Vec<_> = by_kernel.into_iter().collect();
+    split.sort_by(|a, b| b.1 .1.cmp(&a.1 .1).then(a.0.cmp(b.0)));
+    out.push_str("\nlaunches  on path (µs)  share  kernel\n");
+    for (name, (n, t)) in split {
+        let _ = writeln!(
+            out,
+            "{n:8} {:14.2} {:5.1}%  {name}",
+            t as f64 / 1e3,
+            100.0 * t as f64 / total
+        );
     }
     out
 }
@@ -232,11 +256,23 @@ mod tests {
         let names = HashMap::from([(7, "seven"), (9, "nine")]);
         let table = report(&spans, &names);
         let lines: Vec<&str> = table.lines().collect();
-        assert_eq!(lines.len(), 4, "{table}");
+        assert_eq!(lines.len(), 4 + 1 + 3, "{table}");
         // nine: ends 2.2 us after seven, and its first wait returned 0.2 us after seven ended.
         assert!(lines[2].ends_with("nine"), "{table}");
         assert!(
             lines[2].contains(" 2.20 ") && lines[2].contains(" 0.20 "),
+            "{table}"
+        );
+        // The split: seven's two launches 2.30 + 5.81 us of the 10.31 from first start to
+        // last end, nine's 2.20.
+        assert!(
+            lines[6].trim_start().starts_with("2 ")
+                && lines[6].contains(" 8.11 ")
+                && lines[6].ends_with("seven"),
+            "{table}"
+        );
+        assert!(
+            lines[7].contains(" 2.20 ") && lines[7].contains("21.3%") && lines[7].ends_with("nine"),
             "{table}"
         );
     }
