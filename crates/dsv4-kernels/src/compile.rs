@@ -58,9 +58,8 @@ pub fn nvrtc_version() -> Result<(i32, i32), KernelError> {
 pub const GEMV_FP8_RING: u32 = 6;
 
 /// What a family's image is built for.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Build {
-    #[default]
     Plain,
     /// Every kernel stamps its warps into a device log ([`crate::timeline`]).
     Timeline,
