@@ -1241,6 +1241,37 @@ pub(crate) fn staging_bytes(
     Ok(bytes as u32)
 }
 
+/// Dynamic shared memory for `kernel`'s blocks of `threads` threads, at least `least` bytes,
+/// that holds a multiprocessor to at most `per_sm` of them (`least` where no more fit already,
+/// or where no amount does): found by bisection on the occupancy calculator.
+pub(crate) fn shared_for_at_most(
+    dev: &Device,
+    kernel: &str,
+    threads: u32,
+    least: u32,
+    per_sm: u32,
+) -> Result<u32, GpuError> {
+    let fits = |bytes: u32| -> Result<bool, GpuError> {
+        Ok(dev.resident_blocks(kernel, threads, bytes)? <= per_sm)
+    };
+    let most = (dev.max_block_shared() - dev.kernel_limits(kernel)?.static_shared) as u32;
+    if per_sm == 0 || fits(least)? || !fits(most)? {
+        return Ok(least);
+    }
+    // fits(lo) is false, fits(hi) true; the calculator counts shared memory in whole
+    // allocation units, so a quarter KB is close enough.
+    let (mut lo, mut hi) = (least, most);
+    while hi - lo > 256 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid)? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Ok(hi)
+}
+
 /// Most blocks of a tile that sum inside one cluster (the portable cluster size).
 const MAX_CLUSTER_SUM: usize = 8;
 
@@ -1764,6 +1795,27 @@ pub mod reference {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+    fn gpu_shared_for_at_most_holds_a_multiprocessor_to_that_many_blocks() {
+        let dev = crate::gpu::testing::device();
+        let (kernel, threads, least) = ("moe_gate_up_nvfp4", 128, 8192);
+        let full = dev.resident_blocks(kernel, threads, least).unwrap();
+        assert!(full >= 2, "{full} blocks of {kernel} an SM");
+        for per_sm in 0..=full + 1 {
+            let bytes = shared_for_at_most(&dev, kernel, threads, least, per_sm).unwrap();
+            let held = dev.resident_blocks(kernel, threads, bytes).unwrap();
+            if per_sm == 0 || per_sm >= full {
+                assert_eq!((bytes, held), (least, full), "{per_sm} an SM");
+                continue;
+            }
+            assert_eq!(held, per_sm, "{bytes} bytes");
+            // Within a quarter KB of the least that holds it there.
+            let less = dev.resident_blocks(kernel, threads, bytes - 257).unwrap();
+            assert!(bytes - 257 < least || less > per_sm, "{bytes} bytes");
+        }
+    }
 
     #[test]
     fn args_layout_matches_the_cuda_struct() {
