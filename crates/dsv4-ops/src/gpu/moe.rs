@@ -597,9 +597,9 @@ pub fn moe_decode(
     let up_shared = staging_bytes(dev, &gate_up, up_threads, 0, m.min(8) * d * 2)?;
     args.stage = u32::from(up_shared > 0);
     // One token's blocks all work: held to as many an SM as the grid needs (by shared memory),
-    // they spread over every SM instead of filling some to the cap while the shared expert
-    // holds others (H200, 12 Flash layers: gate+up 24.5 -> 21.4 us after its wait; 24 layers
-    // 3.317 -> 3.270 ms a token). A batch's working blocks depend on the routing.
+    // no SM takes more than its share, as it may under the register cap of four (H200, 12
+    // Flash layers: gate+up 24.5 -> 21.4 us after its wait; 24 layers 3.317 -> 3.270 ms a
+    // token). A batch's working blocks depend on the routing, so batches launch as before.
     let up_dynamic = if m == 1 {
         let per_sm = (up_blocks as usize * topk).div_ceil(dev.sm_count());
         shared_for_at_most(dev, &gate_up, up_threads, up_shared, per_sm as u32)?
