@@ -70,7 +70,9 @@ pub struct LaunchSpan {
     pub tag: u32,
     pub blocks: u32,
     pub warps: usize,
+    /// SMs its blocks ran on, and the most blocks one of them ran.
     pub sms: usize,
+    pub most_per_sm: usize,
     pub start: u64,
     pub wait: Option<u64>,
     pub end: u64,
@@ -85,7 +87,9 @@ pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
     let mut order: Vec<&WarpRecord> = records.iter().collect();
     order.sort_by_key(|r| (r.entry, r.exit));
     let mut seen: HashMap<(u32, u32, u32, u16), usize> = HashMap::new();
-    let mut spans: HashMap<(u32, u32, usize), (LaunchSpan, Vec<u16>)> = HashMap::new();
+    // Per (tag, grid, k): the span and its warps' (SM, block) places.
+    type Places = Vec<(u16, u32)>;
+    let mut spans: HashMap<(u32, u32, usize), (LaunchSpan, Places)> = HashMap::new();
     for r in order {
         let k = seen.entry((r.tag, r.grid, r.block, r.warp)).or_insert(0);
         let (span, sms) = spans.entry((r.tag, r.grid, *k)).or_insert_with(|| {
@@ -95,6 +99,7 @@ pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
                     blocks: r.grid,
                     warps: 0,
                     sms: 0,
+                    most_per_sm: 0,
                     start: r.entry,
                     wait: None,
                     end: r.exit,
@@ -110,14 +115,18 @@ pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        sms.push(r.sm);
+        sms.push((r.sm, r.block));
     }
     let mut out: Vec<LaunchSpan> = spans
         .into_values()
-        .map(|(mut span, mut sms)| {
-            sms.sort_unstable();
-            sms.dedup();
-            span.sms = sms.len();
+        .map(|(mut span, mut blocks)| {
+            blocks.sort_unstable();
+            blocks.dedup();
+            // Runs of one SM's distinct blocks.
+            for run in blocks.chunk_by(|a, b| a.0 == b.0) {
+                span.sms += 1;
+                span.most_per_sm = span.most_per_sm.max(run.len());
+            }
             span
         })
         .collect();
@@ -127,15 +136,15 @@ pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
 
 /// A table of `spans` (from [`launches`]), µs from the first launch's start: each launch's
 /// start, first wait return and end, its place on the path (its end minus the previous end),
-/// its hand-over (its first wait return minus the latest end before it), blocks, SMs and
-/// kernel name (`names`: by tag). Then the split of the whole span by kernel: each kernel's
+/// its hand-over (its first wait return minus the latest end before it), blocks, SMs, the
+/// most blocks on one SM and kernel name (`names`: by tag). Then the split of the whole span by kernel: each kernel's
 /// launches and their places on the path summed (together the span from the first start to
 /// the last end), largest first.
 pub fn report(spans: &[LaunchSpan], names: &HashMap<u32, &str>) -> String {
     let t0 = spans.iter().map(|s| s.start).min().unwrap_or(0);
     let us = |t: u64| (t as f64 - t0 as f64) / 1e3;
     let mut out =
-        String::from("   start     wait      end  on path  hand-over  blocks  SMs  kernel\n");
+        String::from("   start     wait      end  on path  hand-over  blocks  SMs  most  kernel\n");
     let mut prev = t0;
     for (i, s) in spans.iter().enumerate() {
         let hand_over = s.wait.and_then(|w| {
@@ -149,7 +158,7 @@ pub fn report(spans: &[LaunchSpan], names: &HashMap<u32, &str>) -> String {
         let opt = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.2}"));
         let _ = writeln!(
             out,
-            "{:8.2} {:>8} {:8.2} {:8.2} {:>10} {:7} {:4}  {}",
+            "{:8.2} {:>8} {:8.2} {:8.2} {:>10} {:7} {:4} {:5}  {}",
             us(s.start),
             opt(s.wait.map(us)),
             us(s.end),
@@ -157,6 +166,7 @@ pub fn report(spans: &[LaunchSpan], names: &HashMap<u32, &str>) -> String {
             opt(hand_over),
             s.blocks,
             s.sms,
+            s.most_per_sm,
             names.get(&s.tag).copied().unwrap_or("?"),
         );
         prev = s.end;
@@ -275,6 +285,23 @@ mod tests {
             lines[7].contains(" 2.20 ") && lines[7].contains("21.3%") && lines[7].ends_with("nine"),
             "{table}"
         );
+    }
+
+    #[test]
+    fn a_launch_counts_its_sms_and_the_most_blocks_on_one() {
+        // Five blocks of two warps on SMs block % 3: SMs 0 and 1 ran two blocks each, SM 2 one.
+        let records: Vec<WarpRecord> = (0..5u32)
+            .flat_map(|b| (0..2u16).map(move |w| rec(4, b, w, 5, 10 * b as u64, None, 100)))
+            .collect();
+        let spans = launches(&records);
+        assert_eq!(spans.len(), 1);
+        assert_eq!(
+            (spans[0].sms, spans[0].most_per_sm, spans[0].warps),
+            (3, 2, 10)
+        );
+        let table = report(&spans, &HashMap::from([(4, "four")]));
+        let row = table.lines().nth(1).unwrap();
+        assert!(row.ends_with("      5    3     2  four"), "{table}");
     }
 
     #[test]
