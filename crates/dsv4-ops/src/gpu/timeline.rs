@@ -92,7 +92,7 @@ pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
     let mut spans: HashMap<(u32, u32, usize), (LaunchSpan, Places)> = HashMap::new();
     for r in order {
         let k = seen.entry((r.tag, r.grid, r.block, r.warp)).or_insert(0);
-        let (span, sms) = spans.entry((r.tag, r.grid, *k)).or_insert_with(|| {
+        let (span, places) = spans.entry((r.tag, r.grid, *k)).or_insert_with(|| {
             (
                 LaunchSpan {
                     tag: r.tag,
@@ -115,15 +115,15 @@ pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        sms.push((r.sm, r.block));
+        places.push((r.sm, r.block));
     }
     let mut out: Vec<LaunchSpan> = spans
         .into_values()
-        .map(|(mut span, mut blocks)| {
-            blocks.sort_unstable();
-            blocks.dedup();
+        .map(|(mut span, mut places)| {
+            places.sort_unstable();
+            places.dedup();
             // Runs of one SM's distinct blocks.
-            for run in blocks.chunk_by(|a, b| a.0 == b.0) {
+            for run in places.chunk_by(|a, b| a.0 == b.0) {
                 span.sms += 1;
                 span.most_per_sm = span.most_per_sm.max(run.len());
             }
@@ -137,9 +137,9 @@ pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
 /// A table of `spans` (from [`launches`]), µs from the first launch's start: each launch's
 /// start, first wait return and end, its place on the path (its end minus the previous end),
 /// its hand-over (its first wait return minus the latest end before it), blocks, SMs, the
-/// most blocks on one SM and kernel name (`names`: by tag). Then the split of the whole span by kernel: each kernel's
-/// launches and their places on the path summed (together the span from the first start to
-/// the last end), largest first.
+/// most blocks on one SM and kernel name (`names`: by tag). Then the split of the whole span
+/// by kernel: each kernel's launches and their places on the path summed (together the span
+/// from the first start to the last end), largest first.
 pub fn report(spans: &[LaunchSpan], names: &HashMap<u32, &str>) -> String {
     let t0 = spans.iter().map(|s| s.start).min().unwrap_or(0);
     let us = |t: u64| (t as f64 - t0 as f64) / 1e3;
