@@ -645,6 +645,19 @@ mod tests {
 
     #[test]
     #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+    fn gpu_a_plain_device_refuses_timeline_calls_by_name() {
+        let dev = device();
+        for err in [
+            dev.timeline_clear().unwrap_err(),
+            dev.timeline_records().unwrap_err(),
+        ] {
+            let err = err.to_string();
+            assert!(err.contains("not opened with a timeline"), "{err}");
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
     fn gpu_copy_and_write_take_their_tensor_s_length_only() {
         let dev = device();
         // Pool tensors, whose views are tensors too.
