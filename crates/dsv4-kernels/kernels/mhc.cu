@@ -1,8 +1,9 @@
 // Manifold-constrained hyper-connections (spec §4) for hc_mult = 4 streams: the mix
 // projection of the RMS-normalized streams spread over many blocks (hc_mix_partials), then
-// one block per token finishing the mix from the partials, then running Sinkhorn in one warp
-// beside the collapse with the sub-layer's RMSNorm in the others (hc_pre, and hc_head with pre
-// weights only and the output norm); the expansion back fused with the next site's mix projection (hc_post_mix).
+// one block per token finishing the mix from the partials beside the collapse with the
+// sub-layer's RMSNorm (hc_pre, and hc_head with pre weights only and the output norm); Sinkhorn
+// on the comb logits in a launch of its own beside the sub-layer (hc_comb); the expansion back
+// fused with the next site's mix projection (hc_post_mix).
 //
 // The stream count is a compile-time 4 (every DeepSeek-V4 model), so the mixing arrays stay
 // in registers. Products and sums the CPU reference rounds one by one use __f*_rn in its
@@ -154,10 +155,12 @@ DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_mix_partials_t16(const float*
 }
 
 // The expansion into out, then the next site's mix projection (fn [mix, HC * d]) of out:
-// out[t, e] for flattened column e = j * d + c, written as mix_block stages it.
+// out[t, e] for flattened column e = j * d + c, written as mix_block stages it. A non-null
+// y_plus is added to y first (one rounding: the MoE's shared expert beside its routed ones).
 template <u32 TPB>
 __device__ __forceinline__ void post_mix(const float* __restrict__ streams, const float* __restrict__ y,
-                                         const float* __restrict__ post, const float* __restrict__ comb, u32 d,
+                                         const float* __restrict__ y_plus, const float* __restrict__ post,
+                                         const float* __restrict__ comb, u32 d,
                                          float* __restrict__ out, const float* __restrict__ fn, u32 mix,
                                          float* __restrict__ partials, u32 n) {
     const u32 width = HC * d;
@@ -165,7 +168,8 @@ __device__ __forceinline__ void post_mix(const float* __restrict__ streams, cons
         const u32 j = e / d, c = e % d;
         const float* s = streams + (u64)t * width;
         const float* m = comb + (u64)t * HC * HC;
-        float acc = __fmul_rn(post[(u64)t * HC + j], y[(u64)t * d + c]);
+        const float yv = y_plus ? __fadd_rn(y[(u64)t * d + c], y_plus[(u64)t * d + c]) : y[(u64)t * d + c];
+        float acc = __fmul_rn(post[(u64)t * HC + j], yv);
 #pragma unroll
         for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(m[i * HC + j], s[(u64)i * d + c]));
         out[(u64)t * width + e] = acc;
@@ -174,18 +178,18 @@ __device__ __forceinline__ void post_mix(const float* __restrict__ streams, cons
 }
 
 DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_post_mix(const float* __restrict__ streams, const float* __restrict__ y,
-                             const float* __restrict__ post, const float* __restrict__ comb, u32 d,
-                             float* __restrict__ out, const float* __restrict__ fn, u32 mix,
-                             float* __restrict__ partials) {
-    post_mix<1>(streams, y, post, comb, d, out, fn, mix, partials, gridDim.y);
+                             const float* __restrict__ y_plus, const float* __restrict__ post,
+                             const float* __restrict__ comb, u32 d, float* __restrict__ out,
+                             const float* __restrict__ fn, u32 mix, float* __restrict__ partials) {
+    post_mix<1>(streams, y, y_plus, post, comb, d, out, fn, mix, partials, gridDim.y);
 }
 
 // Sixteen tokens a block (launches of more than sixteen): each fn value read once for them.
 DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_post_mix_t16(const float* __restrict__ streams, const float* __restrict__ y,
-                                const float* __restrict__ post, const float* __restrict__ comb, u32 d,
-                                float* __restrict__ out, const float* __restrict__ fn, u32 mix,
-                                float* __restrict__ partials, u32 n) {
-    post_mix<16>(streams, y, post, comb, d, out, fn, mix, partials, n);
+                                const float* __restrict__ y_plus, const float* __restrict__ post,
+                                const float* __restrict__ comb, u32 d, float* __restrict__ out,
+                                const float* __restrict__ fn, u32 mix, float* __restrict__ partials, u32 n) {
+    post_mix<16>(streams, y, y_plus, post, comb, d, out, fn, mix, partials, n);
 }
 
 // mu[k] = rsqrt(mean(s^2) + eps) * (fn[k, :] . s) for k < mix, from one token's `splits`
@@ -344,11 +348,13 @@ __device__ __forceinline__ void token_pre(const float* __restrict__ part, u32 sp
 }
 
 // After hc_mix_partials: streams [n, HC * d] -> the normalized sub-layer input xn [n, d] (and
-// its bf16 copy xb), post [n, HC], comb [n, HC * HC]. One block per token (grid-stride): its
-// last warp writes post and runs Sinkhorn while the others collapse and normalize.
+// its bf16 copy xb), post [n, HC], and comb [n, HC * HC] as the Sinkhorn's logits (hc_comb
+// finishes them beside the sub-layer: only the expansion at its end reads them). One block per
+// token (grid-stride): its last warp writes post and the logits while the others collapse and
+// normalize.
 DSV4_KERNEL void __launch_bounds__(1024) hc_pre(const float* __restrict__ streams, u32 n, u32 d, const float* __restrict__ partials,
                         u32 splits, const float* __restrict__ base, const float* __restrict__ scale,
-                        u32 sinkhorn_iters, float hc_eps, float norm_eps, const float* __restrict__ weight,
+                        float hc_eps, float norm_eps, const float* __restrict__ weight,
                         float eps, float* __restrict__ xn, u16* __restrict__ xb, float* __restrict__ post,
                         float* __restrict__ comb) {
     __shared__ SiteShared sh;
@@ -361,19 +367,31 @@ DSV4_KERNEL void __launch_bounds__(1024) hc_pre(const float* __restrict__ stream
         if (threadIdx.x < collapse_threads) load_held_streams(sv, streams + (u64)t * width, d, collapse_threads);
         token_pre(partials + (u64)t * splits * PART, splits, MIX, width, norm_eps, hc_eps, sh);
         if (threadIdx.x >= collapse_threads) {
-            // The last warp: lanes 0..3 the post weights, lanes 0..15 one comb element each.
-            const u32 lane = threadIdx.x - collapse_threads, k = lane & 15u;
+            // The last warp: lanes 0..3 the post weights, lanes 0..15 one comb logit each.
+            const u32 lane = threadIdx.x - collapse_threads;
             if (lane < HC)
                 post[(u64)t * HC + lane] =
                     __fmul_rn(2.0f, sigmoid_rn(__fadd_rn(__fmul_rn(sh.scale[1], sh.mu[HC + lane]), sh.base[HC + lane])));
-            const float c = __fadd_rn(__fmul_rn(sh.scale[2], sh.mu[2 * HC + k]), sh.base[2 * HC + k]);
-            const float m = sinkhorn_lane(c, lane, sinkhorn_iters, hc_eps);
-            if (lane < HC * HC) comb[(u64)t * HC * HC + lane] = m;
+            if (lane < HC * HC)
+                comb[(u64)t * HC * HC + lane] = __fadd_rn(__fmul_rn(sh.scale[2], sh.mu[2 * HC + lane]), sh.base[2 * HC + lane]);
         } else {
             collapse_norm(streams + (u64)t * width, sv, d, sh.pre, weight, wh, eps, xn + (u64)t * d,
                           xb + (u64)t * d, sh.scratch, collapse_threads);
         }
         __syncthreads();  // pre and mu are rewritten for the next token
+    }
+}
+
+// Sinkhorn on each token's comb logits from hc_pre, in place: a warp a token (grid-stride),
+// lanes 0..15 one element each.
+DSV4_KERNEL void hc_comb(float* __restrict__ comb, u32 n, u32 sinkhorn_iters, float hc_eps) {
+    pdl_enter();
+    const u32 lane = threadIdx.x & 31u, warps = gridDim.x * blockDim.x / 32u;
+    for (u32 t = (blockIdx.x * blockDim.x + threadIdx.x) / 32u; t < n; t += warps) {
+        float* c = comb + (u64)t * HC * HC;
+        const float m = sinkhorn_lane(c[lane & 15u], lane, sinkhorn_iters, hc_eps);
+        __syncwarp();  // every lane has read its logit before lanes 0..15 overwrite them
+        if (lane < HC * HC) c[lane] = m;
     }
 }
 

@@ -152,6 +152,7 @@ pub const FAMILIES: &[KernelFamily] = &[
             "hc_post_mix_t16",
             "hc_pre",
             "hc_head",
+            "hc_comb",
         ],
     },
     KernelFamily {

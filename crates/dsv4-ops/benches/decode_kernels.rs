@@ -432,7 +432,17 @@ impl FormatLaunch for StepOp {
                 out,
                 next,
                 partials,
-            } => mhc::hc_post_mix(dev, streams, y, mix, out, next, &STEP_PARAMS, partials)?,
+            } => mhc::hc_post_mix(
+                dev,
+                streams,
+                y,
+                None,
+                mix,
+                out,
+                next,
+                &STEP_PARAMS,
+                partials,
+            )?,
             StepOp::Rope { q, inv_freq, pos } => {
                 rows::rope_rows(dev, q, 512, inv_freq, pos, rows::RopeDirection::Forward)?
             }

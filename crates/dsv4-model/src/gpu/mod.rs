@@ -25,7 +25,7 @@ use dsv4_ops::gpu::collective::{
 use dsv4_ops::gpu::gemv::{gemv, gemv_grouped, gemv_swiglu, GemvWeight};
 use dsv4_ops::gpu::mhc::reference::HcParams;
 use dsv4_ops::gpu::mhc::{
-    hc_head, hc_mix, hc_post_mix, hc_pre, DeviceHcMix, DeviceHcSite, NormedInput, HC,
+    hc_comb, hc_head, hc_mix, hc_post_mix, hc_pre, DeviceHcMix, DeviceHcSite, NormedInput, HC,
 };
 use dsv4_ops::gpu::moe::{moe_chunk, moe_decode, MoeChunkScratch, MoeOut};
 use dsv4_ops::gpu::moe_bf16::moe_bf16;
@@ -1385,28 +1385,37 @@ impl GpuModel {
             };
             runs.push((bufs.layers[l].view(seqs)?, seqs.positions(a)?, *p));
         }
-        let attn = |a: &mut _| {
+        let hc = &self.hc;
+        let attn = |a: &mut buffers::Acts<Taking>| {
+            // The site's Sinkhorn beside the first run's output projection.
+            let mut comb = Some(a.comb.rows(n)?);
             for (ls, pos, rows) in &mut runs {
-                attention_layer(dev, c, w, lw, ls, a, rows, pos)?;
+                let sinkhorn = comb.as_mut().map(|comb| (hc, comb));
+                attention_layer(dev, c, w, lw, ls, a, rows, pos, sinkhorn)?;
+                comb = None;
             }
-            reduce(a, |a| &a.y)
+            reduce(a, |a| &a.y)?;
+            Ok(None)
         };
         let site = Site {
             hc: &lw.hc_attn,
             norm: &lw.attn_norm,
             next: &lw.hc_ffn,
         };
-        hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, attn, |a| &a.y)?;
+        hc_sublayer(dev, hc, a, n, &mut cur, site, eps, attn, |a| &a.y)?;
+        // Over several GPUs the ranks' sums are reduced in one buffer: the shared expert's
+        // output is not left apart there.
         let ffn = |a: &mut _| {
-            moe_layer(dev, c, lw, a, n, &tokens)?;
-            reduce(a, |a| &a.moe)
+            let plus = moe_layer(dev, c, hc, lw, a, n, &tokens, tp.is_none())?;
+            reduce(a, |a| &a.moe)?;
+            Ok(plus)
         };
         let site = Site {
             hc: &lw.hc_ffn,
             norm: &lw.ffn_norm,
             next: w.entry_site(l + 1),
         };
-        hc_sublayer(dev, &self.hc, a, n, &mut cur, site, eps, ffn, |a| &a.moe)?;
+        hc_sublayer(dev, hc, a, n, &mut cur, site, eps, ffn, |a| &a.moe)?;
         debug_assert_eq!(cur, 0);
         Ok(())
     }
@@ -1452,9 +1461,9 @@ struct Site<'a> {
 }
 
 /// One mHC sub-layer (attention or MoE) on `streams[*cur]`, whose mix projection is in
-/// `acts.mix_partials`: [`site_pre`], `block` (which writes its output to `out(a)`), then the
-/// expansion into the other stream buffer, which `*cur` then names, with the next site's mix
-/// projection.
+/// `acts.mix_partials`: [`site_pre`], `block` (which writes its output to `out(a)`, and returns
+/// a second part of it where it leaves one apart), then the expansion into the other stream
+/// buffer, which `*cur` then names, with the next site's mix projection.
 #[allow(clippy::too_many_arguments)]
 fn hc_sublayer(
     dev: &Device,
@@ -1464,16 +1473,17 @@ fn hc_sublayer(
     cur: &mut usize,
     site: Site,
     eps: f32,
-    block: impl FnOnce(&mut buffers::Acts<Taking>) -> Result<(), GpuError>,
+    block: impl FnOnce(&mut buffers::Acts<Taking>) -> Result<Option<DeviceTensor<f32>>, GpuError>,
     out: fn(&buffers::Acts<Taking>) -> &DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
     let src = a.streams[*cur].rows(n)?;
     let mut dst = a.streams[1 - *cur].rows(n)?;
     let mix = site_pre(dev, p, a, n, &src, site.hc, site.norm, eps)?;
-    block(a)?;
+    let plus = block(a)?;
     let y = out(a).rows(n)?;
     let mut part = a.mix_partials.rows(n)?;
-    hc_post_mix(dev, &src, &y, &mix, &mut dst, site.next, p, &mut part)?;
+    let plus = plus.as_ref();
+    hc_post_mix(dev, &src, &y, plus, &mix, &mut dst, site.next, p, &mut part)?;
     *cur = 1 - *cur;
     Ok(())
 }
@@ -1528,7 +1538,8 @@ fn linear_f32(
 }
 
 /// Attention sub-layer of the tokens of `rows` at `pos` over the state `ls`: those rows of
-/// `acts.xn`/`acts.xb` in, of `acts.y` out (every scratch buffer from its first row).
+/// `acts.xn`/`acts.xb` in, of `acts.y` out (every scratch buffer from its first row). A
+/// `sinkhorn` comb ([`hc_comb`]) is finished on the side stream beside the output projection.
 #[allow(clippy::too_many_arguments)]
 fn attention_layer(
     dev: &Device,
@@ -1539,6 +1550,7 @@ fn attention_layer(
     a: &mut buffers::Acts<Taking>,
     rows: &Part,
     pos: &DeviceTensor<u32>,
+    sinkhorn: Option<(&HcParams, &mut DeviceTensor<f32>)>,
 ) -> Result<(), GpuError> {
     let n = rows.len;
     let at = &lw.attn;
@@ -1658,7 +1670,13 @@ fn attention_layer(
     // this layer's next chunk reads it, and the join below comes before the next layer
     // rewrites kv_n (or the position moves on).
     dev.fork()?;
-    dev.on_side(|| attention::window_write(dev, &kv_n, pos, &mut ls.window))?;
+    dev.on_side(|| {
+        attention::window_write(dev, &kv_n, pos, &mut ls.window)?;
+        match sinkhorn {
+            Some((p, comb)) => hc_comb(dev, p, comb),
+            None => Ok(()),
+        }
+    })?;
     // Grouped output projection: group g's heads (columns) through its rows of wo_a, in one
     // launch, then wo_b.
     let mut z = a.z.rows(n)?;
@@ -1823,21 +1841,35 @@ fn select(
 }
 
 /// MoE sub-layer of `n` tokens: `acts.xn`/`acts.xb` in, `acts.moe` out (routed + shared).
+#[allow(clippy::too_many_arguments)]
 fn moe_layer(
     dev: &Device,
     c: &Config,
+    hc: &HcParams,
     lw: &DevLayer,
     a: &mut buffers::Acts<Taking>,
     n: usize,
     tokens: &DeviceTensor<u32>,
-) -> Result<(), GpuError> {
+    apart: bool,
+) -> Result<Option<DeviceTensor<f32>>, GpuError> {
     let m = &lw.moe;
     let xb = a.xb.rows(n)?;
-    // The shared expert on the side stream, beside the routing and the routed experts' gate
-    // and up projections: its output goes to `out` first, and the routed experts' down
-    // projection, once the side has joined, adds their sum onto it.
+    // The shared expert on the side stream, beside the routing and the routed experts.
+    // `apart` (one sub-chunk): it writes `moe_shared`, the routed experts write `moe`, and the
+    // side joins after them, so that the routed down projection launches programmatically
+    // while gate+up drains (a join in front of it would make it wait for gate+up's end); the
+    // expansion adds the two. Otherwise its output goes to `acts.moe` first, and the routed
+    // experts' down projection, once the side has joined, adds their sum onto it. The site's
+    // Sinkhorn follows the shared expert there.
     let mut sh = a.shared_h.rows(n)?;
+    let mut comb = a.comb.rows(n)?;
     let mut out = a.moe.rows(n)?;
+    let apart = apart && n <= MAX_CHUNK;
+    let mut shared = if apart {
+        a.moe_shared.rows(n)?
+    } else {
+        a.moe.rows(n)?
+    };
     dev.fork()?;
     dev.on_side(|| {
         gemv_swiglu(
@@ -1848,7 +1880,8 @@ fn moe_layer(
             &mut sh,
             &mut a.ws_side,
         )?;
-        gemv(dev, &sh, &m.shared_w2, &mut out, &mut a.ws_side)
+        gemv(dev, &sh, &m.shared_w2, &mut shared, &mut a.ws_side)?;
+        hc_comb(dev, hc, &mut comb)
     })?;
     let mut logits = a.gate.rows(n)?;
     let by = match &m.routing {
@@ -1890,7 +1923,7 @@ fn moe_layer(
             xp: a.moe_x.rows(n)?,
         };
         let join = || dev.join();
-        return moe_chunk(
+        moe_chunk(
             dev,
             &xb,
             &ids,
@@ -1900,12 +1933,13 @@ fn moe_layer(
             &mut scratch,
             &mut out,
             join,
-        );
+        )?;
+        return Ok(None);
     }
     // The routed experts a sub-chunk at a time; the first joins the shared expert before its
-    // down projection adds onto the shared expert's output.
+    // down projection adds onto the shared expert's output (unless apart).
     for (j, (first, rows)) in sub_chunks(n).into_iter().enumerate() {
-        let join = || if j == 0 { dev.join() } else { Ok(()) };
+        let join = || if j == 0 && !apart { dev.join() } else { Ok(()) };
         let (x, ids, wts) = (
             row_range(&xb, first, rows)?,
             row_range(&ids, first, rows)?,
@@ -1915,17 +1949,27 @@ fn moe_layer(
         match &m.experts {
             RoutedExperts::Fp4(e) => {
                 let mut h = a.h_b.rows(rows)?;
-                let onto = MoeOut::F32Add(&mut out);
+                let onto = if apart {
+                    MoeOut::F32(&mut out)
+                } else {
+                    MoeOut::F32Add(&mut out)
+                };
                 moe_decode(dev, &x, &ids, &wts, e, c.swiglu_limit, &mut h, onto, join)?;
             }
             RoutedExperts::Bf16(e) => {
                 let mut h = a.h.rows(rows)?;
                 let limit = c.swiglu_limit;
-                moe_bf16(dev, &x, &ids, &wts, e, limit, &mut h, &mut out, true, join)?;
+                moe_bf16(
+                    dev, &x, &ids, &wts, e, limit, &mut h, &mut out, !apart, join,
+                )?;
             }
         }
     }
-    Ok(())
+    if !apart {
+        return Ok(None);
+    }
+    dev.join()?;
+    Ok(Some(shared))
 }
 
 /// How a model fits `world` GPUs, worked out before anything is allocated.

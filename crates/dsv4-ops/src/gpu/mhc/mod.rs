@@ -1,7 +1,8 @@
 //! Launchers of the mHC kernels (`kernels/mhc.cu`): per token, the mix projection of the
 //! RMS-normalized streams, spread over many blocks ([`hc_mix`], or fused into the previous
-//! site's expansion, [`hc_post_mix`]); Sinkhorn and the collapse from it with the sub-layer's
-//! RMSNorm ([`hc_pre`], [`hc_head`]); the expansion back ([`hc_post_mix`]). Four streams (every DeepSeek-V4 model).
+//! site's expansion, [`hc_post_mix`]); the collapse from it with the sub-layer's RMSNorm
+//! ([`hc_pre`], [`hc_head`]); Sinkhorn on the comb, beside the sub-layer ([`hc_comb`]); the
+//! expansion back ([`hc_post_mix`]). Four streams (every DeepSeek-V4 model).
 //! CPU references: [`reference`].
 
 pub mod reference;
@@ -103,8 +104,8 @@ fn by_tokens(
     Ok((many, LaunchConfig { grid_dim, ..cfg }))
 }
 
-/// `(tokens, D)` of `streams [n, HC·D]`, once the model's stream count is the kernels'.
-fn stream_dims(streams: &DeviceTensor<f32>, p: &HcParams) -> Result<(usize, usize), GpuError> {
+/// Whether the model's stream count is the kernels'.
+fn check_streams(p: &HcParams) -> Result<(), GpuError> {
     if p.n != HC {
         return Err(GpuError::invalid(
             "mHC",
@@ -114,6 +115,12 @@ fn stream_dims(streams: &DeviceTensor<f32>, p: &HcParams) -> Result<(usize, usiz
             ),
         ));
     }
+    Ok(())
+}
+
+/// `(tokens, D)` of `streams [n, HC·D]`, once the model's stream count is the kernels'.
+fn stream_dims(streams: &DeviceTensor<f32>, p: &HcParams) -> Result<(usize, usize), GpuError> {
+    check_streams(p)?;
     let (n, width) = streams.dims2("mHC streams", DType::F32)?;
     let d = width / HC;
     streams.expect("mHC streams", DType::F32, &[n, HC * d])?;
@@ -162,8 +169,8 @@ impl DeviceHcSite {
     }
 }
 
-/// The mix [`hc_pre`] writes for the matching [`hc_post_mix`], for `n` tokens:
-/// `post [n, HC]` and `comb [n, HC·HC]`.
+/// The mix [`hc_pre`] (and [`hc_comb`]) write for the matching [`hc_post_mix`], for `n`
+/// tokens: `post [n, HC]` and `comb [n, HC·HC]`.
 pub struct DeviceHcMix {
     pub post: DeviceTensor<f32>,
     pub comb: DeviceTensor<f32>,
@@ -189,7 +196,7 @@ impl NormedInput<'_> {
 
 /// One block per token (at most 65535, then grid-stride): about four columns a collapsing
 /// thread, as [`rms_norm_rows`](super::rows::rms_norm_rows) takes for a row of `d` (up to 31
-/// warps), and one more warp for Sinkhorn.
+/// warps), and one more warp for the post weights and the comb logits.
 fn per_token(n: u32, d: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.clamp(1, 65535), 1, 1),
@@ -200,7 +207,9 @@ fn per_token(n: u32, d: u32) -> LaunchConfig {
 
 /// `streams [n, HC·D]` → the site's sub-layer input, collapsed and RMS-normalized, and its mix
 /// (spec §4), all on the device, from the site's mix projection in `partials` ([`hc_mix`] or
-/// [`hc_post_mix`]).
+/// [`hc_post_mix`]). `mix.comb` holds the Sinkhorn's logits until [`hc_comb`] runs: beside the
+/// sub-layer (only the expansion after it reads the comb), so that Sinkhorn's chain of 20
+/// dependent rounds stays off the path into the sub-layer.
 pub fn hc_pre(
     dev: &Device,
     streams: &DeviceTensor<f32>,
@@ -219,7 +228,6 @@ pub fn hc_pre(
         return Ok(());
     }
     let (n32, d32) = (dim_u32("tokens", n)?, dim_u32("hidden", d)?);
-    let iters = dim_u32("sinkhorn iterations", p.sinkhorn_iters)?;
     let (_, splits) = mix_grid(n, d, partials)?;
     // SAFETY: streams [n, 4d], partials [n, splits, 25], base [24], scale [3], weight [d],
     // outputs [n, d] (twice), [n, 4], [n, 16], all checked above.
@@ -236,7 +244,6 @@ pub fn hc_pre(
                 .arg(splits)
                 .ptr(&site.base)
                 .ptr(&site.scale)
-                .arg(iters)
                 .arg(p.hc_eps)
                 .arg(p.norm_eps)
                 .ptr(input.weight)
@@ -245,6 +252,42 @@ pub fn hc_pre(
                 .ptr(input.xb)
                 .ptr(&mix.post)
                 .ptr(&mix.comb),
+        )
+    }
+}
+
+/// Sinkhorn on the comb logits [`hc_pre`] leaves in `comb [n, HC·HC]`, in place: the mix
+/// [`hc_post_mix`] reads.
+pub fn hc_comb(dev: &Device, p: &HcParams, comb: &mut DeviceTensor<f32>) -> Result<(), GpuError> {
+    check_streams(p)?;
+    let (n, _) = comb.dims2("mHC comb", DType::F32)?;
+    comb.expect("mHC comb", DType::F32, &[n, HC * HC])?;
+    if n == 0 {
+        return Ok(());
+    }
+    let iters = dim_u32("sinkhorn iterations", p.sinkhorn_iters)?;
+    // A warp a token, grid-stride past 65535 blocks.
+    let warps = (THREADS / 32) as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            dim_u32("mHC comb blocks", n.div_ceil(warps).min(65535))?,
+            1,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: comb [n, 16], checked above; the kernel's warps stop at token n.
+    unsafe {
+        launch(
+            dev,
+            "hc_comb",
+            cfg,
+            Args::new()
+                .ptr(comb)
+                .arg(dim_u32("tokens", n)?)
+                .arg(iters)
+                .arg(p.hc_eps),
         )
     }
 }
@@ -312,12 +355,15 @@ fn post_dims(
 /// The expansion back, `out[t, j] = post[t, j] · y[t] + Σ_i comb[t, i, j] · streams[t, i]`
 /// (the sub-layer output `y [n, D]` into new streams `out [n, HC·D]`, a buffer other than
 /// `streams`), then [`hc_mix`] of the new streams with `next` (the following site), in one
-/// launch: each block expands its columns and projects them.
+/// launch: each block expands its columns and projects them. A sub-layer output in two parts
+/// (`y_plus`, of y's shape: the MoE's shared expert beside its routed experts) is summed
+/// first, `y + y_plus` rounded once.
 #[allow(clippy::too_many_arguments)]
 pub fn hc_post_mix(
     dev: &Device,
     streams: &DeviceTensor<f32>,
     y: &DeviceTensor<f32>,
+    y_plus: Option<&DeviceTensor<f32>>,
     mix: &DeviceHcMix,
     out: &mut DeviceTensor<f32>,
     next: &DeviceHcSite,
@@ -325,6 +371,9 @@ pub fn hc_post_mix(
     partials: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
     let (n, d) = post_dims(streams, y, mix, out)?;
+    if let Some(plus) = y_plus {
+        plus.expect("mHC second sub-layer output", DType::F32, &[n, d])?;
+    }
     stream_dims(out, p)?;
     let rows = next.rows(d)?;
     let (cfg, _) = mix_grid(n, d, partials)?;
@@ -335,6 +384,7 @@ pub fn hc_post_mix(
     let mut args = Args::new();
     args.ptr(streams)
         .ptr(y)
+        .arg(y_plus.map_or(0, |t| t.device_address()))
         .ptr(&mix.post)
         .ptr(&mix.comb)
         .arg(d32)
@@ -343,7 +393,7 @@ pub fn hc_post_mix(
         .arg(mix32)
         .ptr(partials);
     let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_post_mix", "hc_post_mix_t16")?;
-    // SAFETY: streams and out [n, 4d] (distinct tensors), y [n, d], post [n, 4], comb [n, 16],
+    // SAFETY: streams and out [n, 4d] (distinct tensors), y (and y_plus) [n, d], post [n, 4], comb [n, 16],
     // fn [mix, 4d], partials [n, splits, MIX + 1], checked above; the sixteen-token kernel
     // skips tokens past n.
     unsafe { launch(dev, kernel, cfg, &args) }

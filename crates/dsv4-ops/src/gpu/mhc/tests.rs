@@ -1,6 +1,6 @@
 //! GPU tests of the mHC kernels against their CPU references on fresh random inputs. The
-//! mix logits are summed in another order and expf may differ by an ulp, so hc_pre and hc_head
-//! are held to bounds (post and comb within 1e-5, the normalized input within 2e-5 of its
+//! mix logits are summed in another order and expf may differ by an ulp, so hc_pre (with
+//! hc_comb) and hc_head are held to bounds (post and comb within 1e-5, the normalized input within 2e-5 of its
 //! largest magnitude, its BF16 copy its rounding); the expansion, given the same mix, is
 //! bit-exact. All `#[ignore]`d:
 //! `cargo xtask gpu-test`.
@@ -98,6 +98,7 @@ fn gpu_hc_pre_and_head_match_reference() {
             xb: &mut xb,
         };
         hc_pre(&dev, &sd, &site_d, &p, &part, input, &mut mix).unwrap();
+        hc_comb(&dev, &p, &mut mix.comb).unwrap();
         let (x, post, comb) = (
             dev.download(&xn).unwrap(),
             dev.download(&mix.post).unwrap(),
@@ -157,6 +158,30 @@ fn gpu_hc_pre_and_head_match_reference() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_hc_comb_matches_reference() {
+    let dev = device();
+    let mut rng = rng("gpu_hc_comb_matches_reference");
+    // A warp a token, eight a block: one token, a block's worth and some past it, many blocks.
+    for (iter, n) in [1, 8, 9, 70, 1000].into_iter().enumerate() {
+        let p = HcParams {
+            sinkhorn_iters: [20, 0, 1, 3, 20][iter],
+            ..params()
+        };
+        let logits = uniform(&mut rng, n * HC * HC, -8.0, 8.0);
+        let mut comb = dev.upload(DType::F32, &[n, HC * HC], &logits).unwrap();
+        hc_comb(&dev, &p, &mut comb).unwrap();
+        let got = dev.download(&comb).unwrap();
+        for t in 0..n {
+            let mut want = logits[t * HC * HC..(t + 1) * HC * HC].to_vec();
+            cpu::sinkhorn(&mut want, HC, p.sinkhorn_iters, p.hc_eps);
+            let what = format!("n {n}, {} iterations, token {t}", p.sinkhorn_iters);
+            assert_close(&what, &got[t * HC * HC..(t + 1) * HC * HC], &want, 1e-5);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
     let dev = device();
     let mut rng = rng("gpu_hc_post_mix_matches_reference_bit_for_bit");
@@ -169,7 +194,10 @@ fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
             rng.random_range(17..90)
         };
         let streams = uniform(&mut rng, n * HC * d, -3.0, 3.0);
-        let y = uniform(&mut rng, n * d, -3.0, 3.0);
+        // y in two parts too (the MoE's routed and shared experts): y_plus is added first.
+        let y_part = uniform(&mut rng, n * d, -3.0, 3.0);
+        let y_plus = uniform(&mut rng, n * d, -3.0, 3.0);
+        let y: Vec<f32> = y_part.iter().zip(&y_plus).map(|(a, b)| a + b).collect();
         let post = uniform(&mut rng, n * HC, 0.0, 2.0);
         let comb = uniform(&mut rng, n * HC * HC, 0.0, 1.0);
         let mut want = streams.clone();
@@ -190,6 +218,8 @@ fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
         };
         let sd = dev.upload(DType::F32, &[n, HC * d], &streams).unwrap();
         let yd = dev.upload(DType::F32, &[n, d], &y).unwrap();
+        let y_part = dev.upload(DType::F32, &[n, d], &y_part).unwrap();
+        let y_plus = dev.upload(DType::F32, &[n, d], &y_plus).unwrap();
         let want_d = dev.upload(DType::F32, &[n, HC * d], &want).unwrap();
         // Into a layer site's mix projection, then the head's: the new streams are the
         // reference's bits, and the partials those hc_mix gives on the reference's streams.
@@ -206,10 +236,36 @@ fn gpu_hc_post_mix_matches_reference_bit_for_bit() {
             hc_mix(&dev, &want_d, &next, &p, &mut want_part).unwrap();
             let mut fused = poisoned(&dev, &[n, HC * d]);
             let mut part = poisoned(&dev, &mix_partials_shape(n, d));
-            hc_post_mix(&dev, &sd, &yd, &mix, &mut fused, &next, &p, &mut part).unwrap();
+            hc_post_mix(&dev, &sd, &yd, None, &mix, &mut fused, &next, &p, &mut part).unwrap();
             let what = format!("iter {iter}: n {n}, d {d}, into a {rows}-row mix");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
             assert_bits_eq(&what, &bits(&dev.download(&fused).unwrap()), &bits(&want));
+            let mut summed = poisoned(&dev, &[n, HC * d]);
+            let mut summed_part = poisoned(&dev, &mix_partials_shape(n, d));
+            let parts = Some(&y_plus);
+            hc_post_mix(
+                &dev,
+                &sd,
+                &y_part,
+                parts,
+                &mix,
+                &mut summed,
+                &next,
+                &p,
+                &mut summed_part,
+            )
+            .unwrap();
+            let what_sum = format!("{what}, y in two parts");
+            assert_bits_eq(
+                &what_sum,
+                &bits(&dev.download(&summed).unwrap()),
+                &bits(&want),
+            );
+            assert_bits_eq(
+                &what_sum,
+                &bits(&dev.download(&summed_part).unwrap()),
+                &bits(&dev.download(&part).unwrap()),
+            );
             // Only the first `rows` + 1 entries of each partial are written.
             let (got_p, want_p) = (
                 dev.download(&part).unwrap(),
@@ -315,8 +371,37 @@ fn gpu_mhc_launchers_reject_other_stream_counts_and_shapes() {
     assert!(err.contains("mHC norm weight"), "{err}");
     let y = dev.alloc(DType::F32, &[2, d]).unwrap();
     let mut wrong = dev.alloc(DType::F32, &[2, HC * d + 1]).unwrap();
-    let r = hc_post_mix(&dev, &sd, &y, &mix, &mut wrong, &site, &params(), &mut part);
+    let r = hc_post_mix(
+        &dev,
+        &sd,
+        &y,
+        None,
+        &mix,
+        &mut wrong,
+        &site,
+        &params(),
+        &mut part,
+    );
     assert!(r.is_err(), "new streams of the wrong width");
+    let mut fine = dev.alloc(DType::F32, &[2, HC * d]).unwrap();
+    let short = dev.alloc(DType::F32, &[1, d]).unwrap();
+    let err = hc_post_mix(
+        &dev,
+        &sd,
+        &y,
+        Some(&short),
+        &mix,
+        &mut fine,
+        &site,
+        &params(),
+        &mut part,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("mHC second sub-layer output"), "{err}");
+    let mut comb = dev.alloc(DType::F32, &[2, HC * HC - 1]).unwrap();
+    let err = hc_comb(&dev, &params(), &mut comb).unwrap_err().to_string();
+    assert!(err.contains("mHC comb"), "{err}");
     // The kernels copy fn 16 bytes at a time: an fn one float off a 16-byte boundary is refused.
     let mut pool = crate::gpu::BufferPool::new();
     let room = pool
