@@ -212,7 +212,7 @@ __device__ __forceinline__ void mix_from_partials(const float* __restrict__ part
 
 // Sum of v over the block's first `threads` threads (whole warps), for all of them: a shuffle
 // tree per warp, then over the warps in order. Named barrier 1 syncs only those threads, so a
-// warp past them (hc_pre's Sinkhorn warp) runs on meanwhile. Once per token: the callers'
+// warp past them (hc_pre's mix warp) runs on meanwhile. Once per token: the callers'
 // __syncthreads between tokens orders the reuse of scratch.
 __device__ __forceinline__ float collapse_sum(float v, float* scratch, u32 threads) {
     v = warp_sum(v);

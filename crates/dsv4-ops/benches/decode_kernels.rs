@@ -209,7 +209,8 @@ impl FormatLaunch for ActQuantize {
 
 /// The per-token kernels of a decode step at M = 1, each on its own inputs and outputs.
 enum StepOp {
-    /// One mHC site: the mix projection of the 4 streams, Sinkhorn, collapse and norm.
+    /// One mHC site: the mix projection of the 4 streams, collapse and norm (Sinkhorn is
+    /// `hc_comb`'s, off the path).
     HcPre {
         streams: DeviceTensor<f32>,
         site: mhc::DeviceHcSite,

@@ -1840,7 +1840,8 @@ fn select(
     )
 }
 
-/// MoE sub-layer of `n` tokens: `acts.xn`/`acts.xb` in, `acts.moe` out (routed + shared).
+/// MoE sub-layer of `n` tokens: `acts.xn`/`acts.xb` in, `acts.moe` out (routed + shared, or
+/// with `apart` the routed experts' alone and the shared expert's returned).
 #[allow(clippy::too_many_arguments)]
 fn moe_layer(
     dev: &Device,

@@ -610,7 +610,9 @@ pub fn moe_decode(
     // builds its routing tables and streams its first weights while gate_up finishes. Gate_up
     // launches plainly: it has nothing to load before its inputs are ready, and its blocks
     // started early only hold resources (H200: Flash 36.1 us this way, 40.5 with both under
-    // programmatic serialization, 39.4 with neither; Pro 86.0, 84.4, 87.4).
+    // programmatic serialization, 39.4 with neither; Pro 86.0, 84.4, 87.4). The plain launch
+    // is also what lets down read the expert ids and routing weights before its wait: gate_up
+    // starts only after the router has finished, so they are written by then.
     // SAFETY (both launches): MoeArgs mirrors the kernels' argument; every tensor was checked
     // against (E, D, I, M, top_k) above; the kernels bound-check expert ids and read/write
     // only inside those shapes.
