@@ -393,9 +393,9 @@ pub fn hc_post_mix(
         .arg(mix32)
         .ptr(partials);
     let (kernel, cfg) = by_tokens(n, cfg, &mut args, "hc_post_mix", "hc_post_mix_t16")?;
-    // SAFETY: streams and out [n, 4d] (distinct tensors), y (and y_plus) [n, d], post [n, 4], comb [n, 16],
-    // fn [mix, 4d], partials [n, splits, MIX + 1], checked above; the sixteen-token kernel
-    // skips tokens past n.
+    // SAFETY: streams and out [n, 4d] (distinct tensors), y (and y_plus) [n, d], post [n, 4],
+    // comb [n, 16], fn [mix, 4d], partials [n, splits, MIX + 1], checked above; the
+    // sixteen-token kernel skips tokens past n.
     unsafe { launch(dev, kernel, cfg, &args) }
 }
 

@@ -1,8 +1,8 @@
 //! GPU tests of the mHC kernels against their CPU references on fresh random inputs. The
 //! mix logits are summed in another order and expf may differ by an ulp, so hc_pre (with
-//! hc_comb) and hc_head are held to bounds (post and comb within 1e-5, the normalized input within 2e-5 of its
-//! largest magnitude, its BF16 copy its rounding); the expansion, given the same mix, is
-//! bit-exact. All `#[ignore]`d:
+//! hc_comb) and hc_head are held to bounds (post and comb within 1e-5, the normalized input
+//! within 2e-5 of its largest magnitude, its BF16 copy its rounding); the expansion, given the
+//! same mix, is bit-exact. All `#[ignore]`d:
 //! `cargo xtask gpu-test`.
 
 use rand::rngs::StdRng;
