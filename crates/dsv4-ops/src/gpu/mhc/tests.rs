@@ -402,6 +402,11 @@ fn gpu_mhc_launchers_reject_other_stream_counts_and_shapes() {
     let mut comb = dev.alloc(DType::F32, &[2, HC * HC - 1]).unwrap();
     let err = hc_comb(&dev, &params(), &mut comb).unwrap_err().to_string();
     assert!(err.contains("mHC comb"), "{err}");
+    let mut comb = dev.alloc(DType::F32, &[2, HC * HC]).unwrap();
+    let err = hc_comb(&dev, &HcParams { n: 3, ..params() }, &mut comb)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("built for 4 streams"), "{err}");
     // The kernels copy fn 16 bytes at a time: an fn one float off a 16-byte boundary is refused.
     let mut pool = crate::gpu::BufferPool::new();
     let room = pool
