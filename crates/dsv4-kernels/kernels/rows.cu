@@ -117,6 +117,86 @@ DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
     }
 }
 
+// rms_norm_rows for many rows of 388 to 512 columns (the query heads and shared key of a prompt
+// chunk), a warp a row, with rms_norm_rows' bits. At these widths that kernel runs 128 threads
+// of at most 4 columns each, thread v holding columns v + 128 k; here lane l holds those of
+// threads l + 32 u (u < 4), sums each thread's squares in its order, each group of 32 threads
+// by warp_sum and the four group totals as block_sum does. A rotated pair (channels 2i, 2i + 1
+// from an even first rotated channel, all in the last 128) sits in lanes l and l ^ 1 of one
+// slot, so a row is read once and written once, with no barrier and no reread.
+DSV4_KERNEL void __launch_bounds__(256) rms_norm_rows_w512(const NormArgs p) {
+    constexpr u32 U = 4u, K = 4u, T = 32u * U;
+    const NormSet &a = p.a, &b = p.b;
+    const u32 width = p.width;
+    const u32 lane = threadIdx.x & 31u;
+    const u32 base = width - 2u * p.rope_half;  // first rotated channel
+    pdl_enter();
+    const u32 warps = gridDim.x * (blockDim.x / 32u);
+    for (u32 i = blockIdx.x * (blockDim.x / 32u) + threadIdx.x / 32u; i < a.rows + b.rows; i += warps) {
+        const bool first = i < a.rows;
+        const u32 r = first ? i : i - a.rows;
+        const float* row = (first ? a.x : b.x) + (u64)r * (first ? a.x_stride : b.x_stride);
+        const float* weight = first ? a.weight : b.weight;
+        float* dst = (first ? a.out : b.out) + (u64)r * width;
+        u16* dst_b = first && p.out_b ? p.out_b + (u64)r * width : nullptr;
+        float x[U][K];
+#pragma unroll
+        for (u32 u = 0; u < U; u++)
+#pragma unroll
+            for (u32 k = 0; k < K; k++) {
+                const u32 j = lane + 32u * u + k * T;
+                x[u][k] = j < width ? row[j] : 0.0f;
+            }
+        // Thread (lane + 32 u)'s sum, then its group's; lane u keeps group u's.
+        float group = 0.0f;
+#pragma unroll
+        for (u32 u = 0; u < U; u++) {
+            float s = 0.0f;
+#pragma unroll
+            for (u32 k = 0; k < K; k++)
+                if (lane + 32u * u + k * T < width) s = __fadd_rn(s, __fmul_rn(x[u][k], x[u][k]));
+            s = warp_sum(s);
+            if (lane == u) group = s;
+        }
+        const float sum = warp_sum(group);
+        const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum, (float)width), p.eps)));
+        const u32 rows_per_token = first ? a.rows_per_token : b.rows_per_token;
+        const u32 position = p.inv_freq ? token_pos(p.pos, r / rows_per_token, p.batch) : 0u;
+#pragma unroll
+        for (u32 u = 0; u < U; u++)
+#pragma unroll
+            for (u32 k = 0; k < K; k++) {
+                const u32 j = lane + 32u * u + k * T;
+                const float v = __fmul_rn(x[u][k], inv);
+                x[u][k] = weight && j < width ? __fmul_rn(weight[j], v) : v;
+                if (dst_b && j < width) dst_b[j] = f32_to_bf16(x[u][k]);
+            }
+        // The rotated channels lie in the last slot (k = K - 1, checked by the launcher). Every
+        // lane takes part in the exchange; lanes outside the rotated channels ignore it.
+#pragma unroll
+        for (u32 u = 0; u < U; u++) {
+            const u32 j = lane + 32u * u + (K - 1u) * T;
+            const float y = x[u][K - 1u], other = __shfl_xor_sync(0xffffffffu, y, 1);
+            if (p.inv_freq && j >= base && j < width) {
+                // rope_pair's arithmetic, each lane computing its own half of the pair.
+                const double angle = (double)__fmul_rn((float)position, p.inv_freq[(j - base) / 2u]);
+                double sd, cd;
+                sincospi(angle * 0.31830988618379067154, &sd, &cd);
+                const float sn = (float)sd, cs = (float)cd;
+                x[u][K - 1u] = (j - base) % 2u == 0u ? __fsub_rn(__fmul_rn(y, cs), __fmul_rn(other, sn))
+                                                     : __fadd_rn(__fmul_rn(y, cs), __fmul_rn(other, sn));
+            }
+        }
+#pragma unroll
+        for (u32 u = 0; u < U; u++)
+#pragma unroll
+            for (u32 k = 0; k < K; k++) {
+                const u32 j = lane + 32u * u + k * T;
+                if (j < width) dst[j] = x[u][k];
+            }
+    }
+}
+
 // Rotates the last rope_dim channels of every width-sized vector of x in place, interleaved
 // pairs (2i, 2i+1) by angle p * inv_freq[i]; `sign` -1 rotates back. x is
 // [tokens, heads, width]; token t sits at token_pos(pos, t, batch).

@@ -136,6 +136,7 @@ pub const FAMILIES: &[KernelFamily] = &[
         functions: &[
             "embed_hc_gather",
             "rms_norm_rows",
+            "rms_norm_rows_w512",
             "rope_rows",
             "advance_position",
             "chunk_positions",

@@ -92,7 +92,7 @@ pub fn rms_norm_rows<'a>(
         rows_per_token: 1,
         out,
     };
-    norm_rows(dev, set, None, eps, out_b, None)
+    norm_rows(dev, set, None, eps, out_b, None, Form::Fastest)
 }
 
 /// The rotary embedding [`rms_norm_rope_rows`] applies after the norm.
@@ -121,7 +121,7 @@ pub fn rms_norm_rope_rows<'a>(
         rows_per_token: rope.rows_per_token,
         out,
     };
-    norm_rows(dev, set, None, eps, None, Some(rope))
+    norm_rows(dev, set, None, eps, None, Some(rope), Form::Fastest)
 }
 
 /// Rows of one width that [`rms_norm_rope_pair`] normalizes and rotates like
@@ -143,7 +143,7 @@ pub fn rms_norm_rope_pair(
     eps: f32,
     rope: &RowRope,
 ) -> Result<(), GpuError> {
-    norm_rows(dev, a, Some(b), eps, None, Some(rope))
+    norm_rows(dev, a, Some(b), eps, None, Some(rope), Form::Fastest)
 }
 
 /// Mirrors `struct NormSet` in rows.cu.
@@ -181,6 +181,25 @@ unsafe impl DeviceRepr for NormArgs {}
 /// order follows from it, so it depends on the width only.
 pub(crate) fn norm_threads(width: u32) -> u32 {
     (width / 4).next_multiple_of(32).clamp(32, 1024)
+}
+
+/// Warps of an `rms_norm_rows_w512` block (a row each).
+const NORM_WARPS: u32 = 8;
+
+/// Rows in a launch from which `rms_norm_rows_w512` takes rows of its widths: a prompt chunk's
+/// heads. Fewer rows (a decode step's: 65 a token) end sooner spread over whole blocks.
+const NORM_WARP_ROWS: usize = 4096;
+
+/// Whether `rows` rows of `width` (their last `2·rope_half` channels rotated) go a warp a row
+/// (`rms_norm_rows_w512`, rms_norm_rows' bits): rms_norm_rows' 128-thread widths with at most
+/// 4 columns a thread, rotated channels within the last 128 from an even one (a pair in lanes
+/// `l`, `l^1` of a thread's last column), and many rows.
+fn norm_by_warps(rows: usize, width: u32, rope_half: u32) -> bool {
+    rows >= NORM_WARP_ROWS
+        && norm_threads(width) == 128
+        && width <= 512
+        && 2 * rope_half <= width - 3 * 128
+        && (width - 2 * rope_half).is_multiple_of(2)
 }
 
 /// A checked row set of `width` columns (named `what` in errors) and the kernel's view of it.
@@ -222,6 +241,19 @@ fn norm_set(set: &NormRows, width: usize, rope: bool, what: &str) -> Result<Norm
     })
 }
 
+/// Which kernel [`norm_rows`] launches: the tests hold the warp form to the block form's bits.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// `rms_norm_rows_w512` where [`norm_by_warps`] takes it.
+    Fastest,
+    /// `rms_norm_rows_w512` at any row count (its widths only).
+    #[cfg(test)]
+    Warps,
+    /// `rms_norm_rows`, a block a row.
+    #[cfg(test)]
+    Block,
+}
+
 fn norm_rows(
     dev: &Device,
     a: NormRows,
@@ -229,6 +261,7 @@ fn norm_rows(
     eps: f32,
     out_b: Option<&mut DeviceTensor<bf16>>,
     rope: Option<&RowRope>,
+    form: Form,
 ) -> Result<(), GpuError> {
     let width = a.x.width;
     let (what_a, what_b) = match (&b, rope) {
@@ -297,16 +330,34 @@ fn norm_rows(
         pos,
         batch,
     };
+    let by_warps = match form {
+        Form::Fastest => norm_by_warps(rows, w32, rope_half),
+        #[cfg(test)]
+        Form::Warps => true,
+        #[cfg(test)]
+        Form::Block => false,
+    };
+    let rows = dim_u32("rows", rows)?;
+    let (kernel, grid, block) = if by_warps {
+        (
+            "rms_norm_rows_w512",
+            rows.div_ceil(NORM_WARPS),
+            32 * NORM_WARPS,
+        )
+    } else {
+        ("rms_norm_rows", rows, norm_threads(w32))
+    };
     // SAFETY: NormArgs mirrors the kernel's argument; each set's x holds its rows of `stride`
     // read from column `first` on (first + width <= stride), out [rows, width], weight (when
     // not null) [width]; out_b (when not null) set a's [rows, width]; inv_freq (when not null)
-    // [half] with 2·half <= width and pos [1] or one a token, checked above.
+    // [half] with 2·half <= width and pos [1] or one a token, checked above. Both kernels
+    // stride over the rows past the grid.
     unsafe {
         launch_struct(
             dev,
-            "rms_norm_rows",
-            (dim_u32("rows", rows)?.min(1 << 16), 1, 1),
-            (norm_threads(w32), 0),
+            kernel,
+            (grid.min(1 << 16), 1, 1),
+            (block, 0),
             &args,
             PROGRAMMATIC_LAUNCH.get(),
             1,

@@ -225,6 +225,96 @@ fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
     assert!(err.to_string().contains("2 rows a token"), "{err}");
 }
 
+/// The warp-a-row kernel gives the bits of the block-a-row kernel at every width it takes: the
+/// queries' heads with their shared key (rotated; one set unscaled, one scaled and a column
+/// range), the query latent with its BF16 copy, random widths and row counts, a NaN row; and
+/// the launcher takes it only for a prompt chunk's rows of those widths.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_rms_norm_by_warps_is_the_block_kernel() {
+    let dev = device();
+    let mut rng = rng("gpu_rms_norm_by_warps_is_the_block_kernel");
+    for iter in 0..16 {
+        let width = match iter {
+            0..=5 => 512,
+            _ => 2 * rng.random_range(194..=256),
+        };
+        let (tokens, heads) = (rng.random_range(1..40), [64, 1, 3][iter % 3]);
+        // Rotated channels within the last 128 (V4's heads rotate 64).
+        let rot = (iter % 4 != 3).then(|| 2 * rng.random_range(1..=(width - 384) / 2));
+        let rows = tokens * heads;
+        let mut q = random_f32(&mut rng, rows * width);
+        if iter == 7 {
+            q[3] = f32::NAN; // row 0 all NaN
+        }
+        // The key: the last `width` columns of rows of width + 8.
+        let kv = random_f32(&mut rng, tokens * (width + 8));
+        let weight = random_f32(&mut rng, width);
+        let qd = dev.upload(DType::F32, &[rows, width], &q).unwrap();
+        let kvd = dev.upload(DType::F32, &[tokens, width + 8], &kv).unwrap();
+        let wd = dev.upload(DType::F32, &[width], &weight).unwrap();
+        let freq: Vec<f32> = (0..rot.unwrap_or(2) / 2)
+            .map(|i| 0.9f32.powi(i as i32))
+            .collect();
+        let fd = dev.upload(DType::F32, &[freq.len()], &freq).unwrap();
+        let pd = dev
+            .upload(DType::U32, &[1], &[rng.random_range(0..1_000_000u32)])
+            .unwrap();
+        let rope = RowRope {
+            inv_freq: &fd,
+            pos: &pd,
+            rows_per_token: heads,
+        };
+        let run = |form: Form| {
+            let (mut qo, mut ko) = (
+                poisoned_f32(&dev, &[rows, width]),
+                poisoned_f32(&dev, &[tokens, width]),
+            );
+            let mut qb = dev.alloc(DType::BF16, &[rows, width]).unwrap();
+            dev.fill_bytes(&mut qb, POISON).unwrap();
+            let a = NormRows {
+                x: (&qd).into(),
+                weight: (iter % 2 == 1).then_some(&wd),
+                rows_per_token: heads,
+                out: &mut qo,
+            };
+            let b = NormRows {
+                x: ColRange {
+                    x: &kvd,
+                    first: 8,
+                    width,
+                },
+                weight: Some(&wd),
+                rows_per_token: 1,
+                out: &mut ko,
+            };
+            match rot {
+                Some(_) => norm_rows(&dev, a, Some(b), 1e-6, None, Some(&rope), form),
+                None => norm_rows(&dev, a, Some(b), 1e-6, Some(&mut qb), None, form),
+            }
+            .unwrap();
+            let mut out = dev.download(&qo).unwrap();
+            out.extend(dev.download(&ko).unwrap());
+            let copy: Vec<bf16> = dev.download(&qb).unwrap();
+            (out, copy)
+        };
+        let (warps, warps_b) = run(Form::Warps);
+        let (block, block_b) = run(Form::Block);
+        let what = format!("iter {iter}: {tokens} x {heads} rows of {width}, rotating {rot:?}");
+        assert_bits_eq(&what, &warps, &block);
+        if rot.is_none() {
+            assert_bits_eq(&format!("{what}: BF16 copy"), &warps_b, &block_b);
+        }
+    }
+    let many = NORM_WARP_ROWS;
+    assert!(norm_by_warps(many, 512, 32) && norm_by_warps(many, 388, 0));
+    // A decode step's rows, other widths, an odd first rotated channel.
+    assert!(!norm_by_warps(many - 1, 512, 32));
+    assert!(!norm_by_warps(many, 386, 0) && !norm_by_warps(many, 514, 0));
+    assert!(!norm_by_warps(many, 1024, 0) && !norm_by_warps(many, 389, 1));
+    assert!(!norm_by_warps(many, 512, 65) && norm_by_warps(many, 512, 64));
+}
+
 /// A batch's tokens (each at its own position, `pos [T]`) through the pair come out as each
 /// token launched alone at its position.
 #[test]
