@@ -68,37 +68,76 @@ __device__ __forceinline__ float warp_sums(float (&a)[TPB], u32 lane) {
     return a[0];
 }
 
+// Rows of the mix projection a warp takes at once, and tokens of them (fewer registers than a
+// block's sixteen): each staged stream value a warp loads serves MIX_GROUP rows.
+#define MIX_GROUP 3u
+#define MIX_TOKENS 8u
+
 // Block (c, y)'s part of the mix projection for TPB tokens t0 = y * TPB .. (those below n),
 // with columns [c * MIX_COLS, ...) of each token's streams staged in sv (MIX_COLS apart) and
-// of fn's rows in fs (stage_fn, landed): warp w takes rows w, w + 8, ...: row k < mix is
-// fn[k, cols] . s[cols], row `mix` the sum of squares. Lane l takes columns 4l..4l+3 (len is
-// a multiple of 4: the streams are HC * d wide) by fused multiply-adds; warp_sums adds the
-// lanes up (each token in the same order, however many share the block; the fn values read
-// once for all of them). partials is [n, gridDim.x, PART].
+// of fn's rows in fs (stage_fn, landed): row k < mix is fn[k, cols] . s[cols], row `mix` the
+// sum of squares. Warp w takes rows w, w + warps, ... below mix, MIX_GROUP at a time for
+// MIX_TOKENS tokens at a time, then warp mix % warps the squares. Lane l takes columns
+// 4l..4l+3 (len is a multiple of 4: the streams are HC * d wide) by fused multiply-adds;
+// warp_sums adds the lanes up (each token and row in the same order, however many share the
+// block or the warp). partials is [n, gridDim.x, PART].
 template <u32 TPB>
 __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* fs, u32 mix,
                                          float* __restrict__ partials, u32 n) {
     static_assert(MIX_COLS == 4 * 32, "a lane's four columns");
-    constexpr u32 SHIFT = TPB == 1u ? 5u : TPB == 2u ? 4u : TPB == 4u ? 3u : TPB == 8u ? 2u : TPB == 16u ? 1u : 0u;
-    const u32 t0 = blockIdx.y * TPB, c = blockIdx.x;
+    constexpr u32 SUB = TPB < MIX_TOKENS ? TPB : MIX_TOKENS;
+    static_assert(TPB % SUB == 0u, "whole passes of tokens");
+    constexpr u32 SHIFT = SUB == 1u ? 5u : SUB == 2u ? 4u : SUB == 4u ? 3u : SUB == 8u ? 2u : 0u;
     const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
     const u32 i = 4u * lane;
-    for (u32 k = warp; k <= mix; k += warps) {
-        float acc[TPB];
+    const bool live = i < len;
+    // After warp_sums lane L holds the sums of the pass's token L >> SHIFT; the first lane of
+    // each token writes them.
+    const bool first = (lane & ((1u << SHIFT) - 1u)) == 0u;
+    const auto out = [&](u32 h) -> float* {
+        const u32 t = blockIdx.y * TPB + h + (lane >> SHIFT);
+        return first && t < n ? partials + ((u64)t * gridDim.x + blockIdx.x) * PART : nullptr;
+    };
+    for (u32 k0 = warp; k0 < mix; k0 += MIX_GROUP * warps) {
+        float4 w[MIX_GROUP];
 #pragma unroll
-        for (u32 tt = 0; tt < TPB; tt++) acc[tt] = 0.0f;
-        if (i < len) {
-            const float4 w = k < mix ? *reinterpret_cast<const float4*>(fs + k * MIX_COLS + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (u32 g = 0; g < MIX_GROUP; g++) {
+            const u32 k = k0 + g * warps;
+            w[g] = k < mix && live ? *reinterpret_cast<const float4*>(fs + k * MIX_COLS + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
 #pragma unroll
-            for (u32 tt = 0; tt < TPB; tt++) {
-                const float4 v = *reinterpret_cast<const float4*>(sv + tt * MIX_COLS + i);
-                const float4 m = k < mix ? w : v;
-                acc[tt] = fmaf(m.w, v.w, fmaf(m.z, v.z, fmaf(m.y, v.y, m.x * v.x)));
+        for (u32 h = 0; h < TPB; h += SUB) {
+            float acc[MIX_GROUP][SUB];
+#pragma unroll
+            for (u32 tt = 0; tt < SUB; tt++) {
+                const float4 v = live ? *reinterpret_cast<const float4*>(sv + (h + tt) * MIX_COLS + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (u32 g = 0; g < MIX_GROUP; g++)
+                    acc[g][tt] = live ? fmaf(w[g].w, v.w, fmaf(w[g].z, v.z, fmaf(w[g].y, v.y, w[g].x * v.x))) : 0.0f;
+            }
+            float* dst = out(h);
+#pragma unroll
+            for (u32 g = 0; g < MIX_GROUP; g++) {
+                const u32 k = k0 + g * warps;
+                if (k >= mix) break;
+                const float sum = warp_sums<SUB>(acc[g], lane);
+                if (dst) dst[k] = sum;
             }
         }
-        const float sum = warp_sums<TPB>(acc, lane);
-        const u32 t = t0 + (lane >> SHIFT);
-        if ((lane & ((1u << SHIFT) - 1u)) == 0u && t < n) partials[((u64)t * gridDim.x + c) * PART + k] = sum;
+    }
+    if (warp == mix % warps) {
+#pragma unroll
+        for (u32 h = 0; h < TPB; h += SUB) {
+            float acc[SUB];
+#pragma unroll
+            for (u32 tt = 0; tt < SUB; tt++) {
+                const float4 v = live ? *reinterpret_cast<const float4*>(sv + (h + tt) * MIX_COLS + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                acc[tt] = live ? fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, v.x * v.x))) : 0.0f;
+            }
+            const float sum = warp_sums<SUB>(acc, lane);
+            float* dst = out(h);
+            if (dst) dst[mix] = sum;
+        }
     }
 }
 
@@ -106,12 +145,13 @@ __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* 
 #define MIX_THREADS 256u
 
 // Block (c, y) of a mix projection for TPB tokens y * TPB .. (those below n): fn's slice
-// staged before the wait, then sv[tt][col] = value(t, column) for the block's columns of
-// each token (threads take fixed columns, so a column's index arithmetic is done once, and
-// all of a thread's tokens at once, so their loads are in flight together), then mix_rows.
-template <u32 TPB, class Value>
+// staged before the wait, then sv[tt][col] = column(e)(t) for the block's columns e of each
+// token (threads take fixed columns, so `column` does a column's index arithmetic once, past
+// the row's end too, where its value is never asked for; and all of a thread's tokens at
+// once, so their loads are in flight together), then mix_rows.
+template <u32 TPB, class Column>
 __device__ __forceinline__ void mix_block(const float* __restrict__ fn, u32 mix, u32 width,
-                                          float* __restrict__ partials, u32 n, Value value) {
+                                          float* __restrict__ partials, u32 n, Column column) {
     constexpr u32 LANES = MIX_THREADS / MIX_COLS, PER = (TPB + LANES - 1u) / LANES;
     __shared__ __align__(16) float sv[TPB * MIX_COLS];
     __shared__ __align__(16) float fs[MIX * MIX_COLS];
@@ -120,11 +160,12 @@ __device__ __forceinline__ void mix_block(const float* __restrict__ fn, u32 mix,
     stage_fn(fs, fn, mix, width, j0, len);
     pdl_enter();
     const u32 col = threadIdx.x % MIX_COLS, lane0 = threadIdx.x / MIX_COLS;
+    const auto value = column(j0 + col);
     float v[PER];
 #pragma unroll
     for (u32 i = 0; i < PER; i++) {
         const u32 tt = lane0 + i * LANES;
-        v[i] = tt < TPB && t0 + tt < n && col < len ? value(t0 + tt, j0 + col) : 0.0f;
+        v[i] = tt < TPB && t0 + tt < n && col < len ? value(t0 + tt) : 0.0f;
     }
 #pragma unroll
     for (u32 i = 0; i < PER; i++)
@@ -140,7 +181,8 @@ template <u32 TPB>
 __device__ __forceinline__ void mix_partials(const float* __restrict__ streams, u32 width,
                                              const float* __restrict__ fn, u32 mix, float* __restrict__ partials,
                                              u32 n) {
-    mix_block<TPB>(fn, mix, width, partials, n, [&](u32 t, u32 e) { return streams[(u64)t * width + e]; });
+    mix_block<TPB>(fn, mix, width, partials, n,
+                   [&](u32 e) { return [=](u32 t) { return streams[(u64)t * width + e]; }; });
 }
 
 DSV4_KERNEL void __launch_bounds__(MIX_THREADS) hc_mix_partials(const float* __restrict__ streams, u32 width, const float* __restrict__ fn,
@@ -164,16 +206,19 @@ __device__ __forceinline__ void post_mix(const float* __restrict__ streams, cons
                                          float* __restrict__ out, const float* __restrict__ fn, u32 mix,
                                          float* __restrict__ partials, u32 n) {
     const u32 width = HC * d;
-    mix_block<TPB>(fn, mix, width, partials, n, [&](u32 t, u32 e) {
+    mix_block<TPB>(fn, mix, width, partials, n, [&](u32 e) {
         const u32 j = e / d, c = e % d;
-        const float* s = streams + (u64)t * width;
-        const float* m = comb + (u64)t * HC * HC;
-        const float yv = y_plus ? __fadd_rn(y[(u64)t * d + c], y_plus[(u64)t * d + c]) : y[(u64)t * d + c];
-        float acc = __fmul_rn(post[(u64)t * HC + j], yv);
+        return [=](u32 t) {
+            const float* s = streams + (u64)t * width + c;
+            const float* m = comb + (u64)t * HC * HC + j;
+            const u64 yc = (u64)t * d + c;
+            const float yv = y_plus ? __fadd_rn(y[yc], y_plus[yc]) : y[yc];
+            float acc = __fmul_rn(post[(u64)t * HC + j], yv);
 #pragma unroll
-        for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(m[i * HC + j], s[(u64)i * d + c]));
-        out[(u64)t * width + e] = acc;
-        return acc;
+            for (u32 i = 0; i < HC; i++) acc = __fadd_rn(acc, __fmul_rn(m[i * HC], s[(u64)i * d]));
+            out[(u64)t * width + e] = acc;
+            return acc;
+        };
     });
 }
 
