@@ -87,7 +87,8 @@ __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* 
     static_assert(MIX_COLS == 4 * 32, "a lane's four columns");
     constexpr u32 SUB = TPB < MIX_TOKENS ? TPB : MIX_TOKENS;
     static_assert(TPB % SUB == 0u, "whole passes of tokens");
-    constexpr u32 SHIFT = SUB == 1u ? 5u : SUB == 2u ? 4u : SUB == 4u ? 3u : SUB == 8u ? 2u : 0u;
+    static_assert(SUB == 1u || SUB == 2u || SUB == 4u || SUB == 8u, "a power of two up to MIX_TOKENS");
+    constexpr u32 SHIFT = SUB == 1u ? 5u : SUB == 2u ? 4u : SUB == 4u ? 3u : 2u;
     const u32 warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, warps = blockDim.x / 32u;
     const u32 i = 4u * lane;
     const bool live = i < len;

@@ -183,11 +183,12 @@ pub(crate) fn norm_threads(width: u32) -> u32 {
     (width / 4).next_multiple_of(32).clamp(32, 1024)
 }
 
-/// Warps of an `rms_norm_rows_w512` block (a row each).
+/// Warps of an `rms_norm_rows_w512` block (a row each; its launch bounds are 256 threads).
 const NORM_WARPS: u32 = 8;
 
 /// Rows in a launch from which `rms_norm_rows_w512` takes rows of its widths: a prompt chunk's
-/// heads. Fewer rows (a decode step's: 65 a token) end sooner spread over whole blocks.
+/// heads, or a batch of 64 decoding sequences or more. Fewer rows (one token's: 65) end sooner
+/// spread over whole blocks.
 const NORM_WARP_ROWS: usize = 4096;
 
 /// Whether `rows` rows of `width` (their last `2·rope_half` channels rotated) go a warp a row

@@ -226,9 +226,9 @@ fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
 }
 
 /// The warp-a-row kernel gives the bits of the block-a-row kernel at every width it takes: the
-/// queries' heads with their shared key (rotated; one set unscaled, one scaled and a column
-/// range), the query latent with its BF16 copy, random widths and row counts, a NaN row; and
-/// the launcher takes it only for a prompt chunk's rows of those widths.
+/// queries' heads with their shared key (rotated, at one position or a batch's; one set
+/// unscaled, one scaled and a column range), a BF16 copy, random widths and row counts, a NaN;
+/// and the launcher takes it only for many rows of those widths.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_rms_norm_by_warps_is_the_block_kernel() {
@@ -245,7 +245,7 @@ fn gpu_rms_norm_by_warps_is_the_block_kernel() {
         let rows = tokens * heads;
         let mut q = random_f32(&mut rng, rows * width);
         if iter == 7 {
-            q[3] = f32::NAN; // row 0 all NaN
+            q[3] = f32::NAN; // its row comes out all NaN
         }
         // The key: the last `width` columns of rows of width + 8.
         let kv = random_f32(&mut rng, tokens * (width + 8));
@@ -257,8 +257,12 @@ fn gpu_rms_norm_by_warps_is_the_block_kernel() {
             .map(|i| 0.9f32.powi(i as i32))
             .collect();
         let fd = dev.upload(DType::F32, &[freq.len()], &freq).unwrap();
+        // Every third iteration a batch: each token at a position of its own (`pos [T]`).
+        let positions: Vec<u32> = (0..if iter % 3 == 2 { tokens } else { 1 })
+            .map(|_| rng.random_range(0..1_000_000u32))
+            .collect();
         let pd = dev
-            .upload(DType::U32, &[1], &[rng.random_range(0..1_000_000u32)])
+            .upload(DType::U32, &[positions.len()], &positions)
             .unwrap();
         let rope = RowRope {
             inv_freq: &fd,
