@@ -315,7 +315,7 @@ pub struct Acts<S: Stage> {
     pub moe_x: S::Buf<bf16>,
     pub moe: S::Buf<f32>,
     /// The shared expert's output of a sub-chunk whose routed experts write `moe` apart (the
-    /// expansion adds the two).
+    /// expansion adds the two). One GPU only: over several, the all-reduce sums one buffer.
     pub moe_shared: S::Buf<f32>,
     pub shared_h: S::Buf<bf16>,
     /// The whole vocabulary's logits (on several GPUs, gathered from every rank's slice).
@@ -411,7 +411,7 @@ impl<S: Stage> Buffers<S> {
             moe_rows: s.buf("moe.rows", &[m * k, d])?,
             moe_x: s.buf("moe.x", &[m, d])?,
             moe: s.buf("moe", &[m, d])?,
-            moe_shared: s.buf("moe.shared", &[sub, d])?,
+            moe_shared: s.buf("moe.shared", &if tp { vec![1] } else { vec![sub, d] })?,
             shared_h: s.buf("shared_h", &[m, shared_inter])?,
             logits: s.buf("logits", &[sub, c.vocab_size])?,
             head_part: s.buf("head_part", &tp_shape(vec![sub, c.vocab_size / world]))?,
