@@ -197,19 +197,30 @@ __device__ __forceinline__ void load_held_weight(float (&w)[N], const float* __r
 
 // ---- rotary embedding ----
 
-// Rotates the pair at `pair` to `position` by angle position * freq (sign -1: back). The angle
-// rounds to f32 as on the CPU; its sine and cosine are then taken in double through sincospi,
-// whose argument reduction is exact (sincosf's reduction of large angles, up to ~1e6 rad here,
-// spills to local memory).
-__device__ __forceinline__ void rope_pair(float* pair, u32 position, float freq, float sign) {
+// The sine and cosine of the angle position * freq. The angle rounds to f32 as on the CPU;
+// its sine and cosine are then taken in double through sincospi, whose argument reduction is
+// exact (sincosf's reduction of large angles, up to ~1e6 rad here, spills to local memory).
+__device__ __forceinline__ void rope_sin_cos(u32 position, float freq, float& s, float& c) {
     const double angle = (double)__fmul_rn((float)position, freq);
     double sd, cd;
     sincospi(angle * 0.31830988618379067154, &sd, &cd);
-    const float s = __fmul_rn((float)sd, sign);
-    const float c = (float)cd;
+    s = (float)sd;
+    c = (float)cd;
+}
+
+// Element 0 (`first`) or 1 of a pair turned by (s, c), from its own value and the other's.
+__device__ __forceinline__ float rope_turn(float own, float other, float s, float c, bool first) {
+    return first ? __fsub_rn(__fmul_rn(own, c), __fmul_rn(other, s)) : __fadd_rn(__fmul_rn(own, c), __fmul_rn(other, s));
+}
+
+// Rotates the pair at `pair` to `position` by angle position * freq (sign -1: back).
+__device__ __forceinline__ void rope_pair(float* pair, u32 position, float freq, float sign) {
+    float s, c;
+    rope_sin_cos(position, freq, s, c);
+    s = __fmul_rn(s, sign);
     const float a = pair[0], b = pair[1];
-    pair[0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    pair[1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    pair[0] = rope_turn(a, b, s, c, true);
+    pair[1] = rope_turn(b, a, s, c, false);
 }
 
 // ---- positions of a launch's tokens ----

@@ -178,13 +178,10 @@ DSV4_KERNEL void __launch_bounds__(256) rms_norm_rows_w512(const NormArgs p) {
             const u32 j = lane + 32u * u + (K - 1u) * T;
             const float y = x[u][K - 1u], other = __shfl_xor_sync(0xffffffffu, y, 1);
             if (p.inv_freq && j >= base && j < width) {
-                // rope_pair's arithmetic, each lane computing its own half of the pair.
-                const double angle = (double)__fmul_rn((float)position, p.inv_freq[(j - base) / 2u]);
-                double sd, cd;
-                sincospi(angle * 0.31830988618379067154, &sd, &cd);
-                const float sn = (float)sd, cs = (float)cd;
-                x[u][K - 1u] = (j - base) % 2u == 0u ? __fsub_rn(__fmul_rn(y, cs), __fmul_rn(other, sn))
-                                                     : __fadd_rn(__fmul_rn(y, cs), __fmul_rn(other, sn));
+                // rope_pair's arithmetic, each lane turning its own element of the pair.
+                float sn, cs;
+                rope_sin_cos(position, p.inv_freq[(j - base) / 2u], sn, cs);
+                x[u][K - 1u] = rope_turn(y, other, sn, cs, (j - base) % 2u == 0u);
             }
         }
 #pragma unroll
