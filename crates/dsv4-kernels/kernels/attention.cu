@@ -932,12 +932,24 @@ __device__ __forceinline__ void store_split(float4 v, u16* hi_dst, u16* lo_dst) 
     *reinterpret_cast<uint2*>(lo_dst) = make_uint2(l0, l1);
 }
 
-// The factor of a head's sums (running max m, denominator l) once the sink, a zero-valued key
-// of logit sk (it may exceed every score), joins its denominator.
+// attention_mma keeps its scores, maxima included, in units of log2 (logit · log2 e), so that
+// each probability is one ex2.
+#define AMMA_LOG2E 1.4426950408889634f
+
+// 2^x by the SFU (relative error about 2^-22, as expf's): 0 for -inf.
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The factor of a head's sums (running max m in log2 units, denominator l) once the sink, a
+// zero-valued key of logit sk (it may exceed every score), joins its denominator.
 __device__ __forceinline__ float amma_factor(float m, float l, float sk) {
-    const float mf = fmaxf(m, sk);
-    const float a = m == mf ? 1.0f : expf(m - mf);
-    return a / fmaf(l, a, expf(sk - mf));
+    const float s2 = sk * AMMA_LOG2E;
+    const float mf = fmaxf(m, s2);
+    const float a = m == mf ? 1.0f : exp2f(m - mf);
+    return a / fmaf(l, a, exp2f(s2 - mf));
 }
 
 
@@ -1006,19 +1018,19 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
     const u32 dq = d / 4u, ntiles = dq / 8u;   // this warp's output columns
 
     // Entry tile j0's rows (f16, as stored) into key slot sl by cp.async, 16 bytes a piece
-    // (absent rows zero), and which are present; one commit group.
+    // (absent rows zeros), and which are present; one commit group. Thread i takes row i / 16,
+    // so that it looks up one key (a selection's id is a load from memory), and its pieces
+    // i % 16, + 16, ...
+    static_assert(AMMA_WARPS * 32u == 16u * AMMA_KEYS, "16 threads a key row");
     auto issue = [&](u32 j0, u32 sl) {
-        u16* dst = k_s + sl * k_lo;
-        const u32 ppr = d / 8u;
-        for (u32 i = threadIdx.x; i < AMMA_KEYS * ppr; i += blockDim.x) {
-            const u32 r = i / ppr, c8 = 8u * (i % ppr), j = j0 + r;
-            const u16* key = j < j_end ? static_cast<const u16*>(
-                                             att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap))
-                                       : nullptr;
-            if (key) cp_async16(dst + r * ld + c8, key + c8);
-            else *reinterpret_cast<uint4*>(dst + r * ld + c8) = make_uint4(0u, 0u, 0u, 0u);
-            if (c8 == 0u) present_s[sl][r] = key != nullptr;
-        }
+        const u32 r = threadIdx.x / 16u, j = j0 + r, c8 = 8u * (threadIdx.x % 16u);
+        const u16* key = j < j_end ? static_cast<const u16*>(
+                                         att_key(j, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap))
+                                   : nullptr;
+        if (c8 == 0u) present_s[sl][r] = key != nullptr;
+        const u32 dst = (u32)__cvta_generic_to_shared(k_s + sl * k_lo + r * ld + c8);
+        const u16* src = (key ? key : entries) + c8;  // an absent row reads nothing
+        for (u32 c = 0; c + c8 < d; c += 128u) cp_async16_or_zero(dst + 2u * c, src + c, key != nullptr);
         cp_async_commit();
     };
     // A first tile of entries is on its way while the queries are staged.
@@ -1059,14 +1071,12 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                      : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                      : "r"(addr));
     };
-    auto ldm2 = [](u32 addr, u32& r0, u32& r1) {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
-    };
     auto ldm4t = [](u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                      : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                      : "r"(addr));
     };
+    const float scale2 = scale * AMMA_LOG2E;
     u32 et = 0u;  // entry tiles begun: tile et goes to slot et % 2
     for (u32 j0 = j_begin; j0 < j_end; j0 += AMMA_KEYS) {
         const bool entry = j0 >= n_w;
@@ -1116,52 +1126,46 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
             float sc[4][4] = {};
             // d is a multiple of 32 (the launcher's check).
             if (entry) {
-                // Key fragments of channels c, c + 8 (keys 8 nn + 0..7) in one load: q·k =
-                // hi·k + lo·k.
-                const u32 kb = (u32)__cvta_generic_to_shared(k_s + sl * k_lo + (lane & 7u) * ld +
+                // Key fragments of channels c, c + 8 of two key tiles (keys 16 np + 0..15) in
+                // one load, each used for both query parts: q·k = hi·k + lo·k.
+                const u32 kb = (u32)__cvta_generic_to_shared(k_s + sl * k_lo + ((lane & 7u) + 8u * (lane >> 4)) * ld +
                                                             8u * ((lane >> 3) & 1u));
                 for (u32 c0 = 32u * kq; c0 < d; c0 += 128u)
 #pragma unroll 1
                     for (u32 c = c0; c < c0 + 32u; c += 16u) {
-                        // The query's hi part against the four key tiles, then its lo part.
+                        u32 a0, a1, a2, a3, e0, e1, e2, e3;  // the query's hi and lo parts
+                        ldm4(qa + 2u * c, a0, a1, a2, a3);
+                        ldm4(qa + 2u * (q_lo + c), e0, e1, e2, e3);
 #pragma unroll
-                        for (u32 part = 0; part < 2u; part++) {
-                            u32 a0, a1, a2, a3;
-                            ldm4(qa + 2u * (part * q_lo + c), a0, a1, a2, a3);
-#pragma unroll
-                            for (u32 nn = 0; nn < 4u; nn++) {
-                                u32 b0, b1;
-                                ldm2(kb + 2u * (8u * nn * ld + c), b0, b1);
-                                mma_f16(sc[nn], a0, a1, a2, a3, b0, b1);
-                            }
+                        for (u32 np = 0; np < 2u; np++) {
+                            u32 b0, b1, b2, b3;
+                            ldm4(kb + 2u * (16u * np * ld + c), b0, b1, b2, b3);
+                            mma_f16(sc[2u * np], a0, a1, a2, a3, b0, b1);
+                            mma_f16(sc[2u * np + 1u], a0, a1, a2, a3, b2, b3);
+                            mma_f16(sc[2u * np], e0, e1, e2, e3, b0, b1);
+                            mma_f16(sc[2u * np + 1u], e0, e1, e2, e3, b2, b3);
                         }
                     }
             } else {
                 // The keys' fragments (keys 8 nn + 0..7, channels c, c + 8, hi then lo):
-                // hi·hi + hi·lo + lo·hi.
+                // hi·hi + hi·lo + lo·hi, the keys' hi parts kept for the query's lo part.
                 const u32 kb = (u32)__cvta_generic_to_shared(k_s + (lane >> 4) * k_lo + (lane & 7u) * ld +
                                                             8u * ((lane >> 3) & 1u));
                 for (u32 c0 = 32u * kq; c0 < d; c0 += 128u)
 #pragma unroll 1
                     for (u32 c = c0; c < c0 + 32u; c += 16u) {
-                        // The query's hi part against the keys' hi and lo, then its lo part
-                        // against their hi.
-                        u32 a0, a1, a2, a3;
+                        u32 a0, a1, a2, a3, bh[4][2];
                         ldm4(qa + 2u * c, a0, a1, a2, a3);
 #pragma unroll
                         for (u32 nn = 0; nn < 4u; nn++) {
-                            u32 b0, b1, l0, l1;
-                            ldm4(kb + 2u * (8u * nn * ld + c), b0, b1, l0, l1);
-                            mma_f16(sc[nn], a0, a1, a2, a3, b0, b1);
+                            u32 l0, l1;
+                            ldm4(kb + 2u * (8u * nn * ld + c), bh[nn][0], bh[nn][1], l0, l1);
+                            mma_f16(sc[nn], a0, a1, a2, a3, bh[nn][0], bh[nn][1]);
                             mma_f16(sc[nn], a0, a1, a2, a3, l0, l1);
                         }
                         ldm4(qa + 2u * (q_lo + c), a0, a1, a2, a3);
 #pragma unroll
-                        for (u32 nn = 0; nn < 4u; nn++) {
-                            u32 b0, b1;
-                            ldm2(kb + 2u * (8u * nn * ld + c), b0, b1);
-                            mma_f16(sc[nn], a0, a1, a2, a3, b0, b1);
-                        }
+                        for (u32 nn = 0; nn < 4u; nn++) mma_f16(sc[nn], a0, a1, a2, a3, bh[nn][0], bh[nn][1]);
                     }
             }
             // The four channel quarters' partials meet in a fixed order, (kq 0 + kq 2) +
@@ -1184,39 +1188,46 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                     for (u32 i = 0; i < 4u; i++) part[at(nn, i)] = sc[nn][i] + part[at(nn, i)];
         }
         __syncthreads();
-        // Online softmax of rows g and g + 8 over the tile's 32 keys: the quad's lanes take 8
-        // keys each (keys 2 qd + 8 i + (0, 1), the A fragment's columns).
+        // Online softmax of rows g and g + 8 over the tile's 32 keys, in log2 units: the quad's
+        // lanes take 8 keys each (keys 2 qd + 8 i + (0, 1), the A fragment's columns).
+        const u32 present = __ballot_sync(0xffffffffu, present_s[sl][lane]);  // bit j: key j
         float pr[2][8];
 #pragma unroll
         for (u32 r = 0; r < 2u; r++) {
-            const u32 row = (16u * hg + g + 8u * r) * (AMMA_KEYS + 1u);
+            const float* ss = s_s + (16u * hg + g + 8u * r) * (AMMA_KEYS + 1u) + 2u * qd;
+            const float* st = s_t + (ss - s_s);
             float mx = NEG_INF;
             // Absent keys (past n, or a selection slot holding none) score -inf.
 #pragma unroll
             for (u32 i = 0; i < 8u; i++) {
-                const u32 col = 2u * qd + 8u * (i >> 1) + (i & 1u);
-                pr[r][i] = present_s[sl][col] ? (s_s[row + col] + s_t[row + col]) * scale : NEG_INF;
+                const u32 col = 8u * (i >> 1) + (i & 1u);
+                const float v = (ss[col] + st[col]) * scale2;
+                pr[r][i] = (present >> (2u * qd + col)) & 1u ? v : NEG_INF;
                 mx = fmaxf(mx, pr[r][i]);
             }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float mn = fmaxf(m[r], mx);
-            const float alpha = mn == NEG_INF || m[r] == mn ? 1.0f : expf(m[r] - mn);
+            const float alpha = m[r] == mn ? 1.0f : ex2_approx(m[r] - mn);
+            // While no key is present (mn = -inf) every term is ex2(-inf) = 0.
+            const float base = mn == NEG_INF ? 0.0f : mn;
             float sum = 0.0f;
 #pragma unroll
             for (u32 i = 0; i < 8u; i++) {
-                pr[r][i] = pr[r][i] == NEG_INF ? 0.0f : expf(pr[r][i] - mn);
+                pr[r][i] = ex2_approx(pr[r][i] - base);
                 sum += pr[r][i];
             }
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             l[r] = fmaf(l[r], alpha, sum);
             m[r] = mn;
+            // Once the maxima settle most tiles change none (a factor of 1 changes no bit).
+            if (__any_sync(0xffffffffu, alpha != 1.0f))
 #pragma unroll
-            for (u32 nt = 0; nt < 16u; nt++) {
-                o[nt][2u * r] *= alpha;
-                o[nt][2u * r + 1u] *= alpha;
-            }
+                for (u32 nt = 0; nt < 16u; nt++) {
+                    o[nt][2u * r] *= alpha;
+                    o[nt][2u * r + 1u] *= alpha;
+                }
         }
         // o += p . keys over the warp's columns dq kq .. + dq: two k steps of 16 keys.
 #pragma unroll
@@ -1289,9 +1300,9 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         // block takes, their sums (the queries' place, [value][thread]) in its shared memory;
         // the states meet at the even split's, then the odd's, common maximum, the same
         // arithmetic whichever block does it.
-        __shared__ float ml_s[AMMA_HEADS][2];
         const u32 rank = split & 1u, peer = rank ^ 1u;
         writes = (kq >> 1) == rank;
+        __shared__ float ml_s[AMMA_HEADS][2];
         float4* o_s = reinterpret_cast<float4*>(amma);
         __syncthreads();  // the queries are read (or, in a split with no keys, staged)
         if (kq == 0u && qd == 0u)
@@ -1314,8 +1325,8 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                 const float me = rank ? pm : m[r], le = rank ? pl : l[r];  // the even split's
                 const float mo = rank ? m[r] : pm, lo = rank ? l[r] : pl;  // the odd split's
                 const float mx = fmaxf(me, mo);
-                fe[r] = me == mx ? 1.0f : expf(me - mx);
-                fo[r] = mo == mx ? 1.0f : expf(mo - mx);
+                fe[r] = me == mx ? 1.0f : exp2f(me - mx);
+                fo[r] = mo == mx ? 1.0f : exp2f(mo - mx);
                 m[r] = mx;
                 l[r] = fmaf(lo, fo[r], le * fe[r]);
             }
@@ -1401,7 +1412,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
         for (u32 i = lane; i < states; i += 32u) {
             const float* ml = part_ml + (row * splits + i) * 2u;
             const float mi = __ldcg(ml);
-            const float f = mi == mx ? 1.0f : expf(mi - mx);
+            const float f = mi == mx ? 1.0f : exp2f(mi - mx);  // log2 units
             f_s[i] = f;
             den = fmaf(__ldcg(ml + 1), f, den);
         }
