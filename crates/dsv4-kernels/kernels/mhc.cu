@@ -114,7 +114,7 @@ __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* 
                 const float4 v = live ? *reinterpret_cast<const float4*>(sv + (h + tt) * MIX_COLS + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
                 for (u32 g = 0; g < MIX_GROUP; g++)
-                    acc[g][tt] = live ? fmaf(w[g].w, v.w, fmaf(w[g].z, v.z, fmaf(w[g].y, v.y, w[g].x * v.x))) : 0.0f;
+                    acc[g][tt] = fmaf(w[g].w, v.w, fmaf(w[g].z, v.z, fmaf(w[g].y, v.y, w[g].x * v.x)));
             }
             float* dst = out(h);
 #pragma unroll
@@ -133,7 +133,7 @@ __device__ __forceinline__ void mix_rows(const float* sv, u32 len, const float* 
 #pragma unroll
             for (u32 tt = 0; tt < SUB; tt++) {
                 const float4 v = live ? *reinterpret_cast<const float4*>(sv + (h + tt) * MIX_COLS + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                acc[tt] = live ? fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, v.x * v.x))) : 0.0f;
+                acc[tt] = fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, v.x * v.x)));
             }
             const float sum = warp_sums<SUB>(acc, lane);
             float* dst = out(h);
