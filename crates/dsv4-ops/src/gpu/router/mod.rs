@@ -26,9 +26,10 @@ pub const GATE_DIM_MULTIPLE: usize = 8;
 /// Tokens one gate block takes (`gate::TOKENS` in router.cu); the grid's y covers the rest.
 const GATE_TOKENS: usize = 64;
 /// Expert rows of a `gate_logits_rows_*` block (`gate::EXPERTS` in router.cu), taken for
-/// launches of more than GATE_ROWS_FROM tokens.
+/// launches of more than GATE_ROWS_FROM tokens (on an H200, 16 decoding sequences' step 25 µs
+/// shorter with them, 2 and 4 sequences' 10-24 µs longer).
 const GATE_EXPERTS_PER_BLOCK: u32 = 8;
-const GATE_ROWS_FROM: usize = 16;
+const GATE_ROWS_FROM: usize = 8;
 
 /// How a layer picks its experts, on the device.
 #[derive(Clone, Copy, Debug)]
@@ -250,8 +251,8 @@ pub fn gate_logits(
     if g.dims[0] == 0 || g.dims[2] == 0 {
         return Ok(());
     }
-    // Past a decode step's tokens, a block takes GATE_EXPERTS_PER_BLOCK rows, so each token's
-    // x is read once for all of them (the same sums, bit for bit).
+    // Past a few tokens, a block takes GATE_EXPERTS_PER_BLOCK rows, so each token's x is read
+    // once for all of them (the same sums, bit for bit).
     let kernel = if g.dims[0] as usize > GATE_ROWS_FROM {
         g.cfg.grid_dim.0 = g.dims[2].div_ceil(GATE_EXPERTS_PER_BLOCK);
         match w {

@@ -215,7 +215,7 @@ fn gpu_gate_logits_matches_reference() {
             3 => (16, 80),
             _ => (rng.random_range(1..40), 8 * rng.random_range(1..200)),
         };
-        // Past 16 tokens the launch takes 8 expert rows a block (any E included).
+        // Past 8 tokens the launch takes 8 expert rows a block (any E included).
         let t = if iter % 4 == 3 || iter % 5 == 4 {
             rng.random_range(17..200)
         } else {
