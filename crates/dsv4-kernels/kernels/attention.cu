@@ -1300,9 +1300,9 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
         // block takes, their sums (the queries' place, [value][thread]) in its shared memory;
         // the states meet at the even split's, then the odd's, common maximum, the same
         // arithmetic whichever block does it.
+        __shared__ float ml_s[AMMA_HEADS][2];
         const u32 rank = split & 1u, peer = rank ^ 1u;
         writes = (kq >> 1) == rank;
-        __shared__ float ml_s[AMMA_HEADS][2];
         float4* o_s = reinterpret_cast<float4*>(amma);
         __syncthreads();  // the queries are read (or, in a split with no keys, staged)
         if (kq == 0u && qd == 0u)
