@@ -504,7 +504,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 #define ATT_THREADS 256u
 #define ATT_WARPS (ATT_THREADS / 32u)
 #define ATT_HEADS 4u    // heads a block handles
-#define ATT_MAX_CPL 16u  // channels a lane holds: d <= 512
+#define ATT_MAX_PIECES 4u  // 16-byte pieces of a head a lane holds: d <= 512
 
 #define ATT_MAX_SPLITS 16u
 #define ATT_BATCH 4u  // keys a warp scores at once
@@ -596,15 +596,17 @@ __device__ __forceinline__ const void* att_key(u32 j, u32 n_w, u32 p, u32 pos0, 
 // visible entry [0, min((p + 1) / ratio, cap)), mode 2 the ids in the first min(k, that count)
 // slots of selected[t] (-1 or an id >= cap: none; index_select leaves -1 in the slots past
 // them). The n keys are cut into S = gridDim.y consecutive splits of ceil(n / S), the S blocks
-// of (x, t) one cluster (S <= 16). Dynamic shared memory: 8 · ring · 4 · d floats, each warp's
-// ring of buffers of four keys (two where the GPU's shared memory holds them; a compressed
-// entry, f16, is copied as it is into the first half of its key's buffer and widened as it is
-// read), later the
-// warps' states (8 · 4 · d). Warp w takes its split's keys w, w + 8, ... four at a time: the
-// next four copy into a buffer while it scores these. Per batch the lanes hold d / 32 channels
-// of each key, the 16 (head, key) dot products are summed over the warp together, and each head's running max,
-// sum and weighted values are updated once (FMAs, a fixed order). The warps' states then merge
-// through shared memory, summed in warp order.
+// of (x, t) one cluster (S <= 16). A lane holds the 16-byte pieces lane, lane + 32, ... of a
+// head's width (piece i: channels 4i .. 4i + 3), so each shared-memory read is one vector.
+// Warp w takes its split's window keys w, w + 8, ..., then its compressed keys w, w + 8, ...,
+// four at a time (a batch holds one kind of key: f32 window rows, or f16 entries copied as
+// they are into the first half of their buffers and widened as they are read). Dynamic shared
+// memory: 8 · ring · 4 · d floats, each warp's ring of key buffers (two where the GPU's shared
+// memory holds them: the next batch copies in while this one is scored), later the warps'
+// states (8 · 4 · d). Per batch the lanes' pieces give the 16 (head, key) dot products, summed
+// over the warp together, and each head's running max, sum and weighted values are updated
+// once (FMAs, a fixed order; the values are rescaled only when the head's maximum moved). The
+// warps' states then merge through shared memory, summed in warp order.
 // Then the cluster merges the S states in split order through distributed shared memory, each
 // block writing a share of the channels: the sink joins the denominator, the output is rotated
 // back (inverse RoPE at p on the last 2 rope_half channels of each head) and written as bf16.
@@ -617,12 +619,12 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 h0 = blockIdx.x * ATT_HEADS;
     const u32 hv = min(ATT_HEADS, heads - h0);  // heads this block writes
     // The heads' sinks and the rotation's frequencies (weights) before the wait.
-    __shared__ float sink_s[ATT_HEADS], freq_s[ATT_MAX_CPL * 16u];
+    __shared__ float sink_s[ATT_HEADS], freq_s[ATT_MAX_PIECES * 64u];
     if (threadIdx.x < hv) sink_s[threadIdx.x] = sink[h0 + threadIdx.x];
     for (u32 i = threadIdx.x; i < rope_half; i += blockDim.x) freq_s[i] = inv_freq[i];
     pdl_enter();
-    __shared__ __align__(16) float q_s[ATT_HEADS * ATT_MAX_CPL * 32u];
-    __shared__ __align__(16) float acc_s[ATT_HEADS * ATT_MAX_CPL * 32u];
+    __shared__ __align__(16) float q_s[ATT_HEADS * ATT_MAX_PIECES * 128u];
+    __shared__ __align__(16) float acc_s[ATT_HEADS * ATT_MAX_PIECES * 128u];
     __shared__ float m_s[ATT_HEADS], l_s[ATT_HEADS];
     __shared__ float wm_s[ATT_WARPS][ATT_HEADS], wl_s[ATT_WARPS][ATT_HEADS];
     extern __shared__ __align__(16) float stage[];  // [ATT_WARPS][ring][ATT_BATCH][d] keys, then [ATT_WARPS][ATT_HEADS][d]
@@ -634,7 +636,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     const u32 n_w = keys.n_w, n = keys.n;
     if (n >= mma_from) return;  // attention_mma's token
     const u32 per = (n + splits - 1u) / splits;
-    const u32 j_end = min(n, (split + 1u) * per);
+    const u32 j0 = min(n, split * per), j1 = min(n, j0 + per);
     const float* qt = q + ((u64)t * heads + h0) * d;
     // 16-byte pieces, all in flight at once (d % 32 == 0); missing heads are zeros.
     for (u32 i = 4u * threadIdx.x; i < ATT_HEADS * d; i += 4u * blockDim.x) {
@@ -643,49 +645,64 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
     }
     cp_async_commit();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 cpl = d / 32u;
-    // The warp takes its split's keys w, w + 8, ... four at a time (a batch). With two buffers
-    // (ring = 2) a batch is copied into one while the one before it is scored from the other;
-    // with one, once the batch before it is in registers.
+    const u32 pieces = d / 4u, np = (pieces + 31u) / 32u;  // a head's pieces; most a lane holds
+    // The warp's keys: window keys jw + 8 i (i < cw), then compressed keys je + 8 i (i < ce),
+    // batches [0, bw) of the first kind, [bw, batches) of the second.
+    const u32 jw = j0 + warp, jw_end = min(j1, n_w), je = max(j0, n_w) + warp;
+    const u32 cw = jw < jw_end ? (jw_end - jw + ATT_WARPS - 1u) / ATT_WARPS : 0u;
+    const u32 ce = je < j1 ? (j1 - je + ATT_WARPS - 1u) / ATT_WARPS : 0u;
+    const u32 bw = (cw + ATT_BATCH - 1u) / ATT_BATCH;
+    const u32 batches = bw + (ce + ATT_BATCH - 1u) / ATT_BATCH;
+    // Window key j is position first + j, in ring slot (slot0 + j) mod W (j < n_w <= W).
+    const u32 first = p + 1u - n_w, slot0 = first % wsize;
     const int* sel_t = mode == 2u ? sel + (u64)t * k : sel;
     float* keybuf = stage + warp * ring * ATT_BATCH * d;
-    const u32 j_first = split * per + warp;
-    // Key r of batch b (a compressed entry when >= n_w: f16, copied as it is into the first
-    // half of its buffer).
-    auto key_of = [&](u32 b, u32 r) { return j_first + (b * ATT_BATCH + r) * ATT_WARPS; };
     // Issues batch b's copies into its buffer and returns its mask of present keys.
     auto load_batch = [&](u32 b) {
-        u32 mask = 0u;
+        const bool entry = b >= bw;
+        const u32 i0 = (entry ? b - bw : b) * ATT_BATCH, count = entry ? ce : cw;
+        const u32 key_pieces = entry ? pieces / 2u : pieces;
         float* buf = keybuf + (ring == 2u ? b & 1u : 0u) * ATT_BATCH * d;
+        u32 mask = 0u;
 #pragma unroll
         for (u32 r = 0; r < ATT_BATCH; r++) {
-            const u32 jr = key_of(b, r);
-            const void* key =
-                jr < j_end ? att_key(jr, n_w, p, pos0, wsize, d, mode, kv, window, entries, sel_t, cap) : nullptr;
+            if (i0 + r >= count) break;
+            const void* key;
+            if (!entry) {
+                const u32 j = jw + (i0 + r) * ATT_WARPS, kp = first + j;
+                const u32 slot = slot0 + j >= wsize ? slot0 + j - wsize : slot0 + j;
+                key = kp >= pos0 ? kv + (u64)(kp - pos0) * d : window + (u64)slot * d;
+            } else {
+                const u32 e = je + (i0 + r) * ATT_WARPS - n_w;
+                const int id = mode == 1u ? (int)e : sel_t[e];
+                key = id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
+            }
             if (!key) continue;  // warp-uniform
             mask |= 1u << r;
-            // The key's bytes (d f32 or, an entry, d f16) in 16-byte pieces.
-            const u32 bytes = jr >= n_w ? 2u * d : 4u * d;
-            for (u32 i = 16u * lane; i < bytes; i += 512u)
-                cp_async16(reinterpret_cast<u8*>(buf + r * d) + i, static_cast<const u8*>(key) + i);
+#pragma unroll
+            for (u32 x = 0; x < ATT_MAX_PIECES; x++) {
+                const u32 i = lane + 32u * x;
+                if (i < key_pieces)
+                    cp_async16(reinterpret_cast<float4*>(buf + r * d) + i, static_cast<const float4*>(key) + i);
+            }
         }
         cp_async_commit();
         return mask;
     };
-    const u32 mine = j_first < j_end ? (j_end - j_first + ATT_WARPS - 1u) / ATT_WARPS : 0u;
-    const u32 batches = (mine + ATT_BATCH - 1u) / ATT_BATCH;
     u32 mask = batches > 0u ? load_batch(0) : 0u;
     // The queries (the first group; the first batch may stay in flight).
     if (batches > 0u) cp_async_wait<1>();
     else cp_async_wait<0>();
     __syncthreads();
-    float m[ATT_HEADS], l[ATT_HEADS], acc[ATT_HEADS][ATT_MAX_CPL];
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float m[ATT_HEADS], l[ATT_HEADS];
+    float4 acc[ATT_HEADS][ATT_MAX_PIECES];
 #pragma unroll
     for (u32 h = 0; h < ATT_HEADS; h++) {
         m[h] = NEG_INF;
         l[h] = 0.0f;
 #pragma unroll
-        for (u32 x = 0; x < ATT_MAX_CPL; x++) acc[h][x] = 0.0f;
+        for (u32 x = 0; x < ATT_MAX_PIECES; x++) acc[h][x] = zero4;
     }
     // After the 16-value reduction lane L holds the score of head (L >> 3) & 3 and key
     // (L >> 1) & 3 of the batch.
@@ -697,19 +714,29 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         else cp_async_wait<0>();  // batch b
         __syncwarp();
         const float* buf = keybuf + (ring == 2u ? b & 1u : 0u) * ATT_BATCH * d;
-        // A compressed entry (f16) sits in the first half of its buffer (warp-uniform test).
-        float kr[ATT_BATCH][ATT_MAX_CPL];
+        // The lane's pieces of the batch's keys (zeros for absent keys and past the width).
+        float4 kr[ATT_BATCH][ATT_MAX_PIECES];
+        if (b >= bw) {
 #pragma unroll
-        for (u32 r = 0; r < ATT_BATCH; r++) {
-            const bool present = (mask >> r) & 1u;
-            if (present && key_of(b, r) >= n_w) {
-                const u16* slot = reinterpret_cast<const u16*>(buf + r * d);
+            for (u32 r = 0; r < ATT_BATCH; r++)
 #pragma unroll
-                for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[r][x] = x < cpl ? f16_to_f32(slot[lane + 32u * x]) : 0.0f;
-            } else {
+                for (u32 x = 0; x < ATT_MAX_PIECES; x++) {
+                    const u32 i = lane + 32u * x;
+                    kr[r][x] = zero4;
+                    if (((mask >> r) & 1u) && i < pieces) {
+                        const uint2 h4 = reinterpret_cast<const uint2*>(buf + r * d)[i];
+                        kr[r][x] = make_float4(f16_to_f32((u16)h4.x), f16_to_f32((u16)(h4.x >> 16)),
+                                               f16_to_f32((u16)h4.y), f16_to_f32((u16)(h4.y >> 16)));
+                    }
+                }
+        } else {
 #pragma unroll
-                for (u32 x = 0; x < ATT_MAX_CPL; x++) kr[r][x] = present && x < cpl ? buf[r * d + lane + 32u * x] : 0.0f;
-            }
+            for (u32 r = 0; r < ATT_BATCH; r++)
+#pragma unroll
+                for (u32 x = 0; x < ATT_MAX_PIECES; x++) {
+                    const u32 i = lane + 32u * x;
+                    kr[r][x] = ((mask >> r) & 1u) && i < pieces ? reinterpret_cast<const float4*>(buf + r * d)[i] : zero4;
+                }
         }
         __syncwarp();  // every lane has read the buffer: a later batch may overwrite it
         if (ring == 1u && more) next_mask = load_batch(b + 1u);
@@ -718,13 +745,20 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
 #pragma unroll
         for (u32 i = 0; i < ATT_HEADS * ATT_BATCH; i++) v[i] = 0.0f;
 #pragma unroll
-        for (u32 x = 0; x < ATT_MAX_CPL; x++) {
-            if (x >= cpl) break;
+        for (u32 x = 0; x < ATT_MAX_PIECES; x++) {
+            if (x >= np) break;
+            const u32 i = lane + 32u * x;
 #pragma unroll
             for (u32 h = 0; h < ATT_HEADS; h++) {
-                const float qv = q_s[h * d + lane + 32u * x];
+                const float4 qv = i < pieces ? reinterpret_cast<const float4*>(q_s + h * d)[i] : zero4;
 #pragma unroll
-                for (u32 r = 0; r < ATT_BATCH; r++) v[4 * h + r] = fmaf(qv, kr[r][x], v[4 * h + r]);
+                for (u32 r = 0; r < ATT_BATCH; r++) {
+                    float a = v[4 * h + r];
+                    a = fmaf(qv.x, kr[r][x].x, a);
+                    a = fmaf(qv.y, kr[r][x].y, a);
+                    a = fmaf(qv.z, kr[r][x].z, a);
+                    v[4 * h + r] = fmaf(qv.w, kr[r][x].w, a);
+                }
             }
         }
         // Sixteen warp sums at once: each level halves the values a lane keeps (the half its
@@ -758,14 +792,29 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
             for (u32 r = 0; r < ATT_BATCH; r++) pw[h][r] = __shfl_sync(0xffffffffu, pr, (h << 3) | (r << 1));
         }
 #pragma unroll
-        for (u32 h = 0; h < ATT_HEADS; h++)
+        for (u32 h = 0; h < ATT_HEADS; h++) {
+            if (al[h] != 1.0f) {  // warp-uniform; a factor of 1 leaves the sums as they are
 #pragma unroll
-            for (u32 x = 0; x < ATT_MAX_CPL; x++) {
-                float a = acc[h][x] * al[h];
+                for (u32 x = 0; x < ATT_MAX_PIECES; x++) {
+                    acc[h][x].x *= al[h];
+                    acc[h][x].y *= al[h];
+                    acc[h][x].z *= al[h];
+                    acc[h][x].w *= al[h];
+                }
+            }
 #pragma unroll
-                for (u32 r = 0; r < ATT_BATCH; r++) a = fmaf(pw[h][r], kr[r][x], a);
+            for (u32 x = 0; x < ATT_MAX_PIECES; x++) {
+                float4 a = acc[h][x];
+#pragma unroll
+                for (u32 r = 0; r < ATT_BATCH; r++) {
+                    a.x = fmaf(pw[h][r], kr[r][x].x, a.x);
+                    a.y = fmaf(pw[h][r], kr[r][x].y, a.y);
+                    a.z = fmaf(pw[h][r], kr[r][x].z, a.z);
+                    a.w = fmaf(pw[h][r], kr[r][x].w, a.w);
+                }
                 acc[h][x] = a;
             }
+        }
         mask = next_mask;
     }
     // Every warp's copies have landed and its buffers are read: the stage may be reused.
@@ -786,20 +835,28 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         to_common_max(&wm_s[0][h], &wl_s[0][h], ATT_WARPS, ATT_HEADS, m_s[h], l_s[h]);
     }
     __syncthreads();
+    float4* stage4 = reinterpret_cast<float4*>(stage);
 #pragma unroll
     for (u32 h = 0; h < ATT_HEADS; h++) {
         const float f = wm_s[warp][h];
-        float* st = stage + (warp * ATT_HEADS + h) * d;
 #pragma unroll
-        for (u32 x = 0; x < ATT_MAX_CPL; x++)
-            if (x < cpl) st[lane + 32u * x] = __fmul_rn(acc[h][x], f);
+        for (u32 x = 0; x < ATT_MAX_PIECES; x++) {
+            const u32 i = lane + 32u * x;
+            if (i < pieces)
+                stage4[(warp * ATT_HEADS + h) * pieces + i] =
+                    make_float4(__fmul_rn(acc[h][x].x, f), __fmul_rn(acc[h][x].y, f), __fmul_rn(acc[h][x].z, f),
+                                __fmul_rn(acc[h][x].w, f));
+        }
     }
     __syncthreads();
-    for (u32 i = threadIdx.x; i < ATT_HEADS * d; i += blockDim.x) {
-        float a = 0.0f;
+    for (u32 i = threadIdx.x; i < ATT_HEADS * pieces; i += blockDim.x) {
+        float4 a = zero4;
 #pragma unroll
-        for (u32 w = 0; w < ATT_WARPS; w++) a = __fadd_rn(a, stage[w * ATT_HEADS * d + i]);
-        acc_s[i] = a;
+        for (u32 w = 0; w < ATT_WARPS; w++) {
+            const float4 s = stage4[w * ATT_HEADS * pieces + i];
+            a = make_float4(__fadd_rn(a.x, s.x), __fadd_rn(a.y, s.y), __fadd_rn(a.z, s.z), __fadd_rn(a.w, s.w));
+        }
+        reinterpret_cast<float4*>(acc_s)[i] = a;
     }
     __syncthreads();
     // The splits' states merge over the cluster (the blocks of (x, t), rank = split), read from
