@@ -1431,10 +1431,10 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // them), after it: block (h, c, t) takes head h's channel chunk c (of 1, 2 or 4 by the used
 // splits a head, so every SM takes part) of token t, when t's keys ran on tensor cores over more
 // than one split. Warp 0 brings the head's states to their common maximum (lane l takes states
-// l, l + 32, ...; the lanes' parts combined by a fixed butterfly) and the sink joins; then
-// groups of threads sum the sums of states g, g + G, ..., four channels a thread, and the
-// groups' sums are added in group order, rotated back and written in bf16. Dynamic shared
-// memory: states + 3 floats and blockDim.x float4s.
+// l, l + 32, ...; the lanes' parts combined by a fixed butterfly) and the sink joins while
+// groups of threads load the sums of states g, g + G, ... (four channels a thread); then each
+// group sums its states and the groups' sums are added in group order, rotated back and
+// written in bf16. Dynamic shared memory: 2 (states + 3) floats and blockDim.x float4s.
 DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
     const u32* __restrict__ pos, u32 batch, u32 heads, u32 d, u32 wsize, u32 mode, u32 cap, u32 ratio, u32 k,
     const float* __restrict__ sink, const float* __restrict__ inv_freq, u32 rope_half,
@@ -1457,37 +1457,48 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
     if (chunk >= chunks) return;
     const u32 width = d / chunks, quads = width / 4u, groups = blockDim.x / quads;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    float* f_s = merge_s;                                                  // [states] each state's factor
-    float4* sum_s = reinterpret_cast<float4*>(f_s + ((states + 3u) & ~3u));  // [groups][quads]
+    float* f_s = merge_s;                                  // [states] each state's factor
+    float* l_s = f_s + ((states + 3u) & ~3u);              // [states] each state's denominator
+    float4* sum_s = reinterpret_cast<float4*>(l_s + ((states + 3u) & ~3u));  // [groups][quads]
     const u32 c0 = chunk * width;
     const u64 row = (u64)t * heads + h;
+    const u32 q = threadIdx.x % quads, grp = threadIdx.x / quads;
+    const float4* src = reinterpret_cast<const float4*>(part_acc + row * splits * d + c0) + q;
+    // Group grp's states grp, grp + groups, ... eight at a time, the first eight in flight
+    // while warp 0 works out the factors.
+    float4 v[8];
+    const auto load_states = [&](u32 s0) {
+#pragma unroll
+        for (u32 j = 0; j < 8u; j++) {
+            const u32 sp = s0 + j * groups;
+            v[j] = sp < states ? __ldcg(src + (u64)sp * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    };
+    if (grp < groups) load_states(grp);
     if (warp == 0u) {
         float mx = NEG_INF;
-        for (u32 i = lane; i < states; i += 32u) mx = fmaxf(mx, __ldcg(part_ml + (row * splits + i) * 2u));
+        for (u32 i = lane; i < states; i += 32u) {
+            const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + row * splits + i);
+            f_s[i] = ml.x;
+            l_s[i] = ml.y;
+            mx = fmaxf(mx, ml.x);
+        }
         mx = warp_max(mx);
         float den = 0.0f;
-        for (u32 i = lane; i < states; i += 32u) {
-            const float* ml = part_ml + (row * splits + i) * 2u;
-            const float mi = __ldcg(ml);
+        for (u32 i = lane; i < states; i += 32u) {  // the lane's own states
+            const float mi = f_s[i];
             const float f = mi == mx ? 1.0f : exp2f(mi - mx);  // log2 units
             f_s[i] = f;
-            den = fmaf(__ldcg(ml + 1), f, den);
+            den = fmaf(l_s[i], f, den);
         }
         den = warp_sum(den);
         if (lane == 0u) head_f = amma_factor(mx, den, sink[h]);
     }
     __syncthreads();
-    const u32 q = threadIdx.x % quads, grp = threadIdx.x / quads;
     if (grp < groups) {
-        const float4* src = reinterpret_cast<const float4*>(part_acc + row * splits * d + c0) + q;
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (u32 s0 = grp; s0 < states; s0 += 8u * groups) {
-            float4 v[8];
-#pragma unroll
-            for (u32 j = 0; j < 8u; j++) {
-                const u32 sp = s0 + j * groups;
-                v[j] = sp < states ? __ldcg(src + (u64)sp * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
+            if (s0 != grp) load_states(s0);
 #pragma unroll
             for (u32 j = 0; j < 8u; j++) {
                 const u32 sp = s0 + j * groups;

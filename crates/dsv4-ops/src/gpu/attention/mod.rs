@@ -903,7 +903,7 @@ pub fn attention(
     let cfg = LaunchConfig {
         grid_dim: (dims[4], 4, tokens),
         block_dim: (512, 1, 1),
-        shared_mem_bytes: ((s.next_multiple_of(4)) * 4 + 512 * 16) as u32,
+        shared_mem_bytes: (2 * s.next_multiple_of(4) * 4 + 512 * 16) as u32,
     };
     let mut args = Args::new();
     args.ptr(pos)
