@@ -1590,7 +1590,7 @@ __device__ __forceinline__ u32 imma_query_at(u32 h, u32 ch) {
 // Every shape runs the full 64 heads x 128 channels, the missing ones zero, so the MMA loops
 // unroll whole with no bounds to test (with runtime bounds the kernel took 40 us for a
 // 16-token launch over a few hundred entries).
-DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 1)
+DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 2)
     index_scores_mma(const float* __restrict__ q, const float* __restrict__ weights,
                      const u16* __restrict__ entries, u32 cap, u32 nh, u32 c, u32 ratio,
                      const u32* __restrict__ pos, float scale, float wscale, float* __restrict__ scores,

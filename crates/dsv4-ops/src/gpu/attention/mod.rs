@@ -407,11 +407,16 @@ pub fn index_topk(
                 ));
             }
             let groups = t.div_ceil(per_block);
-            // At most one block an SM, steps of 128 entries dealt
-            // over the blocks by the visible count: at most one wave while there are fewer
-            // token groups than SMs (rounding up gave 160 blocks to 132 SMs for 128 tokens, a
-            // second wave a fifth full).
-            let across = cap.div_ceil(128).min(dev.sm_count() / groups).max(1);
+            // As many blocks as the SMs hold at once (two an SM where a block stages one
+            // token's queries: twice the keys in flight), steps of 128 entries dealt over the
+            // blocks by the visible count: at most one wave while there are fewer token groups
+            // than that (rounding up gave 160 blocks to 132 SMs for 128 tokens, a second wave
+            // a fifth full).
+            let resident = dev.resident_blocks("index_scores_mma", 256, mma_shared as u32)?;
+            let across = cap
+                .div_ceil(128)
+                .min(resident.max(1) as usize * dev.sm_count() / groups)
+                .max(1);
             LaunchConfig {
                 grid_dim: (
                     dim_u32("indexer blocks", across)?,
