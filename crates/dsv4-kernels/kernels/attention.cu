@@ -509,20 +509,6 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
 #define ATT_MAX_SPLITS 16u
 #define ATT_BATCH 4u  // keys a warp scores at once
 
-// n softmax states (maxima m[i * stride], denominators l[i * stride]) brought to their common
-// maximum: each m becomes the state's factor to it; mx gets the maximum and den the denominators
-// times their factors, summed in order.
-__device__ __forceinline__ void to_common_max(float* m, const float* l, u32 n, u32 stride, float& mx, float& den) {
-    mx = NEG_INF;
-    for (u32 i = 0; i < n; i++) mx = fmaxf(mx, m[i * stride]);
-    den = 0.0f;
-    for (u32 i = 0; i < n; i++) {
-        const float mi = m[i * stride];
-        m[i * stride] = mi == mx ? 1.0f : expf(__fsub_rn(mi, mx));
-        den = __fadd_rn(den, __fmul_rn(l[i * stride], m[i * stride]));
-    }
-}
-
 // One level of a multi-value warp sum: of v[0, 2 HALF) the lane keeps the half its lane bit
 // 2 HALF picks, in v[0, HALF), adding the partner lane's copy of it.
 template <u32 HALF>
@@ -817,8 +803,6 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         }
         mask = next_mask;
     }
-    // Every warp's copies have landed and its buffers are read: the stage may be reused.
-    __syncthreads();
     // Merge the warps' partial softmaxes: each warp's factor to the heads' common maximum, then
     // the warps' scaled sums staged side by side (all heads at once) and added in warp order
     // per channel.
@@ -829,16 +813,32 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
             wl_s[warp][h] = l[h];
         }
     }
+    // Every warp's state is out, its copies have landed and its buffers are read: the stage
+    // may be reused.
     __syncthreads();
-    if (threadIdx.x < ATT_HEADS) {
-        const u32 h = threadIdx.x;
-        to_common_max(&wm_s[0][h], &wl_s[0][h], ATT_WARPS, ATT_HEADS, m_s[h], l_s[h]);
+    // Lane 8 h + w of every warp takes warp w's factor to head h's common maximum; warp 0 also
+    // the heads' maxima and denominators (summed in warp order).
+    static_assert(ATT_HEADS * ATT_WARPS == 32u && ATT_MAX_SPLITS <= 16u, "a lane per (head, warp or split)");
+    const u32 lh = lane >> 3, lr = lane & 7u, lgroup = lane & ~7u;
+    const float wm = wm_s[lr][lh];
+    float wmx = fmaxf(wm, __shfl_xor_sync(0xffffffffu, wm, 1));
+    wmx = fmaxf(wmx, __shfl_xor_sync(0xffffffffu, wmx, 2));
+    wmx = fmaxf(wmx, __shfl_xor_sync(0xffffffffu, wmx, 4));
+    const float wf = wm == wmx ? 1.0f : expf(__fsub_rn(wm, wmx));
+    if (warp == 0u) {
+        float den = 0.0f;
+#pragma unroll
+        for (u32 w = 0; w < ATT_WARPS; w++)
+            den = __fadd_rn(den, __fmul_rn(wl_s[w][lh], __shfl_sync(0xffffffffu, wf, lgroup | w)));
+        if (lr == 0u) {
+            m_s[lh] = wmx;
+            l_s[lh] = den;
+        }
     }
-    __syncthreads();
     float4* stage4 = reinterpret_cast<float4*>(stage);
 #pragma unroll
     for (u32 h = 0; h < ATT_HEADS; h++) {
-        const float f = wm_s[warp][h];
+        const float f = __shfl_sync(0xffffffffu, wf, 8u * h + warp);
 #pragma unroll
         for (u32 x = 0; x < ATT_MAX_PIECES; x++) {
             const u32 i = lane + 32u * x;
@@ -858,32 +858,44 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         }
         reinterpret_cast<float4*>(acc_s)[i] = a;
     }
-    __syncthreads();
     // The splits' states merge over the cluster (the blocks of (x, t), rank = split), read from
     // each block's shared memory: every block brings the S states to their common maximum in
     // split order, then takes a contiguous share of its heads' channel pairs, summing the
     // splits' scaled sums in split order. So the result depends on S but not on timing.
     cluster_sync();  // every split's state is complete
-    __shared__ float f_s[ATT_HEADS][ATT_MAX_SPLITS], fl_s[ATT_HEADS][ATT_MAX_SPLITS], mx_s[ATT_HEADS],
-        den_s[ATT_HEADS];
-    // A thread per (head, split) reads that split's state, so the loads are in flight together.
-    if (threadIdx.x < ATT_HEADS * splits) {
-        const u32 h = threadIdx.x % ATT_HEADS, r = threadIdx.x / ATT_HEADS;
-        f_s[h][r] = cluster_peer(&m_s[h], r);
-        fl_s[h][r] = cluster_peer(&l_s[h], r);
-    }
-    __syncthreads();
-    if (threadIdx.x < ATT_HEADS) {
-        const u32 h = threadIdx.x;
-        float mo, lo;
-        to_common_max(f_s[h], fl_s[h], splits, 1u, mo, lo);
-        // The sink: a zero-valued key of logit sink[h] (it may exceed every score). mx_s[h]
-        // gets the heads' factor to the maximum with it, den_s[h] the denominator.
-        const float sk = h < hv ? sink_s[h] : 0.0f;
-        const float mf = fmaxf(mo, sk);
-        const float a = mo == mf ? 1.0f : expf(__fsub_rn(mo, mf));
-        mx_s[h] = a;
-        den_s[h] = __fadd_rn(__fmul_rn(lo, a), expf(__fsub_rn(sk, mf)));
+    __shared__ float f_s[ATT_HEADS][ATT_MAX_SPLITS], mx_s[ATT_HEADS], den_s[ATT_HEADS];
+    // Warp 0: lane 8 h + r reads splits r and r + 8 of head h (all loads in flight together)
+    // and takes their factors to the common maximum; the denominator sums in split order.
+    if (warp == 0u) {
+        const bool a0 = lr < splits, a1 = lr + 8u < splits;
+        const float m0 = a0 ? cluster_peer(&m_s[lh], lr) : NEG_INF, l0 = a0 ? cluster_peer(&l_s[lh], lr) : 0.0f;
+        const float m1 = a1 ? cluster_peer(&m_s[lh], lr + 8u) : NEG_INF;
+        const float l1 = a1 ? cluster_peer(&l_s[lh], lr + 8u) : 0.0f;
+        float mo = fmaxf(m0, m1);
+        mo = fmaxf(mo, __shfl_xor_sync(0xffffffffu, mo, 1));
+        mo = fmaxf(mo, __shfl_xor_sync(0xffffffffu, mo, 2));
+        mo = fmaxf(mo, __shfl_xor_sync(0xffffffffu, mo, 4));
+        const float f0 = m0 == mo ? 1.0f : expf(__fsub_rn(m0, mo));
+        const float f1 = m1 == mo ? 1.0f : expf(__fsub_rn(m1, mo));
+        if (a0) f_s[lh][lr] = f0;
+        if (a1) f_s[lh][lr + 8u] = f1;
+        const float p0 = __fmul_rn(l0, f0), p1 = __fmul_rn(l1, f1);
+        float lo = 0.0f;
+        for (u32 r = 0; r < splits; r++) {
+            const float x0 = __shfl_sync(0xffffffffu, p0, lgroup | (r & 7u));
+            const float x1 = __shfl_sync(0xffffffffu, p1, lgroup | (r & 7u));
+            lo = __fadd_rn(lo, r < 8u ? x0 : x1);
+        }
+        if (lr == 0u) {
+            // The sink: a zero-valued key of logit sink[h] (it may exceed every score). mx_s[h]
+            // gets the heads' factor to the maximum with it, den_s[h] the denominator.
+            const u32 h = lh;
+            const float sk = h < hv ? sink_s[h] : 0.0f;
+            const float mf = fmaxf(mo, sk);
+            const float a = mo == mf ? 1.0f : expf(__fsub_rn(mo, mf));
+            mx_s[h] = a;
+            den_s[h] = __fadd_rn(__fmul_rn(lo, a), expf(__fsub_rn(sk, mf)));
+        }
     }
     __syncthreads();
     // Pair i of the block's heads (channels 2i and 2i + 1 of head i / (d / 2)), for the split's
