@@ -157,15 +157,15 @@ constexpr u32 PER_ITEM = 4 * 32;
 __device__ __forceinline__ u32 part_at(u32 row, u32 col) { return ((row / 8) * 2 + col % 2) * 32 + (row % 8) * 4 + col / 2; }
 
 // Item `it` of a group (step it % steps of lc's tile) into its partials, each slot of the ring
-// refilled with item it + nw's loads (ln) where `more`.
+// refilled with the loads of the warp's next item (ln: item itn of its group) where `more`.
 template <int F>
-__device__ __forceinline__ void down_item(const gemv::Lane& lc, const gemv::Lane& ln, bool more, u32 it, u32 nw,
+__device__ __forceinline__ void down_item(const gemv::Lane& lc, const gemv::Lane& ln, bool more, u32 it, u32 itn,
                                           u32 steps, gemv::Ring<F>& ring, float* part, u32 lane) {
     using namespace gemv;
     float t[1][4], t2[1][4];
     zero(t);
     zero(t2);
-    const u32 j = U * (it % steps), jn = U * ((it + nw) % steps);
+    const u32 j = U * (it % steps), jn = U * (itn % steps);
 #pragma unroll
     for (u32 u = 0; u < U; ++u)
         slot_step<F, 1>(lc, j + u, j + u < lc.subs, ln, jn + u, more && jn + u < ln.subs, ring.r[u], t, t2);
@@ -250,7 +250,7 @@ __device__ __forceinline__ void down_one(const MoeArgs& a, float* part, u32 step
         const bool more = it + nw < items;
         if (more) item_lane(it + nw, ln);
         else ln = lc;
-        down_item<F>(lc, ln, more, it, nw, steps, ring, part, lane);
+        down_item<F>(lc, ln, more, it, it + nw, steps, ring, part, lane);
         lc = ln;
     }
     if (warp == 0) {
@@ -434,13 +434,19 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
 
     Ring<F> ring;
     Lane lc, ln;
+    // Whether lc and the ring hold the warp's first item of the group already: its last item
+    // of the group before loaded them, so the ring does not drain at the group's barriers.
+    bool primed = false;
     for (u32 g0 = 0; g0 < units; g0 += group) {
         const u32 items = min(group, units - g0) * steps;
-        if (warp < items) {
+        if (warp < items && !primed) {
             item_lane(g0, warp, lc);
             const u32 st = warp % steps;
             ring_load<F>(lc, sub_begin(st), sub_end(lc, st + 1), ring);
         }
+        primed = false;
+        const u32 g_next = g0 + group;
+        const u32 items_next = g_next < units ? min(group, units - g_next) * steps : 0u;
         // h is gate_up's output: wait for it here, while the first items' weights (constant)
         // are on their way. The ids and routing weights were written before gate_up
         // started, so they could be read above.
@@ -452,10 +458,13 @@ __device__ __forceinline__ void down(const MoeArgs& a) {
         // Each item's loads are issued while the previous item is computed (the ring).
 #pragma unroll 1
         for (u32 it = warp; it < items; it += nw) {
-            const bool more = it + nw < items;
-            if (more) item_lane(g0, it + nw, ln);
+            // The warp's next item: in this group, else its first of the next group.
+            const bool here = it + nw < items;
+            primed = !here && warp < items_next;
+            const u32 itn = here ? it + nw : warp;
+            if (here || primed) item_lane(here ? g0 : g_next, itn, ln);
             else ln = lc;
-            down_item<F>(lc, ln, more, it, nw, steps, ring, part, lane);
+            down_item<F>(lc, ln, here || primed, it, itn, steps, ring, part, lane);
             lc = ln;
         }
         __syncthreads();
