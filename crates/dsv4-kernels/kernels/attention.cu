@@ -1447,6 +1447,8 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // groups of threads load the sums of states g, g + G, ... (four channels a thread); then each
 // group sums its states and the groups' sums are added in group order, rotated back and
 // written in bf16. Dynamic shared memory: 2 (states + 3) floats and blockDim.x float4s.
+// States a merge thread has in flight at once (eight spill registers on sm_100a).
+#define MERGE_AHEAD 4u
 DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
     const u32* __restrict__ pos, u32 batch, u32 heads, u32 d, u32 wsize, u32 mode, u32 cap, u32 ratio, u32 k,
     const float* __restrict__ sink, const float* __restrict__ inv_freq, u32 rope_half,
@@ -1476,12 +1478,12 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
     const u64 row = (u64)t * heads + h;
     const u32 q = threadIdx.x % quads, grp = threadIdx.x / quads;
     const float4* src = reinterpret_cast<const float4*>(part_acc + row * splits * d + c0) + q;
-    // Group grp's states grp, grp + groups, ... eight at a time, the first eight in flight
+    // Group grp's states grp, grp + groups, ... MERGE_AHEAD at a time, the first ones in flight
     // while warp 0 works out the factors.
-    float4 v[8];
+    float4 v[MERGE_AHEAD];
     const auto load_states = [&](u32 s0) {
 #pragma unroll
-        for (u32 j = 0; j < 8u; j++) {
+        for (u32 j = 0; j < MERGE_AHEAD; j++) {
             const u32 sp = s0 + j * groups;
             v[j] = sp < states ? __ldcg(src + (u64)sp * (d / 4u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
@@ -1509,10 +1511,10 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
     __syncthreads();
     if (grp < groups) {
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (u32 s0 = grp; s0 < states; s0 += 8u * groups) {
+        for (u32 s0 = grp; s0 < states; s0 += MERGE_AHEAD * groups) {
             if (s0 != grp) load_states(s0);
 #pragma unroll
-            for (u32 j = 0; j < 8u; j++) {
+            for (u32 j = 0; j < MERGE_AHEAD; j++) {
                 const u32 sp = s0 + j * groups;
                 if (sp < states) {
                     const float f = f_s[sp];
@@ -1601,8 +1603,9 @@ __device__ __forceinline__ u32 imma_query_at(u32 h, u32 ch) {
 
 // Every shape runs the full 64 heads x 128 channels, the missing ones zero, so the MMA loops
 // unroll whole with no bounds to test (with runtime bounds the kernel took 40 us for a
-// 16-token launch over a few hundred entries).
-DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, 2)
+// 16-token launch over a few hundred entries). Two blocks an SM with warpgroup MMAs (a decode
+// token's block stages 32 KB of queries); the mma.sync form needs more registers than that.
+DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, IMMA_WG ? 2 : 1)
     index_scores_mma(const float* __restrict__ q, const float* __restrict__ weights,
                      const u16* __restrict__ entries, u32 cap, u32 nh, u32 c, u32 ratio,
                      const u32* __restrict__ pos, float scale, float wscale, float* __restrict__ scores,
