@@ -1446,7 +1446,8 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
 // l, l + 32, ...; the lanes' parts combined by a fixed butterfly) and the sink joins while
 // groups of threads load the sums of states g, g + G, ... (four channels a thread); then each
 // group sums its states and the groups' sums are added in group order, rotated back and
-// written in bf16. Dynamic shared memory: 2 (states + 3) floats and blockDim.x float4s.
+// written in bf16. Dynamic shared memory: two arrays of `states` floats, each rounded up to a
+// multiple of four, and blockDim.x float4s.
 // States a merge thread has in flight at once (eight spill registers on sm_100a).
 #define MERGE_AHEAD 4u
 DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
@@ -1492,10 +1493,11 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u) attention_merge(
     if (warp == 0u) {
         float mx = NEG_INF;
         for (u32 i = lane; i < states; i += 32u) {
-            const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + row * splits + i);
-            f_s[i] = ml.x;
-            l_s[i] = ml.y;
-            mx = fmaxf(mx, ml.x);
+            const float* ml = part_ml + (row * splits + i) * 2u;
+            const float mi = __ldcg(ml);
+            f_s[i] = mi;
+            l_s[i] = __ldcg(ml + 1);
+            mx = fmaxf(mx, mi);
         }
         mx = warp_max(mx);
         float den = 0.0f;
