@@ -350,25 +350,28 @@ __device__ __forceinline__ u32 order_key(float x) {
 // the lowest index), -1 past n_vis when n_vis < k. One cluster of gridDim.y blocks per token
 // (gridDim.y = 1: one block): block r takes the r-th of gridDim.y contiguous slices of the
 // entries. The threshold key is found by a radix select (4 passes of 8 bits over the keys,
-// staged in shared memory when the slice fits there; integer histograms, order-independent,
-// summed over the cluster's blocks through distributed shared memory, a bin a thread with all
-// the blocks' loads in flight at once; the bin found by a warp-wide scan, in every block
-// alike; two histogram buffers used in turn, so one cluster barrier a pass orders both a
-// pass's sums after every block's counts and a buffer's clearing after the sums that read it
-// two passes before); then each thread takes a contiguous index range of
-// its block's slice, exclusive scans of the per-thread counts (in the block, then over the
-// blocks before it) give each range's first output slot, and the keys equal to the threshold
-// are taken in index order until the count still needed is reached.
+// staged in shared memory when the slice fits there, the first pass counted as they are
+// staged; integer histograms, order-independent, summed over the cluster's blocks through
+// distributed shared memory, a bin a thread with all the blocks' loads in flight at once; the
+// bin found by a warp-wide scan, in every block alike; two histogram buffers used in turn, so
+// one cluster barrier a pass orders both a pass's sums after every block's counts and a
+// buffer's clearing after the sums that read it two passes before); then each warp takes a
+// contiguous index range of its block's slice, 32 consecutive keys a step (so a step's reads
+// hit distinct banks), counts the keys above and equal to the threshold by ballots, scans of
+// those counts (over the block's warps, then over the blocks before it) give each range's
+// first output slot, and the keys equal to the threshold are taken in index order until the
+// count still needed is reached.
 DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __restrict__ scores, u32 cap, u32 ratio,
                                                              const u32* __restrict__ pos, u32 k,
                                                              int* __restrict__ selected, u32 held_cap, u32 batch) {
-    pdl_enter();
+    constexpr u32 warps = SEL_THREADS / 32u;
     __shared__ u32 hist[2][256];
     __shared__ u32 total_s[256];
-    __shared__ u32 gt_s[SEL_THREADS];
-    __shared__ u32 eq_s[SEL_THREADS];
+    __shared__ u32 wgt_s[warps], weq_s[warps];  // the warps' counts, then the counts before them
     __shared__ u32 sh_prefix, sh_krem;
     __shared__ u32 total_gt, total_eq;  // the block's counts, read by the later blocks
+    for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) hist[0][b] = 0u;
+    pdl_enter();
     const u32 t = blockIdx.x, rank = blockIdx.y, parts = gridDim.y;
     const u32 p = token_pos(pos, t, batch);
     const u32 n = min((p + 1u) / ratio, cap);
@@ -382,15 +385,17 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     const u32 first = min(rank * per, n);
     const u32 m = min(first + per, n) - first;  // the block's slice: [first, first + m)
     const float* s = scores + (u64)t * cap + first;
-    const u32 lane = threadIdx.x % 32u;
+    const u32 lane = threadIdx.x % 32u, warp = threadIdx.x / 32u;
     // The slice's keys, read once into shared memory when they fit there (held_cap keys), else
-    // reread from the scores by every pass.
+    // reread from the scores by every pass; the first pass's histogram as they are read.
     extern __shared__ u32 keys_s[];
     const bool held = m <= held_cap;
-    if (held) {
+    __syncthreads();  // hist[0] is clear
 #pragma unroll 8
-        for (u32 i = threadIdx.x; i < m; i += blockDim.x) keys_s[i] = order_key(s[i]);
-        __syncthreads();
+    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
+        const u32 key = order_key(s[i]);
+        if (held) keys_s[i] = key;
+        atomicAdd(&hist[0][key >> 24], 1u);
     }
     const auto key_at = [&](u32 i) { return held ? keys_s[i] : order_key(s[i]); };
     // Keys are read SEL_BATCH at a time per thread, all of a batch's loads in flight before
@@ -402,16 +407,19 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     u32 prefix = 0u, mask = 0u, krem = k;
     for (int shift = 24, pass = 0; shift >= 0; shift -= 8, pass++) {
         u32* h = hist[pass & 1];
-        for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) h[b] = 0u;
-        __syncthreads();
-        for (u32 i0 = threadIdx.x; i0 < m; i0 += SEL_BATCH * blockDim.x) {
-            u32 kk[SEL_BATCH];
-            load_keys(i0, blockDim.x, m, kk);
+        if (pass > 0) {
+            for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) h[b] = 0u;
+            __syncthreads();
+            for (u32 i0 = threadIdx.x; i0 < m; i0 += SEL_BATCH * blockDim.x) {
+                u32 kk[SEL_BATCH];
+                load_keys(i0, blockDim.x, m, kk);
 #pragma unroll
-            for (u32 j = 0; j < SEL_BATCH; j++)
-                if (i0 + j * blockDim.x < m && (kk[j] & mask) == prefix) atomicAdd(&h[(kk[j] >> shift) & 255u], 1u);
+                for (u32 j = 0; j < SEL_BATCH; j++)
+                    if (i0 + j * blockDim.x < m && (kk[j] & mask) == prefix)
+                        atomicAdd(&h[(kk[j] >> shift) & 255u], 1u);
+            }
         }
-        cluster_sync();  // every block's histogram is complete
+        cluster_sync();  // every block's histogram is complete (and its staged keys)
         if (threadIdx.x < 256u) {
             u32 c[SEL_MAX_PARTS], sum = 0u;
 #pragma unroll
@@ -448,50 +456,60 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
         krem = sh_krem;
         mask |= 255u << shift;
     }
-    // `prefix` is the k-th largest key; every larger key is taken, and the first `krem` equal ones.
-    const u32 chunk = (m + SEL_THREADS - 1u) / SEL_THREADS;
-    const u32 lo = min(threadIdx.x * chunk, m), hi = min(lo + chunk, m);
+    // `prefix` is the k-th largest key; every larger key is taken, and the first `krem` equal
+    // ones. Warp w's range [lo, hi), read 32 keys a step (lane l key i0 + l) and SEL_BATCH
+    // steps at once.
+    const u32 chunk = (m + warps - 1u) / warps;
+    const u32 lo = min(warp * chunk, m), hi = min(lo + chunk, m);
+    constexpr u32 span = 32u * SEL_BATCH;
     u32 gt = 0u, eq = 0u;
-    for (u32 i0 = lo; i0 < hi; i0 += SEL_BATCH) {
+    for (u32 i0 = lo; i0 < hi; i0 += span) {
         u32 kk[SEL_BATCH];
-        load_keys(i0, 1u, hi, kk);
+        load_keys(i0 + lane, 32u, hi, kk);
 #pragma unroll
         for (u32 j = 0; j < SEL_BATCH; j++) {
-            gt += i0 + j < hi && kk[j] > prefix;
-            eq += i0 + j < hi && kk[j] == prefix;
+            const bool in = i0 + 32u * j + lane < hi;
+            gt += __popc(__ballot_sync(0xffffffffu, in && kk[j] > prefix));
+            eq += __popc(__ballot_sync(0xffffffffu, in && kk[j] == prefix));
         }
     }
-    gt_s[threadIdx.x] = gt;
-    eq_s[threadIdx.x] = eq;
+    if (lane == 0u) {
+        wgt_s[warp] = gt;
+        weq_s[warp] = eq;
+    }
     __syncthreads();
-    for (u32 o = 1u; o < SEL_THREADS; o <<= 1) {  // inclusive scans (Hillis-Steele)
-        const u32 a = threadIdx.x >= o ? gt_s[threadIdx.x - o] : 0u;
-        const u32 b = threadIdx.x >= o ? eq_s[threadIdx.x - o] : 0u;
-        __syncthreads();
-        gt_s[threadIdx.x] += a;
-        eq_s[threadIdx.x] += b;
-        __syncthreads();
+    if (warp == 0u) {  // the counts of the warps before each warp, and the block's
+        const u32 g = wgt_s[lane], e = weq_s[lane];
+        const u32 gi = warp_inclusive_sum(g), ei = warp_inclusive_sum(e);
+        wgt_s[lane] = gi - g;
+        weq_s[lane] = ei - e;
+        if (lane == 31u) {
+            total_gt = gi;
+            total_eq = ei;
+        }
     }
-    if (threadIdx.x == 0u) {
-        total_gt = gt_s[SEL_THREADS - 1u];
-        total_eq = eq_s[SEL_THREADS - 1u];
-    }
+    static_assert(warps == 32u, "a lane per warp of the block");
     cluster_sync();
     // The counts of the blocks before this one (earlier indices): lane r reads block r's.
     const bool before = lane < rank;
     const u32 gt_before = warp_sum(before ? cluster_peer(&total_gt, lane) : 0u);
     const u32 eq_before = warp_sum(before ? cluster_peer(&total_eq, lane) : 0u);
-    u32 eq_seen = eq_before + eq_s[threadIdx.x] - eq;
-    u32 slot = gt_before + gt_s[threadIdx.x] - gt + min(eq_seen, krem);
-    for (u32 i0 = lo; i0 < hi; i0 += SEL_BATCH) {
+    u32 eq_seen = eq_before + weq_s[warp];
+    u32 slot = gt_before + wgt_s[warp] + min(eq_seen, krem);
+    const u32 below = (1u << lane) - 1u;  // the lanes before this one
+    for (u32 i0 = lo; i0 < hi; i0 += span) {
         u32 kk[SEL_BATCH];
-        load_keys(i0, 1u, hi, kk);
+        load_keys(i0 + lane, 32u, hi, kk);
 #pragma unroll
         for (u32 j = 0; j < SEL_BATCH; j++) {
-            if (i0 + j >= hi) break;
-            bool take = kk[j] > prefix;
-            if (kk[j] == prefix) take = eq_seen++ < krem;
-            if (take) out[slot++] = (int)(first + i0 + j);
+            const bool in = i0 + 32u * j + lane < hi;
+            const u32 eqs = __ballot_sync(0xffffffffu, in && kk[j] == prefix);
+            const bool take =
+                in && (kk[j] > prefix || (kk[j] == prefix && eq_seen + __popc(eqs & below) < krem));
+            const u32 takes = __ballot_sync(0xffffffffu, take);
+            if (take) out[slot + __popc(takes & below)] = (int)(first + i0 + 32u * j + lane);
+            slot += __popc(takes);
+            eq_seen += __popc(eqs);
         }
     }
     cluster_sync();  // no block leaves while a later one may still read its counts
@@ -557,21 +575,30 @@ __device__ __forceinline__ AttKeys att_keys(u32 p, u32 wsize, u32 mode, u32 rati
     return {n_w, n_w + (mode == 2u ? min(k, n_vis) : n_vis)};
 }
 
-// Key j of token t (at p; the chunk starts at pos0): window position p + 1 - n_w + j from the
-// chunk's kv or the ring (F32), else compressed entry j - n_w (mode 1) or the selected id
-// (mode 2; f16), null when that selection slot holds none (-1 or an id >= cap). Keys j >= n_w
-// are f16.
+// A window key: position kp, in ring slot `slot` (kp mod W), from the chunk's kv when kp >= pos0
+// (the chunk's first position), else from the ring; F32.
+__device__ __forceinline__ const float* window_key(u32 kp, u32 slot, u32 pos0, u32 d, const float* __restrict__ kv,
+                                                   const float* __restrict__ window) {
+    return kp >= pos0 ? kv + (u64)(kp - pos0) * d : window + (u64)slot * d;
+}
+
+// Compressed key e of a token: entry e (mode 1) or the id in slot e of its selection sel_t
+// (mode 2); f16, null when that slot holds none (-1 or an id >= cap).
+__device__ __forceinline__ const u16* entry_key(u32 e, u32 mode, const int* __restrict__ sel_t,
+                                                const u16* __restrict__ entries, u32 cap, u32 d) {
+    const int id = mode == 1u ? (int)e : sel_t[e];
+    return id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
+}
+
+// Key j of token t (at p; the chunk starts at pos0): window position p + 1 - n_w + j, else
+// compressed key j - n_w. Keys j >= n_w are f16.
 __device__ __forceinline__ const void* att_key(u32 j, u32 n_w, u32 p, u32 pos0, u32 wsize, u32 d, u32 mode,
                                                const float* __restrict__ kv, const float* __restrict__ window,
                                                const u16* __restrict__ entries, const int* __restrict__ sel_t,
                                                u32 cap) {
-    if (j < n_w) {
-        const u32 kp = p + 1u - n_w + j;
-        return kp >= pos0 ? kv + (u64)(kp - pos0) * d : window + (u64)(kp % wsize) * d;
-    }
-    if (mode == 1u) return entries + (u64)(j - n_w) * d;
-    const int id = sel_t[j - n_w];
-    return id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
+    if (j >= n_w) return entry_key(j - n_w, mode, sel_t, entries, cap, d);
+    const u32 kp = p + 1u - n_w + j;
+    return window_key(kp, kp % wsize, pos0, d, kv, window);
 }
 
 // Block (x, s, t): heads [4x, 4x + 4) ∩ [0, heads) of token t at p = pos[0] + t (a batch's: at
@@ -655,13 +682,10 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
             if (i0 + r >= count) break;
             const void* key;
             if (!entry) {
-                const u32 j = jw + (i0 + r) * ATT_WARPS, kp = first + j;
-                const u32 slot = slot0 + j >= wsize ? slot0 + j - wsize : slot0 + j;
-                key = kp >= pos0 ? kv + (u64)(kp - pos0) * d : window + (u64)slot * d;
+                const u32 j = jw + (i0 + r) * ATT_WARPS;
+                key = window_key(first + j, slot0 + j >= wsize ? slot0 + j - wsize : slot0 + j, pos0, d, kv, window);
             } else {
-                const u32 e = je + (i0 + r) * ATT_WARPS - n_w;
-                const int id = mode == 1u ? (int)e : sel_t[e];
-                key = id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
+                key = entry_key(je + (i0 + r) * ATT_WARPS - n_w, mode, sel_t, entries, cap, d);
             }
             if (!key) continue;  // warp-uniform
             mask |= 1u << r;
