@@ -337,7 +337,8 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
 }
 
 #define SEL_THREADS 1024u
-#define SEL_BATCH 8u  // keys a thread loads at once
+#define SEL_BATCH 8u   // keys a thread loads at once
+#define SEL_STAGE 16u  // scores a thread loads at once as its block stages them
 #define SEL_MAX_PARTS 16u  // most blocks of a token's cluster (MAX_SELECT_SLICES in dsv4_ops)
 
 // Ascending in the order of f32::total_cmp (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
@@ -353,9 +354,10 @@ __device__ __forceinline__ u32 order_key(float x) {
 // staged in shared memory when the slice fits there, the first pass counted as they are
 // staged; integer histograms, order-independent, summed over the cluster's blocks through
 // distributed shared memory, a bin a thread with all the blocks' loads in flight at once; the
-// bin found by a warp-wide scan, in every block alike; two histogram buffers used in turn, so
-// one cluster barrier a pass orders both a pass's sums after every block's counts and a
-// buffer's clearing after the sums that read it two passes before); then each warp takes a
+// bin found by a warp-wide scan, in every warp alike; two histogram buffers used in turn, so
+// one cluster barrier a pass orders both a pass's sums after every block's counts and the
+// other buffer's clearing, for the next pass, after every block's sums of the pass before);
+// then each warp takes a
 // contiguous index range of its block's slice, 32 consecutive keys a step (so a step's reads
 // hit distinct banks), counts the keys above and equal to the threshold by ballots, scans of
 // those counts (over the block's warps, then over the blocks before it) give each range's
@@ -368,7 +370,6 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     __shared__ u32 hist[2][256];
     __shared__ u32 total_s[256];
     __shared__ u32 wgt_s[warps], weq_s[warps];  // the warps' counts, then the counts before them
-    __shared__ u32 sh_prefix, sh_krem;
     __shared__ u32 total_gt, total_eq;  // the block's counts, read by the later blocks
     for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) hist[0][b] = 0u;
     pdl_enter();
@@ -387,15 +388,22 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     const float* s = scores + (u64)t * cap + first;
     const u32 lane = threadIdx.x % 32u, warp = threadIdx.x / 32u;
     // The slice's keys, read once into shared memory when they fit there (held_cap keys), else
-    // reread from the scores by every pass; the first pass's histogram as they are read.
+    // reread from the scores by every pass; the first pass's histogram as they are read
+    // (SEL_STAGE loads a thread in flight at once).
     extern __shared__ u32 keys_s[];
     const bool held = m <= held_cap;
     __syncthreads();  // hist[0] is clear
-#pragma unroll 8
-    for (u32 i = threadIdx.x; i < m; i += blockDim.x) {
-        const u32 key = order_key(s[i]);
-        if (held) keys_s[i] = key;
-        atomicAdd(&hist[0][key >> 24], 1u);
+    for (u32 i0 = threadIdx.x; i0 < m; i0 += SEL_STAGE * blockDim.x) {
+        float v[SEL_STAGE];
+#pragma unroll
+        for (u32 j = 0; j < SEL_STAGE; j++) v[j] = i0 + j * blockDim.x < m ? s[i0 + j * blockDim.x] : 0.0f;
+#pragma unroll
+        for (u32 j = 0; j < SEL_STAGE; j++) {
+            if (i0 + j * blockDim.x >= m) break;
+            const u32 key = order_key(v[j]);
+            if (held) keys_s[i0 + j * blockDim.x] = key;
+            atomicAdd(&hist[0][key >> 24], 1u);
+        }
     }
     const auto key_at = [&](u32 i) { return held ? keys_s[i] : order_key(s[i]); };
     // Keys are read SEL_BATCH at a time per thread, all of a batch's loads in flight before
@@ -406,54 +414,54 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     };
     u32 prefix = 0u, mask = 0u, krem = k;
     for (int shift = 24, pass = 0; shift >= 0; shift -= 8, pass++) {
-        u32* h = hist[pass & 1];
         if (pass > 0) {
-            for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) h[b] = 0u;
-            __syncthreads();
             for (u32 i0 = threadIdx.x; i0 < m; i0 += SEL_BATCH * blockDim.x) {
                 u32 kk[SEL_BATCH];
                 load_keys(i0, blockDim.x, m, kk);
 #pragma unroll
                 for (u32 j = 0; j < SEL_BATCH; j++)
                     if (i0 + j * blockDim.x < m && (kk[j] & mask) == prefix)
-                        atomicAdd(&h[(kk[j] >> shift) & 255u], 1u);
+                        atomicAdd(&hist[pass & 1][(kk[j] >> shift) & 255u], 1u);
             }
         }
-        cluster_sync();  // every block's histogram is complete (and its staged keys)
+        // Every block's histogram is complete (and its staged keys); every block has read the
+        // other buffer's sums, so it may be cleared for the next pass (the barrier below
+        // orders that before the next pass's counts).
+        cluster_sync();
         if (threadIdx.x < 256u) {
             u32 c[SEL_MAX_PARTS], sum = 0u;
 #pragma unroll
-            for (u32 r = 0; r < SEL_MAX_PARTS; r++) c[r] = r < parts ? cluster_peer(&h[threadIdx.x], r) : 0u;
+            for (u32 r = 0; r < SEL_MAX_PARTS; r++) c[r] = r < parts ? cluster_peer(&hist[pass & 1][threadIdx.x], r) : 0u;
 #pragma unroll
             for (u32 r = 0; r < SEL_MAX_PARTS; r++) sum += c[r];
             total_s[threadIdx.x] = sum;
+            hist[(pass + 1) & 1][threadIdx.x] = 0u;
         }
         __syncthreads();
-        // Warp 0 finds the bin holding the krem-th largest key: lane l takes bins 255 - 8l - j
-        // (j = 0..7, descending); a scan over the lanes counts the keys above each lane's bins.
-        if (threadIdx.x < 32u) {
-            u32 c[8], sum = 0u;
+        // Every warp finds the bin holding the krem-th largest key (the same for all): lane l
+        // takes bins 255 - 8l - j (j = 0..7, descending); a scan over the lanes counts the keys
+        // above each lane's bins, and the lane whose bins hold it tells the others.
+        u32 c[8], sum = 0u;
 #pragma unroll
-            for (u32 j = 0; j < 8u; j++) {
-                c[j] = total_s[255u - 8u * lane - j];
-                sum += c[j];
-            }
-            const u32 incl = warp_inclusive_sum(sum);
-            u32 above = incl - sum;
-            bool found = !(above < krem && krem <= incl);
-#pragma unroll
-            for (u32 j = 0; j < 8u; j++) {
-                if (!found && above + c[j] >= krem) {
-                    sh_prefix = prefix | ((255u - 8u * lane - j) << shift);
-                    sh_krem = krem - above;
-                    found = true;
-                }
-                above += c[j];
-            }
+        for (u32 j = 0; j < 8u; j++) {
+            c[j] = total_s[255u - 8u * lane - j];
+            sum += c[j];
         }
-        __syncthreads();
-        prefix = sh_prefix;
-        krem = sh_krem;
+        const u32 incl = warp_inclusive_sum(sum);
+        u32 above = incl - sum, bin = 0u, rem = 0u;
+        const u32 owner = __ffs(__ballot_sync(0xffffffffu, above < krem && krem <= incl)) - 1u;
+        bool found = false;
+#pragma unroll
+        for (u32 j = 0; j < 8u; j++) {
+            if (!found && above + c[j] >= krem) {
+                bin = 255u - 8u * lane - j;
+                rem = krem - above;
+                found = true;
+            }
+            above += c[j];
+        }
+        prefix |= __shfl_sync(0xffffffffu, bin, owner) << shift;
+        krem = __shfl_sync(0xffffffffu, rem, owner);
         mask |= 255u << shift;
     }
     // `prefix` is the k-th largest key; every larger key is taken, and the first `krem` equal
