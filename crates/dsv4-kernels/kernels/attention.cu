@@ -368,7 +368,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
                                                              int* __restrict__ selected, u32 held_cap, u32 batch) {
     constexpr u32 warps = SEL_THREADS / 32u;
     __shared__ u32 hist[2][256];
-    __shared__ u32 total_s[256];
+    __shared__ __align__(16) u32 total_s[256];
     __shared__ u32 wgt_s[warps], weq_s[warps];  // the warps' counts, then the counts before them
     __shared__ u32 total_gt, total_eq;  // the block's counts, read by the later blocks
     for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) hist[0][b] = 0u;
@@ -441,12 +441,13 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
         // Every warp finds the bin holding the krem-th largest key (the same for all): lane l
         // takes bins 255 - 8l - j (j = 0..7, descending); a scan over the lanes counts the keys
         // above each lane's bins, and the lane whose bins hold it tells the others.
-        u32 c[8], sum = 0u;
+        // (Two 16-byte reads a lane: the warp reads the 256 sums in eight wavefronts.)
+        const uint4 lo4 = reinterpret_cast<const uint4*>(total_s)[62u - 2u * lane];
+        const uint4 hi4 = reinterpret_cast<const uint4*>(total_s)[63u - 2u * lane];
+        const u32 c[8] = {hi4.w, hi4.z, hi4.y, hi4.x, lo4.w, lo4.z, lo4.y, lo4.x};
+        u32 sum = 0u;
 #pragma unroll
-        for (u32 j = 0; j < 8u; j++) {
-            c[j] = total_s[255u - 8u * lane - j];
-            sum += c[j];
-        }
+        for (u32 j = 0; j < 8u; j++) sum += c[j];
         const u32 incl = warp_inclusive_sum(sum);
         u32 above = incl - sum, bin = 0u, rem = 0u;
         const u32 owner = __ffs(__ballot_sync(0xffffffffu, above < krem && krem <= incl)) - 1u;
