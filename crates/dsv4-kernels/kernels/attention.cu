@@ -354,7 +354,7 @@ __device__ __forceinline__ u32 order_key(float x) {
 // staged in shared memory when the slice fits there, the first pass counted as they are
 // staged; integer histograms, order-independent, summed over the cluster's blocks through
 // distributed shared memory, a bin a thread with all the blocks' loads in flight at once; the
-// bin found by a warp-wide scan, in every warp alike; two histogram buffers used in turn, so
+// bin found by a warp-wide scan, in every block alike; two histogram buffers used in turn, so
 // one cluster barrier a pass orders both a pass's sums after every block's counts and the
 // other buffer's clearing, for the next pass, after every block's sums of the pass before);
 // then each warp takes a
@@ -370,6 +370,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     __shared__ u32 hist[2][256];
     __shared__ __align__(16) u32 total_s[256];
     __shared__ u32 wgt_s[warps], weq_s[warps];  // the warps' counts, then the counts before them
+    __shared__ u32 sh_prefix, sh_krem;
     __shared__ u32 total_gt, total_eq;  // the block's counts, read by the later blocks
     for (u32 b = threadIdx.x; b < 256u; b += blockDim.x) hist[0][b] = 0u;
     pdl_enter();
@@ -438,31 +439,32 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
             hist[(pass + 1) & 1][threadIdx.x] = 0u;
         }
         __syncthreads();
-        // Every warp finds the bin holding the krem-th largest key (the same for all): lane l
-        // takes bins 255 - 8l - j (j = 0..7, descending); a scan over the lanes counts the keys
-        // above each lane's bins, and the lane whose bins hold it tells the others.
-        // (Two 16-byte reads a lane: the warp reads the 256 sums in eight wavefronts.)
-        const uint4 lo4 = reinterpret_cast<const uint4*>(total_s)[62u - 2u * lane];
-        const uint4 hi4 = reinterpret_cast<const uint4*>(total_s)[63u - 2u * lane];
-        const u32 c[8] = {hi4.w, hi4.z, hi4.y, hi4.x, lo4.w, lo4.z, lo4.y, lo4.x};
-        u32 sum = 0u;
+        // Warp 0 finds the bin holding the krem-th largest key: lane l takes bins 255 - 8l - j
+        // (j = 0..7, descending; two 16-byte reads a lane); a scan over the lanes counts the
+        // keys above each lane's bins.
+        if (threadIdx.x < 32u) {
+            const uint4 lo4 = reinterpret_cast<const uint4*>(total_s)[62u - 2u * lane];
+            const uint4 hi4 = reinterpret_cast<const uint4*>(total_s)[63u - 2u * lane];
+            const u32 c[8] = {hi4.w, hi4.z, hi4.y, hi4.x, lo4.w, lo4.z, lo4.y, lo4.x};
+            u32 sum = 0u;
 #pragma unroll
-        for (u32 j = 0; j < 8u; j++) sum += c[j];
-        const u32 incl = warp_inclusive_sum(sum);
-        u32 above = incl - sum, bin = 0u, rem = 0u;
-        const u32 owner = __ffs(__ballot_sync(0xffffffffu, above < krem && krem <= incl)) - 1u;
-        bool found = false;
+            for (u32 j = 0; j < 8u; j++) sum += c[j];
+            const u32 incl = warp_inclusive_sum(sum);
+            u32 above = incl - sum;
+            bool found = !(above < krem && krem <= incl);
 #pragma unroll
-        for (u32 j = 0; j < 8u; j++) {
-            if (!found && above + c[j] >= krem) {
-                bin = 255u - 8u * lane - j;
-                rem = krem - above;
-                found = true;
+            for (u32 j = 0; j < 8u; j++) {
+                if (!found && above + c[j] >= krem) {
+                    sh_prefix = prefix | ((255u - 8u * lane - j) << shift);
+                    sh_krem = krem - above;
+                    found = true;
+                }
+                above += c[j];
             }
-            above += c[j];
         }
-        prefix |= __shfl_sync(0xffffffffu, bin, owner) << shift;
-        krem = __shfl_sync(0xffffffffu, rem, owner);
+        __syncthreads();
+        prefix = sh_prefix;
+        krem = sh_krem;
         mask |= 255u << shift;
     }
     // `prefix` is the k-th largest key; every larger key is taken, and the first `krem` equal
