@@ -390,28 +390,20 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     const u32 lane = threadIdx.x % 32u, warp = threadIdx.x / 32u;
     // The slice's keys, read once into shared memory when they fit there (held_cap keys), else
     // reread from the scores by every pass; the first pass's histogram as they are read
-    // (SEL_STAGE loads a thread in flight at once). Scores of one magnitude share a first-pass
-    // bin, so a warp whose keys all fall in one bin counts them with one atomic.
+    // (SEL_STAGE loads a thread in flight at once).
     extern __shared__ u32 keys_s[];
     const bool held = m <= held_cap;
     __syncthreads();  // hist[0] is clear
-    for (u32 w0 = threadIdx.x - lane; w0 < m; w0 += SEL_STAGE * blockDim.x) {
-        const u32 i0 = w0 + lane;
+    for (u32 i0 = threadIdx.x; i0 < m; i0 += SEL_STAGE * blockDim.x) {
         float v[SEL_STAGE];
 #pragma unroll
         for (u32 j = 0; j < SEL_STAGE; j++) v[j] = i0 + j * blockDim.x < m ? s[i0 + j * blockDim.x] : 0.0f;
 #pragma unroll
         for (u32 j = 0; j < SEL_STAGE; j++) {
-            const bool in = i0 + j * blockDim.x < m;  // lane 0 is whenever any lane is
-            const u32 key = order_key(v[j]), bin = key >> 24;
-            if (in && held) keys_s[i0 + j * blockDim.x] = key;
-            const u32 valid = __ballot_sync(0xffffffffu, in);
-            const u32 lead = __shfl_sync(0xffffffffu, bin, 0);
-            if (__ballot_sync(0xffffffffu, in && bin == lead) == valid) {
-                if (lane == 0u && valid) atomicAdd(&hist[0][lead], __popc(valid));
-            } else if (in) {
-                atomicAdd(&hist[0][bin], 1u);
-            }
+            if (i0 + j * blockDim.x >= m) break;
+            const u32 key = order_key(v[j]);
+            if (held) keys_s[i0 + j * blockDim.x] = key;
+            atomicAdd(&hist[0][key >> 24], 1u);
         }
     }
     const auto key_at = [&](u32 i) { return held ? keys_s[i] : order_key(s[i]); };
