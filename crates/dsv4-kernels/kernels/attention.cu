@@ -338,7 +338,7 @@ DSV4_KERNEL void __launch_bounds__(IDX_THREADS) index_scores(const float* __rest
 
 #define SEL_THREADS 1024u
 #define SEL_BATCH 8u   // keys a thread loads at once
-#define SEL_STAGE 16u  // scores a thread loads at once as its block stages them
+#define SEL_STAGE 16u  // scores a thread loads at once in the first pass
 #define SEL_MAX_PARTS 16u  // most blocks of a token's cluster (MAX_SELECT_SLICES in dsv4_ops)
 
 // Ascending in the order of f32::total_cmp (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
@@ -350,19 +350,18 @@ __device__ __forceinline__ u32 order_key(float x) {
 // selected[t, :] = the k largest of scores[t, 0..n_vis) in ascending index order (ties to
 // the lowest index), -1 past n_vis when n_vis < k. One cluster of gridDim.y blocks per token
 // (gridDim.y = 1: one block): block r takes the r-th of gridDim.y contiguous slices of the
-// entries. The threshold key is found by a radix select (4 passes of 8 bits over the keys,
-// staged in shared memory when the slice fits there, the first pass counted as they are
-// staged; integer histograms, order-independent, summed over the cluster's blocks through
+// entries. The threshold key is found by a radix select (4 passes of 8 bits over the keys;
+// the first counts the scores as it reads them, staging them in shared memory when the slice
+// fits there; integer histograms, order-independent, summed over the cluster's blocks through
 // distributed shared memory, a bin a thread with all the blocks' loads in flight at once; the
 // bin found by a warp-wide scan, in every block alike; two histogram buffers used in turn, so
 // one cluster barrier a pass orders both a pass's sums after every block's counts and the
 // other buffer's clearing, for the next pass, after every block's sums of the pass before);
-// then each warp takes a
-// contiguous index range of its block's slice, 32 consecutive keys a step (so a step's reads
-// hit distinct banks), counts the keys above and equal to the threshold by ballots, scans of
-// those counts (over the block's warps, then over the blocks before it) give each range's
-// first output slot, and the keys equal to the threshold are taken in index order until the
-// count still needed is reached.
+// then each warp takes a contiguous index range of its block's slice, 32 consecutive keys a
+// step (distinct banks when staged, coalesced loads when not), counts the keys above and
+// equal to the threshold by ballots, scans of those counts (over the block's warps, then over
+// the blocks before it) give each range's first output slot, and the keys equal to the
+// threshold are taken in index order until the count still needed is reached.
 DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __restrict__ scores, u32 cap, u32 ratio,
                                                              const u32* __restrict__ pos, u32 k,
                                                              int* __restrict__ selected, u32 held_cap, u32 batch) {
@@ -388,9 +387,9 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
     const u32 m = min(first + per, n) - first;  // the block's slice: [first, first + m)
     const float* s = scores + (u64)t * cap + first;
     const u32 lane = threadIdx.x % 32u, warp = threadIdx.x / 32u;
-    // The slice's keys, read once into shared memory when they fit there (held_cap keys), else
-    // reread from the scores by every pass; the first pass's histogram as they are read
-    // (SEL_STAGE loads a thread in flight at once).
+    // The first pass: the slice's scores counted as they are read (SEL_STAGE loads a thread in
+    // flight at once) and kept as keys in shared memory when they fit there (held_cap keys),
+    // else reread from the scores by the later passes and the gather.
     extern __shared__ u32 keys_s[];
     const bool held = m <= held_cap;
     __syncthreads();  // hist[0] is clear
@@ -426,8 +425,8 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
             }
         }
         // Every block's histogram is complete (and its staged keys); every block has read the
-        // other buffer's sums, so it may be cleared for the next pass (the barrier below
-        // orders that before the next pass's counts).
+        // other buffer's sums of the pass before, so it may be cleared for the next pass (the
+        // block barrier after the sums orders that before the next pass's counts).
         cluster_sync();
         if (threadIdx.x < 256u) {
             u32 c[SEL_MAX_PARTS], sum = 0u;
@@ -594,7 +593,7 @@ __device__ __forceinline__ const float* window_key(u32 kp, u32 slot, u32 pos0, u
 }
 
 // Compressed key e of a token: entry e (mode 1) or the id in slot e of its selection sel_t
-// (mode 2); f16, null when that slot holds none (-1 or an id >= cap).
+// (mode 2); f16, null when a selection slot holds none (-1 or an id >= cap).
 __device__ __forceinline__ const u16* entry_key(u32 e, u32 mode, const int* __restrict__ sel_t,
                                                 const u16* __restrict__ entries, u32 cap, u32 d) {
     const int id = mode == 1u ? (int)e : sel_t[e];
