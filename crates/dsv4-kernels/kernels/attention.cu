@@ -141,16 +141,17 @@ DSV4_KERNEL void __launch_bounds__(512) compressor_emit(const float* __restrict_
 
     // Three passes over the window's rows per channel (the maximum, the sum of exp, the
     // weighted values), each reading EMIT_BATCH rows at once (all in flight together) and then
-    // folding them in row order.
+    // folding them in row order. Rows that fit one batch (CSA's) are read once for all three.
     const u32 s0 = has_prev ? 0u : ratio, s1 = 2u * ratio;
+    const bool one_batch = s1 - s0 <= EMIT_BATCH;
     for (u32 j = threadIdx.x; j < c; j += blockDim.x) {
         float mx = NEG_INF, sum = NEG_ZERO, o = NEG_ZERO;
+        float z[EMIT_BATCH], v[EMIT_BATCH];
         for (u32 pass = 0; pass < 3u; pass++) {
             for (u32 i0 = s0; i0 < s1; i0 += EMIT_BATCH) {
-                float z[EMIT_BATCH], v[EMIT_BATCH];
 #pragma unroll
                 for (u32 u = 0; u < EMIT_BATCH; u++)
-                    if (i0 + u < s1)
+                    if (i0 + u < s1 && (pass == 0u || !one_batch))
                         comp_slot(i0 + u, j, ws, ratio, c, kc, b_off, pos0, prev_in_state, proj, ape, st_kv, st_gate,
                                   prev_kv, prev_gate, z[u], v[u]);
 #pragma unroll
@@ -600,6 +601,13 @@ __device__ __forceinline__ const u16* entry_key(u32 e, u32 mode, const int* __re
     return id < 0 || (u32)id >= cap ? nullptr : entries + (u64)id * d;
 }
 
+// Four f16 values at p (8 bytes) as f32.
+__device__ __forceinline__ float4 f16x4_to_f32(const u16* p) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    return make_float4(f16_to_f32((u16)w.x), f16_to_f32((u16)(w.x >> 16)), f16_to_f32((u16)w.y),
+                       f16_to_f32((u16)(w.y >> 16)));
+}
+
 // Key j of token t (at p; the chunk starts at pos0): window position p + 1 - n_w + j, else
 // compressed key j - n_w. Keys j >= n_w are f16.
 __device__ __forceinline__ const void* att_key(u32 j, u32 n_w, u32 p, u32 pos0, u32 wsize, u32 d, u32 mode,
@@ -744,9 +752,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
                     const u32 i = lane + 32u * x;
                     kr[r][x] = zero4;
                     if (((mask >> r) & 1u) && i < pieces) {
-                        const uint2 h4 = reinterpret_cast<const uint2*>(buf + r * d)[i];
-                        kr[r][x] = make_float4(f16_to_f32((u16)h4.x), f16_to_f32((u16)(h4.x >> 16)),
-                                               f16_to_f32((u16)h4.y), f16_to_f32((u16)(h4.y >> 16)));
+                        kr[r][x] = f16x4_to_f32(reinterpret_cast<const u16*>(buf + r * d) + 4u * i);
                     }
                 }
         } else {
@@ -1017,13 +1023,6 @@ __device__ __forceinline__ void f16x2_split(float a, float b, u32& hi, u32& lo) 
         : "=f"(ha), "=f"(hb)
         : "r"(hi));
     lo = f16x2(a - ha, b - hb);
-}
-
-// Four f16 values at p (8 bytes) as f32.
-__device__ __forceinline__ float4 f16x4_to_f32(const u16* p) {
-    const uint2 w = *reinterpret_cast<const uint2*>(p);
-    return make_float4(f16_to_f32((u16)w.x), f16_to_f32((u16)(w.x >> 16)), f16_to_f32((u16)w.y),
-                       f16_to_f32((u16)(w.y >> 16)));
 }
 
 // Four f32 values to hi and lo f16 parts at hi_dst and lo_dst (8 bytes each).
@@ -1661,51 +1660,42 @@ DSV4_KERNEL void __launch_bounds__(IMMA_WARPS * 32u, IMMA_WG ? 2 : 1)
     if (blockIdx.x * IMMA_WARPS * 16u >= n_max) return;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3u;
 
-    // The tokens' queries in two passes over all of them at once: their largest |values|,
-    // then the scaled f16 parts (zero past nh heads and c channels).
+    // Each token's queries, a thread's pieces loaded at once and kept: their largest |value|
+    // over the block, then the scaled f16 parts (zero past nh heads and c channels).
     const float* qg = q + (u64)t0 * nh * c;
-    const u32 qn = nh * c;
-    float mx[IMMA_TOKENS] = {};
-    for (u32 i = 4u * threadIdx.x; i < qn; i += 4u * blockDim.x) {
+    constexpr u32 QP = IMMA_PART / (4u * IMMA_WARPS * 32u);  // 16-byte pieces a thread
+    for (u32 tb = 0; tb < tb_n; tb++) {
+        float4 v[QP];
+        float mx = 0.0f;
 #pragma unroll
-        for (u32 tb = 0; tb < IMMA_TOKENS; tb++) {
-            if (tb >= tb_n) break;
-            const float4 v = *reinterpret_cast<const float4*>(qg + tb * qn + i);
-            mx[tb] = fmaxf(mx[tb], fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        for (u32 k = 0; k < QP; k++) {
+            const u32 i = 4u * (threadIdx.x + k * IMMA_WARPS * 32u), h = i / IDX_MAX_C, ch = i % IDX_MAX_C;
+            v[k] = h < nh && ch < c ? *reinterpret_cast<const float4*>(qg + ((u64)tb * nh + h) * c + ch)
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
-    }
 #pragma unroll
-    for (u32 tb = 0; tb < IMMA_TOKENS; tb++) {
-        const float m = warp_max(mx[tb]);
-        if (lane == 0u) red[tb][warp] = m;
-    }
-    __syncthreads();
-    float f[IMMA_TOKENS];
-#pragma unroll
-    for (u32 tb = 0; tb < IMMA_TOKENS; tb++) {
+        for (u32 k = 0; k < QP; k++)
+            mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w))));
+        mx = warp_max(mx);
+        if (lane == 0u) red[tb][warp] = mx;
+        __syncthreads();
         float m = red[tb][0];
         for (u32 w = 1; w < IMMA_WARPS; w++) m = fmaxf(m, red[tb][w]);
         int e = 0;
         frexpf(m, &e);
         const int sh = m > 0.0f && isfinite(m) ? max(-126, min(126, 14 - e)) : 0;
-        f[tb] = ldexpf(1.0f, sh);
-        if (tb < tb_n && threadIdx.x < IDX_MAX_HEADS) {
+        const float f = ldexpf(1.0f, sh);
+        if (threadIdx.x < IDX_MAX_HEADS) {
             const u32 h = threadIdx.x;
             w_s[tb][h] = h < nh ? __fmul_rn(weights[(u64)(t0 + tb) * nh + h], wscale) * scale * ldexpf(1.0f, -sh) : 0.0f;
         }
-    }
-    for (u32 i = 4u * threadIdx.x; i < IDX_MAX_HEADS * IDX_MAX_C; i += 4u * blockDim.x) {
-        const u32 h = i / IDX_MAX_C, ch = i % IDX_MAX_C;
+        u16* part = imma + tb * 2u * IMMA_PART;
 #pragma unroll
-        for (u32 tb = 0; tb < IMMA_TOKENS; tb++) {
-            if (tb >= tb_n) break;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (h < nh && ch < c) v = *reinterpret_cast<const float4*>(qg + tb * qn + h * c + ch);
-            v = make_float4(v.x * f[tb], v.y * f[tb], v.z * f[tb], v.w * f[tb]);
-            u16* part = imma + tb * 2u * IMMA_PART;
+        for (u32 k = 0; k < QP; k++) {
+            const u32 i = 4u * (threadIdx.x + k * IMMA_WARPS * 32u), h = i / IDX_MAX_C, ch = i % IDX_MAX_C;
             u32 h0, l0, h1, l1;
-            f16x2_split(v.x, v.y, h0, l0);
-            f16x2_split(v.z, v.w, h1, l1);
+            f16x2_split(v[k].x * f, v[k].y * f, h0, l0);
+            f16x2_split(v[k].z * f, v[k].w * f, h1, l1);
             const u32 a0 = imma_query_at(h, ch), a1 = imma_query_at(h, ch + 2u);
             *reinterpret_cast<u32*>(part + a0) = h0;
             *reinterpret_cast<u32*>(part + IMMA_PART + a0) = l0;
