@@ -523,7 +523,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
             eq_seen += __popc(eqs);
         }
     }
-    cluster_sync();  // no block leaves while a later one may still read its counts
+    cluster_sync_after_reads();  // no block leaves while a later one may still read its counts
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -962,7 +962,7 @@ DSV4_KERNEL void __launch_bounds__(ATT_THREADS, 1) attention_heads(
         for (u32 e = 0; e < 2u; e++) v[e] = __fdiv_rn(__fmul_rn(v[e], mx_s[h]), den_s[h]);
         write_output_pair(out + ((u64)t * heads + h0 + h) * d, c, v[0], v[1], p, freq_s, d, rope_half);
     }
-    cluster_sync();  // no block leaves while another may still read its state
+    cluster_sync_after_reads();  // no block leaves while another may still read its state
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1451,7 +1451,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                 }
             }
         }
-        cluster_sync();  // the other block has read this one's shared memory
+        cluster_sync_after_reads();  // the other block has read this one's shared memory
     }
     const u32 state = pairs ? split / 2u : split;
 #pragma unroll

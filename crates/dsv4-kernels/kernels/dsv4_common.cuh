@@ -173,15 +173,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // keep COLLAPSE_HELD, mhc.cu); wider rows read the rest again.
 #define NORM_HELD 8u
 
-// held[k] without dynamic indexing (which would put the array in local memory).
-template <u32 N>
-__device__ __forceinline__ float held_at(const float (&held)[N], u32 k) {
-    float v = held[0];
-#pragma unroll
-    for (u32 i = 1; i < N; i++) v = k == i ? held[i] : v;
-    return v;
-}
-
 // The norm weight of a thread's held columns c = threadIdx.x + k * threads (1 past d), loaded
 // before the kernel waits for its predecessor: a weight does not depend on it, so its DRAM
 // round trip overlaps the predecessor's end instead of following the wait.
@@ -327,6 +318,18 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 __device__ __forceinline__ void cluster_sync() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+
+// Cluster-wide barrier after this thread's reads of other blocks' shared memory, whose values
+// it has already used (so they are complete): no block leaves or rewrites what a peer may still
+// read. The arrive orders nothing (relaxed): a release would also wait for this block's
+// outstanding global stores.
+__device__ __forceinline__ void cluster_sync_after_reads() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 #else
     __syncthreads();
 #endif

@@ -322,12 +322,17 @@ __device__ __forceinline__ void collapse_norm(const float* __restrict__ s, const
     }
     sq = collapse_sum(sq, scratch, threads);
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sq, (float)d), eps)));
-    for (u32 c = threadIdx.x, k = 0; c < d; c += threads, k++) {
-        const float w = k < COLLAPSE_HELD ? held_at(wh, k) : weight[c];
-        const float y = __fmul_rn(w, __fmul_rn(k < COLLAPSE_HELD ? held_at(held, k) : xn[c], inv));
+    const auto put = [&](u32 c, float x, float w) {
+        const float y = __fmul_rn(w, __fmul_rn(x, inv));
         xn[c] = y;
         xb[c] = f32_to_bf16(y);
+    };
+#pragma unroll
+    for (u32 k = 0; k < COLLAPSE_HELD; k++) {
+        const u32 c = threadIdx.x + k * threads;
+        if (c < d) put(c, held[k], wh[k]);
     }
+    for (u32 c = threadIdx.x + COLLAPSE_HELD * threads; c < d; c += threads) put(c, xn[c], weight[c]);
 }
 
 // Sum (in index order) or max of the 4 values of lane `lane`'s row (`row` = true) or column

@@ -54,24 +54,30 @@ struct NormArgs {
 // projection output; out is dense. In place when out == x and x_stride == width. A non-null
 // `out_b` gets set a's values rounded to bf16. A non-null `inv_freq` then rotates the last
 // 2 * rope_half channels of each row as rope_rows does, row r at the position of token
-// r / rows_per_token (token_pos).
+// r / rows_per_token (token_pos): those channels start at an even one and lie in the held
+// columns (the launcher checks both), so a pair sits in lanes l and l ^ 1 of one held column
+// and turns in registers before its one write.
 DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
     const NormSet &a = p.a, &b = p.b;
     const u32 width = p.width;
     const float eps = p.eps;
     u16* out_b = p.out_b;
     const float* inv_freq = p.inv_freq;
-    const u32 rope_half = p.rope_half;
-    const u32* pos = p.pos;
+    const u32 rot0 = width - 2u * p.rope_half;  // first rotated channel
     __shared__ float scratch[32];
-    // The weight of the block's first row and the rotation's frequencies, before the wait.
+    // The weight of the block's first row and the held columns' rotation frequencies, before
+    // the wait.
     const float* first_weight = blockIdx.x < a.rows ? a.weight : b.weight;
-    float wh[NORM_HELD];
+    float wh[NORM_HELD], freq[NORM_HELD];
     if (first_weight) load_held_weight(wh, first_weight, width, blockDim.x);
     else
 #pragma unroll
         for (u32 k = 0; k < NORM_HELD; k++) wh[k] = 1.0f;
-    const float freq = inv_freq && threadIdx.x < rope_half ? inv_freq[threadIdx.x] : 0.0f;
+#pragma unroll
+    for (u32 k = 0; k < NORM_HELD; k++) {
+        const u32 j = threadIdx.x + k * blockDim.x;
+        freq[k] = inv_freq && j >= rot0 && j < width ? inv_freq[(j - rot0) / 2u] : 0.0f;
+    }
     pdl_enter();
     for (u32 i = blockIdx.x; i < a.rows + b.rows; i += gridDim.x) {
         // Field by field (selecting a whole parameter struct would copy it to local memory).
@@ -89,6 +95,7 @@ DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
             const u32 j = threadIdx.x + k * blockDim.x;
             held[k] = j < width ? row[j] : 0.0f;
         }
+        const u32 position = inv_freq ? token_pos(p.pos, r / rows_per_token, p.batch) : 0u;
         float s = 0.0f;
 #pragma unroll
         for (u32 k = 0; k < NORM_HELD; k++)
@@ -99,20 +106,31 @@ DSV4_KERNEL void __launch_bounds__(1024) rms_norm_rows(const NormArgs p) {
         const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s, (float)width), eps)));
         float* dst = out + (u64)r * width;
         u16* dst_b = first && out_b ? out_b + (u64)r * width : nullptr;
-        for (u32 j = threadIdx.x, k = 0; j < width; j += blockDim.x, k++) {
-            const float v = __fmul_rn(k < NORM_HELD ? held_at(held, k) : row[j], inv);
-            const float w = weight == first_weight && k < NORM_HELD ? held_at(wh, k) : weight ? weight[j] : 1.0f;
-            const float y = weight ? __fmul_rn(w, v) : v;
+        const auto normed = [&](float x, float w) {
+            const float v = __fmul_rn(x, inv);
+            return weight ? __fmul_rn(w, v) : v;
+        };
+        // The held columns unrolled (registers, not a select over them per column), then the rest.
+#pragma unroll
+        for (u32 k = 0; k < NORM_HELD; k++) {
+            const u32 j = threadIdx.x + k * blockDim.x;
+            float y = normed(held[k], weight == first_weight ? wh[k] : weight && j < width ? weight[j] : 1.0f);
+            if (j < width && dst_b) dst_b[j] = f32_to_bf16(y);
+            if (inv_freq) {
+                // rope_pair's arithmetic, each lane turning its own element of the pair.
+                const float other = __shfl_xor_sync(0xffffffffu, y, 1);
+                if (j >= rot0 && j < width) {
+                    float sn, cs;
+                    rope_sin_cos(position, freq[k], sn, cs);
+                    y = rope_turn(y, other, sn, cs, (j - rot0) % 2u == 0u);
+                }
+            }
+            if (j < width) dst[j] = y;
+        }
+        for (u32 j = threadIdx.x + NORM_HELD * blockDim.x; j < width; j += blockDim.x) {
+            const float y = normed(row[j], weight ? weight[j] : 1.0f);
             dst[j] = y;
             if (dst_b) dst_b[j] = f32_to_bf16(y);
-        }
-        if (inv_freq) {
-            __syncthreads();  // the row's normalized values are all written
-            const u32 position = token_pos(pos, r / rows_per_token, p.batch);
-            float* rot = dst + width - 2u * rope_half;
-            for (u32 k = threadIdx.x; k < rope_half; k += blockDim.x)
-                rope_pair(rot + 2u * k, position, k == threadIdx.x ? freq : inv_freq[k], 1.0f);
-            __syncthreads();  // before the next row's writes
         }
     }
 }

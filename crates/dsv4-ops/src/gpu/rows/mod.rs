@@ -183,6 +183,10 @@ pub(crate) fn norm_threads(width: u32) -> u32 {
     (width / 4).next_multiple_of(32).clamp(32, 1024)
 }
 
+/// The widest rows `rms_norm_rows` rotates: it holds `NORM_HELD` (8) columns a thread of up to
+/// 1024 threads in registers, and a rotated pair must lie there.
+const ROPE_HELD_WIDTH: usize = 8 * 1024;
+
 /// Warps of an `rms_norm_rows_w512` block (a row each; its launch bounds are 256 threads).
 const NORM_WARPS: u32 = 8;
 
@@ -303,6 +307,17 @@ fn norm_rows(
                 return Err(GpuError::invalid(
                     "rms_norm_rope",
                     format!("rows of {width} with {} rotated channels", 2 * half),
+                ));
+            }
+            // A pair turns in the lanes that hold it (rms_norm_rows' held columns).
+            if !(width - 2 * half).is_multiple_of(2) || width > ROPE_HELD_WIDTH {
+                return Err(GpuError::invalid(
+                    "rms_norm_rope",
+                    format!(
+                        "rows of {width} rotated from channel {}: the rotated channels must \
+                         start at an even one, in rows of at most {ROPE_HELD_WIDTH}",
+                        width - 2 * half
+                    ),
                 ));
             }
             (

@@ -223,6 +223,16 @@ fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
     };
     let err = rms_norm_rope_rows(&dev, &x, None, 1e-6, &rope, &mut out).unwrap_err();
     assert!(err.to_string().contains("2 rows a token"), "{err}");
+    // Rotated channels from an odd one: a pair would straddle two threads' columns.
+    let x = dev.alloc::<f32>(DType::F32, &[2, 9]).unwrap();
+    let mut out = dev.alloc::<f32>(DType::F32, &[2, 9]).unwrap();
+    let rope = RowRope {
+        inv_freq: &fd,
+        pos: &pd,
+        rows_per_token: 1,
+    };
+    let err = rms_norm_rope_rows(&dev, &x, None, 1e-6, &rope, &mut out).unwrap_err();
+    assert!(err.to_string().contains("start at an even one"), "{err}");
 }
 
 /// The warp-a-row kernel gives the bits of the block-a-row kernel at every width it takes: the
