@@ -212,27 +212,25 @@ fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
             &dev.download(&two).unwrap(),
         );
     }
-    let x = dev.alloc::<f32>(DType::F32, &[3, 8]).unwrap();
+    // Rows [rows, width] rotating 4 channels, `rows_per_token` a token: the launcher's error.
     let fd = dev.alloc::<f32>(DType::F32, &[2]).unwrap();
     let pd = dev.alloc::<u32>(DType::U32, &[1]).unwrap();
-    let mut out = dev.alloc::<f32>(DType::F32, &[3, 8]).unwrap();
-    let rope = RowRope {
-        inv_freq: &fd,
-        pos: &pd,
-        rows_per_token: 2,
+    let refused = |rows: usize, width: usize, rows_per_token: usize| {
+        let x = dev.alloc::<f32>(DType::F32, &[rows, width]).unwrap();
+        let mut out = dev.alloc::<f32>(DType::F32, &[rows, width]).unwrap();
+        let rope = RowRope {
+            inv_freq: &fd,
+            pos: &pd,
+            rows_per_token,
+        };
+        let err = rms_norm_rope_rows(&dev, &x, None, 1e-6, &rope, &mut out).unwrap_err();
+        err.to_string()
     };
-    let err = rms_norm_rope_rows(&dev, &x, None, 1e-6, &rope, &mut out).unwrap_err();
-    assert!(err.to_string().contains("2 rows a token"), "{err}");
+    let err = refused(3, 8, 2);
+    assert!(err.contains("2 rows a token"), "{err}");
     // Rotated channels from an odd one: a pair would straddle two threads' columns.
-    let x = dev.alloc::<f32>(DType::F32, &[2, 9]).unwrap();
-    let mut out = dev.alloc::<f32>(DType::F32, &[2, 9]).unwrap();
-    let rope = RowRope {
-        inv_freq: &fd,
-        pos: &pd,
-        rows_per_token: 1,
-    };
-    let err = rms_norm_rope_rows(&dev, &x, None, 1e-6, &rope, &mut out).unwrap_err();
-    assert!(err.to_string().contains("start at an even one"), "{err}");
+    let err = refused(2, 9, 1);
+    assert!(err.contains("start at an even one"), "{err}");
 }
 
 /// The warp-a-row kernel gives the bits of the block-a-row kernel at every width it takes: the
