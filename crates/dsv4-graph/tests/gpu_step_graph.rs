@@ -6,7 +6,7 @@
 use dsv4_graph::{GraphError, StepGraph};
 use dsv4_ops::gpu::rows::{self, reference, RopeDirection};
 use dsv4_ops::gpu::testing::{assert_bits_eq, device, random_bf16, rng};
-use dsv4_ops::gpu::{DType, Device, DeviceTensor, GpuError};
+use dsv4_ops::gpu::{DType, Device, DeviceTensor, GpuError, Side};
 use half::bf16;
 use rand::Rng;
 
@@ -176,24 +176,31 @@ fn gpu_captured_step_cannot_do_host_work() {
     assert_eq!(dev.download(&pos).unwrap(), vec![1]);
 }
 
-/// Norms `a` on the side stream and `b` on the stream, joins, then norms the side's output.
+/// Norms `a` on the second side stream and `b` on the stream; the first side stream norms the
+/// second's output after it; joins, then norms the first's output.
 fn side_step(
     dev: &Device,
     (a, b): (&DeviceTensor<f32>, &DeviceTensor<f32>),
     a_n: &mut DeviceTensor<f32>,
     b_n: &mut DeviceTensor<f32>,
+    c_n: &mut DeviceTensor<f32>,
     out: &mut DeviceTensor<f32>,
 ) -> Result<(), GpuError> {
-    dev.fork()?;
-    dev.on_side(|| rows::rms_norm_rows(dev, a, None, EPS, a_n, None))?;
+    dev.fork_to(Side::Second)?;
+    dev.on(Side::Second, || {
+        rows::rms_norm_rows(dev, a, None, EPS, a_n, None)
+    })?;
     rows::rms_norm_rows(dev, b, None, EPS, b_n, None)?;
+    dev.fork()?;
+    dev.side_waits(Side::First)?;
+    dev.on_side(|| rows::rms_norm_rows(dev, &*a_n, None, EPS, c_n, None))?;
     dev.join()?;
-    rows::rms_norm_rows(dev, &*a_n, None, EPS, out, None)
+    rows::rms_norm_rows(dev, &*c_n, None, EPS, out, None)
 }
 
-/// Work forked to the side stream joins the capture: [`side_step`] replays to the bits of the
-/// same launches issued eagerly, on fresh inputs copied in before each replay, and after
-/// `on_side` launches go to the stream again.
+/// Work forked to both side streams joins the capture, the first waiting for the second:
+/// [`side_step`] replays to the bits of the same launches issued eagerly, on fresh inputs
+/// copied in before each replay, and after `on` launches go to the stream again.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
 fn gpu_side_stream_work_joins_the_capture() {
@@ -201,7 +208,7 @@ fn gpu_side_stream_work_joins_the_capture() {
     let mut rng = rng("gpu_side_stream_work_joins_the_capture");
     let alloc = || dev.alloc::<f32>(DType::F32, &[4, D]).unwrap();
     let (mut a, mut b) = (alloc(), alloc());
-    let (mut a_n, mut b_n, mut out) = (alloc(), alloc(), alloc());
+    let (mut a_n, mut b_n, mut c_n, mut out) = (alloc(), alloc(), alloc(), alloc());
     let main = dev.stream().cu_stream();
     let mut fresh = |a: &mut DeviceTensor<f32>, b: &mut DeviceTensor<f32>| {
         for t in [a, b] {
@@ -210,21 +217,25 @@ fn gpu_side_stream_work_joins_the_capture() {
         }
     };
     fresh(&mut a, &mut b);
-    side_step(&dev, (&a, &b), &mut a_n, &mut b_n, &mut out).unwrap();
+    let step = |a: &DeviceTensor<f32>, b: &DeviceTensor<f32>, bufs: [&mut DeviceTensor<f32>; 4]| {
+        let [a_n, b_n, c_n, out] = bufs;
+        side_step(&dev, (a, b), a_n, b_n, c_n, out)
+    };
+    step(&a, &b, [&mut a_n, &mut b_n, &mut c_n, &mut out]).unwrap();
     assert_eq!(
         dev.stream().cu_stream(),
         main,
         "launches go to the stream again"
     );
     let graph = StepGraph::capture(&dev, || {
-        side_step(&dev, (&a, &b), &mut a_n, &mut b_n, &mut out)
+        step(&a, &b, [&mut a_n, &mut b_n, &mut c_n, &mut out])
     })
     .unwrap();
     for round in 0..3 {
         fresh(&mut a, &mut b);
         graph.replay().unwrap();
         let (got_b, got) = (dev.download(&b_n).unwrap(), dev.download(&out).unwrap());
-        side_step(&dev, (&a, &b), &mut a_n, &mut b_n, &mut out).unwrap();
+        step(&a, &b, [&mut a_n, &mut b_n, &mut c_n, &mut out]).unwrap();
         let what = format!("replay {round}");
         assert_bits_eq(
             &format!("{what}: the stream's norm"),

@@ -326,10 +326,11 @@ pub struct Acts<S: Stage> {
     pub coll_flags: S::Buf<u32>,
     pub coll_state: S::Buf<u32>,
     pub sample_weights: S::Buf<f32>,
-    /// The GEMV workspace of the device's stream, and the side stream's (the compressors, the
-    /// indexer and the shared expert run beside the main path).
+    /// The GEMV workspaces of the device's stream and of its two side streams (the compressors,
+    /// the indexer and the shared expert run beside the main path).
     pub ws: S::Workspace,
     pub ws_side: S::Workspace,
+    pub ws_second: S::Workspace,
 }
 
 pub struct Buffers<S: Stage> {
@@ -421,6 +422,7 @@ impl<S: Stage> Buffers<S> {
             sample_weights: s.buf("sample_weights", &[slots, c.vocab_size])?,
             ws: s.workspace("gemv")?,
             ws_side: s.workspace("gemv.side")?,
+            ws_second: s.workspace("gemv.second")?,
         };
         let layers = c
             .layers

@@ -1,6 +1,6 @@
 //! The model on one GPU. Weights are uploaded once into the kernels' layouts; the sequence
 //! state and every activation live in one sealed buffer pool; a forward chunk is a fixed list
-//! of launches on the device's stream (and its side stream, forked and joined inside each
+//! of launches on the device's stream (and its two side streams, forked and joined inside each
 //! sub-layer) that reads the token ids and the position from device buffers and advances the
 //! position itself. So a decode step (layers, head, sampling into the
 //! token buffer) issues the same launches at every position and can be captured once as a CUDA
@@ -37,7 +37,7 @@ use dsv4_ops::gpu::rows::{
 use dsv4_ops::gpu::sample::{sample, Sampling};
 use dsv4_ops::gpu::stager::SLOT_BYTES;
 use dsv4_ops::gpu::{
-    BufferPool, DType, Device, DeviceElem, DeviceTensor, GpuError, Readback, Stager,
+    BufferPool, DType, Device, DeviceElem, DeviceTensor, GpuError, Readback, Side, Stager,
 };
 use half::bf16;
 
@@ -1562,18 +1562,20 @@ fn attention_layer(
         &w.rope_compress
     };
     let xb = row_range(&a.xb, rows.first, n)?;
-    // On the side stream, beside the query path: the indexer's compressor and head weights now
-    // and its selection once the query latent is normalized (they write only their own buffers
-    // and this layer's indexer state). The layer's compressor goes there too, except beside an
-    // indexer, whose work already makes the side stream the longer one.
-    let compressor_on_side = at.indexer.is_none();
-    dev.fork()?;
-    dev.on_side(|| {
-        if compressor_on_side {
-            layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, pos, &mut a.ws_side)?;
-        }
-        indexer_inputs(dev, c, w, lw, ls, a, rows, pos)
-    })?;
+    // Beside the query path (each writes only its own buffers and this layer's state): a CSA
+    // layer's indexer compressor and head weights on the second side stream now, its queries
+    // and selection on the first once the query latent is normalized, and the layer's
+    // compressor on the second after the indexer's; other layers' compressor on the first.
+    let indexed = at.indexer.is_some();
+    if indexed {
+        dev.fork_to(Side::Second)?;
+        dev.on(Side::Second, || {
+            indexer_inputs(dev, c, w, lw, ls, a, rows, pos)
+        })?;
+    } else {
+        dev.fork()?;
+        dev.on_side(|| layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, pos, &mut a.ws_side))?;
+    }
     // Query latent and shared key/value: one GEMV of wq_a and wkv stacked; q_norm.
     let qa_kv = linear_f32(dev, &xb, &at.wq_a_kv, &a.qa_kv, &mut a.ws)?;
     let qa = ColRange {
@@ -1588,12 +1590,17 @@ fn attention_layer(
     let subs = sub_chunks(n).len();
     let groups = pieces(n, SELECT_ROWS);
     let select_beside = groups.len() == 1;
-    if at.indexer.is_some() {
+    if indexed {
         dev.fork()?;
         dev.on_side(|| index_queries(dev, c, w, lw, a, n, pos))?;
         if select_beside {
+            // After the indexer's keys and head weights.
+            dev.side_waits(Side::First)?;
             dev.on_side(|| select(dev, lw, ls, a, pos, rows, 0, n, subs))?;
         }
+        dev.on(Side::Second, || {
+            layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, pos, &mut a.ws_second)
+        })?;
     }
     // Queries: wq_b; then, in one launch, each head's norm and rope, and the shared
     // key/value's kv_norm and rope.
@@ -1624,9 +1631,6 @@ fn attention_layer(
     };
     rms_norm_rope_pair(dev, heads, kv, eps, &heads_rope)?;
     let q_n = q_n.reshape(&[n, q_all])?;
-    if !compressor_on_side {
-        layer_compressor(dev, c, w, lw, ls, &xb, &a.comp, pos, &mut a.ws)?;
-    }
     dev.join()?;
     // A longer chunk's selections, SELECT_ROWS queries at a time, into its rows of `selected`
     // (after the join: the indexer's queries come from the side stream).
@@ -1739,8 +1743,8 @@ fn layer_compressor(
 }
 
 /// In a CSA layer, the indexer's work before the selection of the tokens of `rows`, on the
-/// side stream (GEMVs on `acts.ws_side`): its compressor (projections in `acts.icomp`) and
-/// head weights.
+/// second side stream (GEMVs on `acts.ws_second`): its compressor (projections in
+/// `acts.icomp`) and head weights.
 #[allow(clippy::too_many_arguments)]
 fn indexer_inputs(
     dev: &Device,
@@ -1766,7 +1770,7 @@ fn indexer_inputs(
         &xb,
         &a.icomp,
         pos,
-        &mut a.ws_side,
+        &mut a.ws_second,
     )?;
     gate_logits(
         dev,
@@ -1777,7 +1781,7 @@ fn indexer_inputs(
 }
 
 /// In a CSA layer, the indexer's rotated queries (`acts.iq`) of the `n` tokens, from the
-/// normalized query latent `acts.qab` (after [`indexer_inputs`], on the side stream).
+/// normalized query latent `acts.qab` (on the first side stream).
 fn index_queries(
     dev: &Device,
     c: &Config,

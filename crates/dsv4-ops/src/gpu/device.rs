@@ -1,5 +1,5 @@
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute, CUstreamCaptureStatus};
@@ -31,9 +31,17 @@ struct KernelFacts {
     clusters: HashMap<(u32, u32, u32), u32>,
 }
 
-/// One GPU: its context, the stream all work is issued on, a side stream for launches that may
-/// run beside it ([`Device::fork`], [`Device::on_side`], [`Device::join`]), and the loaded
-/// kernels.
+/// A side stream of a [`Device`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    First = 0,
+    Second = 1,
+}
+
+/// One GPU: its context, the stream all work is issued on, two side streams for launches that
+/// may run beside it ([`Device::fork`] and [`Device::on_side`] for the first,
+/// [`Device::fork_to`] and [`Device::on`] for either, [`Device::join`] for both), and the
+/// loaded kernels.
 ///
 /// Event tracking is disabled before anything is allocated, so cudarc never records or waits
 /// on per-buffer events: all work is ordered by the stream (and the fork and join events), and
@@ -44,10 +52,14 @@ pub struct Device {
     name: String,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    side: Arc<CudaStream>,
-    /// Whether launches go to the side stream (inside [`Device::on_side`]).
-    on_side: AtomicBool,
-    /// Recorded on the stream at a fork (the side waits on it) and on the side at a join.
+    sides: [Arc<CudaStream>; 2],
+    /// Where launches go: 0 the stream, 1 + i side stream i (inside [`Device::on`]).
+    on_side: AtomicUsize,
+    /// Side streams forked and not joined since: a join waits only on those (a stream that
+    /// never joined a capture must not be waited on inside it).
+    forked: [AtomicBool; 2],
+    /// Recorded on the stream at a fork (a side waits on it) and on a side at a join (the
+    /// stream or the other side waits on it).
     fork_event: CudaEvent,
     join_event: CudaEvent,
     kernels: Kernels,
@@ -120,9 +132,11 @@ impl Device {
         let stream = ctx
             .new_stream()
             .map_err(GpuError::driver("creating the stream"))?;
-        let side = ctx
-            .new_stream()
-            .map_err(GpuError::driver("creating the side stream"))?;
+        let side = || {
+            ctx.new_stream()
+                .map_err(GpuError::driver("creating a side stream"))
+        };
+        let sides = [side()?, side()?];
         let event = || {
             ctx.new_event(None)
                 .map_err(GpuError::driver("creating a fork or join event"))
@@ -170,8 +184,9 @@ impl Device {
             name,
             ctx,
             stream,
-            side,
-            on_side: AtomicBool::new(false),
+            sides,
+            on_side: AtomicUsize::new(0),
+            forked: [AtomicBool::new(false), AtomicBool::new(false)],
             fork_event,
             join_event,
             kernels,
@@ -241,47 +256,83 @@ impl Device {
         &self.ctx
     }
 
-    /// The stream launches go to: the device's stream, or its side stream inside
-    /// [`Device::on_side`].
+    /// The stream launches go to: the device's stream, or a side stream inside [`Device::on`].
     pub fn stream(&self) -> &Arc<CudaStream> {
-        if self.on_side.load(Ordering::Relaxed) {
-            &self.side
-        } else {
-            &self.stream
+        match self.on_side.load(Ordering::Relaxed) {
+            0 => &self.stream,
+            i => &self.sides[i - 1],
         }
     }
 
-    /// Makes the side stream wait for the work issued on the stream so far: launches
-    /// [`Device::on_side`] issues next may run beside the stream's later ones.
+    /// Makes the first side stream wait for the work issued on the stream so far
+    /// ([`Device::fork_to`] of [`Side::First`]).
     pub fn fork(&self) -> Result<(), GpuError> {
+        self.fork_to(Side::First)
+    }
+
+    /// Makes `side` wait for the work issued on the stream so far: launches [`Device::on`]
+    /// issues there next may run beside the stream's later ones.
+    pub fn fork_to(&self, side: Side) -> Result<(), GpuError> {
         self.fork_event
             .record(&self.stream)
             .map_err(GpuError::driver("recording the fork event"))?;
-        self.side
+        self.sides[side as usize]
             .wait(&self.fork_event)
-            .map_err(GpuError::driver("waiting on the fork event"))
+            .map_err(GpuError::driver("waiting on the fork event"))?;
+        self.forked[side as usize].store(true, Ordering::Relaxed);
+        Ok(())
     }
 
-    /// Runs `f` with its launches issued on the side stream (buffers it writes must be its
-    /// own until [`Device::join`]); launches go where they went before once `f` returns or
-    /// unwinds.
+    /// [`Device::on`] the first side stream.
     pub fn on_side<R>(&self, f: impl FnOnce() -> Result<R, GpuError>) -> Result<R, GpuError> {
-        struct Restore<'a>(&'a AtomicBool, bool);
+        self.on(Side::First, f)
+    }
+
+    /// Runs `f` with its launches issued on `side` (buffers it writes must be its own until
+    /// they are joined); launches go where they went before once `f` returns or unwinds.
+    pub fn on<R>(
+        &self,
+        side: Side,
+        f: impl FnOnce() -> Result<R, GpuError>,
+    ) -> Result<R, GpuError> {
+        struct Restore<'a>(&'a AtomicUsize, usize);
         impl Drop for Restore<'_> {
             fn drop(&mut self) {
                 self.0.store(self.1, Ordering::Relaxed);
             }
         }
-        let _restore = Restore(&self.on_side, self.on_side.swap(true, Ordering::Relaxed));
+        let _restore = Restore(
+            &self.on_side,
+            self.on_side.swap(1 + side as usize, Ordering::Relaxed),
+        );
         f()
     }
 
-    /// Makes the stream wait for the work issued on the side stream so far.
+    /// Makes the stream wait for the work issued on the side streams since their forks.
     pub fn join(&self) -> Result<(), GpuError> {
+        for side in [Side::First, Side::Second] {
+            if self.forked[side as usize].swap(false, Ordering::Relaxed) {
+                self.order(&self.stream, side)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `waiter` wait for the work issued on the other side stream so far (forked, so
+    /// that inside a capture its work is the capture's).
+    pub fn side_waits(&self, waiter: Side) -> Result<(), GpuError> {
+        let other = match waiter {
+            Side::First => Side::Second,
+            Side::Second => Side::First,
+        };
+        self.order(&self.sides[waiter as usize], other)
+    }
+
+    fn order(&self, waiter: &CudaStream, side: Side) -> Result<(), GpuError> {
         self.join_event
-            .record(&self.side)
+            .record(&self.sides[side as usize])
             .map_err(GpuError::driver("recording the join event"))?;
-        self.stream
+        waiter
             .wait(&self.join_event)
             .map_err(GpuError::driver("waiting on the join event"))
     }
@@ -497,7 +548,7 @@ impl Device {
     /// Waits for the stream and copies the tensor to the host.
     pub fn download<T: DeviceElem>(&self, src: &DeviceTensor<T>) -> Result<Vec<T>, GpuError> {
         self.refuse_in_capture("copying to the host")?;
-        // After the side stream's work too (a step that failed between a fork and its join).
+        // After the side streams' work too (a step that failed between a fork and its join).
         self.join()?;
         let mut out = vec![T::default(); src.len()];
         self.stream
@@ -518,7 +569,7 @@ impl Device {
         Ok(Readback { buf })
     }
 
-    /// Copies `src` into `dst` after the work already on the stream and the side stream,
+    /// Copies `src` into `dst` after the work already on the stream and the side streams,
     /// waits for the stream (the copy is its last work) and returns the values.
     pub fn read<'a, T: DeviceElem>(
         &self,
@@ -595,7 +646,7 @@ impl Device {
 
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.refuse_in_capture("waiting for the stream")?;
-        // The side stream's work too (a step that failed between a fork and its join).
+        // The side streams' work too (a step that failed between a fork and its join).
         self.join()?;
         self.wait_stream()
     }

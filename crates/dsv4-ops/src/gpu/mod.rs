@@ -33,7 +33,7 @@ mod tensor;
 pub mod testing;
 pub mod timeline;
 
-pub use device::{Device, Readback};
+pub use device::{Device, Readback, Side};
 pub use launch::launch_function;
 pub use pool::{BufferInfo, BufferPool, PoolError, Reservation};
 pub use stager::Stager;
