@@ -37,7 +37,7 @@ pub struct StepGraph {
 }
 
 impl StepGraph {
-    /// Captures every launch `step` issues on `dev`'s stream, and on its side stream (which
+    /// Captures every launch `step` issues on `dev`'s stream, and on its side streams (each
     /// joins the capture at a fork and must be joined back before the step ends). Run the step
     /// eagerly once before, so that kernels are loaded and lazily sized state exists. Host-side work inside
     /// the step (allocation, host copies, waiting) is refused by the device with an error, and

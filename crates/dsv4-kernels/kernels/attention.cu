@@ -523,7 +523,7 @@ DSV4_KERNEL void __launch_bounds__(SEL_THREADS) index_select(const float* __rest
             eq_seen += __popc(eqs);
         }
     }
-    cluster_sync_after_reads();  // no block leaves while a later one may still read its counts
+    cluster_sync();  // no block leaves while a later one may still read its counts
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1451,7 +1451,7 @@ DSV4_KERNEL void __launch_bounds__(AMMA_WARPS * 32u, 1) attention_mma(
                 }
             }
         }
-        cluster_sync_after_reads();  // the other block has read this one's shared memory
+        cluster_sync();  // the other block has read this one's shared memory
     }
     const u32 state = pairs ? split / 2u : split;
 #pragma unroll

@@ -294,8 +294,8 @@ struct TimelineScope {
 // may start while its predecessor in the stream still runs. Before `pdl_wait` returns, a kernel
 // may read only what no earlier kernel writes (weights); after it, the predecessor in its
 // stream (and, by induction, every earlier kernel of that stream) has finished and its writes
-// are visible. Kernels of the other stream (the device's side stream) are covered only up to
-// the last fork or join between the two: a kernel issued after a fork must not read what the
+// are visible. Kernels of the device's other streams (its side streams) are covered only up to
+// the last fork, join or wait between the two: a kernel issued after it must not read what the
 // other stream writes after it. `pdl_launch_dependents` lets the successor start launching; a
 // kernel calls it after its own wait, so at most two grids of a stream are resident.
 
@@ -323,10 +323,10 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// Cluster-wide barrier after this thread's reads of other blocks' shared memory, whose values
-// it has already used (so they are complete): no block leaves or rewrites what a peer may still
-// read. The arrive orders nothing (relaxed): a release would also wait for this block's
-// outstanding global stores.
+// Cluster-wide barrier after this thread's reads of other blocks' shared memory, every value
+// of which it has already stored (so the reads are complete whatever the order of the
+// arithmetic): no block leaves while a peer may still read it. The arrive orders nothing
+// (relaxed): a release would also wait for this block's outstanding global stores.
 __device__ __forceinline__ void cluster_sync_after_reads() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");

@@ -1633,7 +1633,7 @@ fn attention_layer(
     let q_n = q_n.reshape(&[n, q_all])?;
     dev.join()?;
     // A longer chunk's selections, SELECT_ROWS queries at a time, into its rows of `selected`
-    // (after the join: the indexer's queries come from the side stream).
+    // (after the join: the indexer's queries, keys and head weights come from the side streams).
     if !select_beside {
         for &(first, count) in &groups {
             select(dev, lw, ls, a, pos, rows, first, count, subs)?;

@@ -311,20 +311,31 @@ impl Device {
     /// Makes the stream wait for the work issued on the side streams since their forks.
     pub fn join(&self) -> Result<(), GpuError> {
         for side in [Side::First, Side::Second] {
-            if self.forked[side as usize].swap(false, Ordering::Relaxed) {
+            if self.forked[side as usize].load(Ordering::Relaxed) {
                 self.order(&self.stream, side)?;
+                self.forked[side as usize].store(false, Ordering::Relaxed);
             }
         }
         Ok(())
     }
 
-    /// Makes `waiter` wait for the work issued on the other side stream so far (forked, so
-    /// that inside a capture its work is the capture's).
+    /// Makes `waiter` wait for the work issued on the other side stream so far. Both must have
+    /// been forked since their last join (inside a capture, so that both are the capture's and
+    /// the next join takes both back).
     pub fn side_waits(&self, waiter: Side) -> Result<(), GpuError> {
         let other = match waiter {
             Side::First => Side::Second,
             Side::Second => Side::First,
         };
+        if ![waiter, other]
+            .iter()
+            .all(|&s| self.forked[s as usize].load(Ordering::Relaxed))
+        {
+            return Err(GpuError::invalid(
+                "side_waits",
+                "both side streams must be forked (and not yet joined)",
+            ));
+        }
         self.order(&self.sides[waiter as usize], other)
     }
 
@@ -532,7 +543,7 @@ impl Device {
     }
 
     /// Copies `src` into `dst` (as many elements, not overlapping) on the main stream (also
-    /// inside [`Self::on_side`]), after the work before it.
+    /// inside [`Self::on`]), after the work before it.
     pub fn copy<T: DeviceElem>(
         &self,
         src: &DeviceTensor<T>,

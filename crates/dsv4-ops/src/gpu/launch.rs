@@ -145,8 +145,8 @@ unsafe fn launch_params(
     unsafe { launch_function(dev, f, kernel, grid, block_shared, params, pdl, cluster_y) }
 }
 
-/// Launches the loaded function `f` (named `kernel` in errors) on [`Device::stream`] (the side
-/// stream inside [`Device::on_side`]), with programmatic stream serialization when `pdl` is set
+/// Launches the loaded function `f` (named `kernel` in errors) on [`Device::stream`] (a side
+/// stream inside [`Device::on`]), with programmatic stream serialization when `pdl` is set
 /// and clusters of `cluster_y` blocks along the grid's y when it is above 1: how every launcher
 /// launches, open to functions loaded elsewhere (the benchmarks' own kernels). It sets no
 /// function attribute: a function loaded elsewhere that takes more than 48 KiB of dynamic

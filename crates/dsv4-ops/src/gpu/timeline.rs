@@ -81,7 +81,7 @@ pub struct LaunchSpan {
 /// The records grouped into launches, in order of their ends. A launch is told from the
 /// kernel's other launches of the same grid by order: the k-th stamp of a (block, warp) in
 /// entry order belongs to its k-th launch. That holds for launches of one kernel and grid one
-/// after the other on a stream with the same block size; such launches on the two streams at
+/// after the other on a stream with the same block size; such launches on two streams at
 /// once, or with different block sizes, can be mixed up.
 pub fn launches(records: &[WarpRecord]) -> Vec<LaunchSpan> {
     let mut order: Vec<&WarpRecord> = records.iter().collect();

@@ -106,7 +106,8 @@ pub struct RowRope<'a> {
     pub rows_per_token: usize,
 }
 
-/// [`rms_norm_rows`] then [`rope_rows`] (forward) on its output, in one launch.
+/// [`rms_norm_rows`] then [`rope_rows`] (forward) on its output, in one launch. The rotated
+/// channels must start at an even one, in rows of at most 8,192 (`rope_rows` takes any).
 pub fn rms_norm_rope_rows<'a>(
     dev: &Device,
     x: impl Into<ColRange<'a>>,

@@ -184,8 +184,14 @@ fn gpu_rope_rows_matches_reference_at_device_positions() {
 fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
     let dev = device();
     let mut rng = rng("gpu_rms_norm_rope_is_the_norm_then_the_rope");
-    // (tokens, heads, width, rotated): the queries' heads, the shared key, a small odd case.
-    for (tokens, heads, width, rot) in [(1, 64, 512, 64), (3, 1, 512, 64), (5, 3, 96, 32)] {
+    // (tokens, heads, width, rotated): the queries' heads, the shared key, a small odd case,
+    // and rotated channels over two of a thread's held columns (32 threads of four).
+    for (tokens, heads, width, rot) in [
+        (1, 64, 512, 64),
+        (3, 1, 512, 64),
+        (5, 3, 96, 32),
+        (2, 3, 128, 64),
+    ] {
         let rows = tokens * heads;
         let x = random_f32(&mut rng, rows * width);
         let weight = random_f32(&mut rng, width);
