@@ -249,3 +249,22 @@ fn gpu_side_stream_work_joins_the_capture() {
         );
     }
 }
+
+/// A side stream waits for the other only when both were forked since their last join (else a
+/// capture would wait on a stream outside it, or end with a side it does not take back).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask gpu-test"]
+fn gpu_side_waits_refuses_sides_not_forked() {
+    let dev = device();
+    let refused = |dev: &Device| {
+        let err = dev.side_waits(Side::First).unwrap_err().to_string();
+        assert!(err.contains("both side streams must be forked"), "{err}");
+    };
+    refused(&dev);
+    dev.fork().unwrap();
+    refused(&dev);
+    dev.fork_to(Side::Second).unwrap();
+    dev.side_waits(Side::First).unwrap();
+    dev.join().unwrap();
+    refused(&dev);
+}
