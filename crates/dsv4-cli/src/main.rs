@@ -676,7 +676,7 @@ const TIMELINE_RECORDS_PER_SM: u32 = 16384;
 
 /// One replay of `graph` on a timeline device, laid out by `dsv4_ops::gpu::timeline` into `path`.
 fn write_timeline(model: &mut GpuModel, graph: &DecodeGraph, path: &Path) -> Result<()> {
-    use dsv4_ops::gpu::timeline::{kernel_names, launches, report};
+    use dsv4_ops::gpu::timeline::{between_ends, kernel_names, launches, report};
     let dev = model.device().clone();
     dev.synchronize()?;
     dev.timeline_clear()?;
@@ -685,8 +685,12 @@ fn write_timeline(model: &mut GpuModel, graph: &DecodeGraph, path: &Path) -> Res
     let spans = launches(&records);
     let first = spans.iter().map(|s| s.start).min().unwrap_or(0);
     let last = spans.iter().map(|s| s.end).max().unwrap_or(0);
-    std::fs::write(path, report(&spans, &kernel_names()))
+    let names = kernel_names();
+    let gaps = between_ends(&spans, &names, "hc_post_mix");
+    let sub_layers = sub_layer_summary(&gaps, &model.config().layers);
+    std::fs::write(path, format!("{}\n{sub_layers}", report(&spans, &names)))
         .with_context(|| format!("writing the timeline to {}", path.display()))?;
+    print!("{sub_layers}");
     println!(
         "timeline of one decode graph replay: {} launches over {:.1} µs ({} warp records{}) in {}",
         spans.len(),
@@ -700,6 +704,46 @@ fn write_timeline(model: &mut GpuModel, graph: &DecodeGraph, path: &Path) -> Res
         path.display()
     );
     Ok(())
+}
+
+/// A layer's path by sub-layer, from `gaps`: the µs between consecutive ends of a step's
+/// `hc_post_mix` launches, two a layer (its attention's, then its FFN's). The attention of
+/// layer l >= 1 is gap 2l - 1 (layer 0's starts with the step's embedding), its FFN gap 2l:
+/// the mean, least and most of each attention kind's and of the FFNs.
+fn sub_layer_summary(gaps: &[f64], kinds: &[LayerKind]) -> String {
+    if gaps.len() + 1 != 2 * kinds.len() {
+        return format!(
+            "sub-layers: {} hc_post_mix launches for {} layers (two a layer expected)\n",
+            gaps.len() + 1,
+            kinds.len()
+        );
+    }
+    let mut groups: Vec<(String, Vec<f64>)> = Vec::new();
+    let mut add = |name: String, v: f64| match groups.iter_mut().find(|(n, _)| *n == name) {
+        Some((_, g)) => g.push(v),
+        None => groups.push((name, vec![v])),
+    };
+    for (l, kind) in kinds.iter().enumerate() {
+        if l > 0 {
+            add(format!("{} attention", kind.name()), gaps[2 * l - 1]);
+        }
+        if 2 * l < gaps.len() {
+            add("FFN".into(), gaps[2 * l]);
+        }
+    }
+    let mut out =
+        String::from("sub-layers, µs between hc_post_mix ends (mean, least-most, count):\n");
+    for (name, g) in groups {
+        let (lo, hi) = g
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        let mean = g.iter().sum::<f64>() / g.len() as f64;
+        out.push_str(&format!(
+            "  {name:18} {mean:7.1} ({lo:.1}-{hi:.1}, {})\n",
+            g.len()
+        ));
+    }
+    out
 }
 
 /// Decode runs of a bench: eager, graph, graph without programmatic launch.
@@ -1109,6 +1153,32 @@ fn precompile_kernels(archs: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sub_layers_group_by_attention_kind_and_ffn() {
+        let kinds = [
+            LayerKind::Sliding,
+            LayerKind::Csa { ratio: 4 },
+            LayerKind::Hca { ratio: 128 },
+        ];
+        // Layer 0's FFN 50, layer 1's attention 80 and FFN 52, layer 2's attention 60 and FFN 54.
+        let out = sub_layer_summary(&[50.0, 80.0, 52.0, 60.0, 54.0], &kinds);
+        assert!(
+            out.contains("FFN                   52.0 (50.0-54.0, 3)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("csa attention         80.0 (80.0-80.0, 1)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("hca attention         60.0 (60.0-60.0, 1)"),
+            "{out}"
+        );
+        assert!(!out.contains("sliding"), "{out}");
+        let out = sub_layer_summary(&[50.0, 80.0], &kinds);
+        assert!(out.contains("3 hc_post_mix launches for 3 layers"), "{out}");
+    }
 
     #[test]
     fn gpu_counts_past_the_visible_ones_are_refused_naming_both() {

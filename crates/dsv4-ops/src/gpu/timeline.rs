@@ -196,6 +196,20 @@ pub fn report(spans: &[LaunchSpan], names: &HashMap<u32, &str>) -> String {
     out
 }
 
+/// The times (µs) between consecutive ends of `kernel`'s launches among `spans` (from
+/// [`launches`], in order of their ends; `names` by tag): the spans of the parts of a step
+/// that each end with one launch of it.
+pub fn between_ends(spans: &[LaunchSpan], names: &HashMap<u32, &str>, kernel: &str) -> Vec<f64> {
+    let ends: Vec<u64> = spans
+        .iter()
+        .filter(|s| names.get(&s.tag).copied() == Some(kernel))
+        .map(|s| s.end)
+        .collect();
+    ends.windows(2)
+        .map(|w| (w[1] - w[0]) as f64 / 1e3)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,6 +299,25 @@ mod tests {
             lines[7].contains(" 2.20 ") && lines[7].contains("21.3%") && lines[7].ends_with("nine"),
             "{table}"
         );
+    }
+
+    #[test]
+    fn between_ends_spans_consecutive_launches_of_one_kernel() {
+        let span = |tag, end| LaunchSpan {
+            tag,
+            blocks: 1,
+            warps: 1,
+            sms: 1,
+            most_per_sm: 1,
+            start: 0,
+            wait: None,
+            end,
+        };
+        let spans = [span(1, 1000), span(2, 2500), span(1, 4000), span(1, 9000)];
+        let names = HashMap::from([(1, "mix"), (2, "other")]);
+        assert_eq!(between_ends(&spans, &names, "mix"), vec![3.0, 5.0]);
+        assert!(between_ends(&spans, &names, "other").is_empty());
+        assert!(between_ends(&spans, &names, "absent").is_empty());
     }
 
     #[test]
