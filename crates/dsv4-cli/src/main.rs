@@ -713,9 +713,11 @@ fn write_timeline(model: &mut GpuModel, graph: &DecodeGraph, path: &Path) -> Res
 fn sub_layer_summary(gaps: &[f64], kinds: &[LayerKind]) -> String {
     if gaps.len() + 1 != 2 * kinds.len() {
         return format!(
-            "sub-layers: {} hc_post_mix launches for {} layers (two a layer expected)\n",
-            gaps.len() + 1,
-            kinds.len()
+            "sub-layers: {} spans between hc_post_mix ends for {} layers ({} expected: two \
+             launches a layer)\n",
+            gaps.len(),
+            kinds.len(),
+            (2 * kinds.len()).saturating_sub(1)
         );
     }
     let mut groups: Vec<(String, Vec<f64>)> = Vec::new();
@@ -1177,7 +1179,15 @@ mod tests {
         );
         assert!(!out.contains("sliding"), "{out}");
         let out = sub_layer_summary(&[50.0, 80.0], &kinds);
-        assert!(out.contains("3 hc_post_mix launches for 3 layers"), "{out}");
+        assert!(
+            out.contains("2 spans between hc_post_mix ends for 3 layers (5 expected"),
+            "{out}"
+        );
+        let out = sub_layer_summary(&[], &kinds);
+        assert!(
+            out.contains("0 spans between hc_post_mix ends for 3 layers"),
+            "{out}"
+        );
     }
 
     #[test]
