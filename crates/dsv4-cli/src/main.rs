@@ -729,9 +729,7 @@ fn sub_layer_summary(gaps: &[f64], kinds: &[LayerKind]) -> String {
         if l > 0 {
             add(format!("{} attention", kind.name()), gaps[2 * l - 1]);
         }
-        if 2 * l < gaps.len() {
-            add("FFN".into(), gaps[2 * l]);
-        }
+        add("FFN".into(), gaps[2 * l]);
     }
     let mut out =
         String::from("sub-layers, µs between hc_post_mix ends (mean, least-most, count):\n");
