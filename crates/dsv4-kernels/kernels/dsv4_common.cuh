@@ -170,8 +170,12 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 }
 
 // Columns of a row an RMSNorm thread of rms_norm_rows keeps in registers (hc_pre and hc_head
-// keep COLLAPSE_HELD, mhc.cu); wider rows read the rest again.
-#define NORM_HELD 8u
+// keep COLLAPSE_HELD, mhc.cu); wider rows read the rest again. From the compile options
+// (`NORM_HELD` in dsv4_kernels), which the rows launchers also read.
+#ifndef DSV4_NORM_HELD
+#error "DSV4_NORM_HELD must be defined by the compile options"
+#endif
+#define NORM_HELD DSV4_NORM_HELD
 
 // The norm weight of a thread's held columns c = threadIdx.x + k * threads (1 past d), loaded
 // before the kernel waits for its predecessor: a weight does not depend on it, so its DRAM

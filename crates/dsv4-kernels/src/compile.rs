@@ -57,6 +57,10 @@ pub fn nvrtc_version() -> Result<(i32, i32), KernelError> {
 /// ranges long enough to fill it.
 pub const GEMV_FP8_RING: u32 = 6;
 
+/// Columns of a row each thread of the norm kernels keeps in registers. The kernels get it as
+/// `DSV4_NORM_HELD`; the rows launchers bound the rows a norm rotates by it.
+pub const NORM_HELD: u32 = 8;
+
 /// What a family's image is built for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Build {
@@ -93,6 +97,7 @@ pub fn compile_options(arch: Arch) -> Vec<String> {
         // Source lines in compute-sanitizer and profiler reports; no effect on the code.
         "--generate-line-info".to_string(),
         format!("-DDSV4_GEMV_FP8_RING={GEMV_FP8_RING}"),
+        format!("-DDSV4_NORM_HELD={NORM_HELD}u"),
     ];
     if arch.image_kind() == ImageKind::Cubin {
         // Spills and local-memory arrays are performance bugs: make ptxas say so in the log.

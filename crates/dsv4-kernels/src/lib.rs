@@ -23,7 +23,7 @@ pub use cache::{
 };
 pub use compile::{
     compile_family, compile_family_as, compile_options, driver_available, nvrtc_available,
-    nvrtc_version, Build, CompiledImage, GEMV_FP8_RING,
+    nvrtc_version, Build, CompiledImage, GEMV_FP8_RING, NORM_HELD,
 };
 pub use cudarc;
 pub use cudarc::driver::CudaFunction;

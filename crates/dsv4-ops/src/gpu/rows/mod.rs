@@ -10,6 +10,7 @@ mod tests;
 use half::bf16;
 
 use cudarc::driver::DeviceRepr;
+use dsv4_kernels::NORM_HELD;
 
 use super::gemv::tuning::PROGRAMMATIC_LAUNCH;
 use super::launch::{batch_flag, dim_u32, elementwise, launch, launch_struct, Args};
@@ -181,12 +182,15 @@ unsafe impl DeviceRepr for NormArgs {}
 /// (a decode step's norm) spreads over a whole block of up to 1024 threads. The summation
 /// order follows from it, so it depends on the width only.
 pub(crate) fn norm_threads(width: u32) -> u32 {
-    (width / 4).next_multiple_of(32).clamp(32, 1024)
+    (width / 4).next_multiple_of(32).clamp(32, NORM_MAX_THREADS)
 }
 
-/// The widest rows `rms_norm_rows` rotates: it holds `NORM_HELD` (8) columns a thread of up to
-/// 1024 threads in registers, and a rotated pair must lie there.
-const ROPE_HELD_WIDTH: usize = 8 * 1024;
+/// The most threads of a norm block (CUDA's limit for one block).
+const NORM_MAX_THREADS: u32 = 1024;
+
+/// The widest rows `rms_norm_rows` rotates: it holds `NORM_HELD` columns a thread of up to
+/// `NORM_MAX_THREADS` threads in registers, and a rotated pair must lie there.
+const ROPE_HELD_WIDTH: usize = (NORM_HELD * NORM_MAX_THREADS) as usize;
 
 /// Warps of an `rms_norm_rows_w512` block (a row each; its launch bounds are 256 threads).
 const NORM_WARPS: u32 = 8;
