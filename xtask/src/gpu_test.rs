@@ -114,6 +114,7 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     println!("which runs, for each binary B and each of its GPU tests T:");
     println!("  {OUT_DIR}/B --ignored --test-threads=1 --nocapture gpu");
     println!("(tests named multi_gpu_* are skipped on a machine with fewer than two GPUs)");
+    println!("(their sanitizer runs add --report-api-errors no: NCCL handles its own API errors)");
     for tool in ["memcheck", "racecheck"] {
         println!(
             "  DSV4_SANITIZER_RUN=1 compute-sanitizer --tool {tool} --error-exitcode 99 \\\n    \
@@ -282,5 +283,6 @@ mod tests {
         assert!(s.contains("grep multi_gpu \"$logs/sanitize.list\" | xargs -r -P 1"));
         assert!(s.contains("--ignored --exact --test-threads=1 \"$3\""));
         assert!(s.contains("[[ $3 == *multi_gpu* ]] && api=(--report-api-errors no)"));
+        assert!(s.contains("compute-sanitizer --tool \"$1\" \"${api[@]}\" --error-exitcode 99"));
     }
 }

@@ -57,8 +57,8 @@ pub fn nvrtc_version() -> Result<(i32, i32), KernelError> {
 /// ranges long enough to fill it.
 pub const GEMV_FP8_RING: u32 = 6;
 
-/// Columns of a row each thread of the norm kernels keeps in registers. The kernels get it as
-/// `DSV4_NORM_HELD`; the rows launchers bound the rows a norm rotates by it.
+/// Columns of a row each thread of `rms_norm_rows` keeps in registers. The kernels get it as
+/// `DSV4_NORM_HELD`; the rows launchers bound the width of the rows it rotates by it.
 pub const NORM_HELD: u32 = 8;
 
 /// What a family's image is built for.

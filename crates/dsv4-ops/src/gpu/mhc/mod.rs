@@ -14,7 +14,7 @@ use cudarc::driver::LaunchConfig;
 use half::bf16;
 
 use super::launch::{dim_u32, launch, Args, THREADS};
-use super::rows::norm_threads;
+use super::rows::{norm_threads, NORM_MAX_THREADS};
 use super::{DType, Device, DeviceTensor, GpuError};
 use reference::{HcParams, HcSite};
 
@@ -200,7 +200,7 @@ impl NormedInput<'_> {
 fn per_token(n: u32, d: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.clamp(1, 65535), 1, 1),
-        block_dim: (norm_threads(d).min(1024 - 32) + 32, 1, 1),
+        block_dim: (norm_threads(d).min(NORM_MAX_THREADS - 32) + 32, 1, 1),
         shared_mem_bytes: 0,
     }
 }

@@ -186,7 +186,7 @@ pub(crate) fn norm_threads(width: u32) -> u32 {
 }
 
 /// The most threads of a norm block (CUDA's limit for one block).
-const NORM_MAX_THREADS: u32 = 1024;
+pub(crate) const NORM_MAX_THREADS: u32 = 1024;
 
 /// The widest rows `rms_norm_rows` rotates: it holds `NORM_HELD` columns a thread of up to
 /// `NORM_MAX_THREADS` threads in registers, and a rotated pair must lie there.

@@ -238,8 +238,9 @@ fn gpu_rms_norm_rope_is_the_norm_then_the_rope() {
     let err = refused(2, 9, 1);
     assert!(err.contains("start at an even one"), "{err}");
     // Rows wider than the held columns hold.
-    let err = refused(1, 8194, 1);
-    assert!(err.contains("at most 8192"), "{err}");
+    let wide = super::ROPE_HELD_WIDTH;
+    let err = refused(1, wide + 2, 1);
+    assert!(err.contains(&format!("at most {wide}")), "{err}");
 }
 
 /// The warp-a-row kernel gives the bits of the block-a-row kernel at every width it takes: the
