@@ -33,6 +33,9 @@ pub enum ConfigError {
 /// Where a config parsed from a string says it came from, until [`Config::from_dir`] names the file.
 const FROM_STRING: &str = "<string>";
 
+/// Most Sinkhorn iterations a config may ask for (the releases use 20).
+pub const MAX_SINKHORN_ITERS: usize = 1000;
+
 fn field_err(field: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Field {
         path: FROM_STRING.into(),
@@ -230,6 +233,14 @@ fn parse_yarn(field: &str, obj: &Map<String, Value>) -> Result<Option<Yarn>, Con
                     field,
                     "YaRN factor and original_max_position_embeddings must be positive",
                 ));
+            }
+            for (name, v) in [("beta_fast", yarn.beta_fast), ("beta_slow", yarn.beta_slow)] {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(field_err(
+                        &format!("{field}.{name}"),
+                        format!("must be finite and positive, found {v}"),
+                    ));
+                }
             }
             Ok(Some(yarn))
         }
@@ -607,6 +618,48 @@ impl Config {
                 return Err(field_err(name, "must be positive"));
             }
         }
+        let positive_real = [
+            ("rms_norm_eps", f64::from(self.rms_norm_eps)),
+            ("hc_eps", f64::from(self.hc_eps)),
+            ("swiglu_limit", f64::from(self.swiglu_limit)),
+            ("route_scale", f64::from(self.routed_scaling_factor)),
+            ("rope_theta", self.rope_main.theta),
+            ("compress_rope_theta", self.rope_compress.theta),
+        ];
+        for (name, v) in positive_real {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(field_err(
+                    name,
+                    format!("must be finite and positive, found {v}"),
+                ));
+            }
+        }
+        // Each buffer of these lengths is allocated per layer; past the context they could
+        // never fill, and a Sinkhorn this long only stalls every step.
+        let within_context = [
+            ("window_size", self.sliding_window),
+            ("index_topk", self.index_topk),
+        ];
+        for (name, v) in within_context {
+            if v > self.max_position_embeddings {
+                return Err(field_err(
+                    name,
+                    format!(
+                        "{v} exceeds max_position_embeddings {}",
+                        self.max_position_embeddings
+                    ),
+                ));
+            }
+        }
+        if self.hc_sinkhorn_iters > MAX_SINKHORN_ITERS {
+            return Err(field_err(
+                "hc_sinkhorn_iters",
+                format!(
+                    "{} is more than {MAX_SINKHORN_ITERS}",
+                    self.hc_sinkhorn_iters
+                ),
+            ));
+        }
         if self.rope_dim == 0 || !self.rope_dim.is_multiple_of(2) || self.rope_dim > self.head_dim {
             return Err(field_err(
                 "qk_rope_head_dim",
@@ -650,15 +703,23 @@ impl Config {
                 }
             }
         }
-        if self
+        if self.bos_token_id as usize >= self.vocab_size {
+            return Err(field_err(
+                "bos_token_id",
+                format!(
+                    "{} is not below vocab_size {}",
+                    self.bos_token_id, self.vocab_size
+                ),
+            ));
+        }
+        if let Some(t) = self
             .eos_token_ids
             .iter()
-            .chain([&self.bos_token_id])
-            .any(|&t| t as usize >= self.vocab_size)
+            .find(|&&t| t as usize >= self.vocab_size)
         {
             return Err(field_err(
                 "eos_token_id",
-                "bos/eos ids must be below vocab_size",
+                format!("{t} is not below vocab_size {}", self.vocab_size),
             ));
         }
         Ok(())
@@ -1117,6 +1178,27 @@ mod tests {
                 json!({"type": "longrope"}),
                 "rope_scaling.rope_type",
             ),
+            (
+                "rope_scaling",
+                json!({"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                       "beta_fast": -32, "beta_slow": 1}),
+                "rope_scaling.beta_fast",
+            ),
+            ("swiglu_limit", json!(-1.0), "swiglu_limit"),
+            ("rms_norm_eps", json!(-1.0), "rms_norm_eps"),
+            ("hc_eps", json!(0.0), "hc_eps"),
+            ("route_scale", json!(-1.5), "route_scale"),
+            ("rope_theta", json!(0.0), "rope_theta"),
+            ("compress_rope_theta", json!(-5.0), "compress_rope_theta"),
+            ("window_size", json!(1_000_000_000_000u64), "window_size"),
+            ("index_topk", json!(1_000_000_000_000u64), "index_topk"),
+            (
+                "hc_sinkhorn_iters",
+                json!(1_000_000_000u64),
+                "hc_sinkhorn_iters",
+            ),
+            ("bos_token_id", json!(1_000_000_000u64), "bos_token_id"),
+            ("eos_token_id", json!(1_000_000_000u64), "eos_token_id"),
         ];
         for (key, value, field) in cases {
             let mut v = base.clone();

@@ -372,13 +372,22 @@ fn chat_prompt(body: &Map<String, Value>) -> Result<Prompt, ApiError> {
                 Some("system") | Some("developer") => Role::System,
                 Some("user") => Role::User,
                 Some("assistant") => Role::Assistant,
-                other => {
+                _ => {
+                    let found = m.get("role").map_or("none".to_string(), Value::to_string);
                     return Err(ApiError::bad(
                         &format!("{at}.role"),
-                        format!("`{at}.role` must be system, user or assistant, not {other:?}"),
-                    ))
+                        format!("`{at}.role` must be system, user or assistant, found {found}"),
+                    ));
                 }
             };
+            // Only an assistant's turn may come without text (OpenAI's rule).
+            let missing = matches!(m.get("content"), None | Some(Value::Null));
+            if missing && role != Role::Assistant {
+                return Err(ApiError::bad(
+                    &format!("{at}.content"),
+                    format!("`{at}.content` is required"),
+                ));
+            }
             let text = content(m.get("content"), &format!("{at}.content"))?;
             let reasoning = m
                 .get("reasoning_content")
@@ -466,6 +475,16 @@ mod tests {
             true,
         );
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+        assert!(e.message.ends_with("found \"tool\""), "{}", e.message);
+        let e = err(r#"{"model":"m","messages":[{"content":"x"}]}"#, true);
+        assert!(e.message.ends_with("found none"), "{}", e.message);
+        let e = err(r#"{"model":"m","messages":[{"role":"user"}]}"#, true);
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+        let e = err(
+            r#"{"model":"m","messages":[{"role":"system","content":null}]}"#,
+            true,
+        );
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"));
         let e = err(r#"{"model":"m","messages":[]}"#, true);
         assert_eq!(e.param.as_deref(), Some("messages"));
         assert!(err("{not json", false).message.contains("not valid JSON"));

@@ -282,9 +282,18 @@ impl Checkpoint {
             }
             raw.extend(read_shard(shard)?);
         }
+        // A name stored twice is named as such, before the index (one file a name) is checked.
+        let mut found: HashMap<&str, &Path> = HashMap::with_capacity(raw.len());
+        for (n, e) in &raw {
+            if let Some(first) = found.insert(n.as_str(), &e.file) {
+                return Err(LoadError::Duplicate {
+                    tensor: n.clone(),
+                    first: first.to_path_buf(),
+                    second: e.file.to_path_buf(),
+                });
+            }
+        }
         if let Some(index) = &index {
-            let found: HashMap<&str, &Path> =
-                raw.iter().map(|(n, e)| (n.as_str(), &*e.file)).collect();
             let mut listed: Vec<_> = index.weight_map.iter().collect();
             listed.sort();
             for (name, f) in listed {

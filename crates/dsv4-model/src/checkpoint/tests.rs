@@ -521,6 +521,31 @@ fn index_errors_name_the_shard() {
     assert!(matches!(open_err(dir.path()), LoadError::Index { .. }));
     std::fs::remove_file(&path).unwrap();
     assert!(matches!(open_err(dir.path()), LoadError::NoWeights { .. }));
+
+    // A tensor stored in a second shard as well, the index naming its first: the duplicate
+    // is named, not the index.
+    let dup = synth(SynthFormat::Official);
+    let (from, to) = (
+        dup.path().join("model-00002-of-00005.safetensors"),
+        dup.path().join("model-00003-of-00005.safetensors"),
+    );
+    let (a, b) = (std::fs::read(&from).unwrap(), std::fs::read(&to).unwrap());
+    let (a, b) = (
+        SafeTensors::deserialize(&a).unwrap(),
+        SafeTensors::deserialize(&b).unwrap(),
+    );
+    let (name, copy) = a.tensors().into_iter().next().unwrap();
+    let mut views = b.tensors();
+    views.push((name.clone(), copy));
+    safetensors::serialize_to_file(views, None, &to).unwrap();
+    match open_err(dup.path()) {
+        LoadError::Duplicate {
+            tensor,
+            first,
+            second,
+        } => assert!(tensor == name && first == from && second == to, "{tensor}"),
+        e => panic!("{e}"),
+    }
 }
 
 #[test]
