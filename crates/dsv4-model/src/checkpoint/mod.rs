@@ -13,7 +13,7 @@ use std::sync::Arc;
 use dsv4_ops::codecs::fp8_block::{self, ScaleFormat};
 use dsv4_ops::codecs::{half_float, mxfp4, nvfp4};
 use memmap2::Mmap;
-use safetensors::tensor::Metadata;
+use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 
 pub use blob::Blob;
@@ -177,8 +177,8 @@ fn read_shard(path: &Path) -> Result<Vec<(String, Entry)>, LoadError> {
         .checked_add(8)
         .filter(|&e| e <= len)
         .ok_or_else(|| header(format!("header length {n} exceeds the file size {len}")))?;
-    let meta: Metadata =
-        serde_json::from_slice(&map[8..data_start]).map_err(|e| header(e.to_string()))?;
+    let meta: Metadata = serde_json::from_slice(&map[8..data_start])
+        .map_err(|e| header(misfit_tensor(&map[8..data_start]).unwrap_or(e.to_string())))?;
     let blob = Blob::from_mmap(map);
     let file: Arc<Path> = Arc::from(path);
     let mut out = Vec::new();
@@ -207,6 +207,25 @@ fn read_shard(path: &Path) -> Result<Vec<(String, Entry)>, LoadError> {
         ));
     }
     Ok(out)
+}
+
+/// The first tensor of a header whose shape and dtype need another byte count than its
+/// offsets hold, described (safetensors refuses such a header without naming the tensor).
+fn misfit_tensor(header: &[u8]) -> Option<String> {
+    let entries: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    entries.into_iter().find_map(|(name, v)| {
+        let info: TensorInfo = serde_json::from_value(v).ok()?;
+        let (s, e) = info.data_offsets;
+        let bits = (info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)))
+            .and_then(|n| n.checked_mul(info.dtype.bitsize()));
+        let held = e.checked_sub(s).map(|b| b * 8);
+        (bits != held).then(|| {
+            format!(
+                "tensor `{name}`: shape {:?} of {:?} does not fit its offsets {s}..{e}",
+                info.shape, info.dtype
+            )
+        })
+    })
 }
 
 /// A `model.safetensors.index.json` and the tensor -> file map it declares.

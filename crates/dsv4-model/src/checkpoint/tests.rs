@@ -411,6 +411,31 @@ fn corrupt_headers_name_the_file() {
         "{err}"
     );
     assert!(err.to_string().contains("model-00002-of-00005.safetensors"));
+
+    // A tensor whose dtype no longer fits its offsets (F8_E4M3 read as F32) is named.
+    let dir = synth(SynthFormat::Official);
+    let shard = dir.path().join("model-00002-of-00005.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let name = header
+        .iter()
+        .find(|(_, v)| v["dtype"] == "F8_E4M3")
+        .map(|(k, _)| k.clone())
+        .unwrap();
+    header[&name]["dtype"] = "F32".into();
+    let mut text = serde_json::to_vec(&header).unwrap();
+    assert!(text.len() <= n);
+    text.resize(n, b' ');
+    bytes[8..8 + n].copy_from_slice(&text);
+    std::fs::write(&shard, &bytes).unwrap();
+    let err = open_err(dir.path());
+    assert!(
+        matches!(&err, LoadError::Header { file, .. } if *file == shard)
+            && err.to_string().contains(&format!("tensor `{name}`")),
+        "{err}"
+    );
 }
 
 #[test]
