@@ -456,6 +456,20 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             413,
             "over 4096 bytes",
         ),
+        (
+            "/v1/embeddings",
+            "{}".to_string(),
+            "application/json",
+            404,
+            "no route /v1/embeddings",
+        ),
+        (
+            "/v1/models",
+            "{}".to_string(),
+            "application/json",
+            405,
+            "POST is not served at /v1/models",
+        ),
     ];
     for (path, body, ct, want, says) in cases {
         let (status, text) = s.post_raw(path, ct, &body);

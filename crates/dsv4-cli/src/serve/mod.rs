@@ -20,7 +20,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use axum::body::{to_bytes, Body};
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -183,6 +183,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .with_state(state.clone());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -236,6 +238,17 @@ async fn shutdown(metrics: Arc<Metrics>) {
         eprintln!("dsv4 serve: stopped at a second signal");
         std::process::exit(130);
     });
+}
+
+/// A path the server does not serve, answered in the API's error shape.
+async fn no_route(uri: Uri) -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, format!("no route {}", uri.path()))
+}
+
+/// A served path asked with another method, answered in the API's error shape.
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    let message = format!("{method} is not served at {}", uri.path());
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, message)
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
