@@ -36,6 +36,18 @@ const FROM_STRING: &str = "<string>";
 /// Most Sinkhorn iterations a config may ask for (the releases use 20).
 pub const MAX_SINKHORN_ITERS: usize = 1000;
 
+/// `v` must be a finite, positive number (an epsilon, limit, scale, base or YaRN beta).
+fn check_positive_real(field: &str, v: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(field_err(
+            field,
+            format!("must be finite and positive, found {v}"),
+        ))
+    }
+}
+
 fn field_err(field: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Field {
         path: FROM_STRING.into(),
@@ -235,12 +247,7 @@ fn parse_yarn(field: &str, obj: &Map<String, Value>) -> Result<Option<Yarn>, Con
                 ));
             }
             for (name, v) in [("beta_fast", yarn.beta_fast), ("beta_slow", yarn.beta_slow)] {
-                if !(v.is_finite() && v > 0.0) {
-                    return Err(field_err(
-                        &format!("{field}.{name}"),
-                        format!("must be finite and positive, found {v}"),
-                    ));
-                }
+                check_positive_real(&format!("{field}.{name}"), v)?;
             }
             Ok(Some(yarn))
         }
@@ -627,15 +634,10 @@ impl Config {
             ("compress_rope_theta", self.rope_compress.theta),
         ];
         for (name, v) in positive_real {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(field_err(
-                    name,
-                    format!("must be finite and positive, found {v}"),
-                ));
-            }
+            check_positive_real(name, v)?;
         }
         // Each buffer of these lengths is allocated per layer; past the context they could
-        // never fill, and a Sinkhorn this long only stalls every step.
+        // never fill.
         let within_context = [
             ("window_size", self.sliding_window),
             ("index_topk", self.index_topk),
@@ -651,6 +653,7 @@ impl Config {
                 ));
             }
         }
+        // A Sinkhorn this long only stalls every step.
         if self.hc_sinkhorn_iters > MAX_SINKHORN_ITERS {
             return Err(field_err(
                 "hc_sinkhorn_iters",
